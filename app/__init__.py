@@ -1,0 +1,1 @@
+"""Application services: settings, library, downloads, worker client, CLI. No QtWidgets here."""

@@ -1,0 +1,1 @@
+"""Triton GPU kernels, each beside the plain-torch reference it is tested against."""

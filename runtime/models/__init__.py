@@ -1,0 +1,1 @@
+"""One small file per architecture family, over shared blocks."""

@@ -1,0 +1,1 @@
+"""PySide6 views that render app/ state and send intents."""
