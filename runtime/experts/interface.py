@@ -1,0 +1,60 @@
+"""The one interface between a model's MoE block and wherever the experts live.
+
+A model file routes (router logits -> top-k ids and weights) and then calls
+`experts(layer, hidden, topk_ids, topk_weights)`; it never knows whether an expert is resident on
+the GPU, cached in a VRAM slot, computed on the CPU or streamed for prefill. Implementations:
+`runtime/experts/resident.py` (every expert on the compute device) and the hybrid tier.
+
+Shapes: T tokens, D hidden, K experts per token, I expert FFN width.
+Canonical expert weights are nn.Linear-oriented (out, in): gate [I, D], up [I, D], down [D, I].
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+
+@dataclass(frozen=True)
+class ExpertSpec:
+    """How one expert computes, from the model config; identical for every expert of a model."""
+    activation: str = "silu"          # "silu": down(silu(gate x) * up x); "gpt_oss": clamped SwiGLU
+    swiglu_alpha: float = 1.702       # gpt-oss only
+    swiglu_limit: float = 7.0         # gpt-oss only
+    has_bias: bool = False            # gpt-oss experts carry gate/up/down biases
+
+
+@dataclass
+class ExpertWeights:
+    """One expert, dequantized: what the reference compute consumes."""
+    gate: torch.Tensor                # [I, D]
+    up: torch.Tensor                  # [I, D]
+    down: torch.Tensor                # [D, I]
+    gate_bias: torch.Tensor | None = None   # [I]
+    up_bias: torch.Tensor | None = None     # [I]
+    down_bias: torch.Tensor | None = None   # [D]
+
+
+class Experts(Protocol):
+    """What a MoE block calls. Returns sum_k topk_weights[t, k] * expert_{topk_ids[t, k]}(hidden[t])."""
+
+    def __call__(self, layer: int, hidden: torch.Tensor, topk_ids: torch.Tensor,
+                 topk_weights: torch.Tensor) -> torch.Tensor:  # [T, D], [T, K] int64, [T, K] -> [T, D]
+        ...
+
+
+def expert_forward(spec: ExpertSpec, w: ExpertWeights, x: torch.Tensor) -> torch.Tensor:
+    """Plain-torch reference for one expert on x [T, D] -> [T, D]; every fast path is tested against it."""
+    g = torch.nn.functional.linear(x, w.gate, w.gate_bias)
+    u = torch.nn.functional.linear(x, w.up, w.up_bias)
+    if spec.activation == "silu":
+        h = torch.nn.functional.silu(g) * u
+    elif spec.activation == "gpt_oss":
+        # gpt-oss: gate clamped above, up clamped both ways, glu = g * sigmoid(alpha g), out = (u + 1) * glu
+        g = g.clamp(max=spec.swiglu_limit)
+        u = u.clamp(min=-spec.swiglu_limit, max=spec.swiglu_limit)
+        h = (u + 1) * (g * torch.sigmoid(spec.swiglu_alpha * g))
+    else:
+        raise ValueError(f"unknown expert activation {spec.activation!r}")
+    return torch.nn.functional.linear(h, w.down, w.down_bias)
