@@ -14,6 +14,7 @@ from importlib.metadata import PackageNotFoundError, version
 # name -> module; the order is the order of `freetoken --help`.
 COMMANDS: dict[str, str] = {
     "info": "app.cli.info_cmd",
+    "agents": "app.cli.agents_cmd",
 }
 
 
