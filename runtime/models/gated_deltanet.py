@@ -1,0 +1,363 @@
+"""Gated DeltaNet: the linear-attention token mixer of Qwen3-Next and Qwen3.5/3.6-MoE.
+
+Per value head the layer keeps a matrix state S [dk, dv] and, for each token t,
+    S <- exp(g_t) * S                      (gated decay, g_t <= 0)
+    S <- S + k_t (beta_t (v_t - S^T k_t))^T (delta rule: write only what S does not already predict)
+    o_t = S^T q_t
+with q, k L2-normalised and q scaled by dk^-1/2. Inputs reach the rule through a depthwise causal
+conv1d (kernel W = 4, SiLU) over the packed [q | k | v] channels; the output goes through a gated
+RMSNorm w * rmsnorm(o) * silu(z) and out_proj.
+
+Two forms of the rule, identical in exact arithmetic: `recurrent_gated_delta_rule` (one token at a
+time; decode and the reference) and `chunked_gated_delta_rule` (blocks of 64 tokens solved with a
+triangular system; prefill). On CUDA, `fla-core`'s Triton kernels replace both when importable and
+the activations are 16-bit (its chunked kernel refuses fp32); otherwise the torch path runs.
+
+Checkpoint spellings: Qwen3-Next packs `in_proj_qkvz` [Hk * (2dk + 2r dv), D] and `in_proj_ba`
+[Hk * 2r, D] grouped per key head (r = Hv / Hk value heads per key head); Qwen3.5 stores
+`in_proj_qkv`, `in_proj_z`, `in_proj_b`, `in_proj_a` separately. Both are rewritten at load into one
+fused projection in the Qwen3.5 order [q | k | v | z | b | a], so one matmul serves every token.
+
+Shapes: B sequences, T tokens, D hidden, Hk key heads, Hv value heads, r = Hv // Hk, dk key head dim,
+dv value head dim, C = 2 Hk dk + Hv dv conv channels, W conv kernel width, L chunk length, N chunks.
+"""
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+
+CHUNK_SIZE = 64           # tokens per block of the chunked form (what fla and transformers use)
+L2NORM_EPS = 1e-6         # inside the kernel's q/k normalisation (fla's constant)
+
+
+class GatedDeltaNetError(ValueError):
+    """A checkpoint or state that does not fit the layer; the message names the tensor."""
+
+
+@dataclass(frozen=True)
+class GatedDeltaNetConfig:
+    """The layer's sizes; field names follow config.json's `linear_*` keys."""
+    hidden_size: int
+    num_k_heads: int
+    num_v_heads: int
+    head_k_dim: int
+    head_v_dim: int
+    conv_kernel: int = 4
+    norm_eps: float = 1e-6
+
+    @classmethod
+    def from_config(cls, config: dict) -> "GatedDeltaNetConfig":
+        cfg = cls(hidden_size=config["hidden_size"], num_k_heads=config["linear_num_key_heads"],
+                  num_v_heads=config["linear_num_value_heads"], head_k_dim=config["linear_key_head_dim"],
+                  head_v_dim=config["linear_value_head_dim"],
+                  conv_kernel=config.get("linear_conv_kernel_dim", 4), norm_eps=config.get("rms_norm_eps", 1e-6))
+        if cfg.num_v_heads % cfg.num_k_heads:
+            raise GatedDeltaNetError(f"linear_num_value_heads ({cfg.num_v_heads}) must be a multiple of "
+                                     f"linear_num_key_heads ({cfg.num_k_heads})")
+        return cfg
+
+    @property
+    def key_dim(self) -> int:
+        return self.num_k_heads * self.head_k_dim
+
+    @property
+    def value_dim(self) -> int:
+        return self.num_v_heads * self.head_v_dim
+
+    @property
+    def conv_dim(self) -> int:
+        return 2 * self.key_dim + self.value_dim
+
+    @property
+    def heads_per_key(self) -> int:
+        return self.num_v_heads // self.num_k_heads
+
+    def conv_state_shape(self) -> tuple[int, int]:
+        return (self.conv_dim, self.conv_kernel - 1)
+
+    def recurrent_state_shape(self) -> tuple[int, int, int]:
+        return (self.num_v_heads, self.head_k_dim, self.head_v_dim)
+
+
+# ---------------------------------------------------------------------------------------------
+# The pieces, as plain functions (each is the reference for a fused kernel)
+# ---------------------------------------------------------------------------------------------
+
+def l2_normalize(x: torch.Tensor, eps: float = L2NORM_EPS) -> torch.Tensor:
+    """x / sqrt(sum x^2 + eps) over the last dim, the way fla normalises q and k."""
+    return x * torch.rsqrt(x.pow(2).sum(-1, keepdim=True) + eps)
+
+
+def causal_conv1d(x: torch.Tensor, conv_state: torch.Tensor, weight: torch.Tensor
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Depthwise causal conv + SiLU, continuing from `conv_state` (the previous W-1 inputs).
+
+    x [B, T, C], conv_state [B, C, W-1], weight [C, W] -> (y [B, T, C], new conv_state [B, C, W-1]).
+    A fresh sequence starts from zeros, which is exactly the left zero padding of a plain causal conv.
+    """
+    window = weight.shape[-1] - 1
+    history = torch.cat([conv_state.to(x.dtype), x.transpose(1, 2)], dim=-1)     # [B, C, W-1+T]
+    y = F.conv1d(history, weight.to(x.dtype).unsqueeze(1), groups=weight.shape[0])  # [B, C, T]
+    return F.silu(y).transpose(1, 2), history[..., history.shape[-1] - window:]
+
+
+def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """w * rmsnorm(x) * silu(gate) over the last dim (dv); x, gate [..., dv], weight [dv]."""
+    dtype = x.dtype
+    xf = x.float()
+    normed = (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(dtype)
+    return (weight * normed * F.silu(gate.float())).to(dtype)
+
+
+def _heads_first(q, k, v, g, beta):
+    """Shared prologue of both forms: expand key heads to value heads, fp32, [B, H, T, ...], normalise.
+
+    q, k [B, T, Hk, dk], v [B, T, Hv, dv], g, beta [B, T, Hv] -> q, k [B, Hv, T, dk], v [B, Hv, T, dv],
+    g, beta [B, Hv, T]; q and k L2-normalised, q scaled by dk^-1/2.
+    """
+    ratio = v.shape[2] // k.shape[2]
+    if ratio > 1:   # each key head serves `ratio` consecutive value heads
+        q, k = q.repeat_interleave(ratio, dim=2), k.repeat_interleave(ratio, dim=2)
+    q, k, v, g, beta = (t.transpose(1, 2).float().contiguous() for t in (q, k, v, g, beta))
+    q = l2_normalize(q) * q.shape[-1] ** -0.5
+    return q, l2_normalize(k), v, g, beta
+
+
+def _initial_state(state: torch.Tensor | None, v: torch.Tensor, dk: int) -> torch.Tensor:
+    if state is None:
+        return v.new_zeros(v.shape[0], v.shape[1], dk, v.shape[-1])
+    return state.to(device=v.device, dtype=torch.float32)
+
+
+def recurrent_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
+                               beta: torch.Tensor, *, initial_state: torch.Tensor | None = None
+                               ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The rule one token at a time. Shapes as `_heads_first` takes them; state [B, Hv, dk, dv] fp32.
+
+    Returns (o [B, T, Hv, dv] in v's dtype, final state [B, Hv, dk, dv] fp32).
+    """
+    out_dtype = v.dtype
+    q, k, v, g, beta = _heads_first(q, k, v, g, beta)
+    state = _initial_state(initial_state, v, q.shape[-1])
+    outs = []
+    for t in range(q.shape[2]):
+        state = state * g[:, :, t].exp()[..., None, None]
+        predicted = torch.einsum("bhkv,bhk->bhv", state, k[:, :, t])                  # [B, Hv, dv]
+        written = (v[:, :, t] - predicted) * beta[:, :, t, None]                      # [B, Hv, dv]
+        state = state + k[:, :, t, :, None] * written[:, :, None, :]
+        outs.append(torch.einsum("bhkv,bhk->bhv", state, q[:, :, t]))
+    o = torch.stack(outs, dim=1) if outs else v.transpose(1, 2)                      # [B, T, Hv, dv]
+    return o.to(out_dtype), state
+
+
+def chunked_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
+                             beta: torch.Tensor, *, initial_state: torch.Tensor | None = None,
+                             chunk_size: int = CHUNK_SIZE) -> tuple[torch.Tensor, torch.Tensor]:
+    """The rule over blocks of `chunk_size` tokens: same inputs and outputs as the recurrent form.
+
+    Inside a block, with c_t the cumulative log decay since the block start and S0 the incoming state,
+    the written values u_t = beta_t (v_t - S_t'^T k_t) depend on each other only through earlier tokens
+    of the block, so they solve one unit lower-triangular system (I + A) U = beta V - beta e^c K S0,
+    A[t, j] = beta_t e^(c_t - c_j) k_t.k_j for j < t. Then o_t = e^(c_t) S0^T q_t + sum_{j<=t} e^(c_t - c_j)
+    (q_t.k_j) u_j and the state leaves as e^(c_L) S0 + sum_j e^(c_L - c_j) k_j u_j^T. Only the hop from
+    block to block is sequential.
+    """
+    out_dtype, seq_len = v.dtype, q.shape[1]
+    q, k, v, g, beta = _heads_first(q, k, v, g, beta)
+    state = _initial_state(initial_state, v, q.shape[-1])
+    pad = (-seq_len) % chunk_size
+    if pad:  # padded tokens have k = v = 0, beta = 0, g = 0: they neither decay nor write the state
+        q, k, v = (F.pad(t, (0, 0, 0, pad)) for t in (q, k, v))
+        g, beta = (F.pad(t, (0, pad)) for t in (g, beta))
+    B, H, Tp, dk = k.shape
+    n, L = Tp // chunk_size, chunk_size
+    q, k, v = (t.view(B, H, n, L, t.shape[-1]) for t in (q, k, v))                  # [B, H, N, L, d]
+    g, beta = g.view(B, H, n, L), beta.view(B, H, n, L)
+
+    c = g.cumsum(-1)                                                                 # [B, H, N, L]
+    causal = torch.ones(L, L, dtype=torch.bool, device=q.device).tril()              # j <= t
+    rel = (c[..., :, None] - c[..., None, :]).masked_fill(~causal, float("-inf")).exp()  # [B,H,N,L,L] e^(c_t-c_j)
+    kb = k * beta[..., None]
+    strict = torch.tril(kb @ k.transpose(-1, -2) * rel, diagonal=-1)                 # A, j < t
+    system = strict + torch.eye(L, dtype=q.dtype, device=q.device)
+    u_from_v = torch.linalg.solve_triangular(system, v * beta[..., None], upper=False, unitriangular=True)
+    u_from_s = torch.linalg.solve_triangular(system, kb * c.exp()[..., None], upper=False, unitriangular=True)
+    scores = (q @ k.transpose(-1, -2)) * rel                                          # [B, H, N, L, L]
+    q_decayed = q * c.exp()[..., None]                                                # reads S0 at time t
+    k_to_end = k * (c[..., -1:] - c).exp()[..., None]                                 # decays to block end
+    block_decay = c[..., -1].exp()[..., None, None]                                   # [B, H, N, 1, 1]
+
+    out = torch.empty_like(v)                                                         # [B, H, N, L, dv]
+    for i in range(n):
+        u = u_from_v[:, :, i] - u_from_s[:, :, i] @ state                             # [B, H, L, dv]
+        out[:, :, i] = q_decayed[:, :, i] @ state + scores[:, :, i] @ u
+        state = state * block_decay[:, :, i] + k_to_end[:, :, i].transpose(-1, -2) @ u
+    o = out.view(B, H, Tp, -1)[:, :, :seq_len].transpose(1, 2)                        # [B, T, Hv, dv]
+    return o.to(out_dtype), state
+
+
+# ---------------------------------------------------------------------------------------------
+# fla-core on CUDA
+# ---------------------------------------------------------------------------------------------
+
+@functools.lru_cache(maxsize=1)
+def fla_kernels() -> tuple[Callable, Callable] | None:
+    """(chunk_gated_delta_rule, fused_recurrent_gated_delta_rule) from fla-core, or None if absent."""
+    try:
+        from fla.ops.gated_delta_rule import chunk_gated_delta_rule, fused_recurrent_gated_delta_rule
+    except ImportError:   # not installed (CPU machines, CI): the torch path runs
+        return None
+    return chunk_gated_delta_rule, fused_recurrent_gated_delta_rule
+
+
+def fla_usable(x: torch.Tensor) -> bool:
+    """fla runs on CUDA, and its chunked kernel only takes 16-bit activations."""
+    return x.is_cuda and x.dtype in (torch.bfloat16, torch.float16) and fla_kernels() is not None
+
+
+def fla_gated_delta_rule(q, k, v, g, beta, *, initial_state: torch.Tensor | None, recurrent: bool
+                         ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The rule through fla-core's kernels; same contract as the torch forms (final state fp32).
+
+    Key heads are expanded to value heads here, because fla versions differ in whether they accept
+    grouped value heads; every version accepts equal counts. Keywords only: argument order moved between
+    fla releases (gk/gv were inserted before beta).
+    """
+    chunk, fused_recurrent = fla_kernels()
+    ratio = v.shape[2] // k.shape[2]
+    if ratio > 1:
+        q, k = q.repeat_interleave(ratio, dim=2), k.repeat_interleave(ratio, dim=2)
+    state = None if initial_state is None else initial_state.float().contiguous()
+    kernel = fused_recurrent if recurrent else chunk
+    o, final = kernel(q=q.contiguous(), k=k.contiguous(), v=v.contiguous(), g=g.float().contiguous(),
+                      beta=beta.contiguous(), scale=q.shape[-1] ** -0.5, initial_state=state,
+                      output_final_state=True, use_qk_l2norm_in_kernel=True)
+    return o, final.float()
+
+
+# ---------------------------------------------------------------------------------------------
+# The layer
+# ---------------------------------------------------------------------------------------------
+
+class GatedDeltaNet(torch.nn.Module):
+    """One Gated DeltaNet token mixer. Stateless itself: the caller passes and receives the states.
+
+    `forward(x [B, T, D], conv_state [B, C, W-1], recurrent_state [B, Hv, dk, dv])` returns
+    (y [B, T, D], new conv_state, new recurrent_state fp32). Every row of the batch is one sequence
+    continuing from its own state; a new sequence passes zeros. T == 1 takes the recurrent form, longer
+    inputs the chunked form (which the recurrent form reproduces exactly; see the tests).
+    """
+
+    def __init__(self, cfg: GatedDeltaNetConfig, *, backend: str = "auto"):
+        super().__init__()
+        if backend not in ("auto", "torch", "fla"):
+            raise ValueError(f"unknown Gated DeltaNet backend {backend!r} (auto, torch or fla)")
+        self.cfg, self.backend = cfg, backend
+        D, C, Hv = cfg.hidden_size, cfg.conv_dim, cfg.num_v_heads
+        # fused input projection, rows [q | k | v | z | b | a]
+        self.in_proj = torch.nn.Parameter(torch.empty(C + cfg.value_dim + 2 * Hv, D), requires_grad=False)
+        self.conv_weight = torch.nn.Parameter(torch.empty(C, cfg.conv_kernel), requires_grad=False)
+        self.A_log = torch.nn.Parameter(torch.empty(Hv), requires_grad=False)
+        self.dt_bias = torch.nn.Parameter(torch.empty(Hv), requires_grad=False)
+        self.norm_weight = torch.nn.Parameter(torch.empty(cfg.head_v_dim), requires_grad=False)
+        self.out_proj = torch.nn.Parameter(torch.empty(D, cfg.value_dim), requires_grad=False)
+
+    # -- loading -------------------------------------------------------------------------------
+
+    @staticmethod
+    def checkpoint_names(prefix: str, names) -> list[str]:
+        """The checkpoint tensors this layer reads under `prefix` (e.g. 'model.layers.0.linear_attn.')."""
+        have = set(names)
+        packed = ["in_proj_qkvz.weight", "in_proj_ba.weight"]
+        split = ["in_proj_qkv.weight", "in_proj_z.weight", "in_proj_b.weight", "in_proj_a.weight"]
+        common = ["conv1d.weight", "A_log", "dt_bias", "norm.weight", "out_proj.weight"]
+        proj = packed if prefix + packed[0] in have else split
+        return [prefix + n for n in proj + common]
+
+    def load(self, get: Callable[[str], torch.Tensor], prefix: str, names) -> None:
+        """Load from checkpoint tensors: `get(name)` returns one, `names` lists what the checkpoint has.
+
+        Accepts either spelling of the input projection; raises GatedDeltaNetError naming the tensor
+        that is missing or mis-shaped.
+        """
+        cfg = self.cfg
+        D, Hk, Hv, dk, dv, r = (cfg.hidden_size, cfg.num_k_heads, cfg.num_v_heads, cfg.head_k_dim,
+                                cfg.head_v_dim, cfg.heads_per_key)
+        have = set(names)
+
+        def fetch(name: str, shape: tuple[int, ...]) -> torch.Tensor:
+            full = prefix + name
+            if full not in have:
+                raise GatedDeltaNetError(f"checkpoint lacks tensor {full!r}")
+            t = get(full)
+            if tuple(t.shape) != shape:
+                raise GatedDeltaNetError(f"tensor {full!r} has shape {tuple(t.shape)}, expected {shape}")
+            return t
+
+        if prefix + "in_proj_qkvz.weight" in have:
+            # Qwen3-Next: rows grouped per key head as [q (dk) | k (dk) | v (r dv) | z (r dv)]
+            qkvz = fetch("in_proj_qkvz.weight", (Hk * (2 * dk + 2 * r * dv), D)).view(Hk, 2 * dk + 2 * r * dv, D)
+            q, k, v, z = torch.split(qkvz, [dk, dk, r * dv, r * dv], dim=1)
+            ba = fetch("in_proj_ba.weight", (Hk * 2 * r, D)).view(Hk, 2 * r, D)
+            b, a = torch.split(ba, [r, r], dim=1)
+            parts = [t.reshape(-1, D) for t in (q, k, v, z, b, a)]
+        else:
+            parts = [fetch("in_proj_qkv.weight", (cfg.conv_dim, D)), fetch("in_proj_z.weight", (cfg.value_dim, D)),
+                     fetch("in_proj_b.weight", (Hv, D)), fetch("in_proj_a.weight", (Hv, D))]
+        with torch.no_grad():
+            self.in_proj.data = torch.cat(parts, dim=0).to(self.in_proj.dtype).contiguous()
+            conv = fetch("conv1d.weight", (cfg.conv_dim, 1, cfg.conv_kernel))
+            self.conv_weight.data = conv.reshape(cfg.conv_dim, cfg.conv_kernel).to(self.conv_weight.dtype).clone()
+            # A_log and dt_bias stay fp32: exp(A_log) in 16 bits loses the decay (transformers does the same)
+            self.A_log.data = fetch("A_log", (Hv,)).float().clone()
+            self.dt_bias.data = fetch("dt_bias", (Hv,)).float().clone()
+            self.norm_weight.data = fetch("norm.weight", (dv,)).to(self.norm_weight.dtype).clone()
+            self.out_proj.data = fetch("out_proj.weight", (D, cfg.value_dim)).to(self.out_proj.dtype).clone()
+
+    # -- compute -------------------------------------------------------------------------------
+
+    def new_states(self, batch: int, *, device=None, dtype=None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Zero states for `batch` fresh sequences: conv [B, C, W-1] (activation dtype), recurrent fp32."""
+        cfg = self.cfg
+        device = device or self.in_proj.device
+        conv = torch.zeros(batch, *cfg.conv_state_shape(), device=device, dtype=dtype or self.in_proj.dtype)
+        rec = torch.zeros(batch, *cfg.recurrent_state_shape(), device=device, dtype=torch.float32)
+        return conv, rec
+
+    def _use_fla(self, x: torch.Tensor) -> bool:
+        if self.backend == "torch":
+            return False
+        if self.backend == "fla":
+            if not fla_usable(x):
+                raise GatedDeltaNetError("backend 'fla' needs fla-core installed, a CUDA device and 16-bit activations")
+            return True
+        return fla_usable(x)
+
+    def forward(self, x: torch.Tensor, conv_state: torch.Tensor, recurrent_state: torch.Tensor
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        cfg = self.cfg
+        B, T, _ = x.shape
+        C, Hv = cfg.conv_dim, cfg.num_v_heads
+        proj = F.linear(x, self.in_proj)                                              # [B, T, C + Hv dv + 2Hv]
+        mixed, z, b, a = torch.split(proj, [C, cfg.value_dim, Hv, Hv], dim=-1)
+        mixed, conv_state = causal_conv1d(mixed, conv_state, self.conv_weight)        # [B, T, C]
+        q, k, v = torch.split(mixed, [cfg.key_dim, cfg.key_dim, cfg.value_dim], dim=-1)
+        q = q.reshape(B, T, cfg.num_k_heads, cfg.head_k_dim)
+        k = k.reshape(B, T, cfg.num_k_heads, cfg.head_k_dim)
+        v = v.reshape(B, T, Hv, cfg.head_v_dim)
+        beta = b.sigmoid()                                                            # [B, T, Hv]
+        g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)          # [B, T, Hv] log decay <= 0
+        if self._use_fla(x):
+            o, recurrent_state = fla_gated_delta_rule(q, k, v, g, beta, initial_state=recurrent_state,
+                                                      recurrent=T == 1)
+        elif T == 1:
+            o, recurrent_state = recurrent_gated_delta_rule(q, k, v, g, beta, initial_state=recurrent_state)
+        else:
+            o, recurrent_state = chunked_gated_delta_rule(q, k, v, g, beta, initial_state=recurrent_state)
+        o = gated_rms_norm(o, z.reshape(B, T, Hv, cfg.head_v_dim), self.norm_weight, cfg.norm_eps)
+        y = F.linear(o.reshape(B, T, cfg.value_dim), self.out_proj)                   # [B, T, D]
+        return y, conv_state, recurrent_state
