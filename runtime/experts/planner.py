@@ -1,0 +1,430 @@
+"""The memory planner: where dense weights, KV cache, recurrent states and experts live.
+
+Placement is data decided once at load (style item 6): `plan_memory` takes the model's shape (from its
+config alone, no weights), the machine (`Hardware`) and the user's choices (context, sequences, a VRAM
+cap, an experts-on-CPU override) and returns a `Plan`. The engine follows the plan; the library's fit
+badge calls the same function, so the badge and the real load agree.
+
+Backends: "gpu" (every expert fits in the VRAM budget), "hybrid" (a slot pool caches hot experts in
+VRAM, misses run on the CPU over the memory-mapped package), "cpu" (no usable GPU) and "does_not_fit"
+(with the shortfall in bytes and which memory is short).
+
+Sizes: L layers, E experts per layer, K experts per token, D hidden, I expert FFN width.
+"""
+from __future__ import annotations
+
+import math
+import platform
+import sys
+from dataclasses import asdict, dataclass, field
+
+GiB = 1024 ** 3
+MiB = 1024 ** 2
+BLOCK_ALIGN = 4096                   # every (layer, expert) block in an FTW expert file is 4 KiB-aligned
+
+# Named margins (why each exists):
+VRAM_SAFETY_FRACTION = 0.05           # allocator fragmentation and other processes' growth
+VRAM_SAFETY_MIN = 512 * MiB           # CUDA context, cuBLAS workspaces, Triton's autotune buffers
+HOST_RESERVE = 2 * GiB                # the OS, the app itself and Python's heap stay out of the plan
+PREFILL_CHUNK_TOKENS = 4096           # prefill runs in chunks this long (the streaming unit)
+ACTIVATION_BYTES_PER_TOKEN_PER_D = 24  # a chunk's hidden, residual, norm, attention and MoE buffers (bf16)
+STAGING_RING_BLOCKS_PER_LAYER = 2     # the pinned ring double-buffers one layer's worth of missed blocks
+
+
+def _align(n: int, to: int = BLOCK_ALIGN) -> int:
+    return (n + to - 1) // to * to
+
+
+def _fmt_bytes(n: float) -> str:
+    return f"{n / GiB:.2f} GiB" if n >= 0.1 * GiB else f"{n / MiB:.0f} MiB"
+
+
+def _fmt_tokens(n: int) -> str:
+    return f"{n // 1024}K" if n >= 1024 and n % 1024 == 0 else f"{n:,}"
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """What the planner needs to know about a model, read from its config.json (no weights)."""
+    model_type: str
+    num_layers: int
+    moe_layers: int                   # layers with routed experts
+    num_experts: int                  # E per MoE layer
+    top_k: int                        # K
+    hidden_size: int                  # D
+    expert_intermediate: int          # I
+    codec: str                        # "bf16" | "int4" | "fp4": how expert blocks are stored
+    expert_block_bytes: int           # one (layer, expert) block on disk, 4 KiB-aligned
+    dense_params: int                 # everything that is not a routed expert
+    full_attention_layers: int
+    sliding_attention_layers: int
+    sliding_window: int               # 0 when no layer slides
+    kv_bytes_per_token_per_layer: int  # K and V of one token in one attention layer (bf16)
+    linear_attention_layers: int
+    linear_state_bytes: int           # one sequence's recurrent + conv state over all linear layers
+    dense_bytes_per_param: int = 2    # dense weights run in bf16
+
+    @property
+    def total_experts(self) -> int:
+        return self.moe_layers * self.num_experts
+
+    @property
+    def experts_bytes(self) -> int:
+        return self.total_experts * self.expert_block_bytes
+
+    @property
+    def dense_bytes(self) -> int:
+        return self.dense_params * self.dense_bytes_per_param
+
+    @property
+    def layer_experts_bytes(self) -> int:
+        return self.num_experts * self.expert_block_bytes
+
+    def kv_bytes(self, tokens: int, sequences: int) -> int:
+        """KV cache for a pool of `tokens` positions shared by up to `sequences` sequences.
+
+        Full-attention layers keep every token; sliding layers keep at most the window per sequence."""
+        full = self.full_attention_layers * tokens
+        sliding = self.sliding_attention_layers * min(tokens, self.sliding_window * sequences)
+        return (full + sliding) * self.kv_bytes_per_token_per_layer
+
+    @classmethod
+    def from_config(cls, config: dict, *, codec: str = "int4", group_size: int = 128, block_size: int = 32,
+                    block_nbytes: int | None = None) -> "ModelShape":
+        """Read a Hugging Face config.json (text config for VLMs). `block_nbytes` is the package's real
+        expert block size when a converted package is at hand; otherwise it is computed from the codec."""
+        cfg = dict(config.get("text_config") or config)
+        model_type = str(cfg.get("model_type") or config.get("model_type") or "unknown")
+        try:
+            layers = int(cfg["num_hidden_layers"])
+            d = int(cfg["hidden_size"])
+            experts = int(cfg.get("num_experts") or cfg.get("num_local_experts") or 0)
+            top_k = int(cfg["num_experts_per_tok"])
+            vocab = int(cfg["vocab_size"])
+            heads = int(cfg["num_attention_heads"])
+        except KeyError as exc:
+            raise ValueError(f"config.json lacks the field {exc.args[0]!r} that the memory planner needs") from None
+        if experts <= 0:
+            raise ValueError(f"config.json of {model_type!r} names no routed experts (num_experts / num_local_experts)")
+        kv_heads = int(cfg.get("num_key_value_heads") or heads)
+        head_dim = int(cfg.get("head_dim") or d // heads)
+        # Mixtral and gpt-oss name the expert width `intermediate_size`; the Qwen families `moe_intermediate_size`.
+        i_exp = int(cfg.get("moe_intermediate_size") or cfg["intermediate_size"])
+        i_dense = int(cfg.get("intermediate_size") or i_exp)
+
+        # Which layers have routed experts (Qwen3-MoE: decoder_sparse_step and mlp_only_layers).
+        step = int(cfg.get("decoder_sparse_step") or 1)
+        mlp_only = set(cfg.get("mlp_only_layers") or [])
+        moe_ids = [i for i in range(layers) if i not in mlp_only and (i + 1) % step == 0]
+        dense_mlp_layers = layers - len(moe_ids)
+
+        layer_types = list(cfg.get("layer_types") or [])
+        if not layer_types and "full_attention_interval" in cfg:
+            interval = int(cfg["full_attention_interval"])
+            layer_types = ["full_attention" if (i + 1) % interval == 0 else "linear_attention" for i in range(layers)]
+        if not layer_types:
+            layer_types = ["full_attention"] * layers
+        n_linear = sum(t == "linear_attention" for t in layer_types)
+        n_sliding = sum(t == "sliding_attention" for t in layer_types)
+        n_full = layers - n_linear - n_sliding
+        window = int(cfg.get("sliding_window") or 0) if n_sliding else 0
+
+        gated_q = model_type.startswith(("qwen3_next", "qwen3_5"))   # q_proj also yields the output gate
+        attn = d * heads * head_dim * (2 if gated_q else 1) + 2 * d * kv_heads * head_dim + heads * head_dim * d
+
+        linear_params, state = 0, 0
+        if n_linear:
+            nk, nv = int(cfg["linear_num_key_heads"]), int(cfg["linear_num_value_heads"])
+            dk, dv = int(cfg["linear_key_head_dim"]), int(cfg["linear_value_head_dim"])
+            kernel = int(cfg.get("linear_conv_kernel_dim") or 4)
+            conv_dim = 2 * nk * dk + nv * dv
+            linear_params = d * (conv_dim + nv * dv + 2 * nv) + conv_dim * kernel + nv * dv * d
+            # recurrent state [n_v, d_k, d_v] in fp32, conv state [C, kernel - 1] in bf16, per layer
+            state = n_linear * (nv * dk * dv * 4 + conv_dim * (kernel - 1) * 2)
+
+        shared_i = int(cfg.get("shared_expert_intermediate_size") or 0)
+        per_moe_layer = experts * d + (3 * d * shared_i + d if shared_i else 0)
+        embed = vocab * d * (1 if cfg.get("tie_word_embeddings") else 2)
+        dense_params = (embed + (n_full + n_sliding) * attn + n_linear * linear_params
+                        + len(moe_ids) * per_moe_layer + dense_mlp_layers * 3 * d * i_dense)
+
+        if block_nbytes is None:
+            block_nbytes = expert_block_bytes(codec, d, i_exp, group_size=group_size, block_size=block_size,
+                                              has_bias=model_type == "gpt_oss")
+        return cls(model_type=model_type, num_layers=layers, moe_layers=len(moe_ids), num_experts=experts,
+                   top_k=top_k, hidden_size=d, expert_intermediate=i_exp, codec=codec,
+                   expert_block_bytes=int(block_nbytes), dense_params=dense_params,
+                   full_attention_layers=n_full, sliding_attention_layers=n_sliding, sliding_window=window,
+                   kv_bytes_per_token_per_layer=2 * kv_heads * head_dim * 2,
+                   linear_attention_layers=n_linear, linear_state_bytes=state)
+
+
+def expert_block_bytes(codec: str, d: int, i: int, *, group_size: int = 128, block_size: int = 32,
+                       has_bias: bool = False) -> int:
+    """Bytes of one (layer, expert) block: gate [I, D], up [I, D], down [D, I] and their scales, 4 KiB-aligned."""
+    n = 3 * i * d
+    if codec == "bf16":
+        payload = 2 * n
+    elif codec == "int4":
+        # 4-bit codes plus one bf16 scale per group along each row's input dimension
+        payload = n // 2 + 2 * (2 * i * math.ceil(d / group_size) + d * math.ceil(i / group_size))
+    elif codec == "fp4":
+        # e2m1 codes plus one 8-bit scale per block along each row's input dimension
+        payload = n // 2 + (2 * i * math.ceil(d / block_size) + d * math.ceil(i / block_size))
+    else:
+        raise ValueError(f"unknown expert codec {codec!r} (expected bf16, int4 or fp4)")
+    if has_bias:
+        payload += (2 * i + d) * 4
+    return _align(payload)
+
+
+@dataclass(frozen=True)
+class Hardware:
+    """The machine as the planner sees it. Bytes and GB/s; measured by `probe()`, or given for an estimate."""
+    vram_free: int = 0
+    vram_total: int = 0
+    ram_total: int = 0
+    ram_available: int = 0
+    pinnable: int = 0                 # host memory that may be page-locked (about half the RAM on Windows)
+    h2d_gbps: float = 0.0             # pinned host -> device copy bandwidth
+    cpu_gbps: float = 0.0             # the CPU expert kernel's weight-read bandwidth
+    has_cuda: bool = False
+    gpu_name: str = ""
+    os_name: str = ""                 # "Windows" | "Linux" | "Darwin"
+
+    @staticmethod
+    def pinnable_for(os_name: str, ram_total: int) -> int:
+        """Windows lets a process page-lock about half of physical memory; Linux and macOS nearly all of it."""
+        if os_name == "Windows":
+            return ram_total // 2
+        return max(0, ram_total - HOST_RESERVE)
+
+    @classmethod
+    def probe(cls, *, device: str = "auto", measure: bool = True) -> "Hardware":
+        """Measure this machine. `measure=False` skips the bandwidth runs (a second or so) for quick estimates."""
+        import psutil
+
+        vm = psutil.virtual_memory()
+        os_name = platform.system()
+        vram_free = vram_total = 0
+        has_cuda, name = False, ""
+        if device != "cpu":
+            try:
+                import torch
+                has_cuda = bool(torch.cuda.is_available())
+                if has_cuda:
+                    vram_free, vram_total = (int(x) for x in torch.cuda.mem_get_info())
+                    name = torch.cuda.get_device_name()
+            except (ImportError, RuntimeError) as exc:   # a broken driver reads as "no GPU", and says so
+                print(f"freetoken: GPU not usable ({exc}); planning for the CPU", file=sys.stderr)
+                has_cuda = False
+        h2d = measure_h2d_gbps() if (measure and has_cuda) else 0.0
+        cpu = measure_cpu_gbps() if measure else 0.0
+        return cls(vram_free=vram_free, vram_total=vram_total, ram_total=int(vm.total),
+                   ram_available=int(vm.available), pinnable=cls.pinnable_for(os_name, int(vm.total)),
+                   h2d_gbps=h2d, cpu_gbps=cpu, has_cuda=has_cuda, gpu_name=name, os_name=os_name)
+
+
+def measure_h2d_gbps(*, nbytes: int = 256 * MiB, repeats: int = 5) -> float:
+    """Pinned host -> device bandwidth in GB/s (median of `repeats` copies, timed with CUDA events)."""
+    import torch
+
+    src = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    src.random_(0, 255)
+    dst = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    dst.copy_(src, non_blocking=True)   # warm-up: first copy maps the pages
+    times = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        dst.copy_(src, non_blocking=True)
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1e3)
+    return nbytes / sorted(times)[len(times) // 2] / 1e9
+
+
+def measure_cpu_gbps(*, nbytes: int = 256 * MiB, repeats: int = 5) -> float:
+    """Memory read bandwidth the CPU reaches in GB/s: a multi-threaded reduction over a buffer larger than
+    the caches (what a bandwidth-bound expert kernel can hope for at best)."""
+    import time
+
+    import torch
+
+    buf = torch.ones(nbytes // 4, dtype=torch.float32)
+    buf.sum()
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        buf.sum()
+        times.append(time.perf_counter() - t0)
+    return nbytes / sorted(times)[len(times) // 2] / 1e9
+
+
+@dataclass
+class Plan:
+    """Where everything lives. Bytes unless named otherwise; `to_dict()` is what the UI and `serve` show."""
+    backend: str                          # "gpu" | "hybrid" | "cpu" | "does_not_fit"
+    model_type: str
+    codec: str
+    vram_budget: int                      # what the plan may use on the GPU (0 without one)
+    vram_planned: int                     # what it does use
+    dense_bytes: int
+    dense_on: str                         # "cuda" | "cpu"
+    kv_tokens: int
+    kv_bytes: int
+    state_slots: int
+    state_bytes: int
+    workspace_bytes: int                  # activations for one prefill chunk
+    stream_buffer_bytes: int              # double buffer for prefill expert streaming (hybrid only)
+    expert_block_bytes: int
+    expert_total: int                     # L x E
+    expert_slots: int                     # slots in the VRAM pool
+    pool_bytes: int
+    cpu_experts_per_layer: float          # experts per layer that stay off the GPU (average)
+    experts_bytes: int                    # the whole expert file
+    host_bytes: int                       # host RAM the plan uses (experts resident in RAM + CPU-side pools)
+    experts_pinned: bool                  # experts copied once into page-locked RAM (else mapped + staged)
+    staging_ring_bytes: int               # pinned ring the mapped experts are staged through
+    experts_in_ram_bytes: int
+    experts_on_disk_bytes: int            # the cold tail left to the page cache over the mapped file
+    shortfall_bytes: int = 0              # does_not_fit: what is missing
+    short_of: str = ""                    # "vram" | "ram" | ""
+    estimated_decode_tok_s: float = 0.0   # uniform routing, bandwidth-bound; 0 when unknown
+    notes: list[str] = field(default_factory=list)
+
+    def summary_lines(self) -> list[str]:
+        lines = [f"backend: {self.backend}" + (f" (short of {_fmt_bytes(self.shortfall_bytes)} of "
+                                               f"{self.short_of.upper()})" if self.backend == "does_not_fit" else "")]
+        if self.vram_budget:
+            lines.append(f"VRAM: {_fmt_bytes(self.vram_planned)} planned of a {_fmt_bytes(self.vram_budget)} budget")
+        lines.append(f"dense weights on {self.dense_on}: {_fmt_bytes(self.dense_bytes)}")
+        lines.append(f"expert slots {self.expert_slots:,} of {self.expert_total:,} — {_fmt_bytes(self.pool_bytes)}")
+        lines.append(f"KV {_fmt_tokens(self.kv_tokens)} tokens — {_fmt_bytes(self.kv_bytes)}")
+        if self.state_slots:
+            lines.append(f"{self.state_slots} state slots — {_fmt_bytes(self.state_bytes)}")
+        if self.stream_buffer_bytes:
+            lines.append(f"prefill stream buffers — {_fmt_bytes(self.stream_buffer_bytes)}")
+        if self.backend != "gpu":
+            where = "pinned RAM" if self.experts_pinned else \
+                f"mapped file, {_fmt_bytes(self.staging_ring_bytes)} pinned staging ring"
+            lines.append(f"experts in host memory: {_fmt_bytes(self.experts_in_ram_bytes)} ({where})"
+                         + (f", {_fmt_bytes(self.experts_on_disk_bytes)} left on disk" if self.experts_on_disk_bytes else ""))
+        if self.backend == "hybrid":
+            lines.append(f"experts per layer on the CPU: {self.cpu_experts_per_layer:.1f}")
+        if self.estimated_decode_tok_s:
+            lines.append(f"estimated decode: {self.estimated_decode_tok_s:.0f} tok/s (uniform routing)")
+        lines.extend(self.notes)
+        return lines
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def plan_memory(shape: ModelShape, hw: Hardware, *, context_length: int = 8192, max_sequences: int = 1,
+                vram_budget: int | None = None, cpu_experts_per_layer: int | None = None,
+                state_slots: int | None = None, prefill_chunk: int = PREFILL_CHUNK_TOKENS) -> Plan:
+    """Place a model on a machine. See the module docstring; every decision is recorded in the plan's notes.
+
+    `vram_budget` caps the GPU memory used (a user setting); `cpu_experts_per_layer` keeps that many experts
+    of every layer off the GPU (a power-user override); `state_slots` defaults to three per sequence (one live
+    state and two prefix-cache snapshots) for models with linear attention."""
+    if context_length <= 0 or max_sequences <= 0:
+        raise ValueError(f"context_length and max_sequences must be positive (got {context_length}, {max_sequences})")
+    if cpu_experts_per_layer is not None and not 0 <= cpu_experts_per_layer <= shape.num_experts:
+        raise ValueError(f"cpu_experts_per_layer must be between 0 and {shape.num_experts} "
+                         f"(got {cpu_experts_per_layer})")
+    notes: list[str] = []
+    if state_slots is None:
+        state_slots = 3 * max_sequences if shape.linear_attention_layers else 0
+    kv = shape.kv_bytes(context_length, max_sequences)
+    states = state_slots * shape.linear_state_bytes
+    chunk = min(prefill_chunk, context_length)
+    workspace = chunk * shape.hidden_size * ACTIVATION_BYTES_PER_TOKEN_PER_D
+    fixed_gpu = shape.dense_bytes + kv + states + workspace
+
+    budget = 0
+    if hw.has_cuda:
+        usable = hw.vram_free - max(VRAM_SAFETY_MIN, int(VRAM_SAFETY_FRACTION * hw.vram_total))
+        budget = max(0, usable if vram_budget is None else min(usable, vram_budget))
+        if vram_budget is not None and vram_budget < usable:
+            notes.append(f"VRAM capped by the user at {_fmt_bytes(vram_budget)}")
+    else:
+        notes.append("no usable GPU: running on the CPU only")
+
+    max_slots = shape.total_experts - (cpu_experts_per_layer or 0) * shape.moe_layers
+    base = dict(model_type=shape.model_type, codec=shape.codec, vram_budget=budget, dense_bytes=shape.dense_bytes,
+                kv_tokens=context_length, kv_bytes=kv, state_slots=state_slots, state_bytes=states,
+                workspace_bytes=workspace, expert_block_bytes=shape.expert_block_bytes,
+                expert_total=shape.total_experts, experts_bytes=shape.experts_bytes)
+
+    # 1. Everything on the GPU.
+    if hw.has_cuda and cpu_experts_per_layer in (None, 0) and fixed_gpu + shape.experts_bytes <= budget:
+        return Plan(backend="gpu", vram_planned=fixed_gpu + shape.experts_bytes, dense_on="cuda",
+                    stream_buffer_bytes=0, expert_slots=shape.total_experts, pool_bytes=shape.experts_bytes,
+                    cpu_experts_per_layer=0.0, host_bytes=0, experts_pinned=False, staging_ring_bytes=0,
+                    experts_in_ram_bytes=0, experts_on_disk_bytes=0,
+                    estimated_decode_tok_s=_decode_estimate(shape, hw, slots=shape.total_experts), notes=notes, **base)
+
+    # 2. Hybrid: dense, KV, states and a slot pool on the GPU; every expert in host memory.
+    stream = STAGING_RING_BLOCKS_PER_LAYER * shape.layer_experts_bytes
+    gpu_ok = hw.has_cuda and fixed_gpu + stream + shape.expert_block_bytes * shape.top_k <= budget
+    if hw.has_cuda and not gpu_ok:
+        notes.append(f"dense weights, KV and buffers ({_fmt_bytes(fixed_gpu + stream)}) exceed the VRAM budget "
+                     f"({_fmt_bytes(budget)}): falling back to the CPU")
+    host = _place_host(shape, hw, gpu_used=gpu_ok, cpu_side=0 if gpu_ok else fixed_gpu, notes=notes)
+    if gpu_ok:
+        slots = min(max_slots, (budget - fixed_gpu - stream) // shape.expert_block_bytes)
+        if cpu_experts_per_layer:
+            notes.append(f"user override: {cpu_experts_per_layer} experts per layer stay on the CPU")
+        pool = slots * shape.expert_block_bytes
+        plan = Plan(backend="hybrid", vram_planned=fixed_gpu + stream + pool, dense_on="cuda",
+                    stream_buffer_bytes=stream, expert_slots=int(slots), pool_bytes=int(pool),
+                    cpu_experts_per_layer=(shape.total_experts - slots) / shape.moe_layers,
+                    estimated_decode_tok_s=_decode_estimate(shape, hw, slots=int(slots)), notes=notes, **host, **base)
+    else:
+        plan = Plan(backend="cpu", vram_planned=0, dense_on="cpu", stream_buffer_bytes=0, expert_slots=0,
+                    pool_bytes=0, cpu_experts_per_layer=float(shape.num_experts),
+                    estimated_decode_tok_s=_decode_estimate(shape, hw, slots=0), notes=notes, **host, **base)
+    if host["shortfall_bytes"]:
+        plan.backend, plan.short_of = "does_not_fit", "ram"
+        plan.shortfall_bytes = host["shortfall_bytes"]
+        plan.notes.append(f"host RAM is {_fmt_bytes(plan.shortfall_bytes)} short of what must stay resident")
+    return plan
+
+
+def _place_host(shape: ModelShape, hw: Hardware, *, gpu_used: bool, cpu_side: int, notes: list[str]) -> dict:
+    """Host side: experts pinned when they fit in the pinnable share, else mapped and staged through a
+    pinned ring; the cold tail stays on disk when RAM is short. A page is counted once: a pinned copy
+    replaces the page cache over the mapped file (the mapping is dropped after the copy), never both."""
+    ram = max(0, hw.ram_available - HOST_RESERVE)
+    # Pinning only pays when a GPU reads the experts; it needs the pinnable share to hold all of them.
+    pinned = gpu_used and shape.experts_bytes <= min(hw.pinnable, ram)
+    ring = STAGING_RING_BLOCKS_PER_LAYER * shape.layer_experts_bytes if gpu_used and not pinned else 0
+    must_stay = cpu_side + ring        # dense weights, KV and states on the CPU backend; the staging ring
+    # At least one layer's experts must be resident at a time, or every step thrashes the disk.
+    shortfall = max(0, must_stay + shape.layer_experts_bytes - ram)
+    in_ram = min(shape.experts_bytes, max(0, ram - must_stay))
+    if ring and in_ram == shape.experts_bytes:
+        notes.append(f"experts ({_fmt_bytes(shape.experts_bytes)}) exceed the pinnable share "
+                     f"({_fmt_bytes(min(hw.pinnable, ram))}): staged through a pinned ring")
+    on_disk = shape.experts_bytes - in_ram
+    if on_disk and not shortfall:
+        notes.append(f"host RAM holds {_fmt_bytes(in_ram)} of {_fmt_bytes(shape.experts_bytes)} of experts: "
+                     f"the cold tail is read from disk (slower)")
+    return dict(host_bytes=in_ram + must_stay, experts_pinned=pinned, staging_ring_bytes=ring,
+                experts_in_ram_bytes=in_ram, experts_on_disk_bytes=on_disk, shortfall_bytes=shortfall)
+
+
+def _decode_estimate(shape: ModelShape, hw: Hardware, *, slots: int) -> float:
+    """Bandwidth-bound decode rate at batch 1 under uniform routing: per token, the missed experts are read by
+    the CPU kernel and the hits and dense weights by the GPU (the GPU part is taken as free next to the
+    CPU's, which dominates whenever the pool is short). 0 when the CPU bandwidth is unknown."""
+    miss_share = 1.0 - slots / shape.total_experts
+    miss_bytes = shape.moe_layers * shape.top_k * miss_share * shape.expert_block_bytes
+    if miss_bytes == 0:
+        return 0.0
+    if hw.cpu_gbps <= 0:
+        return 0.0
+    # Misses may be split between the CPU kernel and PCIe fetches: their bandwidths add.
+    return (hw.cpu_gbps + (hw.h2d_gbps if hw.has_cuda else 0.0)) * 1e9 / miss_bytes

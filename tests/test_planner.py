@@ -1,0 +1,185 @@
+"""The memory planner: its decisions on real model shapes and its bookkeeping against transformers' own models."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from runtime.experts.planner import (GiB, HOST_RESERVE, STAGING_RING_BLOCKS_PER_LAYER, Hardware, ModelShape,
+                                     expert_block_bytes, plan_memory)
+
+# The real configs' fields the planner reads (Qwen3-30B-A3B and Qwen3.6-35B-A3B, from their config.json).
+QWEN3_30B = {"model_type": "qwen3_moe", "num_hidden_layers": 48, "hidden_size": 2048, "num_experts": 128,
+             "num_experts_per_tok": 8, "moe_intermediate_size": 768, "intermediate_size": 6144,
+             "vocab_size": 151936, "num_attention_heads": 32, "num_key_value_heads": 4, "head_dim": 128,
+             "decoder_sparse_step": 1, "mlp_only_layers": [], "tie_word_embeddings": False}
+QWEN36 = {"model_type": "qwen3_5_moe", "text_config": {
+    "model_type": "qwen3_5_moe_text", "num_hidden_layers": 40, "hidden_size": 2048, "num_experts": 256,
+    "num_experts_per_tok": 8, "moe_intermediate_size": 512, "shared_expert_intermediate_size": 512,
+    "vocab_size": 248320, "num_attention_heads": 16, "num_key_value_heads": 2, "head_dim": 256,
+    "full_attention_interval": 4, "linear_num_key_heads": 16, "linear_num_value_heads": 32,
+    "linear_key_head_dim": 128, "linear_value_head_dim": 128, "linear_conv_kernel_dim": 4,
+    "tie_word_embeddings": False}}
+GPT_OSS_20B = {"model_type": "gpt_oss", "num_hidden_layers": 24, "hidden_size": 2880, "num_local_experts": 32,
+               "num_experts_per_tok": 4, "intermediate_size": 2880, "vocab_size": 201088,
+               "num_attention_heads": 64, "num_key_value_heads": 8, "head_dim": 64, "sliding_window": 128,
+               "layer_types": ["sliding_attention", "full_attention"] * 12}
+
+
+def gpu(vram_gib: float, *, ram_gib: float = 64, os_name: str = "Linux", h2d: float = 25.0, cpu: float = 60.0):
+    ram = int(ram_gib * GiB)
+    return Hardware(vram_free=int(vram_gib * GiB), vram_total=int(vram_gib * GiB), ram_total=ram, ram_available=ram,
+                    pinnable=Hardware.pinnable_for(os_name, ram), h2d_gbps=h2d, cpu_gbps=cpu, has_cuda=True,
+                    os_name=os_name)
+
+
+def test_shape_of_real_configs():
+    q3 = ModelShape.from_config(QWEN3_30B, codec="int4")
+    assert (q3.moe_layers, q3.num_experts, q3.total_experts, q3.top_k) == (48, 128, 6144, 8)
+    assert q3.expert_block_bytes % 4096 == 0
+    # 3 * 768 * 2048 int4 codes + bf16 scales per 128-group, rounded up to 4 KiB
+    assert q3.expert_block_bytes == expert_block_bytes("int4", 2048, 768) == 2433024
+    assert 1.4e9 < q3.dense_params < 1.7e9          # Qwen3-30B-A3B: ~30.5B total, ~29B of it routed experts
+    assert q3.full_attention_layers == 48 and q3.linear_attention_layers == 0
+    q36 = ModelShape.from_config(QWEN36, codec="fp4")
+    assert (q36.moe_layers, q36.total_experts) == (40, 10240)
+    assert (q36.full_attention_layers, q36.linear_attention_layers) == (10, 30)
+    # 30 layers of a [32, 128, 128] fp32 recurrent state = 60 MiB, plus the conv states
+    assert 60 * 2 ** 20 < q36.linear_state_bytes < 62 * 2 ** 20
+
+
+def test_dense_params_match_transformers_models():
+    """The planner's non-expert parameter count agrees with transformers' models within 1.5% (norms and
+    small biases are left out on purpose) and its expert count exactly."""
+    import transformers
+
+    from tests.fixtures.checkpoints import FAMILIES
+
+    for name, fam in FAMILIES.items():
+        cfg = getattr(transformers, fam.config_class)(**fam.config)
+        model = getattr(transformers, fam.model_class)(cfg)
+        dense = sum(p.numel() for n, p in model.named_parameters() if ".experts." not in n)
+        shape = ModelShape.from_config(cfg.to_dict(), codec="bf16")
+        assert abs(shape.dense_params - dense) / dense < 0.015, name
+        weights = sum(p.numel() for n, p in model.named_parameters() if ".experts." in n and "bias" not in n)
+        assert shape.total_experts * 3 * shape.hidden_size * shape.expert_intermediate == weights, name
+
+
+def test_everything_on_gpu_when_it_fits():
+    shape = ModelShape.from_config(QWEN3_30B, codec="int4")
+    plan = plan_memory(shape, gpu(80), context_length=32768)
+    assert plan.backend == "gpu" and plan.dense_on == "cuda"
+    assert plan.expert_slots == plan.expert_total == 6144
+    assert plan.vram_planned <= plan.vram_budget
+    assert plan.host_bytes == 0 and plan.stream_buffer_bytes == 0
+
+
+def test_hybrid_fills_the_budget_with_slots():
+    shape = ModelShape.from_config(QWEN3_30B, codec="int4")
+    plan = plan_memory(shape, gpu(8.5), context_length=8192)
+    assert plan.backend == "hybrid"
+    fixed = plan.dense_bytes + plan.kv_bytes + plan.workspace_bytes + plan.stream_buffer_bytes
+    assert plan.expert_slots == (plan.vram_budget - fixed) // shape.expert_block_bytes
+    assert 0 < plan.expert_slots < shape.total_experts
+    assert plan.vram_budget - plan.vram_planned < shape.expert_block_bytes   # no slot left on the table
+    assert plan.stream_buffer_bytes == STAGING_RING_BLOCKS_PER_LAYER * shape.layer_experts_bytes
+    assert plan.experts_pinned and plan.experts_in_ram_bytes == shape.experts_bytes
+    assert plan.cpu_experts_per_layer == pytest.approx((6144 - plan.expert_slots) / 48)
+    lines = plan.summary_lines()
+    assert any(line.startswith(f"expert slots {plan.expert_slots:,} of 6,144") for line in lines)
+    assert json.loads(json.dumps(plan.to_dict()))["backend"] == "hybrid"
+
+
+def test_kv_at_the_chosen_context():
+    shape = ModelShape.from_config(QWEN3_30B, codec="int4")
+    small = plan_memory(shape, gpu(12), context_length=4096)
+    large = plan_memory(shape, gpu(12), context_length=32768)
+    per_token = 48 * 2 * 4 * 128 * 2           # layers x (K, V) x kv heads x head_dim x bf16
+    assert small.kv_bytes == 4096 * per_token and large.kv_bytes == 32768 * per_token
+    assert large.expert_slots < small.expert_slots     # the KV comes out of the pool
+    # gpt-oss: sliding layers keep at most the window per sequence
+    oss = ModelShape.from_config(GPT_OSS_20B, codec="fp4")
+    per = 2 * 8 * 64 * 2
+    assert oss.kv_bytes(65536, 2) == (12 * 65536 + 12 * 128 * 2) * per
+    # Qwen3.6: only the 10 full-attention layers hold KV; the state slots hold the linear layers
+    q36 = ModelShape.from_config(QWEN36, codec="fp4")
+    plan = plan_memory(q36, gpu(24), context_length=8192, max_sequences=8)
+    assert plan.kv_bytes == 10 * 8192 * 2 * 2 * 256 * 2
+    assert plan.state_slots == 24 and plan.state_bytes == 24 * q36.linear_state_bytes
+    assert any(line.startswith("24 state slots") for line in plan.summary_lines())
+
+
+def test_user_vram_cap_and_cpu_override():
+    shape = ModelShape.from_config(QWEN3_30B, codec="int4")
+    free = plan_memory(shape, gpu(24))
+    capped = plan_memory(shape, gpu(24), vram_budget=8 * GiB)
+    assert capped.vram_budget == 8 * GiB and capped.vram_planned <= 8 * GiB
+    assert capped.expert_slots < free.expert_slots
+    assert any("capped" in note for note in capped.notes)
+    # A cap above what is free does not raise the budget.
+    assert plan_memory(shape, gpu(6), vram_budget=100 * GiB).vram_budget < 6 * GiB
+    # The override keeps 100 experts of each layer on the CPU even though all would fit on an 80 GB card.
+    over = plan_memory(shape, gpu(80), cpu_experts_per_layer=100)
+    assert over.backend == "hybrid" and over.expert_slots == 48 * 28
+    assert over.cpu_experts_per_layer == 100
+    with pytest.raises(ValueError, match="cpu_experts_per_layer"):
+        plan_memory(shape, gpu(8), cpu_experts_per_layer=129)
+
+
+def test_cpu_only_without_gpu():
+    shape = ModelShape.from_config(QWEN3_30B, codec="int4")
+    hw = Hardware(ram_total=64 * GiB, ram_available=60 * GiB, pinnable=62 * GiB, cpu_gbps=50.0)
+    plan = plan_memory(shape, hw, context_length=8192)
+    assert plan.backend == "cpu" and plan.dense_on == "cpu" and plan.vram_planned == 0
+    assert plan.expert_slots == 0 and not plan.experts_pinned and plan.staging_ring_bytes == 0
+    assert plan.host_bytes == shape.experts_bytes + plan.dense_bytes + plan.kv_bytes + plan.workspace_bytes
+    assert any("CPU only" in note for note in plan.notes)
+    # uniform routing, every active expert read from RAM at 50 GB/s
+    assert plan.estimated_decode_tok_s == pytest.approx(50e9 / (48 * 8 * shape.expert_block_bytes))
+
+
+def test_gpu_too_small_for_dense_falls_back_to_cpu():
+    shape = ModelShape.from_config(QWEN36, codec="fp4")
+    plan = plan_memory(shape, gpu(4), context_length=8192)
+    assert plan.backend == "cpu" and plan.dense_on == "cpu"
+    assert any("falling back to the CPU" in note for note in plan.notes)
+
+
+def test_windows_pinnable_rule():
+    """On Windows only about half the RAM can be page-locked: experts that exceed it are staged through a
+    pinned ring from the mapped file, and the host total counts each page once."""
+    shape = ModelShape.from_config(QWEN3_30B, codec="int4")      # ~13.9 GiB of experts
+    assert Hardware.pinnable_for("Windows", 24 * GiB) == 12 * GiB
+    win = plan_memory(shape, gpu(8, ram_gib=24, os_name="Windows"))
+    lin = plan_memory(shape, gpu(8, ram_gib=24, os_name="Linux"))
+    assert not win.experts_pinned and win.staging_ring_bytes == STAGING_RING_BLOCKS_PER_LAYER * shape.layer_experts_bytes
+    assert any("pinnable" in note for note in win.notes)
+    assert lin.experts_pinned and lin.staging_ring_bytes == 0
+    # never the page cache and a pinned copy together
+    assert lin.host_bytes == shape.experts_bytes
+    assert win.host_bytes == shape.experts_bytes + win.staging_ring_bytes
+    assert win.host_bytes <= 24 * GiB - HOST_RESERVE
+
+
+def test_short_ram_leaves_cold_tail_on_disk_and_too_little_does_not_fit():
+    shape = ModelShape.from_config(QWEN3_30B, codec="int4")
+    tail = plan_memory(shape, gpu(8, ram_gib=12))
+    assert tail.backend == "hybrid" and tail.experts_on_disk_bytes > 0
+    assert tail.experts_in_ram_bytes + tail.experts_on_disk_bytes == shape.experts_bytes
+    assert any("disk" in note for note in tail.notes)
+    hw = Hardware(ram_total=4 * GiB, ram_available=3 * GiB, pinnable=2 * GiB, cpu_gbps=20.0)
+    plan = plan_memory(shape, hw)
+    assert plan.backend == "does_not_fit" and plan.short_of == "ram"
+    need = plan.dense_bytes + plan.kv_bytes + plan.workspace_bytes + shape.layer_experts_bytes
+    assert plan.shortfall_bytes == need - (3 * GiB - HOST_RESERVE)
+    assert "short of" in plan.summary_lines()[0]
+
+
+def test_bad_config_names_the_field():
+    broken = {k: v for k, v in QWEN3_30B.items() if k != "num_experts_per_tok"}
+    with pytest.raises(ValueError, match="num_experts_per_tok"):
+        ModelShape.from_config(broken)
+    with pytest.raises(ValueError, match="codec"):
+        ModelShape.from_config(QWEN3_30B, codec="int3")
+    with pytest.raises(ValueError, match="context_length"):
+        plan_memory(ModelShape.from_config(QWEN3_30B), gpu(8), context_length=0)
