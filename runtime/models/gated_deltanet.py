@@ -15,8 +15,9 @@ the activations are 16-bit (its chunked kernel refuses fp32); otherwise the torc
 
 Checkpoint spellings: Qwen3-Next packs `in_proj_qkvz` [Hk * (2dk + 2r dv), D] and `in_proj_ba`
 [Hk * 2r, D] grouped per key head (r = Hv / Hk value heads per key head); Qwen3.5 stores
-`in_proj_qkv`, `in_proj_z`, `in_proj_b`, `in_proj_a` separately. Both are rewritten at load into one
-fused projection in the Qwen3.5 order [q | k | v | z | b | a], so one matmul serves every token.
+`in_proj_qkv`, `in_proj_z`, `in_proj_b`, `in_proj_a` separately, already in [q | k | v] order. The
+layer keeps the checkpoint's own parameters (the strict loader maps names 1:1, no copy at load) and
+regroups the packed projection's output per token instead.
 
 Shapes: B sequences, T tokens, D hidden, Hk key heads, Hv value heads, r = Hv // Hk, dk key head dim,
 dv value head dim, C = 2 Hk dk + Hv dv conv channels, W conv kernel width, L chunk length, N chunks.
@@ -246,85 +247,45 @@ def fla_gated_delta_rule(q, k, v, g, beta, *, initial_state: torch.Tensor | None
 class GatedDeltaNet(torch.nn.Module):
     """One Gated DeltaNet token mixer. Stateless itself: the caller passes and receives the states.
 
+    Parameter names and shapes are the checkpoint's own (so the strict loader maps them 1:1): with
+    `packed=True` (Qwen3-Next) `in_proj_qkvz` and `in_proj_ba`, else (Qwen3.5) `in_proj_qkv`, `in_proj_z`,
+    `in_proj_b`, `in_proj_a`; then `conv1d.weight` [C, 1, W], `A_log`, `dt_bias`, `norm.weight`,
+    `out_proj.weight`.
+
     `forward(x [B, T, D], conv_state [B, C, W-1], recurrent_state [B, Hv, dk, dv])` returns
     (y [B, T, D], new conv_state, new recurrent_state fp32). Every row of the batch is one sequence
-    continuing from its own state; a new sequence passes zeros. T == 1 takes the recurrent form, longer
-    inputs the chunked form (which the recurrent form reproduces exactly; see the tests).
+    continuing from its own state; a new sequence passes zeros (`new_states`). T == 1 takes the
+    recurrent form, longer inputs the chunked form (which the recurrent form reproduces; see the tests).
     """
 
-    def __init__(self, cfg: GatedDeltaNetConfig, *, backend: str = "auto"):
+    def __init__(self, cfg: GatedDeltaNetConfig, *, packed: bool, backend: str = "auto"):
         super().__init__()
         if backend not in ("auto", "torch", "fla"):
             raise ValueError(f"unknown Gated DeltaNet backend {backend!r} (auto, torch or fla)")
-        self.cfg, self.backend = cfg, backend
+        self.cfg, self.packed, self.backend = cfg, packed, backend
         D, C, Hv = cfg.hidden_size, cfg.conv_dim, cfg.num_v_heads
-        # fused input projection, rows [q | k | v | z | b | a]
-        self.in_proj = torch.nn.Parameter(torch.empty(C + cfg.value_dim + 2 * Hv, D), requires_grad=False)
-        self.conv_weight = torch.nn.Parameter(torch.empty(C, cfg.conv_kernel), requires_grad=False)
-        self.A_log = torch.nn.Parameter(torch.empty(Hv), requires_grad=False)
-        self.dt_bias = torch.nn.Parameter(torch.empty(Hv), requires_grad=False)
-        self.norm_weight = torch.nn.Parameter(torch.empty(cfg.head_v_dim), requires_grad=False)
-        self.out_proj = torch.nn.Parameter(torch.empty(D, cfg.value_dim), requires_grad=False)
-
-    # -- loading -------------------------------------------------------------------------------
-
-    @staticmethod
-    def checkpoint_names(prefix: str, names) -> list[str]:
-        """The checkpoint tensors this layer reads under `prefix` (e.g. 'model.layers.0.linear_attn.')."""
-        have = set(names)
-        packed = ["in_proj_qkvz.weight", "in_proj_ba.weight"]
-        split = ["in_proj_qkv.weight", "in_proj_z.weight", "in_proj_b.weight", "in_proj_a.weight"]
-        common = ["conv1d.weight", "A_log", "dt_bias", "norm.weight", "out_proj.weight"]
-        proj = packed if prefix + packed[0] in have else split
-        return [prefix + n for n in proj + common]
-
-    def load(self, get: Callable[[str], torch.Tensor], prefix: str, names) -> None:
-        """Load from checkpoint tensors: `get(name)` returns one, `names` lists what the checkpoint has.
-
-        Accepts either spelling of the input projection; raises GatedDeltaNetError naming the tensor
-        that is missing or mis-shaped.
-        """
-        cfg = self.cfg
-        D, Hk, Hv, dk, dv, r = (cfg.hidden_size, cfg.num_k_heads, cfg.num_v_heads, cfg.head_k_dim,
-                                cfg.head_v_dim, cfg.heads_per_key)
-        have = set(names)
-
-        def fetch(name: str, shape: tuple[int, ...]) -> torch.Tensor:
-            full = prefix + name
-            if full not in have:
-                raise GatedDeltaNetError(f"checkpoint lacks tensor {full!r}")
-            t = get(full)
-            if tuple(t.shape) != shape:
-                raise GatedDeltaNetError(f"tensor {full!r} has shape {tuple(t.shape)}, expected {shape}")
-            return t
-
-        if prefix + "in_proj_qkvz.weight" in have:
-            # Qwen3-Next: rows grouped per key head as [q (dk) | k (dk) | v (r dv) | z (r dv)]
-            qkvz = fetch("in_proj_qkvz.weight", (Hk * (2 * dk + 2 * r * dv), D)).view(Hk, 2 * dk + 2 * r * dv, D)
-            q, k, v, z = torch.split(qkvz, [dk, dk, r * dv, r * dv], dim=1)
-            ba = fetch("in_proj_ba.weight", (Hk * 2 * r, D)).view(Hk, 2 * r, D)
-            b, a = torch.split(ba, [r, r], dim=1)
-            parts = [t.reshape(-1, D) for t in (q, k, v, z, b, a)]
+        if packed:
+            self.in_proj_qkvz = torch.nn.Linear(D, C + cfg.value_dim, bias=False)
+            self.in_proj_ba = torch.nn.Linear(D, 2 * Hv, bias=False)
         else:
-            parts = [fetch("in_proj_qkv.weight", (cfg.conv_dim, D)), fetch("in_proj_z.weight", (cfg.value_dim, D)),
-                     fetch("in_proj_b.weight", (Hv, D)), fetch("in_proj_a.weight", (Hv, D))]
-        with torch.no_grad():
-            self.in_proj.data = torch.cat(parts, dim=0).to(self.in_proj.dtype).contiguous()
-            conv = fetch("conv1d.weight", (cfg.conv_dim, 1, cfg.conv_kernel))
-            self.conv_weight.data = conv.reshape(cfg.conv_dim, cfg.conv_kernel).to(self.conv_weight.dtype).clone()
-            # A_log and dt_bias stay fp32: exp(A_log) in 16 bits loses the decay (transformers does the same)
-            self.A_log.data = fetch("A_log", (Hv,)).float().clone()
-            self.dt_bias.data = fetch("dt_bias", (Hv,)).float().clone()
-            self.norm_weight.data = fetch("norm.weight", (dv,)).to(self.norm_weight.dtype).clone()
-            self.out_proj.data = fetch("out_proj.weight", (D, cfg.value_dim)).to(self.out_proj.dtype).clone()
-
-    # -- compute -------------------------------------------------------------------------------
+            self.in_proj_qkv = torch.nn.Linear(D, C, bias=False)
+            self.in_proj_z = torch.nn.Linear(D, cfg.value_dim, bias=False)
+            self.in_proj_b = torch.nn.Linear(D, Hv, bias=False)
+            self.in_proj_a = torch.nn.Linear(D, Hv, bias=False)
+        self.conv1d = torch.nn.Module()
+        self.conv1d.weight = torch.nn.Parameter(torch.empty(C, 1, cfg.conv_kernel))      # depthwise, no bias
+        self.A_log = torch.nn.Parameter(torch.empty(Hv))
+        self.dt_bias = torch.nn.Parameter(torch.empty(Hv))
+        self.norm = torch.nn.Module()
+        self.norm.weight = torch.nn.Parameter(torch.empty(cfg.head_v_dim))
+        self.out_proj = torch.nn.Linear(cfg.value_dim, D, bias=False)
+        self.requires_grad_(False)
 
     def new_states(self, batch: int, *, device=None, dtype=None) -> tuple[torch.Tensor, torch.Tensor]:
         """Zero states for `batch` fresh sequences: conv [B, C, W-1] (activation dtype), recurrent fp32."""
         cfg = self.cfg
-        device = device or self.in_proj.device
-        conv = torch.zeros(batch, *cfg.conv_state_shape(), device=device, dtype=dtype or self.in_proj.dtype)
+        device = device or self.out_proj.weight.device
+        conv = torch.zeros(batch, *cfg.conv_state_shape(), device=device, dtype=dtype or self.out_proj.weight.dtype)
         rec = torch.zeros(batch, *cfg.recurrent_state_shape(), device=device, dtype=torch.float32)
         return conv, rec
 
@@ -337,20 +298,33 @@ class GatedDeltaNet(torch.nn.Module):
             return True
         return fla_usable(x)
 
+    def project(self, x: torch.Tensor):
+        """x [B, T, D] -> mixed [B, T, C] (= [q | k | v], the conv's channel order), z [B, T, Hv, dv], b, a [B, T, Hv]."""
+        cfg = self.cfg
+        B, T, _ = x.shape
+        Hk, Hv, dk, dv, r = cfg.num_k_heads, cfg.num_v_heads, cfg.head_k_dim, cfg.head_v_dim, cfg.heads_per_key
+        if self.packed:
+            # rows are grouped per key head: [q (dk) | k (dk) | v (r dv) | z (r dv)] and [b (r) | a (r)]
+            qkvz = self.in_proj_qkvz(x).view(B, T, Hk, 2 * dk + 2 * r * dv)
+            q, k, v, z = torch.split(qkvz, [dk, dk, r * dv, r * dv], dim=-1)
+            b, a = torch.split(self.in_proj_ba(x).view(B, T, Hk, 2 * r), [r, r], dim=-1)
+            mixed = torch.cat([q.reshape(B, T, -1), k.reshape(B, T, -1), v.reshape(B, T, -1)], dim=-1)
+            return mixed, z.reshape(B, T, Hv, dv), b.reshape(B, T, Hv), a.reshape(B, T, Hv)
+        return (self.in_proj_qkv(x), self.in_proj_z(x).view(B, T, Hv, dv), self.in_proj_b(x), self.in_proj_a(x))
+
     def forward(self, x: torch.Tensor, conv_state: torch.Tensor, recurrent_state: torch.Tensor
                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         cfg = self.cfg
         B, T, _ = x.shape
-        C, Hv = cfg.conv_dim, cfg.num_v_heads
-        proj = F.linear(x, self.in_proj)                                              # [B, T, C + Hv dv + 2Hv]
-        mixed, z, b, a = torch.split(proj, [C, cfg.value_dim, Hv, Hv], dim=-1)
-        mixed, conv_state = causal_conv1d(mixed, conv_state, self.conv_weight)        # [B, T, C]
+        mixed, z, b, a = self.project(x)
+        mixed, conv_state = causal_conv1d(mixed, conv_state, self.conv1d.weight.squeeze(1))   # [B, T, C]
         q, k, v = torch.split(mixed, [cfg.key_dim, cfg.key_dim, cfg.value_dim], dim=-1)
         q = q.reshape(B, T, cfg.num_k_heads, cfg.head_k_dim)
         k = k.reshape(B, T, cfg.num_k_heads, cfg.head_k_dim)
-        v = v.reshape(B, T, Hv, cfg.head_v_dim)
+        v = v.reshape(B, T, cfg.num_v_heads, cfg.head_v_dim)
         beta = b.sigmoid()                                                            # [B, T, Hv]
-        g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)          # [B, T, Hv] log decay <= 0
+        # fp32: exp(A_log) in 16 bits loses the decay
+        g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias.float())  # [B, T, Hv] log decay <= 0
         if self._use_fla(x):
             o, recurrent_state = fla_gated_delta_rule(q, k, v, g, beta, initial_state=recurrent_state,
                                                       recurrent=T == 1)
@@ -358,6 +332,6 @@ class GatedDeltaNet(torch.nn.Module):
             o, recurrent_state = recurrent_gated_delta_rule(q, k, v, g, beta, initial_state=recurrent_state)
         else:
             o, recurrent_state = chunked_gated_delta_rule(q, k, v, g, beta, initial_state=recurrent_state)
-        o = gated_rms_norm(o, z.reshape(B, T, Hv, cfg.head_v_dim), self.norm_weight, cfg.norm_eps)
-        y = F.linear(o.reshape(B, T, cfg.value_dim), self.out_proj)                   # [B, T, D]
+        o = gated_rms_norm(o, z, self.norm.weight, cfg.norm_eps)                      # [B, T, Hv, dv]
+        y = self.out_proj(o.reshape(B, T, cfg.value_dim))                             # [B, T, D]
         return y, conv_state, recurrent_state
