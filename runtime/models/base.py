@@ -229,8 +229,12 @@ class CausalLM(nn.Module, abc.ABC):
     def __init__(self, config: ModelConfig, *, experts: Experts):
         super().__init__()
         self.config = config
-        self.experts = experts
+        self.set_experts(experts)
         self.layer_kinds: list[str] = ["attention"] * config.num_hidden_layers
+
+    def set_experts(self, experts: Experts) -> None:
+        """Swap the expert tier (kept out of the module tree so it never shows up among the parameters)."""
+        self.__dict__["experts"] = experts
 
     def expert_spec(self) -> ExpertSpec:
         return ExpertSpec()

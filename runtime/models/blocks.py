@@ -1,0 +1,310 @@
+"""Shared building blocks of the model families: norms, rotary, attention over a KV cache, MLPs, routing.
+
+Shape legend: N new tokens of the batch (all sequences end to end), T new tokens of one sequence,
+S cached keys of that sequence (including the new ones), D hidden, H query heads, Hkv key/value
+heads, hd head dim, rd rotary dims, E experts, K experts per token, V vocabulary.
+
+Parameter names mirror the Hugging Face checkpoints (q_proj, input_layernorm, ...) so that a family's
+weight map is mostly the identity.
+"""
+from __future__ import annotations
+
+import math
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from runtime.experts.interface import Experts
+from runtime.models.base import Batch
+
+# ---------------------------------------------------------------------------------------------- norms
+
+
+class RMSNorm(nn.Module):
+    """RMSNorm over the last dim, normalised in fp32. Three flavours that differ in where the cast sits:
+
+    "llama"     w * x̂.to(dtype)              Qwen3-MoE, Mixtral (and q/k norms)
+    "fp32"      (w * x̂).to(dtype)            gpt-oss (its norms are kept in fp32)
+    "offset"    (x̂ * (1 + w)).to(dtype)      Qwen3-Next / Qwen3.5 (weights initialised at zero)
+    """
+
+    def __init__(self, dim: int, *, eps: float = 1e-6, flavour: str = "llama"):
+        super().__init__()
+        if flavour not in ("llama", "fp32", "offset"):
+            raise ValueError(f"unknown RMSNorm flavour {flavour!r}")
+        self.eps, self.flavour = eps, flavour
+        self.weight = nn.Parameter(torch.zeros(dim) if flavour == "offset" else torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        xf = x.float()
+        xhat = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        if self.flavour == "llama":
+            return self.weight * xhat.to(dtype)
+        if self.flavour == "fp32":
+            return (self.weight.float() * xhat).to(dtype)
+        return (xhat * (1.0 + self.weight.float())).to(dtype)
+
+
+# --------------------------------------------------------------------------------------------- rotary
+
+
+class Rotary(nn.Module):
+    """Rotary position embedding, NeoX half-split layout, over the first `rd` dims of each head.
+
+    Plain RoPE and YaRN (the scaled inverse frequencies and the attention factor that multiplies
+    cos/sin). `partial_rotary_factor < 1` rotates only the first rd = head_dim * factor dims.
+    """
+
+    def __init__(self, *, head_dim: int, theta: float, partial_rotary_factor: float = 1.0,
+                 scaling: dict | None = None, max_position_embeddings: int = 4096):
+        super().__init__()
+        self.rotary_dim = int(head_dim * partial_rotary_factor)
+        self._settings = (theta, scaling, max_position_embeddings)
+        inv_freq, self.attention_factor = rope_frequencies(self.rotary_dim, theta, scaling, max_position_embeddings)
+        self.register_buffer("inv_freq", inv_freq, persistent=False)   # [rd/2] fp32
+
+    def init_buffers(self, *, device: torch.device | str) -> None:
+        """Recompute the frequencies in fp32 (after the model was built on meta and cast)."""
+        inv_freq, self.attention_factor = rope_frequencies(self.rotary_dim, *self._settings)
+        self.inv_freq = inv_freq.to(device)
+
+    def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """positions [N] -> cos, sin [N, 1, rd/2] in `dtype` (broadcast over heads)."""
+        freqs = positions[:, None].float() * self.inv_freq.to(positions.device)[None, :]   # [N, rd/2]
+        cos = (freqs.cos() * self.attention_factor).to(dtype)
+        sin = (freqs.sin() * self.attention_factor).to(dtype)
+        return cos[:, None, :], sin[:, None, :]
+
+    def apply(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """x [N, heads, hd] -> rotated x; dims past rd pass through."""
+        rd = self.rotary_dim
+        rot, rest = x[..., :rd], x[..., rd:]
+        first, second = rot[..., :rd // 2], rot[..., rd // 2:]
+        rotated = torch.cat((first * cos - second * sin, second * cos + first * sin), dim=-1)
+        return torch.cat((rotated, rest), dim=-1) if rest.shape[-1] else rotated
+
+
+def rope_frequencies(dim: int, theta: float, scaling: dict | None,
+                     max_position_embeddings: int) -> tuple[torch.Tensor, float]:
+    """Inverse frequencies [dim/2] and the attention factor, for plain RoPE, linear scaling or YaRN."""
+    pos_freqs = theta ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim)   # [dim/2]
+    inv_freq = 1.0 / pos_freqs
+    if not scaling:
+        return inv_freq, 1.0
+    kind = scaling.get("rope_type", scaling.get("type"))
+    if kind == "linear":
+        return inv_freq / float(scaling["factor"]), 1.0
+    if kind != "yarn":
+        raise ValueError(f"config.json: unsupported rope scaling type {kind!r} (supported: default, linear, yarn)")
+    factor = scaling.get("factor")
+    original = scaling["original_max_position_embeddings"]
+    if factor is None:
+        factor = max_position_embeddings / original
+
+    def mscale(scale: float, m: float = 1.0) -> float:
+        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+    attention_factor = scaling.get("attention_factor")
+    if attention_factor is None:
+        if scaling.get("mscale") and scaling.get("mscale_all_dim"):
+            attention_factor = mscale(factor, scaling["mscale"]) / mscale(factor, scaling["mscale_all_dim"])
+        else:
+            attention_factor = mscale(factor)
+    beta_fast = scaling.get("beta_fast") or 32
+    beta_slow = scaling.get("beta_slow") or 1
+
+    def correction_dim(rotations: float) -> float:
+        # the dimension whose wavelength makes `rotations` turns over the original context
+        return dim * math.log(original / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+
+    low, high = correction_dim(beta_fast), correction_dim(beta_slow)
+    if scaling.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001   # avoid a zero-width ramp
+    ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    extrapolation = 1 - ramp      # 1 where frequencies are kept (high frequency), 0 where interpolated
+    inv_freq = (inv_freq / factor) * (1 - extrapolation) + inv_freq * extrapolation
+    return inv_freq, float(attention_factor)
+
+
+# ------------------------------------------------------------------------------------------ attention
+
+
+def attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, *, scale: float,
+           sliding_window: int | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
+    """Causal attention of one sequence's T new queries over its S cached keys (the new ones last).
+
+    q [H, T, hd], keys/values [Hkv, S, hd] -> [H, T, hd]. A query at position p sees keys j <= p, and
+    with a sliding window W only p - j < W (the window includes the query itself). `sinks` [H] adds
+    gpt-oss's per-head learned logit to the softmax denominator.
+    """
+    h, t, hd = q.shape
+    hkv, s, _ = keys.shape
+    first_pos = s - t
+    if sliding_window is not None:
+        # keys older than the first query's window are never seen: drop them before the matmul
+        lo = max(0, first_pos - sliding_window + 1)
+        keys, values, first_pos, s = keys[:, lo:], values[:, lo:], first_pos - lo, s - lo
+    qpos = torch.arange(first_pos, first_pos + t, device=q.device)[:, None]     # [T, 1]
+    kpos = torch.arange(s, device=q.device)[None, :]                              # [1, S]
+    allowed = kpos <= qpos                                                        # [T, S]
+    if sliding_window is not None:
+        allowed = allowed & (qpos - kpos < sliding_window)
+    if sinks is None:
+        mask = None if (t == 1 and bool(allowed.all())) else allowed
+        return F.scaled_dot_product_attention(q[None], keys[None], values[None], attn_mask=mask,
+                                              scale=scale, enable_gqa=h != hkv)[0]
+    # sinks: softmax over [scores, sink] then drop the sink column, so a head may attend to nothing
+    g = h // hkv
+    qg = q.reshape(hkv, g, t, hd)                                                 # [Hkv, G, T, hd]
+    scores = torch.matmul(qg, keys[:, None].transpose(-1, -2)) * scale            # [Hkv, G, T, S]
+    scores = scores.masked_fill(~allowed, float("-inf"))
+    sink = sinks.reshape(hkv, g, 1, 1).to(scores.dtype).expand(hkv, g, t, 1)
+    logits = torch.cat([scores, sink], dim=-1)
+    logits = logits - logits.max(dim=-1, keepdim=True).values
+    probs = torch.softmax(logits, dim=-1)[..., :-1].to(values.dtype)             # [Hkv, G, T, S]
+    return torch.matmul(probs, values[:, None]).reshape(h, t, hd)
+
+
+def attend_batch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: Batch, layer: int, *,
+                 scale: float, sliding_window: int | None = None,
+                 sinks: torch.Tensor | None = None) -> torch.Tensor:
+    """Store k, v in each sequence's cache and attend: q [N, H, hd], k/v [N, Hkv, hd] -> [N, H, hd]."""
+    out = torch.empty_like(q)
+    for rows, cache in batch.segments(layer):
+        keys, values = cache.update_and_fetch(k[rows].transpose(0, 1), v[rows].transpose(0, 1))  # [Hkv, S, hd]
+        o = attend(q[rows].transpose(0, 1), keys, values, scale=scale, sliding_window=sliding_window, sinks=sinks)
+        out[rows] = o.transpose(0, 1)                                                          # [T, H, hd]
+    return out
+
+
+class Attention(nn.Module):
+    """Multi-head attention with GQA over the KV cache; options cover Qwen3 (q/k norm), gpt-oss (biases,
+    sinks, sliding window) and Mixtral (plain)."""
+
+    def __init__(self, *, hidden_size: int, num_heads: int, num_kv_heads: int, head_dim: int,
+                 qkv_bias: bool = False, o_bias: bool = False, qk_norm_eps: float | None = None,
+                 sinks: bool = False, sliding_window: int | None = None):
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
+        self.sliding_window = sliding_window
+        self.scale = head_dim ** -0.5
+        self.q_proj = nn.Linear(hidden_size, num_heads * head_dim, bias=qkv_bias)
+        self.k_proj = nn.Linear(hidden_size, num_kv_heads * head_dim, bias=qkv_bias)
+        self.v_proj = nn.Linear(hidden_size, num_kv_heads * head_dim, bias=qkv_bias)
+        self.o_proj = nn.Linear(num_heads * head_dim, hidden_size, bias=o_bias)
+        if qk_norm_eps is not None:
+            self.q_norm = RMSNorm(head_dim, eps=qk_norm_eps)
+            self.k_norm = RMSNorm(head_dim, eps=qk_norm_eps)
+        else:
+            self.q_norm = self.k_norm = None
+        self.sinks = nn.Parameter(torch.zeros(num_heads)) if sinks else None
+
+    def forward(self, x: torch.Tensor, batch: Batch, layer: int, rope: Rotary,
+                cos_sin: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        n = x.shape[0]
+        q = self.q_proj(x).view(n, self.num_heads, self.head_dim)        # [N, H, hd]
+        k = self.k_proj(x).view(n, self.num_kv_heads, self.head_dim)     # [N, Hkv, hd]
+        v = self.v_proj(x).view(n, self.num_kv_heads, self.head_dim)     # [N, Hkv, hd]
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = rope.apply(q, *cos_sin), rope.apply(k, *cos_sin)
+        o = attend_batch(q, k, v, batch, layer, scale=self.scale, sliding_window=self.sliding_window,
+                         sinks=self.sinks)
+        return self.o_proj(o.reshape(n, self.num_heads * self.head_dim))
+
+
+# ---------------------------------------------------------------------------------------------- MLPs
+
+
+class DenseMLP(nn.Module):
+    """SwiGLU MLP: down(silu(gate x) * up x), for dense layers and shared experts."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int):
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
+        self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
+        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+def route_softmax_topk(logits: torch.Tensor, k: int, *, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Qwen/Mixtral routing: softmax in fp32 over all E experts, top-k, optionally renormalised over the k.
+
+    logits [N, E] -> ids [N, K] int64, weights [N, K] fp32.
+    """
+    probs = torch.softmax(logits.float(), dim=-1)
+    weights, ids = torch.topk(probs, k, dim=-1)
+    if renormalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return ids, weights
+
+
+def route_topk_softmax(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """gpt-oss routing: top-k on the raw logits, then softmax over those k. [N, E] -> ids, weights [N, K]."""
+    top, ids = torch.topk(logits, k, dim=-1)
+    return ids, torch.softmax(top, dim=-1)
+
+
+class SparseMoE(nn.Module):
+    """Router + a call into the expert tier. The router is `gate` (Linear to E logits, optional bias);
+    `routing` turns logits into (ids, weights); experts live wherever `experts` keeps them."""
+
+    def __init__(self, *, hidden_size: int, num_experts: int, top_k: int,
+                 routing: Callable[[torch.Tensor, int], tuple[torch.Tensor, torch.Tensor]],
+                 router_bias: bool = False, router_name: str = "gate"):
+        super().__init__()
+        self.top_k, self.routing, self.router_name = top_k, routing, router_name
+        setattr(self, router_name, nn.Linear(hidden_size, num_experts, bias=router_bias))
+
+    def forward(self, x: torch.Tensor, layer: int, experts: Experts) -> torch.Tensor:
+        logits = getattr(self, self.router_name)(x)                         # [N, E]
+        ids, weights = self.routing(logits, self.top_k)                     # [N, K], [N, K]
+        return experts(layer, x, ids, weights.to(x.dtype))                  # [N, D]
+
+
+# -------------------------------------------------------------------------------- decoder (pre-norm)
+
+
+class DecoderLayer(nn.Module):
+    """x + attn(norm(x)), then x + mlp(norm(x)); `mlp` is a DenseMLP or a SparseMoE."""
+
+    def __init__(self, *, attn: nn.Module, mlp: nn.Module, hidden_size: int, eps: float, norm_flavour: str,
+                 mlp_name: str = "mlp"):
+        super().__init__()
+        self.self_attn = attn
+        self.mlp_name = mlp_name
+        setattr(self, mlp_name, mlp)
+        self.input_layernorm = RMSNorm(hidden_size, eps=eps, flavour=norm_flavour)
+        self.post_attention_layernorm = RMSNorm(hidden_size, eps=eps, flavour=norm_flavour)
+
+    def forward(self, x: torch.Tensor, batch: Batch, layer: int, rope: Rotary, cos_sin, experts: Experts):
+        x = x + self.self_attn(self.input_layernorm(x), batch, layer, rope, cos_sin)
+        mlp = getattr(self, self.mlp_name)
+        h = self.post_attention_layernorm(x)
+        return x + (mlp(h, layer, experts) if isinstance(mlp, SparseMoE) else mlp(h))
+
+
+class DecoderStack(nn.Module):
+    """Embeddings, decoder layers and the final norm: the checkpoint's `model.*` tensors."""
+
+    def __init__(self, *, vocab_size: int, hidden_size: int, layers: list[nn.Module], eps: float,
+                 norm_flavour: str):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(vocab_size, hidden_size)
+        self.layers = nn.ModuleList(layers)
+        self.norm = RMSNorm(hidden_size, eps=eps, flavour=norm_flavour)
+
+    def forward(self, batch: Batch, rope: Rotary, experts: Experts) -> torch.Tensor:
+        x = self.embed_tokens(batch.input_ids)                              # [N, D]
+        cos_sin = rope.cos_sin(batch.positions, x.dtype)                    # [N, 1, rd/2] x2
+        for i, layer in enumerate(self.layers):
+            x = layer(x, batch, i, rope, cos_sin, experts)
+        return self.norm(x)
