@@ -1,0 +1,1 @@
+"""The text layer: tokenizer and streaming detokenizer, chat templates, output parsers."""
