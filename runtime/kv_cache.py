@@ -55,6 +55,17 @@ class KVCache:
         self.offset -= n
         return n
 
+    def load(self, other: "KVCache", length: int | None = None) -> None:
+        """Take the first `length` tokens (default all) of another KV cache (a prefix-cache hit)."""
+        n = other.offset if length is None else length
+        if not 0 <= n <= other.offset:
+            raise ValueError(f"cannot take {n} tokens from a KV cache holding {other.offset}")
+        self.offset = 0
+        self._reserve(n)
+        self.keys[:, :n] = other.keys[:, :n]
+        self.values[:, :n] = other.values[:, :n]
+        self.offset = n
+
     def copy(self) -> "KVCache":
         """A compact independent copy holding exactly `offset` tokens."""
         out = KVCache(self.num_kv_heads, self.head_dim, device=self.device, dtype=self.dtype, capacity=0)
@@ -89,6 +100,13 @@ class StateCache:
     def copy(self) -> "StateCache":
         return StateCache({k: v.clone() for k, v in self.states.items()}, self.offset)
 
+    def load(self, other: "StateCache", length: int | None = None) -> None:
+        """Take another state's tensors (a prefix-cache hit); a recurrent state restores only whole."""
+        if length is not None and length != other.offset:
+            raise ValueError(f"a recurrent state of {other.offset} tokens cannot be cut to {length}")
+        self.states = {k: v.clone() for k, v in other.states.items()}
+        self.offset = other.offset
+
     @property
     def nbytes(self) -> int:
         return sum(v.numel() * v.element_size() for v in self.states.values())
@@ -117,6 +135,29 @@ class SequenceCache:
 
     def copy(self) -> "SequenceCache":
         return SequenceCache([layer.copy() for layer in self.layers])
+
+    def load(self, other: "SequenceCache", length: int | None = None) -> None:
+        """Fill this (fresh) cache from a stored one, keeping its first `length` tokens (default all)."""
+        if len(other.layers) != len(self.layers):
+            raise ValueError(f"stored cache has {len(other.layers)} layers, this model {len(self.layers)}")
+        for mine, theirs in zip(self.layers, other.layers):
+            mine.load(theirs, length)
+
+    def detach(self) -> "SequenceCache":
+        """A cache that holds no pooled resources, for the prefix cache once the sequence is done.
+
+        Plain KV caches are handed over as they are (no copy); a layer living in a pool (a state
+        slot) is copied out. Call `release()` afterwards to give the pooled resources back.
+        """
+        return SequenceCache([layer if isinstance(layer, (KVCache, StateCache)) else layer.copy()
+                              for layer in self.layers])
+
+    def release(self) -> None:
+        """Give back pooled resources (state slots); a no-op for plain caches."""
+        for layer in self.layers:
+            release = getattr(layer, "release", None)
+            if callable(release):
+                release()
 
     @property
     def nbytes(self) -> int:

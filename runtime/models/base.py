@@ -31,12 +31,17 @@ sequence over that sequence's own cache (`Batch.segments()`). Prefill chunks and
 mix freely in one batch, which is what continuous batching needs.
 
 The cache protocol (implementations in `runtime/kv_cache.py`). A sequence owns a `SequenceCache`,
-one `LayerCache` per decoder layer, made by `model.new_cache(device=..., dtype=...)`:
+one `LayerCache` per decoder layer, made by `model.new_cache(device=..., dtype=...)` (a family with
+pooled state slots overrides it; the engine calls `SequenceCache.release()` when the sequence ends
+and `detach()` to keep a finished sequence's cache in the prefix cache):
     offset          tokens seen by this layer
     nbytes          bytes held
     trimmable       True when trim() can drop tokens (KV); False for recurrent state
     trim(n) -> int  drop the last n tokens, return how many were dropped
-    copy()          an independent, compact copy (what the prefix cache stores and hands back)
+    copy()          an independent, compact copy (what the prefix cache stores)
+    load(other, length=None)   fill a fresh cache from a stored copy, keeping `length` tokens
+                    (a recurrent state only whole); how a prefix-cache hit enters a new sequence
+    release()       optional: give pooled resources (state slots) back when the sequence ends
   KVCache (attention):   update_and_fetch(k, v) with k, v [Hkv, T, hd] -> all keys/values [Hkv, S, hd]
                          (S = offset after the update); offset advances by T.
   StateCache (linear attention): `states: dict[str, Tensor]` the layer reads and replaces as it likes
@@ -170,6 +175,8 @@ class LayerCache(Protocol):
     def trim(self, n: int) -> int: ...
 
     def copy(self) -> "LayerCache": ...
+
+    def load(self, other: "LayerCache", length: int | None = None) -> None: ...
 
 
 # -------------------------------------------------------------------------------------------- batch
