@@ -1,4 +1,4 @@
-"""`freetoken info`: where FreeToken keeps its files (the library issue adds the hardware probe)."""
+"""`freetoken info`: this machine (GPUs, CPU, RAM, disk) and where FreeToken keeps its files."""
 from __future__ import annotations
 
 import json
@@ -11,13 +11,19 @@ def register(sub) -> None:
 
 
 def run(args) -> int:
+    from app.hardware import probe
     from app.paths import user_paths
+    from app.settings import Settings
 
-    paths = user_paths()
-    report = {"folders": {k: str(v) for k, v in vars(paths).items()}}
+    paths = user_paths(Settings().get("models_dir") or None)
+    hardware = probe(paths.models)
+    report = {"folders": {k: str(v) for k, v in vars(paths).items()}, "hardware": hardware.to_dict()}
     if args.json:
         print(json.dumps(report, indent=2))
-    else:
-        for key, value in report["folders"].items():
-            print(f"{key:>8}: {value}")
+        return 0
+    for line in hardware.summary_lines():
+        print(line)
+    print()
+    for key, value in report["folders"].items():
+        print(f"{key:>8}: {value}")
     return 0
