@@ -186,7 +186,7 @@ class SlotStateCache:
     def __init__(self, pool: StatePool, slot: int, layer: int):
         self.pool, self.slot, self.layer = pool, slot, layer
         self.states = _SlotStates(pool, slot, layer)
-        self.offset = 0
+        self.offset = pool._offsets[slot]
 
     def advance(self, n: int) -> None:
         self.offset += n
