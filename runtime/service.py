@@ -1,0 +1,513 @@
+"""The engine service: one thread owns the Engine; HTTP handlers and the IPC loop hand it work.
+
+Everything that touches the Engine runs on the service thread (the Engine is not thread-safe and the
+GPU wants one owner). Callers talk to it through an inbox of commands and get their answers through
+the `sink` they hand in with each job: a callable the service thread calls with ServiceEvents, which
+the caller forwards to its own world (an asyncio queue for HTTP, a socket for IPC).
+
+    caller thread                     service thread
+    submit(job) --> inbox ----------> add_request / cancel / load / unload
+                                       loop: drain inbox; engine.step(); route TokenEvents
+    job.sink(Piece | Finished | ...) <- parser(text) per request
+
+The queue bound counts every admitted request (waiting or running); past it `submit` raises
+Overloaded at once, so a flood gets 429/529 instead of a hang. Cancel goes through the inbox and is
+handled before the next step, so a client that goes away stops costing compute within one step.
+"""
+from __future__ import annotations
+
+import itertools
+import logging
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+log = logging.getLogger(__name__)
+
+DEFAULT_MAX_QUEUE = 64          # admitted requests (running + waiting) before Overloaded
+DEFAULT_STATS_INTERVAL_S = 1.0
+
+
+# ---- what the service tells a job's sink ------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Piece:
+    """A parsed piece of output: text, reasoning, or part of a tool call (index; call_id/name on its first)."""
+    kind: str                      # "text" | "reasoning" | "tool_call"
+    text: str = ""
+    index: int = 0
+    call_id: str | None = None
+    name: str | None = None
+    arguments: str = ""
+
+
+@dataclass(frozen=True)
+class PrefillProgress:
+    done: int
+    total: int
+
+
+@dataclass(frozen=True)
+class Finished:
+    finish_reason: str             # "stop" | "length" | "cancelled" | "tool_calls"
+    prompt_tokens: int
+    completion_tokens: int
+    ttft_s: float
+    prefill_tps: float
+    decode_tps: float
+    total_s: float
+    stop_sequence: str | None = None   # the stop string that ended generation, when known
+
+    def usage(self) -> dict:
+        return {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens}
+
+    def timings(self) -> dict:
+        return {"ttft_s": self.ttft_s, "prefill_tps": self.prefill_tps, "decode_tps": self.decode_tps,
+                "total_s": self.total_s}
+
+
+@dataclass(frozen=True)
+class Failed:
+    code: str                      # a runtime.protocol ERROR_CODES value
+    message: str
+
+
+ServiceEvent = Piece | PrefillProgress | Finished | Failed
+
+
+# ---- errors raised to the caller at submit time ---------------------------------------------------------
+
+class ServiceError(Exception):
+    code = "engine_error"
+
+
+class Overloaded(ServiceError):
+    code = "overloaded"
+
+
+class NoModel(ServiceError):
+    code = "no_model"
+
+
+class StillLoading(ServiceError):
+    code = "loading"
+
+
+class ContextTooLong(ServiceError):
+    code = "context_length"
+
+    def __init__(self, prompt_tokens: int, limit: int):
+        self.prompt_tokens, self.limit = prompt_tokens, limit
+        super().__init__(f"the prompt is {prompt_tokens} tokens, but the model's context is {limit} tokens "
+                         f"(it must leave room for at least one generated token)")
+
+
+# ---- jobs --------------------------------------------------------------------------------------------------
+
+@dataclass
+class GenerateJob:
+    prompt_ids: list[int]
+    prompt_text: str                 # what the parser needs to know (did the prompt open <think>?)
+    sampling: Any                    # runtime.engine.SamplingParams
+    sink: Callable[[ServiceEvent], None]
+    parse: bool = True               # False: raw completion, every token is text
+    # set by the service
+    key: int = 0
+    request_id: Any = None
+    parser: Any = None
+    t_submit: float = 0.0
+    t_first: float | None = None
+    completion_tokens: int = 0
+    saw_tool_call: bool = False
+    done: bool = False
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    """What request handlers may read about the loaded model from any thread (immutable snapshot)."""
+    model_id: str
+    model_type: str
+    context_length: int
+    tokenizer: Any                   # runtime.text.tokenizer.Tokenizer (read-only use is thread-safe)
+    chat_template: Any               # runtime.text.chat_template.ChatTemplate
+    plan: dict
+    path: str
+    generation_config: dict = field(default_factory=dict)
+    loaded_at: float = 0.0
+
+
+@dataclass(frozen=True)
+class LoadOptions:
+    device: str = "auto"
+    context_length: int | None = None
+    max_batch: int = 8
+    vram_budget: int | None = None
+    cpu_experts_per_layer: int | None = None
+
+    @classmethod
+    def from_dict(cls, options: dict | None) -> "LoadOptions":
+        options = dict(options or {})
+        unknown = set(options) - set(cls.__dataclass_fields__)
+        if unknown:
+            raise ValueError(f"unknown load option(s): {', '.join(sorted(unknown))}")
+        return cls(**options)
+
+
+def _default_engine_loader(path, options: LoadOptions, progress):
+    from runtime.engine import Engine
+
+    kwargs = dict(device=options.device, max_batch=options.max_batch, vram_budget=options.vram_budget,
+                  cpu_experts_per_layer=options.cpu_experts_per_layer, progress=progress)
+    if options.context_length:
+        kwargs["context_length"] = options.context_length
+    return Engine.load(path, **kwargs)
+
+
+def _default_parser_factory(model_type: str, prompt_text: str):
+    from runtime.text.parsers import make_output_parser
+
+    return make_output_parser(model_type, prompt_text)
+
+
+class Service:
+    """Owns the engine thread. Thread-safe: every public method may be called from any thread."""
+
+    def __init__(self, *, max_queue: int = DEFAULT_MAX_QUEUE, stats_interval_s: float = DEFAULT_STATS_INTERVAL_S,
+                 engine_loader: Callable = _default_engine_loader,
+                 parser_factory: Callable = _default_parser_factory):
+        self.max_queue = max_queue
+        self.stats_interval_s = stats_interval_s
+        self._engine_loader = engine_loader
+        self._parser_factory = parser_factory
+        self._inbox: queue.Queue = queue.Queue()
+        self._lock = threading.Lock()
+        self._jobs: dict[int, GenerateJob] = {}      # key -> admitted job (waiting in inbox or running)
+        self._by_rid: dict[Any, GenerateJob] = {}     # engine request id -> job (service thread only)
+        self._keys = itertools.count(1)
+        self._engine = None                           # service thread only
+        self._model: ModelInfo | None = None
+        self._state = "empty"                         # empty | loading | ready | failed
+        self._load_error: str | None = None
+        self._ready = threading.Condition(self._lock)
+        self._stats_sinks: dict[str, Callable[[dict], None]] = {}
+        self._served = 0
+        self._tokens_out = 0
+        self._recent: list[tuple[float, int]] = []    # (time, tokens) per step, for a recent tok/s
+        self._thread = threading.Thread(target=self._run, name="freetoken-engine", daemon=True)
+        self._stopped = threading.Event()
+        self._thread.start()
+
+    # ---- state readable from any thread ----
+
+    @property
+    def model(self) -> ModelInfo | None:
+        return self._model
+
+    @property
+    def state(self) -> str:
+        return self._state
+
+    @property
+    def load_error(self) -> str | None:
+        return self._load_error
+
+    def pending(self) -> int:
+        with self._lock:
+            return len(self._jobs)
+
+    def wait_for_model(self, timeout_s: float) -> ModelInfo:
+        """The loaded model, waiting up to `timeout_s` while one is loading; NoModel/StillLoading otherwise."""
+        deadline = time.monotonic() + timeout_s
+        with self._ready:
+            while self._state == "loading":
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise StillLoading("a model is still loading; try again in a moment")
+                self._ready.wait(left)
+            if self._model is None:
+                reason = f" (the last load failed: {self._load_error})" if self._load_error else ""
+                raise NoModel(f"no model is loaded{reason}")
+            return self._model
+
+    # ---- commands ----
+
+    def load(self, path, options: LoadOptions | None = None, *,
+             on_progress: Callable[[float, float, str], None] | None = None,
+             on_done: Callable[[ModelInfo | None, str | None], None] | None = None) -> None:
+        """Load the model at `path` (replacing the current one) on the service thread. `on_done(info, error)`."""
+        with self._lock:
+            self._state = "loading"
+            self._load_error = None
+        self._inbox.put(("load", path, options or LoadOptions(), on_progress, on_done))
+
+    def load_sync(self, path, options: LoadOptions | None = None, *, timeout_s: float = 600) -> ModelInfo:
+        done = threading.Event()
+        result: dict = {}
+
+        def finished(info, error):
+            result.update(info=info, error=error)
+            done.set()
+
+        self.load(path, options, on_done=finished)
+        if not done.wait(timeout_s):
+            raise ServiceError(f"loading {path} took longer than {timeout_s} s")
+        if result["error"]:
+            raise ServiceError(result["error"])
+        return result["info"]
+
+    def unload(self, *, on_done: Callable[[], None] | None = None) -> None:
+        self._inbox.put(("unload", on_done))
+
+    def submit(self, job: GenerateJob) -> GenerateJob:
+        """Admit `job` or raise Overloaded / NoModel / StillLoading / ContextTooLong at once."""
+        model = self._model
+        if model is None:
+            if self._state == "loading":
+                raise StillLoading("a model is still loading; try again in a moment")
+            raise NoModel("no model is loaded")
+        if len(job.prompt_ids) >= model.context_length:
+            raise ContextTooLong(len(job.prompt_ids), model.context_length)
+        if not job.prompt_ids:
+            raise ServiceError("the prompt is empty")
+        with self._lock:
+            if len(self._jobs) >= self.max_queue:
+                raise Overloaded(f"the server is busy: {len(self._jobs)} requests are queued or running "
+                                 f"(limit {self.max_queue}); retry shortly")
+            job.key = next(self._keys)
+            job.t_submit = time.perf_counter()
+            self._jobs[job.key] = job
+        self._inbox.put(("add", job))
+        return job
+
+    def cancel(self, job: GenerateJob) -> None:
+        """Stop `job` before the engine's next step (no-op when it already finished)."""
+        if not job.done:
+            self._inbox.put(("cancel", job))
+
+    def subscribe_stats(self, name: str, sink: Callable[[dict], None]) -> None:
+        with self._lock:
+            self._stats_sinks[name] = sink
+
+    def unsubscribe_stats(self, name: str) -> None:
+        with self._lock:
+            self._stats_sinks.pop(name, None)
+
+    def stats(self) -> dict:
+        """Service figures (any thread); the engine's own stats arrive through subscribe_stats."""
+        with self._lock:
+            admitted = len(self._jobs)
+        now = time.monotonic()
+        recent = [n for t, n in self._recent if now - t <= 5.0]
+        return {"state": self._state, "model": self._model.model_id if self._model else None,
+                "requests_admitted": admitted, "queue_limit": self.max_queue, "requests_served": self._served,
+                "tokens_generated": self._tokens_out, "tokens_per_s_5s": sum(recent) / 5.0}
+
+    def close(self, timeout_s: float = 10.0) -> None:
+        """Cancel everything, free the engine and end the thread."""
+        self._inbox.put(("stop",))
+        self._thread.join(timeout_s)
+
+    # ---- the service thread ----
+
+    def _run(self) -> None:
+        next_stats = time.monotonic() + self.stats_interval_s
+        try:
+            while True:
+                busy = self._engine is not None and self._engine.has_work()
+                timeout = 0 if busy else max(0.0, next_stats - time.monotonic())
+                if not self._drain_inbox(block_s=timeout):
+                    return
+                if self._engine is not None and self._engine.has_work():
+                    self._step()
+                if time.monotonic() >= next_stats:
+                    self._publish_stats()
+                    next_stats = time.monotonic() + self.stats_interval_s
+        finally:
+            self._fail_all("engine_error", "the engine service stopped")
+            self._engine = None
+            self._stopped.set()
+
+    def _drain_inbox(self, block_s: float) -> bool:
+        """Run every queued command; False once 'stop' arrived."""
+        try:
+            command = self._inbox.get(timeout=block_s) if block_s > 0 else self._inbox.get_nowait()
+        except queue.Empty:
+            return True
+        while True:
+            kind = command[0]
+            if kind == "stop":
+                return False
+            try:
+                getattr(self, f"_do_{kind}")(*command[1:])
+            except Exception:   # a bug in one command must not kill the engine thread
+                log.exception("engine service command %s failed", kind)
+            try:
+                command = self._inbox.get_nowait()
+            except queue.Empty:
+                return True
+
+    def _do_load(self, path, options: LoadOptions, on_progress, on_done) -> None:
+        self._fail_all("engine_error", "the model was replaced while this request ran")
+        self._engine = None
+        self._model = None
+        try:
+            engine = self._engine_loader(path, options, on_progress or (lambda *a: None))
+            info = ModelInfo(model_id=engine.model_id, model_type=engine.model_type,
+                             context_length=int(engine.context_length), tokenizer=engine.tokenizer,
+                             chat_template=engine.chat_template, plan=dict(getattr(engine, "plan", {}) or {}),
+                             path=str(path), generation_config=dict(getattr(engine, "generation_config", {}) or {}),
+                             loaded_at=time.time())
+        except Exception as exc:   # any load failure is reported, never kills the thread
+            log.exception("loading %s failed", path)
+            message = f"{type(exc).__name__}: {exc}" if not str(exc).startswith(str(path)) else str(exc)
+            with self._ready:
+                self._state, self._load_error = "failed", message
+                self._ready.notify_all()
+            if on_done:
+                on_done(None, message)
+            return
+        self._engine = engine
+        with self._ready:
+            self._model, self._state = info, "ready"
+            self._ready.notify_all()
+        if on_done:
+            on_done(info, None)
+
+    def _do_unload(self, on_done) -> None:
+        self._fail_all("no_model", "the model was unloaded")
+        self._engine = None
+        with self._ready:
+            self._model, self._state = None, "empty"
+            self._ready.notify_all()
+        if on_done:
+            on_done()
+
+    def _do_add(self, job: GenerateJob) -> None:
+        if job.done:                      # cancelled before it reached the engine
+            return
+        if self._engine is None:
+            self._finish_failed(job, "no_model", "no model is loaded")
+            return
+        try:
+            job.parser = self._parser_factory(self._model.model_type, job.prompt_text) if job.parse else None
+            job.request_id = self._engine.add_request(
+                job.prompt_ids, job.sampling, on_prefill=lambda done, total: job.sink(PrefillProgress(done, total)))
+        except Exception as exc:
+            code = "context_length" if "context" in str(exc).lower() else "engine_error"
+            self._finish_failed(job, code, str(exc))
+            return
+        self._by_rid[job.request_id] = job
+
+    def _do_cancel(self, job: GenerateJob) -> None:
+        if job.done:
+            return
+        if job.request_id is not None and self._engine is not None:
+            self._engine.cancel(job.request_id)
+            self._by_rid.pop(job.request_id, None)
+        self._finish(job, "cancelled", stop_sequence=None)
+
+    def _step(self) -> None:
+        try:
+            events = self._engine.step()
+        except Exception as exc:
+            log.exception("engine step failed")
+            self._fail_all("engine_error", f"the engine failed: {type(exc).__name__}: {exc}")
+            return
+        now = time.perf_counter()
+        produced = 0
+        for ev in events:
+            job = self._by_rid.get(ev.request_id)
+            if job is None or job.done:
+                continue
+            if ev.token_id is not None:
+                job.completion_tokens += 1
+                produced += 1
+            if job.t_first is None:
+                job.t_first = now
+            if ev.text:
+                self._emit_text(job, ev.text)
+            if ev.finished:
+                self._by_rid.pop(ev.request_id, None)
+                self._flush_parser(job)
+                reason = ev.finish_reason or "stop"
+                if reason == "stop" and job.saw_tool_call:
+                    reason = "tool_calls"
+                self._finish(job, reason, stop_sequence=getattr(ev, "stop_sequence", None))
+        if produced:
+            self._tokens_out += produced
+            self._recent.append((time.monotonic(), produced))
+            if len(self._recent) > 4096:
+                del self._recent[:2048]
+
+    def _emit_text(self, job: GenerateJob, text: str) -> None:
+        if job.parser is None:
+            job.sink(Piece("text", text))
+            return
+        for delta in job.parser.feed(text):
+            self._emit_delta(job, delta)
+
+    def _flush_parser(self, job: GenerateJob) -> None:
+        if job.parser is not None:
+            for delta in job.parser.finish():
+                self._emit_delta(job, delta)
+
+    def _emit_delta(self, job: GenerateJob, delta) -> None:
+        if delta.kind == "tool_call":
+            job.saw_tool_call = True
+            job.sink(Piece("tool_call", index=delta.index, call_id=getattr(delta, "id", None) or None,
+                           name=delta.name, arguments=delta.arguments or ""))
+        elif delta.text:
+            job.sink(Piece(delta.kind, delta.text))
+
+    def _finish(self, job: GenerateJob, reason: str, *, stop_sequence: str | None) -> None:
+        end = time.perf_counter()
+        first = job.t_first or end
+        ttft = first - job.t_submit
+        prompt = len(job.prompt_ids)
+        decode_s = end - first
+        job.done = True
+        with self._lock:
+            self._jobs.pop(job.key, None)
+            self._served += 1
+        job.sink(Finished(finish_reason=reason, prompt_tokens=prompt, completion_tokens=job.completion_tokens,
+                          ttft_s=ttft, prefill_tps=prompt / ttft if ttft > 0 else 0.0,
+                          decode_tps=(job.completion_tokens - 1) / decode_s if decode_s > 0 and
+                          job.completion_tokens > 1 else 0.0,
+                          total_s=end - job.t_submit, stop_sequence=stop_sequence))
+
+    def _finish_failed(self, job: GenerateJob, code: str, message: str) -> None:
+        job.done = True
+        with self._lock:
+            self._jobs.pop(job.key, None)
+        job.sink(Failed(code, message))
+
+    def _fail_all(self, code: str, message: str) -> None:
+        with self._lock:
+            jobs = list(self._jobs.values())
+        for job in jobs:
+            if job.request_id is not None and self._engine is not None:
+                try:
+                    self._engine.cancel(job.request_id)
+                except Exception:
+                    log.exception("cancel during shutdown failed")
+            self._finish_failed(job, code, message)
+        self._by_rid.clear()
+
+    def _publish_stats(self) -> None:
+        with self._lock:
+            sinks = list(self._stats_sinks.values())
+        if not sinks:
+            return
+        stats = self.stats()
+        if self._engine is not None:
+            try:
+                stats["engine"] = self._engine.stats()
+            except Exception as exc:
+                stats["engine"] = {"error": str(exc)}
+        for sink in sinks:
+            try:
+                sink(stats)
+            except Exception:
+                log.exception("stats subscriber failed")
