@@ -1,0 +1,600 @@
+"""Hugging Face checkpoint -> FTW package, streaming, resumable, verified.
+
+    convert(src, out, codec="auto", group_size=64, progress=callback) -> Path
+
+The work is planned first, from headers alone: every source tensor is located and checked
+against config.json, every output byte gets its offset. Bad input therefore fails before a byte is
+written. Then units run in order (global tensors, then each decoder layer: its dense tensors and
+its experts), each made durable and journaled before the next (see writer.py).
+
+Memory bound: at any time the converter holds one expert's source tensors and their packed block,
+or one band of at most `chunk_bytes` source bytes of a dense tensor, plus their fp32 working copies.
+Peak anonymous memory growth stays under 8 × max(one expert's source bytes, chunk_bytes) plus the
+interpreter's baseline (tests/test_ftw_stream.py measures it).
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import math
+import re
+import shutil
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+import torch
+
+from runtime.ftw import architectures as archs
+from runtime.ftw.codecs import CODECS, FP4_FORMATS, INT4_GROUP_SIZES, int4_quantize
+from runtime.ftw.errors import FTWError
+from runtime.ftw.sources import QUANT_MXFP4, QUANT_NVFP4, Checkpoint, Fp4Parts, SourceWeight
+from runtime.ftw.writer import (CHECKSUM, DENSE_FILE, EXPERTS_FILE, FORMAT_VERSION, PART_ALIGN, Part,
+                                PackageWriter, align, dtype_name, expert_block_parts)
+
+log = logging.getLogger(__name__)
+
+DEFAULT_CHUNK_BYTES = 64 << 20
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
+                   "chat_template.json", "added_tokens.json", "vocab.json", "merges.txt", "tokenizer.model",
+                   "generation_config.json")
+PROJS = ("gate", "up", "down")
+_LAYER_RE = re.compile(r"^model\.layers\.(\d+)\.")
+
+
+@dataclass(frozen=True)
+class ProgressEvent:
+    stage: str            # "planning" | "resuming" | "dense" | "experts" | "finishing" | "done"
+    tensor: str           # the tensor being converted (or "")
+    bytes_done: int       # source bytes converted so far
+    bytes_total: int      # source bytes to convert
+    rate: float           # source bytes per second in this run
+    eta: float | None     # seconds left, None until a rate is known
+
+    def to_json(self) -> dict:
+        return {"stage": self.stage, "tensor": self.tensor, "bytes_done": self.bytes_done,
+                "bytes_total": self.bytes_total, "rate": round(self.rate, 1),
+                "eta": None if self.eta is None else round(self.eta, 2)}
+
+
+ProgressCallback = Callable[[ProgressEvent], None]
+
+
+# ---------------------------------------------------------------- the plan
+
+@dataclass
+class DenseEntry:
+    name: str                   # normalised name the package records
+    source: SourceWeight
+    dtype: torch.dtype          # output dtype
+    shape: tuple[int, ...]
+    offset: int = 0
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * self.dtype.itemsize
+
+
+@dataclass
+class ExpertLayerSource:
+    layer: int
+    layout: archs.ExpertLayout
+    weights: dict[tuple[str, int], SourceWeight]     # (role, expert or -1 for fused) -> weight
+    offset: int = 0
+
+    def source_bytes(self) -> int:
+        return sum(sw.source_bytes for sw in self.weights.values())
+
+
+@dataclass
+class Plan:
+    ckpt: Checkpoint
+    arch: archs.Architecture
+    codec: str
+    group_size: int
+    fp4_format: str
+    fp4_global_op: str
+    hidden: int
+    intermediate: int
+    num_experts: int
+    parts: list[Part]
+    block_nbytes: int
+    units: list[str]                                             # "globals", "layer.0", ...
+    dense: dict[str, list[DenseEntry]] = field(default_factory=dict)       # unit -> entries
+    experts: dict[str, ExpertLayerSource] = field(default_factory=dict)   # unit -> layer source
+    dense_nbytes: int = 0
+    experts_nbytes: int = 0
+
+    def unit_source_bytes(self, unit: str) -> int:
+        n = sum(d.source.source_bytes for d in self.dense.get(unit, []))
+        return n + (self.experts[unit].source_bytes() if unit in self.experts else 0)
+
+    @property
+    def source_bytes(self) -> int:
+        return sum(self.unit_source_bytes(u) for u in self.units)
+
+
+def _resolve_codec(codec: str, expert_kinds: set[str]) -> str:
+    fp4_source = bool(expert_kinds) and expert_kinds <= {"mxfp4", "nvfp4"}
+    if codec == "auto":
+        return "fp4" if fp4_source else "int4"
+    if codec not in CODECS:
+        raise FTWError(f"unknown codec {codec!r}; choose one of auto, {', '.join(CODECS)}")
+    if codec == "fp4" and not fp4_source:
+        raise FTWError("the fp4 codec keeps MXFP4/NVFP4 experts exactly and needs such a source; this checkpoint's "
+                       f"experts are {', '.join(sorted(expert_kinds)) or 'absent'}: use --codec int4 or bf16")
+    return codec
+
+
+def _expect_shape(sw: SourceWeight, shape: tuple[int, ...], what: str) -> None:
+    if tuple(sw.shape) != tuple(shape):
+        raise FTWError(f"{sw.main.file.name}: tensor {sw.main.name} has shape {list(sw.shape)} but config.json "
+                       f"implies {list(shape)} ({what})")
+
+
+def _find_expert_layer(ckpt: Checkpoint, arch: archs.Architecture, layer: int, names: dict[str, str],
+                       num_experts: int, hidden: int, inter: int) -> ExpertLayerSource:
+    """Locate a layer's experts in whichever layout the checkpoint uses, and check their shapes."""
+    def get(template: str, expert: int = -1) -> SourceWeight | None:
+        return ckpt.weights.get(names.get(template.format(layer=layer, expert=expert), ""))
+
+    for layout in arch.layouts:
+        if layout.kind == "per_expert":
+            if get(layout.names["gate"], 0) is None:
+                continue
+            weights = {}
+            for e in range(num_experts):
+                for proj in PROJS:
+                    sw = get(layout.names[proj], e)
+                    if sw is None:
+                        missing = layout.names[proj].format(layer=layer, expert=e)
+                        raise FTWError(f"model.safetensors.index.json: missing tensor {missing} "
+                                       f"(config.json says {num_experts} experts)")
+                    _expect_shape(sw, (hidden, inter) if proj == "down" else (inter, hidden), "expert projection")
+                    weights[(proj, e)] = sw
+            return ExpertLayerSource(layer, layout, weights)
+        gate_up = get(layout.names["gate_up"])
+        if gate_up is None:
+            continue
+        down = get(layout.names["down"])
+        if down is None:
+            raise FTWError(f"model.safetensors.index.json: missing tensor {layout.names['down'].format(layer=layer)}")
+        weights = {("gate_up", -1): gate_up, ("down", -1): down}
+        if layout.kind == "fused_halves":
+            _expect_shape(gate_up, (num_experts, 2 * inter, hidden), "fused gate_up [E, 2I, D]")
+            _expect_shape(down, (num_experts, hidden, inter), "fused down [E, D, I]")
+        else:   # fused_interleaved_transposed: (in, out) when float, (out, in) when MXFP4/NVFP4
+            fp4 = gate_up.kind in ("mxfp4", "nvfp4")
+            _expect_shape(gate_up, (num_experts, 2 * inter, hidden) if fp4 else (num_experts, hidden, 2 * inter),
+                          "fused gate_up")
+            _expect_shape(down, (num_experts, hidden, inter) if down.kind in ("mxfp4", "nvfp4")
+                          else (num_experts, inter, hidden), "fused down")
+            for role, width in (("gate_up_bias", 2 * inter), ("down_bias", hidden)):
+                sw = get(layout.names[role])
+                if sw is None:
+                    raise FTWError(f"model.safetensors.index.json: missing tensor "
+                                   f"{layout.names[role].format(layer=layer)}")
+                _expect_shape(sw, (num_experts, width), "expert bias")
+                weights[(role, -1)] = sw
+        return ExpertLayerSource(layer, layout, weights)
+    first = arch.layouts[0]
+    key = "gate" if first.kind == "per_expert" else "gate_up"
+    raise FTWError(f"model.safetensors.index.json: missing tensor {first.names[key].format(layer=layer, expert=0)} "
+                   f"(config.json says layer {layer} has {num_experts} routed experts)")
+
+
+def make_plan(ckpt: Checkpoint, *, codec: str = "auto", group_size: int = 64,
+              chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> Plan:
+    cfg = ckpt.text_config
+    model_type = str(cfg.get("model_type") or ckpt.config.get("model_type") or "")
+    arch = archs.lookup(model_type)
+    if arch is None:
+        raise FTWError(f"config.json: unsupported architecture {model_type!r}; FreeToken converts "
+                       f"{', '.join(sorted(archs.ARCHITECTURES))}")
+    if group_size not in INT4_GROUP_SIZES:
+        raise FTWError(f"--group-size must be one of {', '.join(map(str, INT4_GROUP_SIZES))}, not {group_size}")
+    try:
+        hidden = int(cfg["hidden_size"])
+        inter = int(cfg[arch.intermediate_key])
+        num_experts = archs.num_experts(arch, cfg)
+        int(cfg["num_hidden_layers"])
+    except (KeyError, TypeError, ValueError) as e:
+        raise FTWError(f"config.json: missing or invalid field {e} for {model_type}") from e
+
+    # Normalised name -> source weight; drop what a text model never runs.
+    names: dict[str, str] = {}        # normalised -> logical source name
+    for src_name in ckpt.weights:
+        norm = archs.normalise_name(src_name)
+        if norm is None:
+            continue
+        if norm in names:
+            raise FTWError(f"{ckpt.weights[src_name].main.file.name}: tensors {names[norm]} and {src_name} "
+                           f"both map to {norm}")
+        names[norm] = src_name
+
+    layers = archs.expert_layers(arch, cfg)
+    experts: dict[str, ExpertLayerSource] = {}
+    consumed: set[str] = set()
+    for layer in layers:
+        src = _find_expert_layer(ckpt, arch, layer, names, num_experts, hidden, inter)
+        experts[f"layer.{layer}"] = src
+        consumed.update(sw.name for sw in src.weights.values())
+    kinds = {sw.kind for src in experts.values() for key, sw in src.weights.items() if "bias" not in key[0]}
+    codec = _resolve_codec(codec, kinds)
+    fp4_format, global_op = "", "mul"
+    if codec == "fp4":
+        if len(kinds) != 1:
+            raise FTWError(f"experts mix quantizations {sorted(kinds)}; convert with --codec int4")
+        fp4_format = kinds.pop()
+        ops = {sw.global_op for src in experts.values() for sw in src.weights.values() if sw.kind == "nvfp4"}
+        global_op = ops.pop() if len(ops) == 1 else "mul"
+    parts, block_nbytes = expert_block_parts(codec=codec, hidden=hidden, intermediate=inter, group_size=group_size,
+                                             fp4_format=fp4_format, has_bias=arch.has_bias)
+
+    units = ["globals"] + [f"layer.{i}" for i in range(int(cfg["num_hidden_layers"]))]
+    dense: dict[str, list[DenseEntry]] = {u: [] for u in units}
+    for norm in sorted(names):
+        sw = ckpt.weights[names[norm]]
+        if sw.name in consumed:
+            continue
+        if ".experts." in norm and ".shared_expert" not in norm:
+            raise FTWError(f"{sw.main.file.name}: unexpected expert tensor {sw.main.name}: not a layout FreeToken "
+                           f"knows for {arch.model_type}")
+        m = _LAYER_RE.match(norm)
+        unit = f"layer.{m.group(1)}" if m else "globals"
+        if unit not in dense:
+            raise FTWError(f"{sw.main.file.name}: tensor {sw.main.name} belongs to layer {m.group(1)} but config.json "
+                           f"has {cfg['num_hidden_layers']} layers")
+        out_dtype = sw.main.torch_dtype if sw.kind == "float" else torch.bfloat16
+        dense[unit].append(DenseEntry(norm, sw, out_dtype, tuple(sw.shape)))
+
+    _check_dense(ckpt, arch, cfg, dense, layers)
+    plan = Plan(ckpt, arch, codec, group_size, fp4_format, global_op, hidden, inter, num_experts, parts,
+                block_nbytes, units, dense, experts)
+    offset = 0
+    for unit in units:
+        for entry in dense[unit]:
+            entry.offset = offset
+            offset = align(offset + entry.nbytes, PART_ALIGN)
+    plan.dense_nbytes = offset
+    offset = 0
+    for unit in units:
+        if unit in experts:
+            experts[unit].offset = offset
+            offset += num_experts * block_nbytes
+    plan.experts_nbytes = offset
+    return plan
+
+
+def _check_dense(ckpt: Checkpoint, arch: archs.Architecture, cfg: dict, dense: dict[str, list[DenseEntry]],
+                 layers: list[int]) -> None:
+    by_name = {e.name: e for entries in dense.values() for e in entries}
+    hidden, vocab = int(cfg["hidden_size"]), cfg.get("vocab_size")
+    required = ["model.embed_tokens.weight", "model.norm.weight"]
+    if not cfg.get("tie_word_embeddings", False):
+        required.append("lm_head.weight")
+    for i in range(int(cfg["num_hidden_layers"])):
+        required += [t.format(layer=i) for t in arch.required_per_layer]
+    required += [arch.router.format(layer=i) for i in layers]
+    for name in required:
+        if name not in by_name:
+            raise FTWError(f"model.safetensors.index.json: missing tensor {name}")
+    for name in ("model.embed_tokens.weight", "lm_head.weight"):
+        if name in by_name and vocab is not None and by_name[name].shape != (int(vocab), hidden):
+            e = by_name[name]
+            raise FTWError(f"{e.source.main.file.name}: tensor {e.source.main.name} has shape {list(e.shape)} but "
+                           f"config.json implies {[int(vocab), hidden]} (vocab_size, hidden_size)")
+    n_exp = archs.num_experts(arch, cfg)
+    for i in layers:
+        e = by_name[arch.router.format(layer=i)]
+        if e.shape != (n_exp, hidden):
+            raise FTWError(f"{e.source.main.file.name}: tensor {e.source.main.name} has shape {list(e.shape)} but "
+                           f"config.json implies {[n_exp, hidden]} (experts, hidden_size)")
+
+
+# ---------------------------------------------------------------- running it
+
+class _Progress:
+    def __init__(self, total: int, callback: ProgressCallback | None, *, every_s: float = 0.2):
+        self.total, self.callback, self.every_s = total, callback, every_s
+        self.done = 0
+        self.start_done = 0
+        self.t0 = time.perf_counter()
+        self.last = 0.0
+
+    def advance(self, nbytes: int, stage: str, tensor: str, *, force: bool = False) -> None:
+        self.done += nbytes
+        now = time.perf_counter()
+        if self.callback is None or (not force and now - self.last < self.every_s):
+            return
+        self.last = now
+        elapsed = now - self.t0
+        rate = (self.done - self.start_done) / elapsed if elapsed > 0 else 0.0
+        eta = (self.total - self.done) / rate if rate > 0 else None
+        self.callback(ProgressEvent(stage, tensor, self.done, self.total, rate, eta))
+
+
+def _to_bytes(t: torch.Tensor) -> np.ndarray:
+    return t.contiguous().reshape(-1).view(torch.uint8).numpy()
+
+
+def _dense_rows_per_chunk(entry: DenseEntry, chunk_bytes: int, fp8_block_rows: int) -> int:
+    if len(entry.shape) < 2:
+        return max(entry.shape[0] if entry.shape else 1, 1)
+    row_bytes = max(math.prod(entry.shape[1:]) * 4, 1)        # fp32 working copy dominates
+    rows = max(1, chunk_bytes // row_bytes)
+    if entry.source.kind == "fp8":
+        rows = max(fp8_block_rows, rows // fp8_block_rows * fp8_block_rows)
+    return min(rows, entry.shape[0])
+
+
+def _write_dense(plan: Plan, writer: PackageWriter, entry: DenseEntry, progress: _Progress, chunk_bytes: int) -> str:
+    ckpt, sw = plan.ckpt, entry.source
+    digest = hashlib.new(CHECKSUM)
+    if len(entry.shape) < 2 or sw.kind == "float" and sw.source_bytes <= chunk_bytes:
+        bands = [None]
+    else:
+        step = _dense_rows_per_chunk(entry, chunk_bytes, ckpt.quant.fp8_block[0])
+        bands = [(r, min(r + step, entry.shape[0])) for r in range(0, entry.shape[0], step)]
+    offset = entry.offset
+    for band in bands:
+        t = ckpt.read_float(sw, rows=band)
+        if t.dtype != entry.dtype:
+            t = t.to(entry.dtype)
+        data = _to_bytes(t)
+        writer.write(DENSE_FILE, offset, data, tensor=sw.main.name)
+        digest.update(data)
+        offset += data.nbytes
+        frac = data.nbytes / entry.nbytes
+        progress.advance(int(sw.source_bytes * frac), "dense", entry.name)
+    return digest.hexdigest()
+
+
+def _read_expert(plan: Plan, src: ExpertLayerSource, e: int) -> dict:
+    """One expert, canonical (out, in): {proj: fp32 tensor | Fp4Parts, proj_bias: fp32}."""
+    ckpt, inter, fp4 = plan.ckpt, plan.intermediate, plan.codec == "fp4"
+
+    def load(sw: SourceWeight, index=()):
+        return ckpt.read_fp4(sw, index=index) if fp4 else ckpt.read_float(sw, index=index)
+
+    out: dict = {}
+    if src.layout.kind == "per_expert":
+        for proj in PROJS:
+            out[proj] = load(src.weights[(proj, e)])
+        return out
+    gate_up, down = src.weights[("gate_up", -1)], src.weights[("down", -1)]
+    gu, dn = load(gate_up, (e,)), load(down, (e,))
+    if src.layout.kind == "fused_halves":                      # [2I, D]: first half gate
+        if fp4:
+            out["gate"], out["up"] = gu.select_rows(slice(0, inter)), gu.select_rows(slice(inter, 2 * inter))
+        else:
+            out["gate"], out["up"] = gu[:inter], gu[inter:]
+        out["down"] = dn
+        return out
+    # gpt-oss: float tensors are (in, out) with gate/up interleaved in the out columns; FP4 ones (out, in).
+    if isinstance(gu, Fp4Parts):
+        out["gate"], out["up"] = gu.select_rows(slice(0, None, 2)), gu.select_rows(slice(1, None, 2))
+    else:
+        out["gate"], out["up"] = gu[:, 0::2].t(), gu[:, 1::2].t()            # [D, 2I] -> [I, D]
+    out["down"] = dn if isinstance(dn, Fp4Parts) else dn.t()                # [I, D] -> [D, I]
+    bias = ckpt.read_float(src.weights[("gate_up_bias", -1)], index=(e,))   # [2I], interleaved
+    out["gate_bias"], out["up_bias"] = bias[0::2], bias[1::2]
+    out["down_bias"] = ckpt.read_float(src.weights[("down_bias", -1)], index=(e,))
+    return out
+
+
+def _encode_expert(plan: Plan, weights: dict, buf: np.ndarray, where: str) -> None:
+    """Pack one canonical expert into its block buffer (the gaps between parts stay zero)."""
+    packed: dict[str, torch.Tensor] = {}
+    for proj in PROJS:
+        w = weights[proj]
+        if plan.codec == "f32":
+            packed[proj] = w.to(torch.float32)
+        elif plan.codec == "bf16":
+            packed[proj] = w.to(torch.bfloat16)
+        elif plan.codec == "int4":
+            q = int4_quantize(w.to(torch.float32), plan.group_size, name=f"{where} {proj}")
+            packed[proj], packed[f"{proj}_scales"], packed[f"{proj}_mins"] = q["q"], q["scales"], q["mins"]
+        else:
+            packed[proj] = w.packed
+            packed[f"{proj}_scales"] = w.scales.view(torch.float8_e4m3fn) if plan.fp4_format == "nvfp4" else w.scales
+            if w.global_scale is not None:
+                packed[f"{proj}_global"] = w.global_scale.reshape(1)
+    for name in ("gate_bias", "up_bias", "down_bias"):
+        if name in weights:
+            packed[name] = weights[name].to(torch.float32)
+    for part in plan.parts:
+        t = packed[part.name]
+        if tuple(t.shape) != part.shape:
+            raise FTWError(f"{where}: {part.name} has shape {list(t.shape)}, expected {list(part.shape)}")
+        buf[part.offset: part.offset + part.nbytes] = _to_bytes(t)
+
+
+def _write_experts(plan: Plan, writer: PackageWriter, src: ExpertLayerSource, progress: _Progress) -> str:
+    digest = hashlib.new(CHECKSUM)
+    buf = np.zeros(plan.block_nbytes, dtype=np.uint8)
+    per_expert_src = src.source_bytes() // plan.num_experts
+    for e in range(plan.num_experts):
+        where = f"layer {src.layer} expert {e}"
+        weights = _read_expert(plan, src, e)
+        _encode_expert(plan, weights, buf, where)
+        writer.write(EXPERTS_FILE, src.offset + e * plan.block_nbytes, buf, tensor=where)
+        digest.update(buf)
+        progress.advance(per_expert_src, "experts", where)
+    return digest.hexdigest()
+
+
+def source_metadata(folder: Path) -> dict:
+    """Repo id and revision when we can know them: source.json (our downloader), the hub cache path, else the folder."""
+    meta = {"repo_id": None, "revision": None, "folder": folder.name}
+    sj = folder / "source.json"
+    if sj.is_file():
+        try:
+            data = json.loads(sj.read_text(encoding="utf-8"))
+            meta.update({k: data.get(k) for k in ("repo_id", "revision") if data.get(k)})
+        except ValueError:
+            log.warning("%s: not valid JSON; ignored", sj)
+    parts = folder.resolve().parts
+    if meta["repo_id"] is None and len(parts) >= 3 and parts[-2] == "snapshots" and parts[-3].startswith("models--"):
+        meta["repo_id"] = parts[-3][len("models--"):].replace("--", "/")
+        meta["revision"] = meta["revision"] or parts[-1]
+    if meta["revision"] is None:
+        for md in sorted((folder / ".cache" / "huggingface" / "download").glob("*.metadata")):
+            first = md.read_text(encoding="utf-8", errors="replace").splitlines()[:1]
+            if first and re.fullmatch(r"[0-9a-f]{40}", first[0].strip()):
+                meta["revision"] = first[0].strip()
+                break
+    return meta
+
+
+def _fingerprint(plan: Plan, skeleton: dict) -> str:
+    stats = []
+    for path in sorted(plan.ckpt.shards):
+        st = path.stat()
+        stats.append([path.name, st.st_size, st.st_mtime_ns])
+    blob = json.dumps({"skeleton": skeleton, "sources": stats}, sort_keys=True).encode()
+    return hashlib.sha256(blob).hexdigest()
+
+
+def _skeleton(plan: Plan) -> dict:
+    """The manifest without checksums: everything fixed by the plan."""
+    ckpt = plan.ckpt
+    cfg = dict(ckpt.text_config)
+    cfg["model_type"] = plan.arch.model_type
+    layers = [int(u.split(".")[1]) for u in plan.units if u in plan.experts]
+    experts = {
+        "file": EXPERTS_FILE, "nbytes": plan.experts_nbytes, "codec": plan.codec,
+        "layers": layers, "num_experts": plan.num_experts, "hidden_size": plan.hidden,
+        "intermediate_size": plan.intermediate, "activation": plan.arch.activation, "has_bias": plan.arch.has_bias,
+        "block_nbytes": plan.block_nbytes, "parts": [p.to_json() for p in plan.parts],
+        "layer_offsets": {str(i): plan.experts[f"layer.{i}"].offset for i in layers},
+    }
+    if plan.codec == "int4":
+        experts["group_size"] = plan.group_size
+    if plan.codec == "fp4":
+        block, scale_format, has_global = FP4_FORMATS[plan.fp4_format]
+        experts.update({"fp4_format": plan.fp4_format, "block_size": block, "scale_format": scale_format,
+                        "global_scale_op": plan.fp4_global_op if has_global else None})
+    dense = {e.name: {"dtype": dtype_name(e.dtype), "shape": list(e.shape), "offset": e.offset, "nbytes": e.nbytes,
+                      "source": e.source.main.name, "source_quantization": e.source.kind}
+             for u in plan.units for e in plan.dense[u]}
+    return {
+        "format": "ftw", "format_version": FORMAT_VERSION, "checksum_algorithm": CHECKSUM,
+        "model_type": plan.arch.model_type, "config": cfg,
+        "source": {**source_metadata(ckpt.folder), "quantization": ckpt.quant.method,
+                   "quantization_spelling": ckpt.quant.spelling or None},
+        "dense": {"file": DENSE_FILE, "nbytes": plan.dense_nbytes, "tensors": dense},
+        "experts": experts,
+    }
+
+
+def _copy_tokenizer(src: Path, dst: Path) -> list[str]:
+    copied = []
+    if not (src / "tokenizer.json").is_file():
+        raise FTWError(f"{src}: tokenizer.json missing; FreeToken needs the model's fast tokenizer")
+    for name in TOKENIZER_FILES:
+        if (src / name).is_file():
+            shutil.copyfile(src / name, dst / name)
+            copied.append(name)
+    if "chat_template.jinja" not in copied:
+        template = None
+        if (src / "chat_template.json").is_file():
+            template = json.loads((src / "chat_template.json").read_text(encoding="utf-8")).get("chat_template")
+        if template is None and (src / "tokenizer_config.json").is_file():
+            template = json.loads((src / "tokenizer_config.json").read_text(encoding="utf-8")).get("chat_template")
+        if isinstance(template, list):        # [{name, template}]: the default one
+            template = next((t["template"] for t in template if t.get("name") == "default"), None)
+        if isinstance(template, str):
+            (dst / "chat_template.jinja").write_text(template, encoding="utf-8")
+            copied.append("chat_template.jinja")
+    return copied
+
+
+def default_output_name(src: Path, codec: str) -> str:
+    meta = source_metadata(src)
+    base = (meta["repo_id"] or meta["folder"]).split("/")[-1]
+    return f"{base}-{codec}"
+
+
+def convert(src: str | Path, out: str | Path, *, codec: str = "auto", group_size: int = 64, overwrite: bool = False,
+            progress: ProgressCallback | None = None, chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> Path:
+    """Convert the checkpoint folder `src` into the FTW package `out`; returns `out`.
+
+    Raises FTWError for any bad input; on failure `out` is untouched and `<out>.partial` holds
+    what was done (running the same call again resumes from it).
+    """
+    src, out = Path(src), Path(out)
+    if progress:
+        progress(ProgressEvent("planning", "", 0, 0, 0.0, None))
+    ckpt = Checkpoint.open(src)
+    try:
+        plan = make_plan(ckpt, codec=codec, group_size=group_size, chunk_bytes=chunk_bytes)
+        if out.exists() and not overwrite:
+            raise FTWError(f"{out} already exists; remove it or pass --force to replace it")
+        skeleton = _skeleton(plan)
+        _check_free_space(out, plan.dense_nbytes + plan.experts_nbytes)
+        writer = PackageWriter(out, fingerprint=_fingerprint(plan, skeleton),
+                               file_sizes={DENSE_FILE: plan.dense_nbytes, EXPERTS_FILE: plan.experts_nbytes})
+        try:
+            return _run(plan, writer, skeleton, progress=progress, chunk_bytes=chunk_bytes, overwrite=overwrite)
+        finally:
+            writer.close()
+    finally:
+        ckpt.close()
+
+
+def _check_free_space(out: Path, need: int) -> None:
+    probe = out.parent
+    while not probe.exists() and probe != probe.parent:
+        probe = probe.parent
+    try:
+        free = shutil.disk_usage(probe).free
+    except OSError:
+        return
+    if free < need:
+        raise FTWError(f"{out}: not enough disk space: the package needs {need / 2**30:.2f} GiB, "
+                       f"{free / 2**30:.2f} GiB are free")
+
+
+def _run(plan: Plan, writer: PackageWriter, skeleton: dict, *, progress: ProgressCallback | None,
+         chunk_bytes: int, overwrite: bool) -> Path:
+    tracker = _Progress(plan.source_bytes, progress)
+    dense_sums: dict[str, str] = {}
+    layer_sums: dict[str, str] = {}
+    if writer.resumed:
+        for unit, record in writer.done.items():
+            tracker.done += plan.unit_source_bytes(unit)
+        tracker.start_done = tracker.done
+        tracker.advance(0, "resuming", f"{len(writer.done)} of {len(plan.units)} units already converted", force=True)
+    for unit in plan.units:
+        if unit in writer.done:
+            record = writer.done[unit]
+            dense_sums.update(record.get("dense", {}))
+            layer_sums.update(record.get("experts", {}))
+            continue
+        record = {"dense": {}, "experts": {}}
+        for entry in plan.dense[unit]:
+            record["dense"][entry.name] = _write_dense(plan, writer, entry, tracker, chunk_bytes)
+        if unit in plan.experts:
+            layer = unit.split(".")[1]
+            record["experts"][layer] = _write_experts(plan, writer, plan.experts[unit], tracker)
+        writer.commit_unit(unit, record)
+        dense_sums.update(record["dense"])
+        layer_sums.update(record["experts"])
+    tracker.advance(0, "finishing", "", force=True)
+    manifest = json.loads(json.dumps(skeleton))
+    for name, digest in dense_sums.items():
+        manifest["dense"]["tensors"][name]["checksum"] = digest
+    manifest["experts"]["layer_checksums"] = layer_sums
+    try:
+        manifest["tokenizer_files"] = _copy_tokenizer(plan.ckpt.folder, writer.partial)
+    except OSError as e:
+        raise FTWError(f"{writer.partial}: cannot copy the tokenizer files ({e.strerror})") from e
+    gen_path = plan.ckpt.folder / "generation_config.json"
+    manifest["generation_config"] = json.loads(gen_path.read_text(encoding="utf-8")) if gen_path.is_file() else {}
+    path = writer.finish(manifest, overwrite=overwrite)
+    tracker.advance(0, "done", "", force=True)
+    return path

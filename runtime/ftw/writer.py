@@ -1,0 +1,229 @@
+"""Writing a package: the expert block layout, positioned writes, the resume journal, the atomic finish.
+
+Everything is written into `<out>.partial/` at offsets fixed before the first byte is written,
+so a resumed conversion rewrites exactly the bytes an uninterrupted one would. After each unit
+(the global tensors, then one decoder layer at a time) the data files are fsynced and one line is
+appended to `journal.jsonl`; a resume skips the units the journal lists. `manifest.json` is
+written last, atomically, and the folder is renamed to `<out>`: a folder with a manifest and
+without `.partial` in its name is a complete package, and nothing else is.
+"""
+from __future__ import annotations
+
+import errno
+import json
+import os
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from runtime.ftw.codecs import FP4_FORMATS, int4_num_groups
+from runtime.ftw.errors import FTWError
+
+FORMAT_VERSION = 1
+BLOCK_ALIGN = 4096          # every (layer, expert) block starts and ends on a 4 KiB boundary
+PART_ALIGN = 64             # parts inside a block, and dense tensors, start on a cache line
+DENSE_FILE = "dense.bin"
+EXPERTS_FILE = "experts.bin"
+MANIFEST = "manifest.json"
+JOURNAL = "journal.jsonl"
+PARTIAL_SUFFIX = ".partial"
+CHECKSUM = "sha256"         # ~1.7 GiB/s with SHA-NI here, twice blake2b (docs/ftw-format.md)
+EXIT_AFTER_UNITS_ENV = "FREETOKEN_FTW_EXIT_AFTER_UNITS"   # test hook: die hard after N committed units
+
+TORCH_DTYPES: dict[str, torch.dtype] = {
+    "float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16, "float64": torch.float64,
+    "uint8": torch.uint8, "int8": torch.int8, "int16": torch.int16, "int32": torch.int32, "int64": torch.int64,
+    "bool": torch.bool, "float8_e4m3fn": torch.float8_e4m3fn, "float8_e5m2": torch.float8_e5m2,
+}
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def align(n: int, to: int) -> int:
+    return -(-n // to) * to
+
+
+@dataclass(frozen=True)
+class Part:
+    """One packed tensor inside an expert block."""
+    name: str                  # "gate", "gate_scales", "gate_mins", "gate_global", "gate_bias", ...
+    dtype: str                 # key of TORCH_DTYPES
+    shape: tuple[int, ...]
+    offset: int                # from the start of the block
+    nbytes: int
+
+    def to_json(self) -> dict:
+        return {"name": self.name, "dtype": self.dtype, "shape": list(self.shape), "offset": self.offset,
+                "nbytes": self.nbytes}
+
+
+def expert_block_parts(*, codec: str, hidden: int, intermediate: int, group_size: int = 64,
+                       fp4_format: str = "", has_bias: bool = False) -> tuple[list[Part], int]:
+    """The parts of one (layer, expert) block in order, and the block size (a multiple of 4096).
+
+    Order: gate, up, down, each followed by its scales (and mins / global scale), then biases.
+    """
+    specs: list[tuple[str, str, tuple[int, ...]]] = []
+    for proj, (o, n) in (("gate", (intermediate, hidden)), ("up", (intermediate, hidden)),
+                         ("down", (hidden, intermediate))):
+        if codec == "f32":
+            specs.append((proj, "float32", (o, n)))
+        elif codec == "bf16":
+            specs.append((proj, "bfloat16", (o, n)))
+        elif codec == "int4":
+            g = int4_num_groups(n, group_size)
+            specs += [(proj, "uint8", (o, n // 2)), (f"{proj}_scales", "float16", (o, g)),
+                      (f"{proj}_mins", "float16", (o, g))]
+        elif codec == "fp4":
+            block, scale_format, has_global = FP4_FORMATS[fp4_format]
+            specs += [(proj, "uint8", (o, n // 2)),
+                      (f"{proj}_scales", "uint8" if scale_format == "e8m0" else "float8_e4m3fn", (o, n // block))]
+            if has_global:
+                specs.append((f"{proj}_global", "float32", (1,)))
+        else:
+            raise FTWError(f"unknown codec {codec!r}")
+    if has_bias:
+        specs += [("gate_bias", "float32", (intermediate,)), ("up_bias", "float32", (intermediate,)),
+                  ("down_bias", "float32", (hidden,))]
+    parts, offset = [], 0
+    for name, dtype, shape in specs:
+        nbytes = TORCH_DTYPES[dtype].itemsize
+        for s in shape:
+            nbytes *= s
+        parts.append(Part(name, dtype, shape, offset, nbytes))
+        offset = align(offset + nbytes, PART_ALIGN)
+    return parts, align(offset, BLOCK_ALIGN)
+
+
+def _os_error(e: OSError, file: Path, tensor: str) -> FTWError:
+    if e.errno in (errno.ENOSPC, errno.EFBIG, getattr(errno, "EDQUOT", -1)):
+        why = "the disk is full (or the file size limit was reached); free space and run the same command again to resume"
+    elif e.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
+        why = "the destination is read-only; pick another --out folder"
+    else:
+        why = e.strerror or str(e)
+    return FTWError(f"{file}: cannot write tensor {tensor}: {why}")
+
+
+class PackageWriter:
+    """Positioned writes into `<out>.partial/`, a per-unit journal, and the atomic finish."""
+
+    def __init__(self, out: Path, *, fingerprint: str, file_sizes: dict[str, int]):
+        self.out = out
+        self.partial = out.with_name(out.name + PARTIAL_SUFFIX)
+        self.fingerprint = fingerprint
+        self.file_sizes = file_sizes
+        self.done: dict[str, dict] = {}
+        self.resumed = False
+        self._units_committed = 0
+        self._exit_after = int(os.environ.get(EXIT_AFTER_UNITS_ENV, "0") or 0)
+        try:
+            self.partial.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise _os_error(e, self.partial, "(package folder)") from e
+        self._load_journal()
+        self._files = {}
+        for name in file_sizes:
+            path = self.partial / name
+            try:
+                self._files[name] = open(path, "r+b" if path.exists() else "w+b", buffering=0)
+            except OSError as e:
+                raise _os_error(e, path, "(opening)") from e
+
+    def _load_journal(self) -> None:
+        journal = self.partial / JOURNAL
+        lines = journal.read_text(encoding="utf-8").splitlines() if journal.exists() else []
+        records = []
+        for line in lines:
+            try:
+                records.append(json.loads(line))
+            except ValueError:
+                break            # a torn last line: that unit was not committed
+        if records and records[0].get("fingerprint") == self.fingerprint:
+            self.done = {r["unit"]: r for r in records[1:] if "unit" in r}
+            self.resumed = bool(self.done)
+            return
+        # Nothing usable (first run, or a partial from other options/sources): start clean.
+        for child in self.partial.iterdir():
+            if child.is_dir():
+                shutil.rmtree(child)
+            else:
+                child.unlink()
+        self._append_journal({"fingerprint": self.fingerprint})
+
+    def _append_journal(self, record: dict) -> None:
+        path = self.partial / JOURNAL
+        try:
+            with open(path, "a", encoding="utf-8") as fh:
+                fh.write(json.dumps(record, sort_keys=True) + "\n")
+                fh.flush()
+                os.fsync(fh.fileno())
+        except OSError as e:
+            raise _os_error(e, path, "(journal)") from e
+
+    def write(self, file: str, offset: int, data, *, tensor: str) -> None:
+        fh = self._files[file]
+        view = memoryview(data).cast("B")
+        try:
+            fh.seek(offset)
+            done = 0
+            while done < len(view):
+                n = fh.write(view[done:])
+                if not n:
+                    raise OSError(errno.ENOSPC, "no space left on device")
+                done += n
+        except OSError as e:
+            raise _os_error(e, self.partial / file, tensor) from e
+
+    def commit_unit(self, unit: str, record: dict) -> None:
+        """Make the unit's bytes durable, then record it as done."""
+        for name, fh in self._files.items():
+            try:
+                os.fsync(fh.fileno())
+            except OSError as e:
+                raise _os_error(e, self.partial / name, f"(unit {unit})") from e
+        self._append_journal({"unit": unit, **record})
+        self.done[unit] = record
+        self._units_committed += 1
+        if self._exit_after and self._units_committed >= self._exit_after:
+            os._exit(75)      # test hook: simulate a kill right after a committed unit
+
+    def finish(self, manifest: dict, *, overwrite: bool) -> Path:
+        for name, fh in self._files.items():
+            try:
+                fh.truncate(self.file_sizes[name])
+                os.fsync(fh.fileno())
+            except OSError as e:
+                raise _os_error(e, self.partial / name, "(final size)") from e
+            fh.close()
+        tmp = self.partial / (MANIFEST + ".tmp")
+        try:
+            with open(tmp, "w", encoding="utf-8") as fh:
+                json.dump(manifest, fh, indent=1, sort_keys=True)
+                fh.flush()
+                os.fsync(fh.fileno())
+            (self.partial / JOURNAL).unlink(missing_ok=True)
+            os.replace(tmp, self.partial / MANIFEST)
+        except OSError as e:
+            raise _os_error(e, self.partial / MANIFEST, "(manifest)") from e
+        old = None
+        if self.out.exists():
+            if not overwrite:
+                raise FTWError(f"{self.out} already exists; remove it or pass --force to replace it")
+            old = self.out.with_name(self.out.name + ".old")
+            if old.exists():
+                shutil.rmtree(old)
+            os.replace(self.out, old)
+        os.replace(self.partial, self.out)
+        if old is not None:
+            shutil.rmtree(old, ignore_errors=True)
+        return self.out
+
+    def close(self) -> None:
+        for fh in self._files.values():
+            if not fh.closed:
+                fh.close()
