@@ -113,6 +113,7 @@ class GenerateJob:
     sampling: Any                    # runtime.engine.SamplingParams
     sink: Callable[[ServiceEvent], None]
     parse: bool = True               # False: raw completion, every token is text
+    tools: list | None = None        # canonical tools, so the parser can type XML tool parameters
     # set by the service
     key: int = 0
     request_id: Any = None
@@ -165,10 +166,10 @@ def _default_engine_loader(path, options: LoadOptions, progress):
     return Engine.load(path, **kwargs)
 
 
-def _default_parser_factory(model_type: str, prompt_text: str):
+def _default_parser_factory(model_type: str, prompt_text: str, tools: list | None):
     from runtime.text.parsers import make_output_parser
 
-    return make_output_parser(model_type, prompt_text)
+    return make_output_parser(model_type, prompt_text, tools=tools)
 
 
 class Service:
@@ -391,7 +392,8 @@ class Service:
             self._finish_failed(job, "no_model", "no model is loaded")
             return
         try:
-            job.parser = self._parser_factory(self._model.model_type, job.prompt_text) if job.parse else None
+            job.parser = (self._parser_factory(self._model.model_type, job.prompt_text, job.tools)
+                          if job.parse else None)
             job.request_id = self._engine.add_request(
                 job.prompt_ids, job.sampling, on_prefill=lambda done, total: job.sink(PrefillProgress(done, total)))
         except Exception as exc:
@@ -406,6 +408,7 @@ class Service:
         if job.request_id is not None and self._engine is not None:
             self._engine.cancel(job.request_id)
             self._by_rid.pop(job.request_id, None)
+            self._forget(job)
         self._finish(job, "cancelled", stop_sequence=None)
 
     def _step(self) -> None:
@@ -430,6 +433,7 @@ class Service:
                 self._emit_text(job, ev.text)
             if ev.finished:
                 self._by_rid.pop(ev.request_id, None)
+                self._forget(job)
                 self._flush_parser(job)
                 reason = ev.finish_reason or "stop"
                 if reason == "stop" and job.saw_tool_call:
@@ -440,6 +444,12 @@ class Service:
             self._recent.append((time.monotonic(), produced))
             if len(self._recent) > 4096:
                 del self._recent[:2048]
+
+    def _forget(self, job: GenerateJob) -> None:
+        """Drop the engine's kept result of a finished request (it keeps them until read)."""
+        pop = getattr(self._engine, "result", None)
+        if pop is not None and job.request_id is not None:
+            pop(job.request_id)
 
     def _emit_text(self, job: GenerateJob, text: str) -> None:
         if job.parser is None:
