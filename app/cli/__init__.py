@@ -15,6 +15,8 @@ from importlib.metadata import PackageNotFoundError, version
 COMMANDS: dict[str, str] = {
     "info": "app.cli.info_cmd",
     "agents": "app.cli.agents_cmd",
+    "convert": "app.cli.convert_cmd",
+    "verify": "app.cli.verify_cmd",
 }
 
 

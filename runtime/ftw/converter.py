@@ -513,6 +513,15 @@ def _copy_tokenizer(src: Path, dst: Path) -> list[str]:
     return copied
 
 
+def resolve_codec(src: str | Path, codec: str = "auto") -> str:
+    """The expert codec `convert` would use for this source (reads headers only)."""
+    ckpt = Checkpoint.open(Path(src))
+    try:
+        return make_plan(ckpt, codec=codec).codec
+    finally:
+        ckpt.close()
+
+
 def default_output_name(src: Path, codec: str) -> str:
     meta = source_metadata(src)
     base = (meta["repo_id"] or meta["folder"]).split("/")[-1]
