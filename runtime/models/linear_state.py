@@ -133,9 +133,11 @@ class StatePool:
     # -- per-layer views for the cache protocol ----------------------------------------------------
 
     def layer_caches(self, slot: int) -> list["SlotStateCache"]:
-        """One protocol-conforming cache per linear layer of the slot, in layer order."""
+        """One protocol-conforming cache per linear layer of the slot, in layer order. They share one
+        lease: `release()` on any of them frees the slot once."""
         self._check(slot)
-        return [SlotStateCache(self, slot, g) for g in range(self.spec.num_layers)]
+        lease = SlotLease(self, slot)
+        return [SlotStateCache(lease, g) for g in range(self.spec.num_layers)]
 
     def gather(self, layer: int, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """States of several slots for one linear layer: conv [B, C, W-1], recurrent [B, Hv, dk, dv]."""
@@ -179,14 +181,26 @@ class _SlotStates(MutableMapping):
         return 2
 
 
+class SlotLease:
+    """One sequence's hold on a slot, shared by its G layer caches; frees the slot exactly once."""
+
+    def __init__(self, pool: StatePool, slot: int):
+        self.pool, self.slot, self.released = pool, slot, False
+
+    def release(self) -> None:
+        if not self.released:
+            self.released = True
+            self.pool.free(self.slot)
+
+
 class SlotStateCache:
     """One linear layer's state of one sequence, living in a `StatePool` slot (base.py's cache protocol)."""
     trimmable = False
 
-    def __init__(self, pool: StatePool, slot: int, layer: int):
-        self.pool, self.slot, self.layer = pool, slot, layer
-        self.states = _SlotStates(pool, slot, layer)
-        self.offset = pool._offsets[slot]
+    def __init__(self, lease: SlotLease, layer: int):
+        self.lease, self.pool, self.slot, self.layer = lease, lease.pool, lease.slot, layer
+        self.states = _SlotStates(lease.pool, lease.slot, layer)
+        self.offset = lease.pool._offsets[lease.slot]
 
     def advance(self, n: int) -> None:
         self.offset += n
@@ -199,12 +213,20 @@ class SlotStateCache:
         """A compact, slot-free copy: what the prefix cache keeps."""
         return StateCache({k: v.clone() for k, v in self.states.items()}, self.offset)
 
-    def load(self, cache: StateCache) -> None:
-        """Take over a stored copy's states (restoring a prefix-cache hit into this slot)."""
-        for key, value in cache.states.items():
+    def load(self, other, length: int | None = None) -> None:
+        """Take over a stored copy's states (a prefix-cache hit entering this slot); only whole."""
+        if length is not None and length != other.offset:
+            raise ValueError(f"a recurrent state of {other.offset} tokens cannot be cut to {length}")
+        if not other.states:                  # a stored fresh sequence: nothing seen yet
+            del self.states[CONV], self.states[RECURRENT]
+        for key, value in other.states.items():
             self.states[key] = value
-        self.offset = cache.offset
-        self.pool._offsets[self.slot] = cache.offset
+        self.offset = other.offset
+        self.pool._offsets[self.slot] = other.offset
+
+    def release(self) -> None:
+        """Give the slot back (the engine calls this when the sequence ends)."""
+        self.lease.release()
 
     @property
     def nbytes(self) -> int:

@@ -29,7 +29,7 @@ from runtime.experts.interface import Experts
 from runtime.models.base import Batch, CausalLM, ModelConfig
 from runtime.models.blocks import DenseMLP, RMSNorm, Rotary, SparseMoE, attend_batch, route_softmax_topk
 from runtime.models.gated_deltanet import GatedDeltaNet, GatedDeltaNetConfig
-from runtime.models.linear_state import CONV, RECURRENT
+from runtime.models.linear_state import CONV, RECURRENT, LinearStateSpec, StatePool
 
 LINEAR, FULL = "linear_attention", "full_attention"   # config.json's layer_types
 
@@ -250,10 +250,30 @@ class Model(CausalLM):
         self.lm_head = nn.Linear(c.hidden_size, c.vocab_size, bias=False)
         if c.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
+        self.state_pool: StatePool | None = None
 
     def linear_layers(self) -> list[int]:
         """Decoder layers that carry a recurrent state (what the state-slot pool is sized from)."""
         return [i for i, kind in enumerate(self.layer_kinds) if kind == "linear_attention"]
+
+    def state_spec(self, *, dtype: torch.dtype) -> LinearStateSpec:
+        """What one sequence's recurrent state takes (for the memory plan)."""
+        return LinearStateSpec.for_layers(self.config.gdn(), len(self.linear_layers()), dtype=dtype)
+
+    def attach_state_pool(self, capacity: int, *, device: torch.device | str, dtype: torch.dtype) -> StatePool:
+        """Reserve `capacity` state slots up front (the plan's "N state slots"); `new_cache` then takes one
+        slot per sequence (StatePoolFull when none is left) and `SequenceCache.release()` gives it back."""
+        self.state_pool = StatePool(self.state_spec(dtype=dtype), capacity, device=device)
+        return self.state_pool
+
+    def new_cache(self, *, device: torch.device | str, dtype: torch.dtype):
+        cache = super().new_cache(device=device, dtype=dtype)
+        if self.state_pool is None:          # no reservation: each sequence's states are its own tensors
+            return cache
+        slot_caches = iter(self.state_pool.layer_caches(self.state_pool.alloc()))
+        cache.layers = [next(slot_caches) if kind == "linear_attention" else layer
+                        for kind, layer in zip(self.layer_kinds, cache.layers)]
+        return cache
 
     def forward_hidden(self, batch: Batch) -> torch.Tensor:
         return self.model(batch, self.rope, self.experts)
