@@ -5,16 +5,26 @@ import sys
 
 
 def run_gui(argv: list[str]) -> int:
+    from PySide6.QtCore import Qt
+    from PySide6.QtGui import QGuiApplication
     from PySide6.QtWidgets import QApplication
 
     from app.logs import setup_logging
     from app.paths import user_paths
+    from app.settings import Settings
     from ui.main_window import MainWindow
+    from ui.theme import Theme
 
     setup_logging(user_paths().logs, name="app")
+    # Fractional scale factors (125 %, 150 %) render crisp instead of rounding to whole pixels.
+    QGuiApplication.setHighDpiScaleFactorRoundingPolicy(Qt.HighDpiScaleFactorRoundingPolicy.PassThrough)
     qapp = QApplication.instance() or QApplication([sys.argv[0], *argv])
     qapp.setApplicationName("FreeToken")
     qapp.setOrganizationName("FreeToken")
+    qapp.setDesktopFileName("freetoken")
+    theme = Theme()
+    theme.apply(qapp, Settings().get("theme"))
+    theme.follow_os(qapp)
     window = MainWindow()
     window.show()
     return qapp.exec()
