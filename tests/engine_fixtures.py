@@ -9,7 +9,6 @@ import torch
 from safetensors import safe_open
 
 from runtime.experts.interface import ExpertWeights
-from runtime.ftw.architectures import lookup, normalise_name
 
 
 class SafetensorsSource:
@@ -23,14 +22,14 @@ class SafetensorsSource:
         self.path = Path(path)
         self.config = json.loads((self.path / "config.json").read_text())
         self.model_type = self.config["model_type"]
+        gen = self.path / "generation_config.json"
+        self.generation_config = json.loads(gen.read_text()) if gen.is_file() else {}
+        self.tokenizer_dir = self.path
         self.tensors: dict[str, torch.Tensor] = {}
         for shard in sorted(self.path.glob("*.safetensors")):
             with safe_open(str(shard), "pt") as f:
                 for key in f.keys():
-                    name = normalise_name(key)
-                    if name is not None:
-                        self.tensors[name] = f.get_tensor(key)
-        self.arch = lookup(self.model_type)
+                    self.tensors[key] = f.get_tensor(key)
         self.experts = _Experts(self)
         self._expert_re = re.compile(r"model\.layers\.\d+\.(mlp|block_sparse_moe)\.experts\.")
 
@@ -41,26 +40,33 @@ class SafetensorsSource:
         return self.tensors[name]
 
 
+# family -> (expert tensor name templates, routed-expert count keys); gpt-oss is fused and interleaved
+_EXPERT_NAMES = {
+    "qwen3_moe": "model.layers.{layer}.mlp.experts.{expert}.{{}}_proj.weight",
+    "mixtral": "model.layers.{layer}.block_sparse_moe.experts.{expert}.{{}}.weight",
+}
+_MIXTRAL_ROLES = {"gate": "w1", "up": "w3", "down": "w2"}
+
+
 class _Experts:
     def __init__(self, src: SafetensorsSource):
-        from runtime.ftw.architectures import expert_layers
-
         self.src = src
-        config = dict(src.config)
-        # transformers 5 writes qwen3_moe's expert count as num_local_experts
-        config.setdefault(src.arch.num_experts_key, config.get("num_local_experts") or config.get("num_experts"))
-        self.layers = expert_layers(src.arch, config)
-        self.num_experts = int(config[src.arch.num_experts_key])
+        c = src.config
+        self.num_experts = int(c.get("num_experts") or c.get("num_local_experts"))
+        dense_only = set(c.get("mlp_only_layers") or [])
+        step = int(c.get("decoder_sparse_step") or 1)
+        self.layers = [i for i in range(c["num_hidden_layers"]) if i not in dense_only and (i + 1) % step == 0]
 
     def dequantize(self, layer: int, expert: int, dtype=torch.float32) -> ExpertWeights:
-        t = self.src.tensors
-        layout = self.src.arch.layouts[0]
-        names = {role: tpl.format(layer=layer, expert=expert) for role, tpl in layout.names.items()}
-        if layout.kind == "per_expert":
-            return ExpertWeights(t[names["gate"]].to(dtype), t[names["up"]].to(dtype), t[names["down"]].to(dtype))
-        # gpt-oss: gate_up [E, D, 2I] interleaved columns, down [E, I, D]
-        gate_up = t[names["gate_up"]][expert].to(dtype)
-        bias = t[names["gate_up_bias"]][expert].to(dtype)
+        t, mt = self.src.tensors, self.src.model_type
+        if mt in _EXPERT_NAMES:
+            tpl = _EXPERT_NAMES[mt].format(layer=layer, expert=expert)
+            role = (lambda r: _MIXTRAL_ROLES[r]) if mt == "mixtral" else (lambda r: r)
+            return ExpertWeights(*(t[tpl.format(role(r))].to(dtype) for r in ("gate", "up", "down")))
+        # gpt-oss: gate_up [E, D, 2I] with interleaved columns (even gate, odd up), down [E, I, D]
+        pre = f"model.layers.{layer}.mlp.experts."
+        gate_up = t[pre + "gate_up_proj"][expert].to(dtype)
+        bias = t[pre + "gate_up_proj_bias"][expert].to(dtype)
         return ExpertWeights(gate_up[:, 0::2].T.contiguous(), gate_up[:, 1::2].T.contiguous(),
-                             t[names["down"]][expert].to(dtype).T.contiguous(), bias[0::2], bias[1::2],
-                             t[names["down_bias"]][expert].to(dtype))
+                             t[pre + "down_proj"][expert].to(dtype).T.contiguous(), bias[0::2], bias[1::2],
+                             t[pre + "down_proj_bias"][expert].to(dtype))

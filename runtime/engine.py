@@ -1,0 +1,407 @@
+"""The engine: load an FTW package, take requests, and step them all forward together.
+
+    eng = Engine.load(path, device="auto")
+    rid = eng.add_request(prompt_ids, SamplingParams(temperature=0), on_prefill=callback(done, total))
+    while eng.has_work():
+        for event in eng.step(): ...          # TokenEvent per sampled token (and per finished request)
+    eng.generate(prompt_ids, sampling) -> GenerationResult
+
+A step reads like a sentence: admit waiting requests (restoring what the prefix cache holds for
+them), schedule (every decoding sequence plus prefill chunks within a token budget), run the model
+once over that ragged batch, then sample, detokenize, check stops and emit events. Finished
+sequences leave and their caches go to the prefix cache. Only one thread may call an Engine.
+
+Shapes: B sequences in a step, N tokens in a step, V vocabulary.
+"""
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+from runtime.experts.interface import Experts, ExpertSpec
+from runtime.kv_cache import SequenceCache
+from runtime.loading import build_empty_model, load_dense_weights
+from runtime.models.base import Batch, CausalLM, UnsupportedModelError
+from runtime.prefix_cache import PrefixCache
+from runtime.sampling import RequestSampler, SamplingParams, StopMatcher, sample_batch
+from runtime.scheduler import Scheduler, SchedulerConfig, Sequence
+
+__all__ = ["Engine", "EngineError", "SamplingParams", "TokenEvent", "GenerationResult"]
+
+log = logging.getLogger(__name__)
+
+DEFAULT_PREFIX_CACHE_BYTES = 1 << 30
+
+ProgressFn = Callable[[int, int, str], None]      # (done, total, stage)
+PrefillFn = Callable[[int, int], None]            # (done, total) prompt tokens
+# experts_factory(package, spec, *, device, dtype, vram_budget, cpu_experts_per_layer, progress) -> Experts
+ExpertsFactory = Callable[..., Experts]
+
+
+class EngineError(ValueError):
+    """A request or model the engine cannot serve; the message says why in a user's words."""
+
+
+@dataclass(frozen=True)
+class TokenEvent:
+    request_id: str
+    token_id: int | None          # None on an event that only reports an end (cancelled, max_tokens=0)
+    text: str                     # the text this token completes ("" while a character or stop is pending)
+    finished: bool = False
+    finish_reason: str | None = None   # "stop" | "length" | "cancelled"
+
+
+@dataclass
+class GenerationResult:
+    tokens: list[int]
+    text: str
+    finish_reason: str
+    prompt_tokens: int = 0
+    cached_tokens: int = 0        # prompt tokens the prefix cache supplied
+    prefill_tokens_per_s: float = 0.0
+    decode_tokens_per_s: float = 0.0
+    ttft: float = 0.0             # seconds from add_request to the first token
+
+    @property
+    def prefill_tps(self) -> float:
+        return self.prefill_tokens_per_s
+
+    @property
+    def decode_tps(self) -> float:
+        return self.decode_tokens_per_s
+
+
+@dataclass
+class _Request:
+    """The engine's state for one request (the scheduler's Sequence carries it as payload)."""
+    params: SamplingParams
+    sampler: RequestSampler
+    stop_ids: frozenset[int]
+    matcher: StopMatcher
+    decoder: Any                              # StreamDecoder
+    on_prefill: PrefillFn | None
+    cache: SequenceCache | None = None
+    cached_tokens: int = 0
+    text: list[str] = field(default_factory=list)
+    t_added: float = 0.0
+    t_prefill_start: float | None = None
+    t_first: float | None = None
+    t_end: float | None = None
+    finish_reason: str | None = None
+
+
+def _resolve_device(device: str) -> torch.device:
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dev = torch.device(device)
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise EngineError("device 'cuda' was asked for but this machine has no usable CUDA GPU "
+                          "(or torch was installed without CUDA)")
+    return dev
+
+
+def _eos_ids(package) -> tuple[int, ...]:
+    """EOS ids from generation_config, falling back to config.json."""
+    for source in (package.generation_config or {}, package.config):
+        value = source.get("eos_token_id")
+        if value is None:
+            continue
+        return tuple(int(v) for v in (value if isinstance(value, (list, tuple)) else [value]))
+    return ()
+
+
+def resident_experts_factory(package, spec: ExpertSpec, *, device, dtype, progress=None, **_unused) -> Experts:
+    """The default expert tier: every expert dequantized once onto the compute device."""
+    from runtime.experts.resident import ResidentExperts
+
+    return ResidentExperts.from_store(package.experts, spec, device=device, dtype=dtype, progress=progress)
+
+
+class Engine:
+    def __init__(self, *, model: CausalLM, package, tokenizer, chat_template, device: torch.device,
+                 dtype: torch.dtype, context_length: int, max_batch: int, prefix_cache_bytes: int,
+                 prefill_chunk: int, plan: dict):
+        self.model, self.package = model, package
+        self.tokenizer, self.chat_template = tokenizer, chat_template
+        self.device, self.dtype = device, dtype
+        self.context_length = context_length
+        self.model_type = package.model_type
+        self.model_id = Path(package.path).name
+        self.plan = plan
+        self.eos_ids = _eos_ids(package)
+        self.scheduler = Scheduler(SchedulerConfig(max_batch=max_batch, prefill_chunk=prefill_chunk,
+                                                   step_token_budget=max(prefill_chunk, 2 * max_batch)))
+        self.prefix_cache = PrefixCache(prefix_cache_bytes)
+        self._ids = itertools.count(1)
+        self._pending_events: list[TokenEvent] = []
+        self._results: dict[str, GenerationResult] = {}
+        self._counters = dict(requests=0, finished=0, cancelled=0, prefill_tokens=0, decode_tokens=0,
+                              prefill_seconds=0.0, decode_seconds=0.0, steps=0)
+
+    # ------------------------------------------------------------------------------------------ load
+
+    @classmethod
+    def load(cls, path: str | Path, *, device: str = "auto", dtype: torch.dtype | None = None,
+             context_length: int | None = None, max_batch: int = 8, vram_budget: int | None = None,
+             cpu_experts_per_layer: int | None = None, progress: ProgressFn | None = None,
+             experts_factory: ExpertsFactory | None = None, prefix_cache_bytes: int = DEFAULT_PREFIX_CACHE_BYTES,
+             prefill_chunk: int = 512) -> "Engine":
+        """Open an FTW package and build an engine over it (see `from_package`)."""
+        from runtime.ftw.reader import FTWError, FTWPackage
+
+        try:
+            package = FTWPackage.open(path)
+        except FTWError as exc:
+            raise EngineError(str(exc)) from exc
+        return cls.from_package(package, device=device, dtype=dtype, context_length=context_length,
+                                max_batch=max_batch, vram_budget=vram_budget,
+                                cpu_experts_per_layer=cpu_experts_per_layer, progress=progress,
+                                experts_factory=experts_factory, prefix_cache_bytes=prefix_cache_bytes,
+                                prefill_chunk=prefill_chunk)
+
+    @classmethod
+    def from_package(cls, package, *, device: str = "auto", dtype: torch.dtype | None = None,
+                     context_length: int | None = None, max_batch: int = 8, vram_budget: int | None = None,
+                     cpu_experts_per_layer: int | None = None, progress: ProgressFn | None = None,
+                     experts_factory: ExpertsFactory | None = None,
+                     prefix_cache_bytes: int = DEFAULT_PREFIX_CACHE_BYTES, prefill_chunk: int = 512) -> "Engine":
+        """Build from anything FTWPackage-shaped: config, model_type, generation_config, tokenizer_dir,
+        dense_names()/dense(name), experts (an ExpertStore), path."""
+        from runtime.text.chat_template import ChatTemplate, ChatTemplateError
+        from runtime.text.tokenizer import Tokenizer
+
+        dev = _resolve_device(device)
+        if dtype is None:
+            dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
+        if max_batch < 1:
+            raise EngineError(f"max_batch must be at least 1, got {max_batch}")
+        config = dict(package.config)
+        config.setdefault("model_type", package.model_type)
+        max_pos = int(config.get("max_position_embeddings") or 0)
+        if context_length is None:
+            context_length = max_pos or 4096
+        if context_length < 1 or (max_pos and context_length > max_pos):
+            raise EngineError(f"context_length {context_length} is outside what this model supports "
+                              f"(1..{max_pos} tokens)")
+        t0 = time.perf_counter()
+        try:
+            model = build_empty_model(config, experts=None, device=dev, dtype=dtype)
+        except UnsupportedModelError as exc:
+            raise EngineError(str(exc)) from exc
+        stage = lambda name: (lambda done, total: progress(done, total, name)) if progress else None  # noqa: E731
+        report = load_dense_weights(model, package, progress=stage("dense weights"))
+        factory = experts_factory or resident_experts_factory
+        experts = factory(package, model.expert_spec(), device=dev, dtype=dtype, vram_budget=vram_budget,
+                          cpu_experts_per_layer=cpu_experts_per_layer, progress=stage("experts"))
+        model.set_experts(experts)
+        tokenizer = Tokenizer.from_dir(package.tokenizer_dir)
+        try:
+            chat_template = ChatTemplate.from_dir(package.tokenizer_dir)
+        except ChatTemplateError as exc:
+            log.warning("%s", exc)
+            chat_template = None
+        plan = {"backend": "resident" if factory is resident_experts_factory else getattr(experts, "backend", "custom"),
+                "device": str(dev), "dtype": str(dtype).replace("torch.", ""), "context_length": context_length,
+                "max_batch": max_batch, "dense_bytes": report.nbytes,
+                "expert_bytes": int(getattr(experts, "nbytes", 0)), "prefix_cache_bytes": prefix_cache_bytes,
+                "load_seconds": round(time.perf_counter() - t0, 3)}
+        if hasattr(experts, "plan"):
+            plan["experts"] = experts.plan() if callable(experts.plan) else experts.plan
+        return cls(model=model, package=package, tokenizer=tokenizer, chat_template=chat_template, device=dev,
+                   dtype=dtype, context_length=context_length, max_batch=max_batch,
+                   prefix_cache_bytes=prefix_cache_bytes, prefill_chunk=prefill_chunk, plan=plan)
+
+    # -------------------------------------------------------------------------------------- requests
+
+    def add_request(self, prompt_ids: list[int], sampling: SamplingParams | None = None, *,
+                    on_prefill: PrefillFn | None = None, request_id: str | None = None) -> str:
+        """Queue a request; it joins the running batch at the next step. Returns its id."""
+        from runtime.text.tokenizer import StreamDecoder
+
+        params = sampling or SamplingParams()
+        prompt = [int(t) for t in prompt_ids]
+        if not prompt:
+            raise EngineError("the prompt is empty: at least one token is needed")
+        if len(prompt) > self.context_length:
+            raise EngineError(f"the prompt is {len(prompt)} tokens long but the context holds {self.context_length}; "
+                              "shorten the conversation or load the model with a longer context")
+        vocab = self.model.config.vocab_size
+        bad = [t for t in prompt if not 0 <= t < vocab]
+        if bad:
+            raise EngineError(f"prompt token id {bad[0]} is outside the vocabulary (0..{vocab - 1})")
+        rid = request_id or f"req-{next(self._ids)}"
+        if self.scheduler.find(rid) is not None:
+            raise EngineError(f"request id {rid!r} is already in use")
+        stop_ids = frozenset(self.eos_ids if params.stop_token_ids is None else params.stop_token_ids)
+        state = _Request(params=params, sampler=RequestSampler(params, prompt_ids=prompt), stop_ids=stop_ids,
+                         matcher=StopMatcher(params.stop), decoder=StreamDecoder(self.tokenizer),
+                         on_prefill=on_prefill, t_added=time.perf_counter())
+        self.scheduler.add(Sequence(rid, list(prompt), len(prompt), payload=state))
+        self._counters["requests"] += 1
+        return rid
+
+    def cancel(self, request_id: str) -> bool:
+        """Stop a request between steps; its final event (finish_reason "cancelled") comes with the next step."""
+        seq = self.scheduler.find(request_id)
+        if seq is None:
+            return False
+        self._finish(seq, "cancelled", final_text="")
+        self._pending_events.append(TokenEvent(request_id, None, "", True, "cancelled"))
+        return True
+
+    def has_work(self) -> bool:
+        return self.scheduler.has_work() or bool(self._pending_events)
+
+    def result(self, request_id: str) -> GenerationResult | None:
+        """The result of a finished request (kept until read)."""
+        return self._results.pop(request_id, None)
+
+    # ------------------------------------------------------------------------------------------ step
+
+    @torch.inference_mode()
+    def step(self) -> list[TokenEvent]:
+        events, self._pending_events = self._pending_events, []
+        for seq in self.scheduler.admit():
+            self._start(seq, events)
+        work = self.scheduler.schedule()
+        if not work:
+            return events
+        now = time.perf_counter()
+        for seq, _ in work:
+            if seq.payload.t_prefill_start is None:
+                seq.payload.t_prefill_start = now
+        batch = Batch.build([(seq.tokens[seq.computed:seq.computed + n], seq.payload.cache) for seq, n in work],
+                            device=self.device)
+        logits = self.model(batch)                                       # [B, V] fp32
+        self._counters["steps"] += 1
+        ready_rows, ready = [], []
+        for row, (seq, n) in enumerate(work):
+            was_prefilling = seq.prefilling
+            seq.computed += n
+            if was_prefilling:
+                self._counters["prefill_tokens"] += n
+                if seq.payload.on_prefill:
+                    seq.payload.on_prefill(seq.computed, seq.prompt_len)
+                if seq.prefilling:
+                    continue
+                self._snapshot_prompt(seq)
+            ready_rows.append(row)
+            ready.append(seq)
+        if ready:
+            chosen = sample_batch(logits[ready_rows], [seq.payload.sampler for seq in ready]).tolist()
+            now = time.perf_counter()
+            for seq, token in zip(ready, chosen):
+                events.append(self._accept(seq, int(token), now))
+        return events
+
+    def _start(self, seq: Sequence, events: list[TokenEvent]) -> None:
+        """A newly admitted sequence gets its cache, from the prefix cache when one covers its prompt."""
+        state: _Request = seq.payload
+        state.cache = self.model.new_cache(device=self.device, dtype=self.dtype)
+        hit = self.prefix_cache.lookup(seq.tokens[:seq.prompt_len])
+        if hit is not None:
+            state.cache.load(hit.cache, hit.length)
+            seq.computed = state.cached_tokens = hit.length
+        if state.params.max_tokens == 0:
+            self._finish(seq, "length", final_text="")
+            events.append(TokenEvent(seq.request_id, None, "", True, "length"))
+
+    def _snapshot_prompt(self, seq: Sequence) -> None:
+        """For models with recurrent state, keep a copy at the end of the prompt (it cannot be cut later)."""
+        cache = seq.payload.cache
+        if not cache.trimmable and self.prefix_cache.max_bytes:
+            self.prefix_cache.insert(seq.tokens[:seq.computed], cache.copy())
+
+    def _accept(self, seq: Sequence, token: int, now: float) -> TokenEvent:
+        """Record a sampled token: stream its text, check stops and limits."""
+        state: _Request = seq.payload
+        if state.t_first is None:
+            state.t_first = now
+        else:
+            self._counters["decode_tokens"] += 1
+        seq.tokens.append(token)
+        produced = len(seq.tokens) - seq.prompt_len
+        if token in state.stop_ids:
+            return self._end(seq, token, "", "stop")
+        visible, stopped = state.matcher.push(state.decoder.push(token))
+        if stopped:
+            return self._end(seq, token, visible, "stop", flush=False)
+        if produced >= state.params.max_tokens or len(seq.tokens) >= self.context_length:
+            return self._end(seq, token, visible, "length")
+        state.text.append(visible)
+        return TokenEvent(seq.request_id, token, visible)
+
+    def _end(self, seq: Sequence, token: int, visible: str, reason: str, *, flush: bool = True) -> TokenEvent:
+        state: _Request = seq.payload
+        if flush:
+            tail, _ = state.matcher.push(state.decoder.flush())
+            visible += tail + state.matcher.flush()
+        self._finish(seq, reason, final_text=visible)
+        return TokenEvent(seq.request_id, token, visible, True, reason)
+
+    def _finish(self, seq: Sequence, reason: str, *, final_text: str) -> None:
+        state: _Request = seq.payload
+        state.text.append(final_text)
+        state.finish_reason = reason
+        state.t_end = time.perf_counter()
+        self.scheduler.remove(seq)
+        if state.cache is not None:
+            if self.prefix_cache.max_bytes and state.cache.offset > 0:
+                # the cache holds every token fed so far: exactly tokens[:offset]
+                self.prefix_cache.insert(seq.tokens[:state.cache.offset], state.cache.detach())
+            state.cache.release()
+            state.cache = None
+        self._counters["finished" if reason != "cancelled" else "cancelled"] += 1
+        self._results[seq.request_id] = self._make_result(seq)
+
+    def _make_result(self, seq: Sequence) -> GenerationResult:
+        state: _Request = seq.payload
+        output = seq.tokens[seq.prompt_len:]
+        computed = seq.prompt_len - state.cached_tokens
+        prefill_s = (state.t_first - state.t_prefill_start) if state.t_first and state.t_prefill_start else 0.0
+        decode_s = (state.t_end - state.t_first) if state.t_first else 0.0
+        self._counters["prefill_seconds"] += prefill_s
+        self._counters["decode_seconds"] += decode_s
+        return GenerationResult(
+            tokens=output, text="".join(state.text), finish_reason=state.finish_reason,
+            prompt_tokens=seq.prompt_len, cached_tokens=state.cached_tokens,
+            prefill_tokens_per_s=computed / prefill_s if prefill_s > 0 else 0.0,
+            decode_tokens_per_s=(len(output) - 1) / decode_s if decode_s > 0 and len(output) > 1 else 0.0,
+            ttft=(state.t_first - state.t_added) if state.t_first else 0.0)
+
+    # ----------------------------------------------------------------------------------- convenience
+
+    def generate(self, prompt_ids: list[int], sampling: SamplingParams | None = None, *,
+                 on_prefill: PrefillFn | None = None,
+                 on_token: Callable[[TokenEvent], None] | None = None) -> GenerationResult:
+        """Run one request to the end (other queued requests advance alongside it)."""
+        rid = self.add_request(prompt_ids, sampling, on_prefill=on_prefill)
+        while True:
+            for event in self.step():
+                if event.request_id != rid:
+                    continue
+                if on_token:
+                    on_token(event)
+                if event.finished:
+                    return self._results.pop(rid)
+
+    def stats(self) -> dict:
+        c = self._counters
+        running = self.scheduler.running
+        return {
+            "model_id": self.model_id, "model_type": self.model_type, "device": str(self.device),
+            "requests": c["requests"], "finished": c["finished"], "cancelled": c["cancelled"],
+            "active_sequences": len(running), "waiting_sequences": len(self.scheduler.waiting),
+            "prefill_tokens": c["prefill_tokens"], "decode_tokens": c["decode_tokens"], "steps": c["steps"],
+            "prefill_tokens_per_s": c["prefill_tokens"] / c["prefill_seconds"] if c["prefill_seconds"] else 0.0,
+            "decode_tokens_per_s": c["decode_tokens"] / c["decode_seconds"] if c["decode_seconds"] else 0.0,
+            "kv_bytes": sum(s.payload.cache.nbytes for s in running if s.payload.cache is not None),
+            "prefix_cache": self.prefix_cache.stats(),
+            "experts": self.model.experts.stats() if hasattr(self.model.experts, "stats") else {},
+        }
