@@ -8,7 +8,8 @@ Every codec packs a matrix W [O, N] (nn.Linear orientation) into named parts:
   scale and one fp16 min per group of `group_size` consecutive elements of a row (the last group
   of a row may be short). Nibbles: byte j of a row holds element 2j in its low nibble, 2j+1 high.
   Error bound (tested): |W − Ŵ| ≤ scale_g / 2 for every element (plus fp32 rounding), where
-  scale_g ≤ (max_g − min_g) / 15 · (1 + 2⁻⁹) for groups whose values are representable in fp16.
+  scale_g ≤ (max_g − min_g + 2⁻¹⁰·|min_g|) / 15 · (1 + 2⁻¹⁰): min is rounded down and the step up
+  to fp16, so the step is the group's range / 15 widened only by fp16 rounding.
 - `fp4`: e2m1 nibbles (same nibble order) with per-block scales kept exactly as the source
   stored them: e8m0 per 32 (MXFP4) or e4m3 per 16 plus one fp32 per-matrix scale (NVFP4).
   Dequantization is the published formula, evaluated in fp32 left to right, so it is
@@ -83,8 +84,8 @@ def int4_quantize(w: torch.Tensor, group_size: int, *, name: str = "") -> dict[s
     mins16 = _round_fp16(lo, -np.inf)
     step = (hi - mins16.astype(np.float32)) / 15.0
     scales16 = _round_fp16(step.astype(np.float32), np.inf)
-    scales16 = np.where(scales16 == 0, np.float16(1.0), scales16)    # a constant group: every code is 0
-    s = torch.from_numpy(scales16.astype(np.float32)).unsqueeze(2)
+    # A zero step means an fp16-exact constant group: every code is 0 and min is the value.
+    s = torch.from_numpy(np.where(scales16 == 0, np.float16(1.0), scales16).astype(np.float32)).unsqueeze(2)
     m = torch.from_numpy(mins16.astype(np.float32)).unsqueeze(2)
     q = torch.clamp(torch.round((wg - m) / s), 0, 15).reshape(out_f, groups * group_size)[:, :in_f]
     return {"q": pack_nibbles(q), "scales": torch.from_numpy(scales16), "mins": torch.from_numpy(mins16)}

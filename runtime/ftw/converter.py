@@ -374,12 +374,16 @@ def _read_expert(plan: Plan, src: ExpertLayerSource, e: int) -> dict:
             out["gate"], out["up"] = gu[:inter], gu[inter:]
         out["down"] = dn
         return out
-    # gpt-oss: float tensors are (in, out) with gate/up interleaved in the out columns; FP4 ones (out, in).
-    if isinstance(gu, Fp4Parts):
-        out["gate"], out["up"] = gu.select_rows(slice(0, None, 2)), gu.select_rows(slice(1, None, 2))
+    # gpt-oss: float tensors are (in, out) with gate/up interleaved in the out columns; MXFP4/NVFP4
+    # ones are stored (out, in), so canonical gate/up are a row selection of the packed bytes.
+    if gate_up.kind in ("mxfp4", "nvfp4"):
+        if isinstance(gu, Fp4Parts):
+            out["gate"], out["up"] = gu.select_rows(slice(0, None, 2)), gu.select_rows(slice(1, None, 2))
+        else:
+            out["gate"], out["up"] = gu[0::2], gu[1::2]                      # [2I, D] -> [I, D]
     else:
         out["gate"], out["up"] = gu[:, 0::2].t(), gu[:, 1::2].t()            # [D, 2I] -> [I, D]
-    out["down"] = dn if isinstance(dn, Fp4Parts) else dn.t()                # [I, D] -> [D, I]
+    out["down"] = dn if down.kind in ("mxfp4", "nvfp4") else dn.t()         # [I, D] -> [D, I]
     bias = ckpt.read_float(src.weights[("gate_up_bias", -1)], index=(e,))   # [2I], interleaved
     out["gate_bias"], out["up_bias"] = bias[0::2], bias[1::2]
     out["down_bias"] = ckpt.read_float(src.weights[("down_bias", -1)], index=(e,))
