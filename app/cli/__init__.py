@@ -17,6 +17,9 @@ COMMANDS: dict[str, str] = {
     "agents": "app.cli.agents_cmd",
     "convert": "app.cli.convert_cmd",
     "verify": "app.cli.verify_cmd",
+    "demo": "app.cli.demo_cmd",
+    "run": "app.cli.run_cmd",
+    "chat": "app.cli.chat_cmd",
 }
 
 
