@@ -191,3 +191,95 @@ def test_pooled_state_slots_give_the_same_results(tiny_checkpoints, family):
         assert all(layer.slot == hit.layers[0].slot for layer in hit.layers if isinstance(layer, SlotStateCache))
     finally:
         model.state_pool = None
+
+
+# ------------------------------------------------------------------ through the FTW package and the engine
+
+_ENGINE_PACKAGES: dict = {}
+
+
+def package(tiny_checkpoints, tmp_path_factory, family: str):
+    """The fixture converted by the real converter with the lossless f32 codec (once per run)."""
+    from runtime.ftw.converter import convert
+
+    if family not in _ENGINE_PACKAGES:
+        _ENGINE_PACKAGES[family] = convert(tiny_checkpoints(family), tmp_path_factory.mktemp(f"ftw-{family}"),
+                                           codec="f32", overwrite=True)
+    return _ENGINE_PACKAGES[family]
+
+
+def engine(path, **options):
+    from runtime.engine import Engine
+
+    return Engine.load(path, device="cpu", dtype=torch.float32, **options)
+
+
+def drain(eng) -> None:
+    while eng.has_work():
+        eng.step()
+
+
+def greedy_params(n: int):
+    from runtime.engine import SamplingParams
+
+    return SamplingParams(temperature=0, max_tokens=n)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_engine_over_ftw_matches_transformers(tiny_checkpoints, tmp_path_factory, family):
+    _, ref, _ = loaded(tiny_checkpoints, family)
+    eng = engine(package(tiny_checkpoints, tmp_path_factory, family), prefill_chunk=32, prefix_cache_bytes=0)
+    ids = prompt(70, seed=12)
+    with torch.no_grad():
+        expected = ref(torch.tensor([ids])).logits[0]
+    ours = run(eng.model, [(ids, eng.model.new_cache(device="cpu", dtype=torch.float32))], all_logits=True)
+    assert (ours - expected).abs().max().item() <= TOL          # f32 codec: the package is lossless
+    short = prompt(12, seed=2)
+    with torch.no_grad():
+        theirs = ref.generate(torch.tensor([short]), max_new_tokens=32, do_sample=False)[0, len(short):].tolist()
+    result = eng.generate(short, greedy_params(32))
+    assert result.tokens == theirs and len(theirs) >= 8
+    # a prompt longer than the prefill chunk: chunked prefill through the engine, still transformers' tokens
+    with torch.no_grad():
+        theirs = ref.generate(torch.tensor([ids]), max_new_tokens=8, do_sample=False)[0, len(ids):].tolist()
+    assert eng.generate(ids, greedy_params(8)).tokens == theirs
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("pooled", [False, True])
+def test_engine_batched_equals_sequential(tiny_checkpoints, tmp_path_factory, family, pooled):
+    """Continuous batching over recurrent state: requests of different lengths decode together, one
+    joins late, and each gets its one-at-a-time tokens; with a reserved slot pool (fewer slots than
+    requests) every slot comes back when its sequence ends."""
+    path = package(tiny_checkpoints, tmp_path_factory, family)
+    prompts = [prompt(6, 20), prompt(45, 21), prompt(17, 22), prompt(30, 23)]
+    solo = engine(path, prefix_cache_bytes=0)
+    alone = [solo.generate(p, greedy_params(10)).tokens for p in prompts]
+
+    eng = engine(path, prefix_cache_bytes=0, max_batch=3, prefill_chunk=16)
+    pool = eng.model.attach_state_pool(3, device="cpu", dtype=torch.float32) if pooled else None
+    rids = [eng.add_request(p, greedy_params(10)) for p in prompts[:3]]
+    eng.step()
+    eng.step()
+    rids.append(eng.add_request(prompts[3], greedy_params(10)))                 # joins between steps
+    drain(eng)
+    assert [eng.result(r).tokens for r in rids] == alone
+    assert len({tuple(t) for t in alone}) == 4
+    if pooled:
+        assert pool.in_use == 0
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_engine_prefix_cache_is_exact(tiny_checkpoints, tmp_path_factory, family):
+    """A coding agent resends the whole conversation: the second turn prefills only what is new and
+    produces exactly what an engine without a prefix cache produces."""
+    path = package(tiny_checkpoints, tmp_path_factory, family)
+    cached, plain = engine(path, prefill_chunk=16), engine(path, prefix_cache_bytes=0, prefill_chunk=16)
+    turn1 = prompt(40, 30)
+    first = cached.generate(turn1, greedy_params(12))
+    assert first.tokens == plain.generate(turn1, greedy_params(12)).tokens
+    turn2 = turn1 + first.tokens + prompt(9, 31)
+    second = cached.generate(turn2, greedy_params(12))
+    assert second.cached_tokens >= len(turn1)                                   # the state was restored...
+    assert second.tokens == plain.generate(turn2, greedy_params(12)).tokens     # ...exactly
+    assert cached.generate(turn1, greedy_params(12)).tokens == first.tokens     # the same prompt again
