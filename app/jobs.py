@@ -14,6 +14,7 @@ import json
 import sys
 from dataclasses import dataclass, field
 from enum import Enum
+from pathlib import Path
 from typing import Any
 
 from PySide6.QtCore import QObject, QProcess, Signal
@@ -170,8 +171,10 @@ class ProcessJob(QObject):
             self._finish(JobState.SUCCEEDED, 0, "done")
 
     def _failure_message(self, how: str) -> str:
-        # The child's last words usually name the cause (the file or tensor at fault).
-        error = self.last_progress.get("error") if self.last_progress else None
+        # The child's last words usually name the cause (the file or tensor at fault); a JSON-lines child
+        # says it as {"event": "error", "message": ...} (freetoken convert --progress-json).
+        lp = self.last_progress
+        error = lp.get("error") or (lp.get("message") if lp.get("event") == "error" else None)
         last = error or (self.lines[-1] if self.lines else "")
         return f"{how}: {last}" if last else how
 
@@ -181,3 +184,14 @@ class ProcessJob(QObject):
         self.state = state
         self.outcome = JobOutcome(state, exit_code, message, dict(self.last_progress))
         self.finished.emit(self.outcome)
+
+
+def conversion_job(source: str | Path, *, out: str | Path | None = None, codec: str = "auto",
+                   parent: QObject | None = None) -> ProcessJob:
+    """`freetoken convert SOURCE --progress-json` as a job: `progress` gets the converter's events
+    ({"event": "progress", stage, tensor, bytes_done, bytes_total, rate, eta}), and a successful
+    outcome's `last_progress` is {"event": "done", "path": <the FTW package>}."""
+    args = ["convert", str(source), "--progress-json", "--codec", codec]
+    if out is not None:
+        args += ["--out", str(out)]
+    return ProcessJob.freetoken(*args, title=f"Convert {Path(source).name}", parent=parent)
