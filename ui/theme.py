@@ -16,6 +16,8 @@ from PySide6.QtSvg import QSvgRenderer
 from PySide6.QtWidgets import QApplication
 
 ICON_SIZES = (16, 20, 24, 32, 48)
+# Icons are drawn in one mid grey that reads on both themes, so a theme switch needs no redraw.
+ICON_COLOR = "#7c8394"
 
 
 @dataclass(frozen=True)
@@ -85,7 +87,6 @@ class Theme:
         app.setStyle("Fusion")   # the one style that honours a palette the same on every OS
         app.setPalette(palette(c))
         app.setStyleSheet(stylesheet(c))
-        icon.cache_clear()
         return self.mode
 
     def follow_os(self, app: QApplication, on_change=None) -> None:
@@ -137,9 +138,9 @@ def _svg(name: str) -> str:
 
 @lru_cache(maxsize=128)
 def icon(name: str, color: str | None = None) -> QIcon:
-    """resources/icons/NAME.svg drawn in `color` (the theme's text colour by default), sharp at every DPR."""
+    """resources/icons/NAME.svg drawn in `color` (ICON_COLOR by default), sharp at every device pixel ratio."""
     app = QGuiApplication.instance()
-    tint = color or (app.palette().color(QPalette.ColorRole.WindowText).name() if app else "#000000")
+    tint = color or ICON_COLOR
     renderer = QSvgRenderer(QByteArray(_svg(name).replace("currentColor", tint).encode()))
     result = QIcon()
     ratio = app.devicePixelRatio() if app else 1.0

@@ -17,6 +17,7 @@ from app.settings import SCHEMA, Setting, Settings, SettingsError
 
 INT_LIMIT = 2**31 - 1          # QSpinBox is 32-bit
 FLOAT_LIMIT = 1e9
+NUMBER_EDITOR_WIDTH = 220
 
 
 def label_for(key: str) -> str:
@@ -62,10 +63,14 @@ class SettingEditor(QWidget):
             self.editor.textChanged.connect(self.changed)
             if s.key.endswith("_key"):
                 self.editor.setEchoMode(QLineEdit.EchoMode.Password)
+        if isinstance(self.editor, (QSpinBox, QDoubleSpinBox, QComboBox)):
+            self.editor.setMaximumWidth(NUMBER_EDITOR_WIDTH)
         self.editor.setAccessibleName(label_for(s.key))
         self.editor.setAccessibleDescription(s.description)
         self.editor.setToolTip(s.description)
-        layout.addWidget(self.editor, 1)
+        layout.addWidget(self.editor, 1 if isinstance(self.editor, QLineEdit) else 0)
+        if not isinstance(self.editor, QLineEdit):
+            layout.addStretch(1)
         if s.type is str and s.key.endswith("_dir"):
             browse = QPushButton("Browse…")
             browse.setAccessibleName(f"Choose the {label_for(s.key).lower()}")
