@@ -279,6 +279,7 @@ class DownloadManager:
     def add(self, repo: str, *, revision: str = "main", allow_patterns: list[str] | None = None,
             ignore_patterns: list[str] | None = None, dest: Path | None = None) -> DownloadJob:
         """Queue a repo. Lists its files at `revision` (pinning the commit), checks free disk first."""
+        import httpx2
         from huggingface_hub import HfApi
         from huggingface_hub.errors import HfHubHTTPError
 
@@ -287,7 +288,7 @@ class DownloadManager:
                                                             token=self.token)
         except HfHubHTTPError as exc:
             raise DownloadError(f"{repo}: {_http_reason(exc)}") from exc
-        except OSError as exc:
+        except (OSError, httpx2.TransportError) as exc:
             raise DownloadError(f"{repo}: cannot reach the hub at {self.endpoint or 'huggingface.co'} ({exc})") from exc
         siblings = {s.rfilename: s for s in info.siblings or []}
         chosen = select_files(sorted(siblings), allow_patterns, ignore_patterns)
