@@ -314,3 +314,51 @@ def test_bandwidth_cap_and_paused_state_survive(hub, models):
     mgr2.pause(job2.id)
     reloaded = manager(hub, models)
     assert {j.id: j.state for j in reloaded.jobs()}[job2.id] == PAUSED
+
+
+# ------------------------------------------------------------------------------------------ the library
+
+
+def test_library_follows_a_model_from_catalog_to_ready_and_deletes_it(hub, models, tiny_checkpoints):
+    from app.catalog import load_catalog
+    from app.library import (CONVERTING, DOWNLOADING, NEEDS_CONVERSION, NOT_DOWNLOADED, READY, Library,
+                             LibraryError, conversion_hook)
+    from runtime.ftw.converter import convert, default_output_name, resolve_codec
+
+    hub.throttle_bps = 300_000
+    mgr = manager(hub, models, concurrency=1)
+    offered, converted = [], []
+    mgr.on_complete(conversion_hook(auto_convert=False, convert=converted.append, offer=offered.append))
+    lib = Library(models, downloads=mgr)
+    statuses = {m.key: m.status for m in lib.models()}
+    assert statuses["Qwen/Qwen3-30B-A3B-Instruct-2507"] == NOT_DOWNLOADED
+    assert len(statuses) == len(load_catalog())            # an empty folder shows just the catalog
+
+    job = mgr.add(REPO)
+    mgr.start()
+    wait_for(lambda: mgr.job(job.id).done_bytes > 0)
+    model = lib.get(REPO)
+    assert model.status == DOWNLOADING and "%" in model.detail
+    with pytest.raises(LibraryError, match="cancel the download first"):
+        lib.delete(REPO)
+    hub.throttle_bps = 0
+    assert mgr.wait(job.id, timeout=30).state == DONE
+    mgr.shutdown()
+    model = lib.get(REPO)
+    assert model.status == NEEDS_CONVERSION and model.source_dir == job.dest_path
+    assert offered == [job.dest_path] and converted == []  # the hook offered conversion, did not start it
+
+    name = default_output_name(job.dest_path, resolve_codec(job.dest_path, "auto"))
+    (models / (name + ".partial")).mkdir()
+    assert lib.get(REPO).status == CONVERTING
+    (models / (name + ".partial")).rmdir()
+    package = convert(job.dest_path, models / name)       # the FTW engineer's converter, for real
+    model = lib.get(REPO)
+    assert model.status == READY and model.package_dirs == (package,)
+    assert model.bytes_on_disk > sum(f.size for f in job.files)
+
+    freed = lib.delete(REPO)
+    assert freed == model.bytes_on_disk
+    assert not job.dest_path.exists() and not package.exists()
+    assert REPO not in {m.key for m in lib.models()}       # not in the catalog: gone from the list
+    assert mgr.jobs() == []
