@@ -70,3 +70,56 @@ class _Experts:
         return ExpertWeights(gate_up[:, 0::2].T.contiguous(), gate_up[:, 1::2].T.contiguous(),
                              t[pre + "down_proj"][expert].to(dtype).T.contiguous(), bias[0::2], bias[1::2],
                              t[pre + "down_proj_bias"][expert].to(dtype))
+
+
+# ------------------------------------------------------------------------------------------- fixtures
+
+import pytest  # noqa: E402
+
+OWN_FAMILIES = ("qwen3_moe", "mixtral", "gpt_oss")
+
+
+@pytest.fixture(scope="session")
+def ftw_packages(tiny_checkpoints, tmp_path_factory):
+    """(family, codec) -> folder of the tiny checkpoint converted to FTW; each built once per session."""
+    from runtime.ftw.converter import convert
+
+    root = tmp_path_factory.mktemp("tiny-ftw")
+    built: dict[tuple[str, str], Path] = {}
+
+    def get(family: str, codec: str = "f32") -> Path:
+        if (family, codec) not in built:
+            built[family, codec] = convert(tiny_checkpoints(family), root / f"{family}-{codec}", codec=codec)
+        return built[family, codec]
+
+    return get
+
+
+@pytest.fixture(scope="session")
+def references(tiny_checkpoints):
+    """family -> the transformers model on the tiny checkpoint (fp32, eager), loaded once per session."""
+    from tests.fixtures.checkpoints import load_reference
+
+    loaded = {}
+
+    def get(family: str):
+        if family not in loaded:
+            loaded[family] = load_reference(tiny_checkpoints(family))
+        return loaded[family]
+
+    return get
+
+
+def random_prompt(length: int, *, seed: int, vocab: int = 370) -> list[int]:
+    """Token ids below the fixture tokenizers' special tokens, deterministic by seed."""
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randint(0, vocab, (length,), generator=gen).tolist()
+
+
+def reference_greedy(ref, prompt: list[int], n: int) -> list[int]:
+    """transformers' greedy generate for exactly n tokens (EOS masked off, explicit attention mask so a
+    prompt token that happens to equal pad_token_id is not taken for padding)."""
+    ids = torch.tensor([prompt])
+    out = ref.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=n,
+                       min_new_tokens=n, pad_token_id=ref.generation_config.pad_token_id)
+    return out[0, len(prompt):].tolist()
