@@ -301,16 +301,18 @@ class GatedDeltaNet(torch.nn.Module):
     def project(self, x: torch.Tensor):
         """x [B, T, D] -> mixed [B, T, C] (= [q | k | v], the conv's channel order), z [B, T, Hv, dv], b, a [B, T, Hv]."""
         cfg = self.cfg
-        B, T, _ = x.shape
+        B, T, D = x.shape
         Hk, Hv, dk, dv, r = cfg.num_k_heads, cfg.num_v_heads, cfg.head_k_dim, cfg.head_v_dim, cfg.heads_per_key
+        x2 = x.reshape(B * T, D)     # 2-D matmuls: a strided 3-D input would take a slow batched path
         if self.packed:
             # rows are grouped per key head: [q (dk) | k (dk) | v (r dv) | z (r dv)] and [b (r) | a (r)]
-            qkvz = self.in_proj_qkvz(x).view(B, T, Hk, 2 * dk + 2 * r * dv)
+            qkvz = self.in_proj_qkvz(x2).view(B, T, Hk, 2 * dk + 2 * r * dv)
             q, k, v, z = torch.split(qkvz, [dk, dk, r * dv, r * dv], dim=-1)
-            b, a = torch.split(self.in_proj_ba(x).view(B, T, Hk, 2 * r), [r, r], dim=-1)
+            b, a = torch.split(self.in_proj_ba(x2).view(B, T, Hk, 2 * r), [r, r], dim=-1)
             mixed = torch.cat([q.reshape(B, T, -1), k.reshape(B, T, -1), v.reshape(B, T, -1)], dim=-1)
             return mixed, z.reshape(B, T, Hv, dv), b.reshape(B, T, Hv), a.reshape(B, T, Hv)
-        return (self.in_proj_qkv(x), self.in_proj_z(x).view(B, T, Hv, dv), self.in_proj_b(x), self.in_proj_a(x))
+        return (self.in_proj_qkv(x2).view(B, T, -1), self.in_proj_z(x2).view(B, T, Hv, dv),
+                self.in_proj_b(x2).view(B, T, Hv), self.in_proj_a(x2).view(B, T, Hv))
 
     def forward(self, x: torch.Tensor, conv_state: torch.Tensor, recurrent_state: torch.Tensor
                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -333,5 +335,5 @@ class GatedDeltaNet(torch.nn.Module):
         else:
             o, recurrent_state = chunked_gated_delta_rule(q, k, v, g, beta, initial_state=recurrent_state)
         o = gated_rms_norm(o, z, self.norm.weight, cfg.norm_eps)                      # [B, T, Hv, dv]
-        y = self.out_proj(o.reshape(B, T, cfg.value_dim))                             # [B, T, D]
+        y = self.out_proj(o.reshape(B * T, cfg.value_dim)).view(B, T, -1)             # [B, T, D]
         return y, conv_state, recurrent_state
