@@ -18,6 +18,19 @@ log = logging.getLogger(__name__)
 STATS_INTERVAL_S = 1.0
 
 
+GIB = 1024**3
+
+
+def load_options(settings) -> dict[str, Any]:
+    """The `load` request's options from the user's settings (0 / -1 mean "let the planner decide")."""
+    options: dict[str, Any] = {"device": settings.get("device"), "context_length": settings.get("context_length")}
+    if settings.get("vram_budget_gib") > 0:
+        options["vram_budget"] = int(settings.get("vram_budget_gib") * GIB)
+    if settings.get("cpu_experts_per_layer") >= 0:
+        options["cpu_experts_per_layer"] = settings.get("cpu_experts_per_layer")
+    return options
+
+
 class SessionError(RuntimeError):
     """A request the session cannot take now; the message says why in plain words."""
 
