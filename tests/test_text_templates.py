@@ -11,7 +11,7 @@ import json
 
 import pytest
 
-from runtime.text.chat_template import ChatTemplate, ChatTemplateError
+from runtime.text.chat_template import ChatTemplate, ChatTemplateError, decode_tool_arguments
 from runtime.text.tokenizer import Tokenizer
 
 WEATHER_TOOL = {"type": "function", "function": {
@@ -271,3 +271,17 @@ def test_bad_templates_and_inputs_get_clear_errors(tmp_path):
     (tmp_path / "tokenizer_config.json").write_text("{not json", encoding="utf-8")
     with pytest.raises(ValueError, match="tokenizer_config.json"):
         ChatTemplate.from_dir(tmp_path)
+
+
+def test_json_string_arguments_are_decoded_for_templates_that_need_dicts(tiny_checkpoints):
+    _, hf, tpl, tok = _pair(tiny_checkpoints, "qwen3_5_moe")
+    as_dicts = QWEN_CONVERSATIONS["tool_call_last"]
+    as_strings = [{**m, "tool_calls": [{**c, "function": {**c["function"], "arguments": json.dumps(
+        c["function"]["arguments"])}} for c in m["tool_calls"]]} if m.get("tool_calls") else m for m in as_dicts]
+    with pytest.raises(ChatTemplateError):          # the published template iterates the arguments
+        tpl.render(as_strings)
+    decoded = decode_tool_arguments(as_strings)
+    assert decoded == as_dicts and isinstance(as_strings[1]["tool_calls"][0]["function"]["arguments"], str)
+    assert tpl.render(decoded) == hf[0].apply_chat_template(as_dicts, tokenize=False, add_generation_prompt=True)
+    untouched = [{"role": "assistant", "tool_calls": [{"function": {"name": "f", "arguments": "not json"}}]}]
+    assert decode_tool_arguments(untouched) == untouched

@@ -155,6 +155,37 @@ def normalize_messages(messages: Sequence[Any]) -> list[dict]:
     return normalized
 
 
+def decode_tool_arguments(messages: Sequence[dict]) -> list[dict]:
+    """Messages whose tool-call `arguments` given as JSON text (as OpenAI clients send them) become dicts.
+
+    Templates are written for dicts (Qwen3.5 iterates them, gpt-oss `tojson`s them); vLLM does the same
+    before rendering. Text that is not a JSON object is left alone. The input is not modified.
+    """
+    out = []
+    for message in messages:
+        calls = message.get("tool_calls") if isinstance(message, dict) else None
+        if not calls:
+            out.append(message)
+            continue
+        new_calls = []
+        for call in calls:
+            function = call.get("function") if isinstance(call, dict) else None
+            holder, key = (call, "function") if isinstance(function, dict) else (None, None)
+            target = function if holder is not None else call
+            arguments = target.get("arguments") if isinstance(target, dict) else None
+            if isinstance(arguments, str):
+                try:
+                    parsed = json.loads(arguments) if arguments.strip() else {}
+                except json.JSONDecodeError:
+                    parsed = None
+                if isinstance(parsed, dict):
+                    target = {**target, "arguments": parsed}
+                    call = {**call, key: target} if holder is not None else target
+            new_calls.append(call)
+        out.append({**message, "tool_calls": new_calls})
+    return out
+
+
 def _check_tools(tools: Sequence[Any] | None) -> list[dict] | None:
     if tools is None:
         return None
