@@ -42,9 +42,15 @@ def test_catalog_rows_and_detail_sheet(qtbot, qtmodeltester, tmp_path):
     assert row_text(view, QWEN3, "Parameters") == f"{entry.total_params / 1e9:.1f}B · {entry.active_params / 1e9:.1f}B active"
     assert row_text(view, QWEN3, "Download") == f"{entry.download_bytes / 1024**3:.1f} GiB"
     assert row_text(view, QWEN3, "Licence") == entry.licence and status(view, QWEN3) == NOT_DOWNLOADED
+    # the fit badge comes from app.fit (the engine's planner) for this machine, labelled an estimate
+    fit = view.model.fits[QWEN3]
+    assert row_text(view, QWEN3, "Fit on this PC") == fit.text != "—"
+    assert fit.tone in ("good", "info", "warn", "bad")
+    assert "(estimate)" in fit.detail or fit.text.startswith("Does not fit")
     qtmodeltester.check(view.model)
     view.select(QWEN3)
     assert view.sheet_title.text() == entry.name and f"Repository: {QWEN3}" in view.sheet_facts.text()
+    assert f"Fit on this PC (estimate): {fit.text}" in view.sheet_facts.text()
     assert view.buttons["download"].isEnabled() and not view.buttons["load"].isEnabled()
     assert not view.buttons["delete"].isEnabled()
     services.close()

@@ -10,12 +10,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from PySide6.QtCore import QAbstractTableModel, QModelIndex, QPersistentModelIndex, Qt
+from PySide6.QtGui import QColor
 
 GIB = 1024**3
 KEY_ROLE = Qt.ItemDataRole.UserRole + 1
 STATUS_ROLE = Qt.ItemDataRole.UserRole + 2
 TONE_ROLE = Qt.ItemDataRole.UserRole + 3
 COLUMNS = ("Model", "Parameters", "Format", "Download", "Context", "Licence", "Fit on this PC", "Status")
+TONE_COLORS = {"good": "#2e9d5b", "warn": "#c0841a", "bad": "#d64545"}   # read on light and dark alike
 LOADED = "loaded"
 LOADING = "loading"
 
@@ -111,9 +113,10 @@ class LibraryModel(QAbstractTableModel):
             return self.status_of(model)
         fit = self.fits.get(model.key)
         if role == TONE_ROLE:
-            if column == "Fit on this PC":
-                return fit.tone if fit else None
-            return None
+            return fit.tone if fit and column == "Fit on this PC" else None
+        if role == Qt.ItemDataRole.ForegroundRole:
+            tone = fit.tone if fit and column == "Fit on this PC" else None
+            return QColor(TONE_COLORS[tone]) if tone in TONE_COLORS else None
         if role == Qt.ItemDataRole.ToolTipRole:
             if column == "Fit on this PC" and fit:
                 return fit.detail or fit.text

@@ -31,41 +31,49 @@ DELETE_CONFIRM_MS = 5000
 LOAD_STEPS = 1000
 
 
-def compute_fits(models: list, settings) -> dict[str, FitBadge]:
-    """Fit badges from app.fit (the planner) for every catalog model; {} when that service is absent."""
-    from ui.services import optional_module
+class FitEstimator:
+    """Fit badges from app.fit (the engine's planner) for the catalog; the machine is probed and its CPU
+    bandwidth measured once (about a second, off the UI thread), estimates are kept per context length."""
 
-    fit, _reason = optional_module("app.fit")
-    if fit is None:
-        return {}
-    return fit_badges(fit, models, settings)
+    TONES = {"gpu": "good", "hybrid": "info", "cpu": "warn", "does_not_fit": "bad"}
 
+    def __init__(self, models_dir: Path) -> None:
+        from ui.services import optional_module
 
-def fit_badges(fit, models: list, settings) -> dict[str, FitBadge]:
-    badges: dict[str, FitBadge] = {}
-    estimate = getattr(fit, "estimate_entry", None) or getattr(fit, "estimate", None)
-    if estimate is None:
-        return badges
-    for model in models:
-        if model.catalog is None:
-            continue
-        try:
-            result = estimate(model.catalog, context_length=settings.get("context_length"))
-        except Exception as exc:   # one bad entry must not hide the others' badges
-            log.warning("fit estimate for %s failed: %s", model.key, exc)
-            continue
-        badges[model.key] = badge_from(result)
-    return badges
+        self.fit, self.reason = optional_module("app.fit")
+        self.models_dir = models_dir
+        self._machine = None
+        self._badges: dict[int, dict[str, FitBadge]] = {}
 
+    def badges(self, models: list, *, context_length: int) -> dict[str, FitBadge]:
+        if self.fit is None:
+            return {}
+        if context_length not in self._badges:
+            if self._machine is None:
+                from app.hardware import probe
 
-def badge_from(result) -> FitBadge:
-    """A FitBadge from app.fit's result object (its `badge`/`summary`/`verdict` words)."""
-    text = getattr(result, "badge", None) or getattr(result, "summary", None) or str(result)
-    verdict = getattr(result, "verdict", None) or getattr(result, "backend", "")
-    tone = {"gpu": "good", "hybrid": "info", "cpu": "warn", "does_not_fit": "bad"}.get(str(verdict), "info")
-    lines = getattr(result, "lines", None) or getattr(result, "detail", None) or []
-    detail = "\n".join(lines) if isinstance(lines, (list, tuple)) else str(lines)
-    return FitBadge(text=str(text), tone=tone, detail=detail)
+                self._machine = self.fit.machine_from_report(probe(self.models_dir))
+            badges = {}
+            for model in models:
+                if model.catalog is not None:
+                    entry = model.catalog
+                    result = self.fit.estimate(entry.config(), codec=entry.codec, machine=self._machine,
+                                               context_length=context_length, id=entry.id, name=entry.name)
+                    badges[model.key] = self.badge(result)
+            self._badges[context_length] = badges
+        return self._badges[context_length]
+
+    @classmethod
+    def badge(cls, result) -> FitBadge:
+        lines = [result.badge]
+        if result.speed_text:
+            lines.append(result.speed_text)
+        lines += list(result.notes)
+        short = result.badge.split(";")[0]
+        if result.decode_tok_s:
+            lo, hi = result.decode_tok_s
+            short += f" · ~{lo:.1f}–{hi:.1f} tok/s"
+        return FitBadge(text=short, tone=cls.TONES.get(result.verdict, "info"), detail="\n".join(lines))
 
 
 class LibraryView(QWidget):
@@ -78,6 +86,7 @@ class LibraryView(QWidget):
         self.settings = services.settings
         self.session = services.session
         self.library = Library(services.paths.models, downloads=services.downloads)
+        self.fits = FitEstimator(services.paths.models)
         self.conversions: dict[str, ConversionPanel] = {}
         self._refreshing = False
         self._refresh_again = False
@@ -251,9 +260,16 @@ class LibraryView(QWidget):
             return
         self._refreshing = True
 
+        context_length = self.settings.get("context_length")
+
         def fetch():
             models = self.library.models()
-            return models, compute_fits(models, self.settings)
+            try:
+                fits = self.fits.badges(models, context_length=context_length)
+            except Exception as exc:   # an estimate that fails must not hide the library itself
+                log.warning("fit estimates failed: %s", exc)
+                fits = {}
+            return models, fits
 
         run_in_thread(fetch, on_done=self._on_rows, on_error=self._on_rows_failed, name="library-scan")
 
