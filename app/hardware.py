@@ -46,7 +46,16 @@ class GpuInfo:
     temperature_c: float | None = None
     power_w: float | None = None
     power_limit_w: float | None = None
+    memory_bus_bits: int | None = None
+    memory_clock_mhz: int | None = None    # the highest memory clock NVML reports
     missing: list[str] = field(default_factory=list)   # readings this GPU could not give
+
+    @property
+    def memory_gbps(self) -> float | None:
+        """Peak VRAM bandwidth: bus width x memory clock x 2 (NVML's memory clock is half the data rate)."""
+        if not self.memory_bus_bits or not self.memory_clock_mhz:
+            return None
+        return self.memory_bus_bits / 8 * self.memory_clock_mhz * 1e6 * 2 / 1e9
 
     @property
     def pcie_gbps(self) -> float | None:
@@ -99,6 +108,7 @@ class HardwareReport:
         data = asdict(self)
         for gpu, raw in zip(self.gpus, data["gpus"]):
             raw["pcie_gbps_estimate"] = gpu.pcie_gbps
+            raw["memory_gbps_peak"] = gpu.memory_gbps
         return data
 
     def summary_lines(self) -> list[str]:
@@ -198,6 +208,7 @@ def probe_nvidia(nvml: Any = None) -> tuple[list[GpuInfo], str]:
             temp = read("nvmlDeviceGetTemperature", temp_sensor, what="temperature")
             power = read("nvmlDeviceGetPowerUsage", what="power")
             limit = read("nvmlDeviceGetEnforcedPowerLimit", what="power limit")
+            mem_clock_kind = getattr(nvml, "NVML_CLOCK_MEM", 2)
             gpus.append(GpuInfo(
                 index=i, name=_text(read("nvmlDeviceGetName", what="name") or f"NVIDIA GPU {i}"),
                 vram_total=int(mem.total) if mem is not None else None,
@@ -211,6 +222,8 @@ def probe_nvidia(nvml: Any = None) -> tuple[list[GpuInfo], str]:
                 temperature_c=float(temp) if temp is not None else None,
                 power_w=power / 1000.0 if power is not None else None,        # NVML reports milliwatts
                 power_limit_w=limit / 1000.0 if limit is not None else None,
+                memory_bus_bits=read("nvmlDeviceGetMemoryBusWidth", what="memory bus width"),
+                memory_clock_mhz=read("nvmlDeviceGetMaxClockInfo", mem_clock_kind, what="memory clock"),
                 missing=missing))
     finally:
         _call(nvml, "nvmlShutdown", missing=None)

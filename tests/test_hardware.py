@@ -47,6 +47,9 @@ def fake_nvml(*, gpus=2, fail_init=False, no_power_on=1):
         nvmlDeviceGetTemperature=lambda h, sensor: 41,
         nvmlDeviceGetPowerUsage=power,
         nvmlDeviceGetEnforcedPowerLimit=lambda h: 200_000,
+        NVML_CLOCK_MEM=2,
+        nvmlDeviceGetMemoryBusWidth=lambda h: 192,
+        nvmlDeviceGetMaxClockInfo=lambda h, kind: 10501 if kind == 2 else 2475,
     )
     return mod, state
 
@@ -79,6 +82,7 @@ def test_nvml_readings_are_converted_and_missing_ones_are_named(tmp_path):
     assert first.compute_capability == "8.9" and first.cuda_driver == "12.8" and first.driver == "570.86"
     assert first.power_w == pytest.approx(123.456) and first.power_limit_w == 200.0
     assert first.pcie_gbps == pytest.approx(1.6 * 16)         # the link's best (gen 4 x16), not idle gen 1
+    assert first.memory_gbps == pytest.approx(192 / 8 * 10501e6 * 2 / 1e9)   # 504 GB/s, an RTX 4070's
     assert second.power_w is None and second.missing == ["power"]
     lines = report.summary_lines()
     assert any("RTX A2000" in line and f"{NA} of 200 W" in line for line in lines)

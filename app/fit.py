@@ -1,0 +1,212 @@
+"""Will a model run on this machine, and how fast? The library's fit badge.
+
+Memory: the engine's own planner decides (`runtime.experts.planner`: `ModelShape.from_config`,
+`plan_memory`), with the KV cache sized for the context the user chose, so the badge and the real
+load agree: runs fully on the GPU / hybrid with N% of the experts cached in VRAM / CPU only / does
+not fit, needs X GB more RAM (or VRAM).
+
+Speed: an *estimate*, shown as a range. Decode is bandwidth-bound: per token the missed experts are
+read by the CPU kernel (and fetched over PCIe, which adds bandwidth), the cached experts and the dense
+weights by the GPU. Prefill on the hybrid path streams the uncached experts over PCIe once per chunk
+and computes 2 x active-params FLOPs per token. The efficiencies that turn peak rates into real ones
+are `CostModel`'s fields, calibrated from measured numbers (docs/library.md, "Calibration", says which
+rows of docs/benchmarks.md each comes from and how to refit them).
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from app.catalog import CatalogEntry, count_parameters, load_catalog
+from app.hardware import HardwareReport
+
+log = logging.getLogger(__name__)
+
+GB = 1e9
+GPU, HYBRID, CPU, NO_FIT, UNKNOWN = "gpu", "hybrid", "cpu", "does_not_fit", "unknown"
+
+
+@dataclass(frozen=True)
+class CostModel:
+    """Peak rates x efficiencies (low, high). Every pair is a calibration; see docs/library.md."""
+    # Share of the machine's measured memory-read bandwidth the CPU expert kernel reaches at batch 1.
+    # Issue 10 sets >= 60% as the kernel's target; stock torch int4/bf16 kernels measured ~30 GB/s on the
+    # 16-core GPU machine, i.e. about a third of its read bandwidth: the low end until our kernel's rows land.
+    cpu_kernel_efficiency: tuple[float, float] = (0.33, 0.60)
+    # Share of the PCIe link estimate (lanes x per-lane rate) that pinned expert copies reach.
+    h2d_efficiency: tuple[float, float] = (0.70, 0.90)
+    # Share of peak VRAM bandwidth a batch-1 decode step reaches (small GEMVs, attention, launches).
+    gpu_bandwidth_efficiency: tuple[float, float] = (0.45, 0.75)
+    # Dense bf16 tensor throughput for prefill when NVML cannot tell (TFLOP/s), and the share reached.
+    gpu_tflops_default: float = 40.0
+    gpu_flops_efficiency: tuple[float, float] = (0.30, 0.60)
+    # CPU matmul throughput per physical core (GFLOP/s) for CPU-only prefill: AVX2 low, AVX-512/AMX high.
+    cpu_gflops_per_core: tuple[float, float] = (20.0, 80.0)
+    # VRAM bandwidth assumed when NVML cannot tell (GB/s).
+    gpu_gbps_default: float = 300.0
+    # Page-cache misses over the mapped expert file when RAM cannot hold every expert (GB/s): a SATA SSD
+    # to a good NVMe drive, reading whole 4 KiB-aligned expert blocks.
+    disk_gbps: tuple[float, float] = (0.5, 3.0)
+
+
+@dataclass
+class FitEstimate:
+    id: str
+    name: str
+    verdict: str                          # "gpu" | "hybrid" | "cpu" | "does_not_fit" | "unknown"
+    badge: str                            # one line for the library
+    context_length: int
+    experts_cached_pct: float = 0.0       # of all (layer, expert) blocks, in VRAM
+    decode_tok_s: tuple[float, float] | None = None
+    prefill_tok_s: tuple[float, float] | None = None
+    shortfall_bytes: int = 0
+    short_of: str = ""                    # "ram" | "vram"
+    codec: str = ""
+    plan: dict[str, Any] = field(default_factory=dict)
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def speed_text(self) -> str:
+        if not self.decode_tok_s:
+            return ""
+        lo, hi = self.decode_tok_s
+        text = f"decode ~{_fmt_rate(lo)}–{_fmt_rate(hi)} tok/s"
+        if self.prefill_tok_s:
+            text += f", prefill ~{_fmt_rate(self.prefill_tok_s[0])}–{_fmt_rate(self.prefill_tok_s[1])} tok/s"
+        return text + " (estimate)"
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def _fmt_rate(x: float) -> str:
+    return f"{x:.1f}" if x < 10 else f"{x:,.0f}"
+
+
+def _gb(n: float) -> str:
+    return f"{n / GB:.1f} GB"
+
+
+@dataclass(frozen=True)
+class Machine:
+    """What the estimate needs beyond the planner's Hardware: peak rates from the probe."""
+    hardware: Any                         # runtime.experts.planner.Hardware
+    gpu_gbps: float                       # peak VRAM bandwidth
+    gpu_tflops: float
+    cpu_cores: int
+    cpu_read_gbps: float                  # measured (planner.measure_cpu_gbps) or given
+
+
+def machine_from_report(report: HardwareReport, *, cpu_read_gbps: float | None = None,
+                        cost: CostModel = CostModel()) -> Machine:
+    """The machine for estimates. Without `cpu_read_gbps` the planner's own read-bandwidth run measures it."""
+    if cpu_read_gbps is None:
+        from runtime.experts.planner import measure_cpu_gbps
+
+        cpu_read_gbps = measure_cpu_gbps(nbytes=128 * 1024 ** 2, repeats=3)
+    gpu = report.gpus[0] if report.gpus else None
+    return Machine(hardware=report.planner_hardware(cpu_gbps=cpu_read_gbps),
+                   gpu_gbps=(gpu.memory_gbps if gpu and gpu.memory_gbps else cost.gpu_gbps_default),
+                   gpu_tflops=cost.gpu_tflops_default, cpu_cores=report.cpu.physical_cores or 1,
+                   cpu_read_gbps=cpu_read_gbps)
+
+
+def estimate(config: dict, *, codec: str, machine: Machine, context_length: int, max_sequences: int = 1,
+             vram_budget: int | None = None, cost: CostModel = CostModel(), id: str = "", name: str = "") -> FitEstimate:
+    """Fit of one model config on `machine` at `context_length` tokens of KV cache."""
+    from runtime.experts.planner import ModelShape, plan_memory
+
+    try:
+        shape = ModelShape.from_config(config, codec=codec)
+        plan = plan_memory(shape, machine.hardware, context_length=context_length, max_sequences=max_sequences,
+                           vram_budget=vram_budget)
+    except (ValueError, KeyError) as exc:
+        return FitEstimate(id=id, name=name, verdict=UNKNOWN, badge=f"cannot estimate: {exc}",
+                           context_length=context_length, codec=codec)
+    cached = 100.0 * plan.expert_slots / plan.expert_total if plan.expert_total else 0.0
+    fit = FitEstimate(id=id, name=name, verdict=plan.backend, badge="", context_length=context_length,
+                      experts_cached_pct=cached, shortfall_bytes=plan.shortfall_bytes, short_of=plan.short_of,
+                      codec=codec, plan=plan.to_dict(), notes=list(plan.notes))
+    if plan.backend == NO_FIT:
+        fit.badge = f"Does not fit: needs {_gb(plan.shortfall_bytes)} more {plan.short_of.upper() or 'memory'}"
+        return fit
+    counts = count_parameters(config)
+    active = counts.active
+    # dense weights a token reads: all but the input embedding table (one row of it) and the vision tower/MTP
+    dense_read = max(0, (counts.active - shape.moe_layers * shape.top_k * counts.per_expert)) * shape.dense_bytes_per_param
+    fit.decode_tok_s = _decode_range(shape, plan, machine, cost, dense_read)
+    fit.prefill_tok_s = _prefill_range(shape, plan, machine, cost, active)
+    if plan.backend == GPU:
+        fit.badge = "Runs fully on the GPU"
+    elif plan.backend == HYBRID:
+        fit.badge = f"Hybrid: {cached:.0f}% of experts in VRAM, the rest on the CPU"
+    else:
+        fit.badge = "CPU only (no usable GPU)" if not machine.hardware.has_cuda else "CPU only"
+    if plan.experts_on_disk_bytes:
+        fit.badge += f"; {_gb(plan.experts_on_disk_bytes)} of experts read from disk (slow)"
+    return fit
+
+
+def _decode_range(shape, plan, machine: Machine, cost: CostModel, dense_read: float) -> tuple[float, float]:
+    """tokens/s at batch 1: (slow end, fast end). Misses: CPU kernel + PCIe fetches in parallel; hits and
+    dense weights: VRAM bandwidth; the two sides overlap at best (fast end) or add up (slow end). A hybrid
+    plan is never faster than the same model all in VRAM would be."""
+    hw = machine.hardware
+    total = shape.total_experts or 1
+    per_token_blocks = shape.moe_layers * shape.top_k
+    miss_share = 1.0 - plan.expert_slots / total
+    miss_bytes = per_token_blocks * miss_share * shape.expert_block_bytes
+    # under uniform routing a miss lands in the on-disk tail in proportion to its size
+    disk_share = plan.experts_on_disk_bytes / plan.experts_bytes if plan.experts_bytes else 0.0
+    disk_bytes = miss_bytes * disk_share
+    gpu_bytes = (per_token_blocks * (1 - miss_share) * shape.expert_block_bytes + dense_read
+                 if plan.dense_on == "cuda" else 0.0)
+    all_on_gpu = per_token_blocks * shape.expert_block_bytes + dense_read
+    cpu_dense = dense_read if plan.dense_on == "cpu" else 0.0
+    rates = []
+    for i in (0, 1):
+        cpu_bw = machine.cpu_read_gbps * cost.cpu_kernel_efficiency[i] * GB
+        pcie = hw.h2d_gbps * cost.h2d_efficiency[i] * GB if hw.has_cuda else 0.0
+        gpu_bw = machine.gpu_gbps * cost.gpu_bandwidth_efficiency[i] * GB
+        t_miss = miss_bytes / (cpu_bw + pcie) if miss_bytes else 0.0
+        t_cpu_dense = cpu_dense / cpu_bw if cpu_dense else 0.0
+        t_gpu = gpu_bytes / gpu_bw if gpu_bytes else 0.0
+        t_disk = disk_bytes / (cost.disk_gbps[i] * GB) if disk_bytes else 0.0
+        t = (t_miss + t_cpu_dense + t_disk + t_gpu) if i == 0 else max(t_miss + t_cpu_dense + t_disk, t_gpu)
+        if hw.has_cuda:
+            t = max(t, all_on_gpu / gpu_bw)
+        rates.append(1.0 / t if t > 0 else 0.0)
+    return rates[0], rates[1]
+
+
+def _prefill_range(shape, plan, machine: Machine, cost: CostModel, active_params: int) -> tuple[float, float]:
+    """tokens/s over a long prompt. GPU paths: compute, or the PCIe stream of uncached experts per chunk,
+    whichever is slower. CPU only: compute on the cores."""
+    hw = machine.hardware
+    flops_per_token = 2.0 * active_params
+    rates = []
+    for i in (0, 1):
+        if plan.backend == CPU:
+            gflops = machine.cpu_cores * cost.cpu_gflops_per_core[i]
+            rates.append(gflops * 1e9 / flops_per_token)
+            continue
+        t_compute = flops_per_token / (machine.gpu_tflops * cost.gpu_flops_efficiency[i] * 1e12)
+        chunk = max(1, plan.workspace_bytes // (shape.hidden_size * 24)) if plan.workspace_bytes else 4096
+        streamed = max(0, plan.experts_bytes - plan.pool_bytes)
+        t_stream = streamed / (hw.h2d_gbps * cost.h2d_efficiency[i] * GB) / chunk if streamed and hw.h2d_gbps else 0.0
+        rates.append(1.0 / max(t_compute, t_stream))
+    return rates[0], rates[1]
+
+
+def fit_catalog(report: HardwareReport, *, context_length: int, max_sequences: int = 1,
+                vram_budget: int | None = None, cpu_read_gbps: float | None = None,
+                entries: list[CatalogEntry] | None = None, cost: CostModel = CostModel()) -> list[FitEstimate]:
+    """The fit of every catalog model on the probed machine."""
+    machine = machine_from_report(report, cpu_read_gbps=cpu_read_gbps, cost=cost)
+    out = []
+    for entry in entries if entries is not None else load_catalog():
+        out.append(estimate(entry.config(), codec=entry.codec, machine=machine, context_length=context_length,
+                            max_sequences=max_sequences, vram_budget=vram_budget, cost=cost, id=entry.id,
+                            name=entry.name))
+    return out

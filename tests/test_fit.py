@@ -1,0 +1,110 @@
+"""Fit estimates: the planner decides placement (no second formula); the speed is a calibrated range."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from app.catalog import find_entry, load_catalog
+from app.fit import CPU, GPU, HYBRID, NO_FIT, UNKNOWN, CostModel, Machine, estimate, fit_catalog
+from app.hardware import probe
+from runtime.experts.planner import Hardware, ModelShape, plan_memory
+
+GiB = 1024 ** 3
+
+
+def machine(*, vram_gib: float = 12, ram_gib: float = 64, cuda: bool = True, cpu_gbps: float = 40.0) -> Machine:
+    hw = Hardware(vram_free=int(vram_gib * GiB) if cuda else 0, vram_total=int((vram_gib + 0.5) * GiB) if cuda else 0,
+                  ram_total=int(ram_gib * GiB), ram_available=int((ram_gib - 2) * GiB),
+                  pinnable=Hardware.pinnable_for("Linux", int(ram_gib * GiB)), h2d_gbps=25.6 if cuda else 0.0,
+                  cpu_gbps=cpu_gbps, has_cuda=cuda, os_name="Linux")
+    return Machine(hardware=hw, gpu_gbps=500.0, gpu_tflops=40.0, cpu_cores=8, cpu_read_gbps=cpu_gbps)
+
+
+def fit(entry_id: str, m: Machine, context: int = 32768, **kw):
+    entry = find_entry(entry_id)
+    return estimate(entry.config(), codec=entry.codec, machine=m, context_length=context, id=entry.id, **kw)
+
+
+@pytest.mark.parametrize("entry", load_catalog(), ids=lambda e: e.id)
+def test_placement_is_the_planners(entry):
+    m = machine()
+    result = estimate(entry.config(), codec=entry.codec, machine=m, context_length=16384)
+    plan = plan_memory(ModelShape.from_config(entry.config(), codec=entry.codec), m.hardware, context_length=16384)
+    assert result.verdict == plan.backend
+    assert result.plan == plan.to_dict()
+    assert result.experts_cached_pct == pytest.approx(100 * plan.expert_slots / plan.expert_total)
+    assert result.shortfall_bytes == plan.shortfall_bytes
+
+
+def test_kv_cache_at_the_chosen_context_leaves_less_vram_for_experts():
+    short = fit("qwen3-30b-a3b-instruct-2507", machine(), context=4096)
+    long = fit("qwen3-30b-a3b-instruct-2507", machine(), context=32768)
+    assert short.verdict == long.verdict == HYBRID
+    assert long.plan["kv_bytes"] == pytest.approx(8 * short.plan["kv_bytes"], rel=1e-9)
+    assert long.experts_cached_pct < short.experts_cached_pct
+    assert long.decode_tok_s[1] < short.decode_tok_s[1]
+    assert "Hybrid" in short.badge and f"{short.experts_cached_pct:.0f}%" in short.badge
+    # past what VRAM can hold next to the dense weights, the KV cache pushes the model to the CPU
+    assert fit("qwen3-30b-a3b-instruct-2507", machine(), context=131072).verdict == CPU
+
+
+def test_more_vram_means_more_experts_cached_and_faster_decode():
+    fits = [fit("qwen3-30b-a3b-instruct-2507", machine(vram_gib=v)) for v in (8, 12, 16, 24)]
+    cached = [f.experts_cached_pct for f in fits]
+    fast = [f.decode_tok_s[1] for f in fits]
+    assert cached == sorted(cached) and cached[0] < cached[-1]
+    assert fast == sorted(fast) and fast[0] < fast[-1]
+    for f in fits:
+        lo, hi = f.decode_tok_s
+        assert 0 < lo <= hi
+        assert "estimate" in f.speed_text
+
+
+def test_a_big_gpu_runs_everything_on_it():
+    small = fit("gpt-oss-20b", machine(vram_gib=12))
+    big = fit("gpt-oss-20b", machine(vram_gib=140))
+    assert big.verdict == GPU and big.badge == "Runs fully on the GPU" and big.experts_cached_pct == 100
+    assert big.decode_tok_s[0] > small.decode_tok_s[0] and big.decode_tok_s[1] >= small.decode_tok_s[1]
+
+
+def test_does_not_fit_names_what_is_missing():
+    result = fit("qwen3-235b-a22b-instruct-2507", machine(vram_gib=12, ram_gib=16))
+    assert result.verdict == NO_FIT and result.short_of == "ram" and result.shortfall_bytes > 0
+    assert f"{result.shortfall_bytes / 1e9:.1f} GB more RAM" in result.badge
+    assert result.decode_tok_s is None and result.speed_text == ""
+
+
+def test_experts_read_from_disk_slow_decode_down():
+    ample = fit("qwen3-next-80b-a3b-instruct", machine(vram_gib=12, ram_gib=128))
+    short = fit("qwen3-next-80b-a3b-instruct", machine(vram_gib=12, ram_gib=40))
+    assert ample.plan["experts_on_disk_bytes"] == 0 < short.plan["experts_on_disk_bytes"]
+    assert "read from disk" in short.badge
+    assert short.decode_tok_s[1] < ample.decode_tok_s[1]
+
+
+def test_cost_model_efficiencies_bound_the_range():
+    m = machine()
+    wide = fit("qwen3-30b-a3b-instruct-2507", m, cost=CostModel(cpu_kernel_efficiency=(0.1, 1.0)))
+    narrow = fit("qwen3-30b-a3b-instruct-2507", m, cost=CostModel(cpu_kernel_efficiency=(0.5, 0.5),
+                                                                   h2d_efficiency=(0.8, 0.8),
+                                                                   gpu_bandwidth_efficiency=(0.6, 0.6)))
+    assert wide.decode_tok_s[0] < narrow.decode_tok_s[0] <= narrow.decode_tok_s[1] < wide.decode_tok_s[1]
+
+
+def test_this_machine_without_a_gpu_gets_cpu_only_badges(tmp_path):
+    report = probe(tmp_path)
+    fits = fit_catalog(report, context_length=8192, cpu_read_gbps=10.0)
+    assert [f.id for f in fits] == [e.id for e in load_catalog()]
+    if report.cpu_only:
+        assert {f.verdict for f in fits} <= {CPU, NO_FIT}
+        for f in fits:
+            if f.verdict == CPU:
+                assert f.badge.startswith("CPU only") and f.decode_tok_s[0] <= f.decode_tok_s[1]
+                assert f.prefill_tok_s[0] > 0
+
+
+def test_a_config_the_planner_cannot_read_is_unknown_not_a_crash():
+    result = estimate({"model_type": "llama", "num_hidden_layers": 2, "hidden_size": 8, "num_attention_heads": 2,
+                       "vocab_size": 10, "num_experts_per_tok": 1}, codec="int4", machine=machine(), context_length=4096)
+    assert result.verdict == UNKNOWN and "cannot estimate" in result.badge
