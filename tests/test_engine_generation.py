@@ -1,0 +1,219 @@
+"""The engine end to end on tiny FTW packages (fp32): continuous batching, prefix cache, stops, limits.
+
+Equalities are exact (token ids), because the engine promises that batching and the prefix cache
+change nothing about the output.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from runtime.engine import Engine, EngineError, SamplingParams
+from tests.engine_fixtures import OWN_FAMILIES, ftw_packages, random_prompt, references  # noqa: F401
+
+GREEDY = dict(temperature=0, stop_token_ids=())
+# the recurrent-state family exercises the prefix cache's no-trim path (snapshots at prompt ends)
+STATE_FAMILY = "qwen3_next"
+
+
+def load(ftw_packages, family, device, **options) -> Engine:
+    return Engine.load(ftw_packages(family, "f32"), device=device, dtype=torch.float32, **options)
+
+
+def run_all(eng: Engine) -> list:
+    events = []
+    while eng.has_work():
+        events.extend(eng.step())
+    return events
+
+
+@pytest.mark.parametrize("family", [*OWN_FAMILIES, STATE_FAMILY])
+def test_batched_equals_sequential(family, ftw_packages, device):
+    prompts = [random_prompt(n, seed=10 + n) for n in (3, 9, 17, 26)]
+    max_tokens = [12, 5, 12, 9]            # one leaves early, freeing its place
+    solo = load(ftw_packages, family, device, prefix_cache_bytes=0)
+    expected = [solo.generate(p, SamplingParams(max_tokens=m, **GREEDY)).tokens for p, m in zip(prompts, max_tokens)]
+
+    # small prefill chunks so prefill and decode share steps; two requests join while others decode
+    eng = load(ftw_packages, family, device, prefix_cache_bytes=0, prefill_chunk=8, max_batch=3)
+    ids = [eng.add_request(p, SamplingParams(max_tokens=m, **GREEDY)) for p, m in zip(prompts[:2], max_tokens[:2])]
+    for _ in range(3):
+        eng.step()
+    ids += [eng.add_request(p, SamplingParams(max_tokens=m, **GREEDY)) for p, m in zip(prompts[2:], max_tokens[2:])]
+    peak = 0
+    while eng.has_work():
+        eng.step()
+        peak = max(peak, eng.stats()["active_sequences"])
+    assert peak == 3                        # max_batch holds: the fourth waited for a place
+    assert [eng.result(r).tokens for r in ids] == expected
+
+
+def test_seeded_sampling_is_reproducible_inside_a_batch(ftw_packages, device):
+    params = SamplingParams(temperature=0.9, top_p=0.95, seed=1234, max_tokens=10, stop_token_ids=())
+    prompt = random_prompt(7, seed=3)
+    eng = load(ftw_packages, "qwen3_moe", device, prefix_cache_bytes=0)
+    alone = eng.generate(prompt, params).tokens
+    other = eng.add_request(random_prompt(12, seed=4), SamplingParams(temperature=1.0, seed=99, max_tokens=10))
+    mine = eng.add_request(prompt, params)
+    run_all(eng)
+    assert eng.result(mine).tokens == alone
+    assert eng.result(other) is not None
+    different_seed = eng.generate(prompt, SamplingParams(temperature=0.9, top_p=0.95, seed=4321, max_tokens=10,
+                                                         stop_token_ids=()))
+    assert different_seed.tokens != alone
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "gpt_oss", STATE_FAMILY])
+def test_prefix_cache_resent_conversation_prefills_only_new_tokens(family, ftw_packages, device):
+    turn1 = random_prompt(21, seed=20)
+    eng = load(ftw_packages, family, device)
+    plain = load(ftw_packages, family, device, prefix_cache_bytes=0)
+
+    first = eng.generate(turn1, SamplingParams(max_tokens=6, **GREEDY))
+    assert first.cached_tokens == 0
+    # an agent resends the conversation: the previous prompt, the answer, and a new message
+    turn2 = turn1 + first.tokens + random_prompt(7, seed=21)
+    before = eng.stats()["prefill_tokens"]
+    second = eng.generate(turn2, SamplingParams(max_tokens=8, **GREEDY))
+    prefilled = eng.stats()["prefill_tokens"] - before
+    # the cache holds every token fed so far: the prompt and the answer but its last token
+    reused = len(turn1) + len(first.tokens) - 1
+    assert second.cached_tokens == reused
+    assert prefilled == len(turn2) - reused
+    assert second.tokens == plain.generate(turn2, SamplingParams(max_tokens=8, **GREEDY)).tokens
+    assert eng.stats()["prefix_cache"]["hits"] >= 1
+
+
+def test_prefix_cache_cuts_kv_to_a_shared_prefix_and_stays_exact(ftw_packages, device):
+    base = random_prompt(18, seed=30)
+    eng = load(ftw_packages, "gpt_oss", device)
+    plain = load(ftw_packages, "gpt_oss", device, prefix_cache_bytes=0)
+    eng.generate(base, SamplingParams(max_tokens=4, **GREEDY))
+    branch = base[:11] + random_prompt(6, seed=31)          # edits the conversation after token 11
+    if branch[11] == base[11]:
+        branch[11] = (branch[11] + 1) % 300
+    result = eng.generate(branch, SamplingParams(max_tokens=10, **GREEDY))
+    assert result.cached_tokens == 11
+    assert result.tokens == plain.generate(branch, SamplingParams(max_tokens=10, **GREEDY)).tokens
+    # the very same prompt again: everything but the last token comes from the cache
+    again = eng.generate(branch, SamplingParams(max_tokens=10, **GREEDY))
+    assert again.cached_tokens == len(branch) - 1 and again.tokens == result.tokens
+
+
+def test_prefix_cache_stays_within_its_byte_budget(ftw_packages, device):
+    eng = load(ftw_packages, "mixtral", device)
+    eng.generate(random_prompt(10, seed=40), SamplingParams(max_tokens=3, **GREEDY))
+    one_entry = eng.prefix_cache.nbytes
+    assert one_entry > 0
+    small = load(ftw_packages, "mixtral", device, prefix_cache_bytes=int(one_entry * 1.5))
+    prompts = [random_prompt(10, seed=41 + i) for i in range(3)]
+    for p in prompts:
+        small.generate(p, SamplingParams(max_tokens=3, **GREEDY))
+        assert small.prefix_cache.nbytes <= small.prefix_cache.max_bytes
+    stats = small.prefix_cache.stats()
+    assert stats["entries"] == 1 and stats["evictions"] == 2
+    # the survivor is the most recent conversation
+    assert small.generate(prompts[-1], SamplingParams(max_tokens=1, **GREEDY)).cached_tokens == len(prompts[-1]) - 1
+    assert small.generate(prompts[0], SamplingParams(max_tokens=1, **GREEDY)).cached_tokens == 0
+
+
+def test_chunked_prefill_reports_progress_and_matches_one_chunk(ftw_packages, device):
+    prompt = random_prompt(20, seed=50)
+    progress = []
+    chunked = load(ftw_packages, "qwen3_moe", device, prefill_chunk=8)
+    whole = load(ftw_packages, "qwen3_moe", device, prefill_chunk=512)
+    a = chunked.generate(prompt, SamplingParams(max_tokens=6, **GREEDY), on_prefill=lambda d, t: progress.append((d, t)))
+    assert progress == [(8, 20), (16, 20), (20, 20)]
+    assert a.tokens == whole.generate(prompt, SamplingParams(max_tokens=6, **GREEDY)).tokens
+    assert a.ttft > 0 and a.prefill_tokens_per_s > 0 and a.decode_tokens_per_s > 0
+
+
+def test_cancel_between_steps(ftw_packages, device):
+    eng = load(ftw_packages, "mixtral", device)
+    keep = eng.add_request(random_prompt(6, seed=60), SamplingParams(max_tokens=8, **GREEDY))
+    drop = eng.add_request(random_prompt(9, seed=61), SamplingParams(max_tokens=50, **GREEDY))
+    eng.step()
+    eng.step()
+    assert eng.cancel(drop) is True
+    assert eng.cancel("no-such-request") is False
+    events = run_all(eng)
+    ends = {e.request_id: e.finish_reason for e in events if e.finished}
+    assert ends == {drop: "cancelled", keep: "length"}
+    assert not any(e.request_id == drop and e.token_id is not None for e in events)
+    assert len(eng.result(drop).tokens) == 2 and eng.result(keep).finish_reason == "length"
+    assert eng.stats()["cancelled"] == 1 and not eng.has_work()
+
+
+def test_streamed_text_equals_the_decoded_tokens(ftw_packages, device):
+    eng = load(ftw_packages, "qwen3_moe", device)
+    events = []
+    result = eng.generate(random_prompt(8, seed=70), SamplingParams(max_tokens=20, **GREEDY), on_token=events.append)
+    assert [e.token_id for e in events] == result.tokens
+    assert "".join(e.text for e in events) == result.text == eng.tokenizer.decode(result.tokens)
+    assert [e.finished for e in events] == [False] * 19 + [True]
+
+
+def test_stop_string_ends_generation_and_is_not_shown(ftw_packages, device):
+    prompt = random_prompt(8, seed=71)
+    eng = load(ftw_packages, "qwen3_moe", device, prefix_cache_bytes=0)
+    full = eng.generate(prompt, SamplingParams(max_tokens=24, **GREEDY)).text
+    stop = full[len(full) // 2: len(full) // 2 + 3]
+    assert len(stop) == 3
+    result = eng.generate(prompt, SamplingParams(max_tokens=24, stop=(stop,), **GREEDY))
+    assert result.finish_reason == "stop"
+    assert result.text == full[:full.find(stop)]
+    assert len(result.tokens) < 24
+
+
+def test_eos_and_stop_token_ids(ftw_packages, device):
+    prompt = random_prompt(8, seed=72)
+    eng = load(ftw_packages, "mixtral", device, prefix_cache_bytes=0)
+    assert set(eng.eos_ids) == set(eng.package.generation_config["eos_token_id"])
+    free = eng.generate(prompt, SamplingParams(max_tokens=16, **GREEDY)).tokens
+    target = free[5]
+    stopped = eng.generate(prompt, SamplingParams(temperature=0, max_tokens=16, stop_token_ids=(target,)))
+    assert stopped.finish_reason == "stop"
+    assert stopped.tokens == free[:free.index(target) + 1]
+    assert stopped.text == eng.tokenizer.decode(stopped.tokens[:-1])     # the stop token's text is not shown
+
+
+def test_max_tokens_and_context_limits(ftw_packages, device):
+    eng = load(ftw_packages, "gpt_oss", device, context_length=16)
+    with pytest.raises(EngineError, match=r"20 tokens.*16"):
+        eng.add_request(random_prompt(20, seed=80), SamplingParams(**GREEDY))
+    with pytest.raises(EngineError, match="empty"):
+        eng.add_request([], SamplingParams(**GREEDY))
+    with pytest.raises(EngineError, match="vocabulary"):
+        eng.add_request([1, 10_000], SamplingParams(**GREEDY))
+    at_context = eng.generate(random_prompt(10, seed=81), SamplingParams(max_tokens=100, **GREEDY))
+    assert at_context.finish_reason == "length" and len(at_context.tokens) == 6
+    assert eng.generate(random_prompt(4, seed=82), SamplingParams(max_tokens=3, **GREEDY)).tokens.__len__() == 3
+    nothing = eng.generate(random_prompt(4, seed=83), SamplingParams(max_tokens=0, **GREEDY))
+    assert nothing.tokens == [] and nothing.finish_reason == "length"
+    with pytest.raises(EngineError, match="context_length"):
+        load(ftw_packages, "gpt_oss", device, context_length=10**7)
+
+
+def test_load_errors_name_the_cause(tmp_path, ftw_packages, device):
+    with pytest.raises(EngineError, match="not an FTW package"):
+        Engine.load(tmp_path, device=device)
+    import json
+    import shutil
+
+    pkg = tmp_path / "renamed"
+    shutil.copytree(ftw_packages("mixtral", "f32"), pkg)
+    manifest = json.loads((pkg / "manifest.json").read_text())
+    manifest["model_type"] = manifest["config"]["model_type"] = "llama4_moe"
+    (pkg / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(EngineError, match="llama4_moe"):
+        Engine.load(pkg, device=device)
+
+
+def test_stats_count_what_happened(ftw_packages, device):
+    eng = load(ftw_packages, "qwen3_moe", device)
+    eng.generate(random_prompt(12, seed=90), SamplingParams(max_tokens=5, **GREEDY))
+    s = eng.stats()
+    assert s["requests"] == s["finished"] == 1
+    assert s["prefill_tokens"] == 12 and s["decode_tokens"] == 4
+    assert s["active_sequences"] == 0 and s["prefix_cache"]["entries"] == 1
+    assert eng.plan["backend"] == "resident" and eng.plan["expert_bytes"] > 0
