@@ -65,15 +65,23 @@ class FitEstimator:
 
     @classmethod
     def badge(cls, result) -> FitBadge:
-        lines = [result.badge]
-        if result.speed_text:
-            lines.append(result.speed_text)
-        lines += list(result.notes)
-        short = result.badge.split(";")[0]
+        """A short cell ("Hybrid · 40% cached · ~12–20 tok/s"); the planner's full words go in the detail."""
+        verdict = result.verdict
+        if verdict == "gpu":
+            short = "Fits on the GPU"
+        elif verdict == "hybrid":
+            short = f"Hybrid · {result.experts_cached_pct:.0f}% cached"
+        elif verdict == "cpu":
+            short = "CPU only"
+        elif verdict == "does_not_fit":
+            short = f"Does not fit: +{result.shortfall_bytes / 1e9:.1f} GB {result.short_of.upper() or 'memory'}"
+        else:
+            short = "Unknown"
         if result.decode_tok_s:
             lo, hi = result.decode_tok_s
             short += f" · ~{lo:.1f}–{hi:.1f} tok/s"
-        return FitBadge(text=short, tone=cls.TONES.get(result.verdict, "info"), detail="\n".join(lines))
+        lines = [result.badge] + ([result.speed_text] if result.speed_text else []) + list(result.notes)
+        return FitBadge(text=short, tone=cls.TONES.get(verdict, "info"), detail="\n".join(lines))
 
 
 class LibraryView(QWidget):
