@@ -397,7 +397,9 @@ class Service:
             job.request_id = self._engine.add_request(
                 job.prompt_ids, job.sampling, on_prefill=lambda done, total: job.sink(PrefillProgress(done, total)))
         except Exception as exc:
-            code = "context_length" if "context" in str(exc).lower() else "engine_error"
+            # the engine refuses bad requests with EngineError (a ValueError): the caller's fault, not ours
+            code = ("context_length" if "context" in str(exc).lower() else
+                    "bad_request" if isinstance(exc, ValueError) else "engine_error")
             self._finish_failed(job, code, str(exc))
             return
         self._by_rid[job.request_id] = job

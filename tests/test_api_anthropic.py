@@ -135,7 +135,7 @@ def test_count_tokens_uses_the_real_template(client, hf_tokenizer):
 
 def test_beta_query_and_bearer_auth(server):
     url = server[1].url
-    body = {"model": "claude-x", "max_tokens": 2, "messages": [{"role": "user", "content": "hi"}],
+    body = {"model": "claude-x", "max_tokens": 2, "temperature": 0, "messages": [{"role": "user", "content": "hi"}],
             "metadata": {"user_id": "u"}, "context_management": {"edits": []}, "output_config": {"effort": "low"}}
     r = httpx.post(f"{url}/v1/messages?beta=true", json=body, headers={
         "Authorization": "Bearer sk-local-test", "anthropic-version": "2023-06-01",

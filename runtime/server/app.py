@@ -42,8 +42,12 @@ def create_app(service: Service, config: ServerConfig | None = None) -> FastAPI:
                 "model": model.model_id if model else None, "requests_admitted": svc.pending(),
                 "queue_limit": svc.max_queue}
 
-    @app.api_route("/", methods=["GET", "HEAD"], summary="Probe (clients send HEAD / at start)")
+    @app.get("/", summary="Probe")
     async def root():
+        return Response(status_code=200)
+
+    @app.head("/", summary="Probe (clients send HEAD / at start)")
+    async def root_head():
         return Response(status_code=200)
 
     app.add_middleware(SecurityMiddleware, config=config.security)

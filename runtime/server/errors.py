@@ -45,7 +45,7 @@ KINDS: dict[str, Kind] = {
 }
 
 # What a service error code becomes.
-SERVICE_CODE_KINDS = {"overloaded": "overloaded", "no_model": "unavailable", "loading": "unavailable",
+SERVICE_CODE_KINDS = {"bad_request": "invalid_request", "overloaded": "overloaded", "no_model": "unavailable", "loading": "unavailable",
                       "context_length": "context_length", "engine_error": "server", "load_failed": "unavailable"}
 
 

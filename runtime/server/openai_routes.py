@@ -238,6 +238,11 @@ async def completions(body: CompletionRequest, request: Request):
     prompt = body.prompt
     if isinstance(prompt, list) and prompt and all(isinstance(p, int) and not isinstance(p, bool) for p in prompt):
         ids = list(prompt)
+        vocab = model.tokenizer.vocab_size
+        bad = [t for t in ids if not 0 <= t < vocab]
+        if bad:
+            raise APIError("invalid_request", f"prompt token id {bad[0]} is outside the vocabulary (0..{vocab - 1})",
+                           param="prompt")
         text = model.tokenizer.decode(ids)
     else:
         if isinstance(prompt, list):

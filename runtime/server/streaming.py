@@ -57,16 +57,22 @@ class JobStream:
     async def events(self, request: Request | None = None) -> AsyncIterator:
         """Every event up to and including Finished; a Failed raises APIError. With `request`, a client
         that disconnects cancels the job (for non-streaming routes, which Starlette does not cancel)."""
+        next_check = self.loop.time() + DISCONNECT_POLL_S
         while True:
             if request is None:
                 event = await self.queue.get()
             else:
+                # check on a clock, not only when idle: tokens may arrive faster than the poll interval
                 try:
-                    event = await asyncio.wait_for(self.queue.get(), DISCONNECT_POLL_S)
+                    event = await asyncio.wait_for(self.queue.get(), max(0.0, next_check - self.loop.time()))
                 except asyncio.TimeoutError:
+                    event = None
+                if self.loop.time() >= next_check:
+                    next_check = self.loop.time() + DISCONNECT_POLL_S
                     if await request.is_disconnected():
                         self.close()
                         return
+                if event is None:
                     continue
             if isinstance(event, Failed):
                 raise APIError(SERVICE_CODE_KINDS.get(event.code, "server"), event.message)
