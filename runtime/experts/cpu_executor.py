@@ -1,0 +1,156 @@
+"""Missed experts computed on the CPU, over the packed weights in host memory, all of a layer's in one call.
+
+`CpuExecutor.run(layer, x, tokens, experts, weights)` takes the layer's missed (token, expert) assignments
+with their routing weights and returns their weighted sum per token. The fast path is the numba kernels in
+`cpu_kernels.py` (one parallel call for gate/up and one for down over every missed expert); the reference
+path dequantizes each expert with the FTW codecs and runs `expert_forward`, and is what the fast path is
+tested against. bf16 stores run torch's own matmuls on zero-copy bf16 views.
+
+Shapes: T tokens, A assignments, U distinct experts, D hidden, I expert width.
+"""
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from runtime.experts import cpu_kernels as ck
+from runtime.experts.host_store import HostExpertStore
+from runtime.experts.interface import ExpertSpec, expert_forward
+
+def ck_scatter_add(out: np.ndarray, tokens: np.ndarray, y: np.ndarray, w: np.ndarray) -> None:
+    """out[tokens[a]] += w[a] * y[a] (numpy; np.add.at handles repeated tokens)."""
+    np.add.at(out, tokens, y * w[:, None])
+
+
+_ACTIVATIONS = {"silu": 0, "gpt_oss": 1}
+
+
+def group_by_expert(experts: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """assignments' experts [A] -> (order [A] sorting them by expert, distinct experts [U], starts [U + 1])."""
+    order = np.argsort(experts, kind="stable")
+    uniq, counts = np.unique(experts[order], return_counts=True)
+    starts = np.zeros(len(uniq) + 1, dtype=np.int64)
+    np.cumsum(counts, out=starts[1:])
+    return order, uniq.astype(np.int64), starts
+
+
+class CpuExecutor:
+    """Runs missed experts on the CPU. `threads` bounds the kernel's threads (None: numba's default, all cores)."""
+
+    def __init__(self, store: HostExpertStore, spec: ExpertSpec, *, threads: int | None = None,
+                 fast: bool | None = None):
+        self.store = store
+        self.spec = spec
+        self.fast = ck.HAVE_NUMBA if fast is None else fast
+        if self.fast and not ck.HAVE_NUMBA and store.layout.quantized:
+            raise RuntimeError("the fast CPU expert kernels need numba (pip install numba)")
+        if threads and ck.HAVE_NUMBA:
+            ck.numba.set_num_threads(min(threads, ck.numba.config.NUMBA_NUM_THREADS))
+        if spec.activation not in _ACTIVATIONS:
+            raise ValueError(f"unknown expert activation {spec.activation!r}")
+        lay = store.layout
+        if lay.quantized and (lay.hidden % lay.group or lay.intermediate % lay.group):
+            self.fast = False          # the kernels view rows as whole groups; odd shapes take the reference path
+        if lay.codec == "int4":
+            self._scale_table = ck.fp16_table()
+        elif lay.codec == "fp4":
+            self._scale_table = ck.e8m0_table() if lay.scale_format == "e8m0" else ck.e4m3_table()
+        self._globals: dict[int, tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
+        self._empty = np.zeros((0, 0), dtype=np.float32)
+
+    # ------------------------------------------------------------------ public
+    def run(self, layer: int, x: torch.Tensor, tokens: np.ndarray, experts: np.ndarray,
+            weights: np.ndarray) -> torch.Tensor:
+        """x [T, D] float32 CPU; tokens, experts [A] int64; weights [A] float32 -> [T, D] float32:
+        out[t] = sum over assignments a of token t of weights[a] * expert_{experts[a]}(x[t])."""
+        x = x.to(torch.float32).contiguous()
+        out = torch.zeros_like(x)
+        if len(experts) == 0:
+            return out
+        order, uniq, starts = group_by_expert(np.asarray(experts, dtype=np.int64))
+        tok = np.ascontiguousarray(np.asarray(tokens, dtype=np.int64)[order])
+        w = torch.from_numpy(np.ascontiguousarray(np.asarray(weights, dtype=np.float32)[order]))
+        if not self.fast:
+            y = self._reference(layer, x, tok, uniq, starts)
+        elif not self.store.layout.quantized:
+            y = self._dense(layer, x, tok, uniq, starts)
+        else:
+            y = self._kernel(layer, x.numpy(), tok, uniq, starts)
+        # a serial scatter: torch's threaded index_add_ would fight numba's thread pool for the cores
+        ck_scatter_add(out.numpy(), tok, y.numpy(), w.numpy())
+        return out
+
+    # ------------------------------------------------------------------ paths
+    def _reference(self, layer, x, tok, uniq, starts) -> torch.Tensor:
+        y = torch.empty(len(tok), x.shape[1], dtype=torch.float32)
+        for u, e in enumerate(uniq):
+            rows = torch.from_numpy(tok[starts[u]:starts[u + 1]])
+            y[starts[u]:starts[u + 1]] = expert_forward(self.spec, self.store.dequantize(layer, int(e)), x[rows])
+        return y
+
+    def _dense(self, layer, x, tok, uniq, starts) -> torch.Tensor:
+        """f32/bf16 stores: torch's own matmuls over zero-copy views of the blocks."""
+        parts = self.store.layer_parts(layer)
+        lay = self.store.layout
+        dt = torch.bfloat16 if lay.codec == "bf16" else torch.float32
+        view = lambda a: torch.from_numpy(a).view(dt)        # noqa: E731  (uint16 bits -> bf16, no copy)
+        bias = lambda name, e: torch.from_numpy(parts[name][e]) if lay.has_bias else 0.0   # noqa: E731
+        y = torch.empty(len(tok), x.shape[1], dtype=torch.float32)
+        for u, e in enumerate(uniq):
+            rows = torch.from_numpy(tok[starts[u]:starts[u + 1]])
+            xb = x[rows].to(dt)
+            g = torch.nn.functional.linear(xb, view(parts["gate"][e])).float() + bias("gate_bias", e)
+            up = torch.nn.functional.linear(xb, view(parts["up"][e])).float() + bias("up_bias", e)
+            h = _torch_act(self.spec, g, up).to(dt)
+            y[starts[u]:starts[u + 1]] = torch.nn.functional.linear(h, view(parts["down"][e])).float() + \
+                bias("down_bias", e)
+        return y
+
+    def _kernel(self, layer, x: np.ndarray, tok, uniq, starts) -> torch.Tensor:
+        lay = self.store.layout
+        p = self.store.layer_parts(layer)
+        buf = self.store.layer_buffer(layer)                             # [E, nbytes], zero-copy
+        codec = 0 if lay.codec == "int4" else 1
+        off = lambda name: lay.parts[name].offset if name in lay.parts else 0     # noqa: E731
+        gu_offs = np.array([off(f"{m}{k}") for m in ("gate", "up") for k in ("", "_scales", "_mins")], dtype=np.int64)
+        d_offs = np.array([off(f"down{k}") for k in ("", "_scales", "_mins")], dtype=np.int64)
+        n_a = len(tok)
+        h = np.empty((n_a, lay.intermediate), dtype=np.float32)
+        y = np.empty((n_a, lay.hidden), dtype=np.float32)
+        act = _ACTIVATIONS[self.spec.activation]
+        alpha, limit = np.float32(self.spec.swiglu_alpha), np.float32(self.spec.swiglu_limit)
+        # contiguous float32 everywhere: one compiled specialization serves every codec and layout
+        bias = {n: np.ascontiguousarray(p[f"{n}_bias"], dtype=np.float32) if lay.has_bias else self._empty
+                for n in ("gate", "up", "down")}
+        g_scale, u_scale, d_scale = self._global_scales(layer, p)
+        xe, xo, xsum = ck.split_even_odd(x, lay.group)
+        ck.gate_up(codec, buf, gu_offs, lay.intermediate, self._scale_table, xe, xo, xsum,
+                   tok, uniq, starts, g_scale, u_scale, bias["gate"], bias["up"], act, alpha, limit, h)
+        he, ho, hsum = ck.split_even_odd(h, lay.group)
+        ck.down(codec, buf, d_offs, lay.hidden, self._scale_table, he, ho, hsum,
+                uniq, starts, d_scale, bias["down"], y)
+        return torch.from_numpy(y)
+
+    def _global_scales(self, layer: int, parts: dict[str, np.ndarray]):
+        """Per-matrix scales [E] of gate, up, down (NVFP4's global scale; ones otherwise), cached per layer."""
+        cached = self._globals.get(layer)
+        if cached is None:
+            ones = np.ones(self.store.num_experts, dtype=np.float32)
+            scales = []
+            for proj in ("gate", "up", "down"):
+                g = parts.get(f"{proj}_global")
+                if g is None:
+                    scales.append(ones)
+                else:
+                    g = np.ascontiguousarray(g[:, 0], dtype=np.float32)
+                    scales.append(1.0 / g if self.store.layout.global_op == "div" else g)
+            cached = self._globals[layer] = tuple(scales)
+        return cached
+
+
+def _torch_act(spec: ExpertSpec, g: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    if spec.activation == "silu":
+        return torch.nn.functional.silu(g) * u
+    g = g.clamp(max=spec.swiglu_limit)
+    u = u.clamp(min=-spec.swiglu_limit, max=spec.swiglu_limit)
+    return (u + 1) * (g * torch.sigmoid(spec.swiglu_alpha * g))

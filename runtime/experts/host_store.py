@@ -1,0 +1,287 @@
+"""Experts in host memory: one contiguous, 4 KiB-aligned block per (layer, expert), zero-copy views over it.
+
+The store is what the CPU executor reads (packed, stacked per layer, no copy) and what transport copies to
+GPU slots (one block, one copy). It wraps either the memory-mapped FTW expert file (`from_ftw`) or an
+in-memory buffer with exactly the FTW block layout (`from_weights` quantizes float weights with the FTW
+codecs; `synthetic` draws random codes at full size for the benchmark; `pin=True` page-locks it).
+
+Block parts (runtime/ftw/writer.py `expert_block_parts`): `gate`, `gate_scales`, `gate_mins` (int4),
+`gate_global` (NVFP4), the same for `up` and `down`, then `gate_bias`, `up_bias`, `down_bias` (fp32).
+
+Shapes: L layers with experts, E experts, D hidden, I expert width, G groups per row.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from runtime.experts.interface import ExpertWeights
+
+_NUMPY_OF = {"float32": np.float32, "float16": np.float16, "bfloat16": np.uint16, "uint8": np.uint8,
+             "float8_e4m3fn": np.uint8}
+
+
+class ExpertStoreError(ValueError):
+    """A store or its layout does not match what the hybrid tier needs; the message names what."""
+
+
+@dataclass(frozen=True)
+class Part:
+    offset: int
+    shape: tuple[int, ...]
+    dtype: str                # FTW dtype name (runtime/ftw/writer.py TORCH_DTYPES)
+    nbytes: int
+
+
+@dataclass(frozen=True)
+class BlockLayout:
+    codec: str                # "f32" | "bf16" | "int4" | "fp4"
+    hidden: int               # D
+    intermediate: int         # I
+    group: int                # int4 group size / fp4 block size (0 for f32/bf16)
+    scale_format: str         # "fp16" (int4) | "e8m0" | "e4m3" (fp4) | "" (f32/bf16)
+    global_op: str            # fp4 per-matrix scale: "mul" (ModelOpt) | "div" (compressed-tensors)
+    nbytes: int               # block size, a multiple of 4096
+    parts: dict[str, Part]
+
+    @property
+    def has_bias(self) -> bool:
+        return "gate_bias" in self.parts
+
+    @property
+    def quantized(self) -> bool:
+        return self.codec in ("int4", "fp4")
+
+    @classmethod
+    def build(cls, codec: str, hidden: int, intermediate: int, *, group: int = 64, fp4_format: str = "mxfp4",
+              has_bias: bool = False) -> "BlockLayout":
+        """The FTW writer's own layout for one expert (so synthetic stores are byte-compatible with packages)."""
+        from runtime.ftw.codecs import FP4_FORMATS
+        from runtime.ftw.writer import expert_block_parts
+
+        if codec == "fp4":
+            group, scale_format, _ = FP4_FORMATS[fp4_format]
+        parts, nbytes = expert_block_parts(codec=codec, hidden=hidden, intermediate=intermediate, group_size=group,
+                                           fp4_format=fp4_format if codec == "fp4" else "", has_bias=has_bias)
+        return cls(codec=codec, hidden=hidden, intermediate=intermediate,
+                   group=group if codec in ("int4", "fp4") else 0,
+                   scale_format={"int4": "fp16", "fp4": scale_format if codec == "fp4" else ""}.get(codec, ""),
+                   global_op="mul", nbytes=nbytes,
+                   parts={p.name: Part(p.offset, tuple(p.shape), p.dtype, p.nbytes) for p in parts})
+
+
+def _np_view(block: np.ndarray, part: Part) -> np.ndarray:
+    """A part of one block [nbytes] (or of a layer's blocks [E, nbytes]) as a typed array, zero-copy."""
+    raw = block[..., part.offset:part.offset + part.nbytes]
+    return raw.view(_NUMPY_OF[part.dtype]).reshape(block.shape[:-1] + part.shape)
+
+
+def _torch_view(block: np.ndarray, part: Part) -> torch.Tensor:
+    from runtime.ftw.writer import TORCH_DTYPES
+
+    raw = torch.from_numpy(block[part.offset:part.offset + part.nbytes])
+    return raw.view(TORCH_DTYPES[part.dtype]).reshape(part.shape)
+
+
+class HostExpertStore:
+    """Every expert of a model in host memory, addressed by (layer, expert)."""
+
+    def __init__(self, layer_buffers: dict[int, np.ndarray], layout: BlockLayout, *, num_experts: int,
+                 owner: object = None):
+        for layer, buf in layer_buffers.items():
+            if buf.ndim != 2 or buf.shape != (num_experts, layout.nbytes) or buf.dtype != np.uint8:
+                raise ExpertStoreError(f"layer {layer}: expert buffer of shape {buf.shape} is not {num_experts} "
+                                       f"blocks of {layout.nbytes} bytes")
+        self._bufs = dict(layer_buffers)
+        self.layout = layout
+        self.layers = sorted(layer_buffers)
+        self.num_experts = num_experts
+        self._owner = owner          # keeps a pinned tensor or a mapped file alive as long as the views
+        self._layer_parts: dict[int, dict[str, np.ndarray]] = {}
+
+    # ------------------------------------------------------------------ addressing
+    codec = property(lambda self: self.layout.codec)
+    hidden_size = property(lambda self: self.layout.hidden)
+    intermediate_size = property(lambda self: self.layout.intermediate)
+    block_nbytes = property(lambda self: self.layout.nbytes)
+
+    @property
+    def nbytes(self) -> int:
+        return len(self.layers) * self.num_experts * self.layout.nbytes
+
+    def layer_buffer(self, layer: int) -> np.ndarray:
+        """The layer's blocks, [E, nbytes] uint8, zero-copy (C-contiguous: what the CPU kernels index)."""
+        try:
+            return self._bufs[layer]
+        except KeyError:
+            raise ExpertStoreError(f"layer {layer} has no routed experts (expert layers: {self.layers})") from None
+
+    def block(self, layer: int, expert: int) -> np.ndarray:
+        """One expert's contiguous bytes [nbytes] (zero-copy)."""
+        if not 0 <= expert < self.num_experts:
+            raise ExpertStoreError(f"expert {expert} out of range 0..{self.num_experts - 1}")
+        return self.layer_buffer(layer)[expert]
+
+    def layer_parts(self, layer: int) -> dict[str, np.ndarray]:
+        """Every part stacked over the layer's experts, [E, ...] strided views (zero-copy), cached."""
+        parts = self._layer_parts.get(layer)
+        if parts is None:
+            buf = self.layer_buffer(layer)
+            parts = {name: _np_view(buf, part) for name, part in self.layout.parts.items()}
+            self._layer_parts[layer] = parts
+        return parts
+
+    # ------------------------------------------------------------------ reference dequantization
+    def dequantize_block(self, block: np.ndarray, dtype: torch.dtype = torch.float32) -> ExpertWeights:
+        """One block's bytes -> float weights, with the FTW codecs' reference formulas."""
+        from runtime.ftw.codecs import fp4_dequantize, int4_dequantize
+
+        lay = self.layout
+        t = {name: _torch_view(block, part) for name, part in lay.parts.items()}
+        mats = {}
+        for proj in ("gate", "up", "down"):
+            if lay.codec in ("f32", "bf16"):
+                w = t[proj].to(torch.float32)
+            elif lay.codec == "int4":
+                w = int4_dequantize(t[proj], t[f"{proj}_scales"], t[f"{proj}_mins"], lay.group)
+            else:
+                w = fp4_dequantize(t[proj], t[f"{proj}_scales"].view(torch.uint8), block_size=lay.group,
+                                   scale_format=lay.scale_format, global_scale=t.get(f"{proj}_global"),
+                                   global_op=lay.global_op)
+            mats[proj] = w.to(dtype)
+        biases = {k: t[k].to(dtype) for k in ("gate_bias", "up_bias", "down_bias") if k in t}
+        return ExpertWeights(**mats, **biases)
+
+    def dequantize(self, layer: int, expert: int, dtype: torch.dtype = torch.float32) -> ExpertWeights:
+        return self.dequantize_block(self.block(layer, expert), dtype)
+
+    # ------------------------------------------------------------------ builders
+    @classmethod
+    def from_ftw(cls, experts) -> "HostExpertStore":
+        """Zero-copy over an FTW package's ExpertStore (runtime/ftw/reader.py): the mapped file, per layer."""
+        fp4_format = experts.fp4_format or ""
+        layout = BlockLayout(
+            codec=experts.codec, hidden=experts.hidden_size, intermediate=experts.intermediate_size,
+            group=int(experts.group_size or experts.block_size or 0) if experts.codec in ("int4", "fp4") else 0,
+            scale_format="fp16" if experts.codec == "int4" else (experts.scale_format or ""),
+            global_op=experts.global_scale_op or "mul", nbytes=int(experts.block_nbytes),
+            parts={name: Part(p.offset, tuple(p.shape), p.dtype, p.nbytes) for name, p in experts.parts.items()})
+        if experts.codec == "fp4" and fp4_format and layout.scale_format not in ("e8m0", "e4m3"):
+            raise ExpertStoreError(f"fp4 experts with scale format {layout.scale_format!r} are not supported")
+        mm = experts.mm.view(np.ndarray)          # a plain ndarray over the same mapping (numba wants no subclass)
+        bufs = {}
+        for layer in experts.layers:
+            off = experts.layer_offset(layer)
+            bufs[layer] = mm[off:off + experts.num_experts * layout.nbytes].reshape(experts.num_experts, layout.nbytes)
+        return cls(bufs, layout, num_experts=experts.num_experts, owner=experts)
+
+    @classmethod
+    def allocate(cls, layout: BlockLayout, layers: list[int], num_experts: int, *, pin: bool = False) -> "HostExpertStore":
+        """An empty in-memory store (page-locked when `pin`, so the GPU can DMA from it directly)."""
+        shape = (len(layers), num_experts, layout.nbytes)
+        owner = torch.empty(shape, dtype=torch.uint8, pin_memory=pin)
+        buf = owner.numpy()
+        return cls({layer: buf[i] for i, layer in enumerate(layers)}, layout, num_experts=num_experts, owner=owner)
+
+    @classmethod
+    def from_weights(cls, weights: dict[tuple[int, int], ExpertWeights], *, codec: str, group: int = 64,
+                     fp4_format: str = "mxfp4") -> "HostExpertStore":
+        """Quantize float experts {(layer, expert): weights} with the FTW codecs into a packed store."""
+        from runtime.ftw.codecs import int4_quantize
+
+        layers = sorted({layer for layer, _ in weights})
+        num_experts = 1 + max(e for _, e in weights)
+        first = next(iter(weights.values()))
+        i, d = first.gate.shape
+        layout = BlockLayout.build(codec, d, i, group=group, fp4_format=fp4_format,
+                                   has_bias=first.gate_bias is not None)
+        store = cls.allocate(layout, layers, num_experts)
+        for layer in layers:
+            store.layer_buffer(layer)[:] = 0
+        for (layer, e), w in weights.items():
+            p = {name: _np_view(store.block(layer, e), part) for name, part in layout.parts.items()}
+            for proj in ("gate", "up", "down"):
+                mat = getattr(w, proj).detach().to(torch.float32)
+                if codec == "f32":
+                    p[proj][:] = mat.numpy()
+                elif codec == "bf16":
+                    p[proj][:] = mat.to(torch.bfloat16).view(torch.uint16).numpy()
+                elif codec == "int4":
+                    packed = int4_quantize(mat, group, name=f"layer {layer} expert {e} {proj}")
+                    p[proj][:] = packed["q"].numpy()
+                    p[f"{proj}_scales"][:] = packed["scales"].numpy()
+                    p[f"{proj}_mins"][:] = packed["mins"].numpy()
+                else:
+                    q, sc = _fp4_quantize(mat, layout.group, layout.scale_format)
+                    p[proj][:], p[f"{proj}_scales"][:] = q, sc
+                    if f"{proj}_global" in p:
+                        p[f"{proj}_global"][:] = 1.0
+                bias = getattr(w, f"{proj}_bias")
+                if layout.has_bias:
+                    p[f"{proj}_bias"][:] = bias.detach().to(torch.float32).numpy()
+        return store
+
+    @classmethod
+    def synthetic(cls, *, layers: int, num_experts: int, hidden: int, intermediate: int, codec: str,
+                  group: int = 64, fp4_format: str = "mxfp4", seed: int = 0, pin: bool = False,
+                  weight_std: float = 0.02) -> "HostExpertStore":
+        """Random experts at any size, fast: random codes, scales chosen so weights have about `weight_std`.
+
+        Codes are drawn once for a 256 MiB pool and tiled with a per-copy rotation, so even a 20 GB store is
+        built in seconds while no two blocks are byte-identical."""
+        layout = BlockLayout.build(codec, hidden, intermediate, group=group, fp4_format=fp4_format)
+        store = cls.allocate(layout, list(range(layers)), num_experts, pin=pin)
+        rng = np.random.default_rng(seed)
+        pool_blocks = max(1, min(layers * num_experts, (256 << 20) // layout.nbytes))
+        pool = rng.integers(0, 256, size=(pool_blocks, layout.nbytes), dtype=np.uint8)
+        done = 0
+        for layer in store.layers:
+            buf = store.layer_buffer(layer)
+            for start in range(0, num_experts, pool_blocks):
+                n = min(pool_blocks, num_experts - start)
+                buf[start:start + n] = np.roll(pool[:n], (done * 4099) % layout.nbytes, axis=1)
+                done += 1
+            # Scales get sane values: random bytes would make NaN/inf fp16 scales and absurd fp4 blocks.
+            parts = store.layer_parts(layer)
+            for proj in ("gate", "up", "down"):
+                if codec == "int4":
+                    scale = np.float16(weight_std / 4.6)         # uniform codes 0..15 have a std of 4.6 steps
+                    parts[f"{proj}_scales"][:] = scale
+                    parts[f"{proj}_mins"][:] = np.float16(-7.5 * float(scale))
+                elif codec == "fp4":
+                    if layout.scale_format == "e8m0":         # uniform e2m1 codes have an rms of 2.9
+                        parts[f"{proj}_scales"][:] = 127 + int(np.round(np.log2(weight_std / 2.9)))
+                    else:
+                        parts[f"{proj}_scales"][:] = torch.tensor([weight_std / 2.9]).to(
+                            torch.float8_e4m3fn).view(torch.uint8).item()
+                        parts[f"{proj}_global"][:] = 1.0
+                else:
+                    gen = torch.Generator().manual_seed(seed * 1000 + layer)
+                    w = torch.randn(parts[proj].shape, generator=gen) * weight_std
+                    parts[proj][:] = (w.to(torch.bfloat16).view(torch.uint16) if codec == "bf16" else w).numpy()
+        return store
+
+
+def _fp4_quantize(w: torch.Tensor, block: int, scale_format: str) -> tuple[np.ndarray, np.ndarray]:
+    """Round W [O, N] to e2m1 codes with per-block power-of-two (e8m0) or e4m3 scales (test stores)."""
+    from runtime.ftw.codecs import E2M1_VALUES, pack_nibbles
+
+    o, n = w.shape
+    g = -(-n // block)
+    wp = torch.nn.functional.pad(w, (0, g * block - n)).reshape(o, g, block)
+    amax = wp.abs().amax(dim=2).clamp(min=1e-12)                       # [O, G]
+    if scale_format == "e8m0":
+        exp = torch.ceil(torch.log2(amax / 6.0)).clamp(-127, 127)
+        codes = (exp + 127).to(torch.uint8)
+        scale = torch.ldexp(torch.ones_like(exp), exp)
+    else:
+        e4 = (amax / 6.0).to(torch.float8_e4m3fn)
+        scale = e4.to(torch.float32)
+        codes = e4.view(torch.uint8)
+        scale = torch.where(scale == 0, torch.ones_like(scale), scale)
+    lut = torch.tensor(E2M1_VALUES, dtype=torch.float32)
+    vals = (wp / scale.unsqueeze(2)).reshape(o, g * block)[:, :n]
+    q = (vals.unsqueeze(-1) - lut).abs().argmin(dim=-1)               # nearest code
+    return pack_nibbles(q).numpy(), codes.numpy()
