@@ -362,3 +362,29 @@ def test_library_follows_a_model_from_catalog_to_ready_and_deletes_it(hub, model
     assert not job.dest_path.exists() and not package.exists()
     assert REPO not in {m.key for m in lib.models()}       # not in the catalog: gone from the list
     assert mgr.jobs() == []
+
+
+def test_download_command_fetches_converts_and_the_library_shows_it_ready(hub, freetoken_home, tiny_checkpoints):
+    env = {**os.environ, "HF_HUB_OFFLINE": "0", "PYTHONPATH": str(ROOT), "FREETOKEN_HOME": str(freetoken_home)}
+    cmd = [sys.executable, "-m", "ui.entry", "download", REPO, "--endpoint", hub.url, "--progress-json", "--convert"]
+    out = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    events = [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
+    progress = [e for e in events if e["event"] == "progress" and "total" in e]
+    assert progress and progress[-1]["done"] == progress[-1]["total"]
+    done = [e for e in events if e["event"] == "done"]
+    assert len(done) == 2                                   # the download, then the conversion
+    package = Path(done[-1]["path"])
+    assert (package / "manifest.json").exists()
+    assert json.loads((package / "manifest.json").read_text())["source"]["repo_id"] == REPO
+    listed = subprocess.run([sys.executable, "-m", "ui.entry", "models", "--json", "--cpu-gbps", "10"], env=env,
+                            cwd=ROOT, capture_output=True, text=True, timeout=120)
+    rows = {r["key"]: r for r in json.loads(listed.stdout)["models"]}
+    assert rows[REPO]["status"] == "ready"
+    assert rows["Qwen/Qwen3-30B-A3B-Instruct-2507"]["status"] == "not downloaded"
+    assert rows["Qwen/Qwen3-30B-A3B-Instruct-2507"]["fit_badge"]
+    # an architecture FreeToken cannot run is refused before any byte is fetched
+    hub.add_config_only("meta/llama", {"model_type": "llama"})
+    refused = subprocess.run([sys.executable, "-m", "ui.entry", "download", "meta/llama", "--endpoint", hub.url],
+                             env=env, cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert refused.returncode == 1 and "llama" in refused.stderr and "--force" in refused.stderr

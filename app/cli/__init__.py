@@ -14,6 +14,8 @@ from importlib.metadata import PackageNotFoundError, version
 # name -> module; the order is the order of `freetoken --help`.
 COMMANDS: dict[str, str] = {
     "info": "app.cli.info_cmd",
+    "models": "app.cli.models_cmd",
+    "download": "app.cli.download_cmd",
     "agents": "app.cli.agents_cmd",
     "convert": "app.cli.convert_cmd",
     "verify": "app.cli.verify_cmd",
