@@ -31,9 +31,9 @@ import torch
 from runtime.ftw import architectures as archs
 from runtime.ftw.codecs import CODECS, FP4_FORMATS, INT4_GROUP_SIZES, int4_quantize
 from runtime.ftw.errors import FTWError
-from runtime.ftw.sources import QUANT_MXFP4, QUANT_NVFP4, Checkpoint, Fp4Parts, SourceWeight
-from runtime.ftw.writer import (CHECKSUM, DENSE_FILE, EXPERTS_FILE, FORMAT_VERSION, PART_ALIGN, Part,
-                                PackageWriter, align, dtype_name, expert_block_parts)
+from runtime.ftw.sources import Checkpoint, Fp4Parts, Scratch, SourceWeight
+from runtime.ftw.writer import (CHECKSUM, DENSE_FILE, EXPERTS_FILE, FORMAT_VERSION, PART_ALIGN, TORCH_DTYPES, Part,
+                                PackageWriter, WritePipeline, align, dtype_name, expert_block_parts)
 
 log = logging.getLogger(__name__)
 
@@ -107,6 +107,7 @@ class Plan:
     experts: dict[str, ExpertLayerSource] = field(default_factory=dict)   # unit -> layer source
     dense_nbytes: int = 0
     experts_nbytes: int = 0
+    gaps: list[tuple[int, int]] = field(default_factory=list)     # padding inside a block, kept zero
 
     def unit_source_bytes(self, unit: str) -> int:
         n = sum(d.source.source_bytes for d in self.dense.get(unit, []))
@@ -254,6 +255,7 @@ def make_plan(ckpt: Checkpoint, *, codec: str = "auto", group_size: int = 64,
     _check_dense(ckpt, arch, cfg, dense, layers)
     plan = Plan(ckpt, arch, codec, group_size, fp4_format, global_op, hidden, inter, num_experts, parts,
                 block_nbytes, units, dense, experts)
+    plan.gaps = _block_gaps(plan)
     offset = 0
     for unit in units:
         for entry in dense[unit]:
@@ -304,69 +306,75 @@ class _Progress:
         self.start_done = 0
         self.t0 = time.perf_counter()
         self.last = 0.0
+        self.stage = ""
 
     def advance(self, nbytes: int, stage: str, tensor: str, *, force: bool = False) -> None:
         self.done += nbytes
         now = time.perf_counter()
-        if self.callback is None or (not force and now - self.last < self.every_s):
+        # At most every `every_s`, but a change of stage is always reported.
+        if self.callback is None or (not force and stage == self.stage and now - self.last < self.every_s):
             return
-        self.last = now
+        self.last, self.stage = now, stage
         elapsed = now - self.t0
         rate = (self.done - self.start_done) / elapsed if elapsed > 0 else 0.0
         eta = (self.total - self.done) / rate if rate > 0 else None
         self.callback(ProgressEvent(stage, tensor, self.done, self.total, rate, eta))
 
 
-def _to_bytes(t: torch.Tensor) -> np.ndarray:
-    return t.contiguous().reshape(-1).view(torch.uint8).numpy()
+def _byte_view(buf: np.ndarray, dtype: torch.dtype, shape) -> torch.Tensor:
+    """A typed torch view over part of an output buffer (no copy)."""
+    return torch.from_numpy(buf).view(dtype).reshape(tuple(shape))
 
 
-def _dense_rows_per_chunk(entry: DenseEntry, chunk_bytes: int, fp8_block_rows: int) -> int:
+def _dense_bands(entry: DenseEntry, chunk_bytes: int, fp8_block_rows: int) -> list[tuple[int, int] | None]:
+    """Row bands of at most ~chunk_bytes of fp32 working copy (FP8: whole scale blocks)."""
     if len(entry.shape) < 2:
-        return max(entry.shape[0] if entry.shape else 1, 1)
-    row_bytes = max(math.prod(entry.shape[1:]) * 4, 1)        # fp32 working copy dominates
+        return [None]
+    row_bytes = max(math.prod(entry.shape[1:]) * 4, 1)
     rows = max(1, chunk_bytes // row_bytes)
     if entry.source.kind == "fp8":
         rows = max(fp8_block_rows, rows // fp8_block_rows * fp8_block_rows)
-    return min(rows, entry.shape[0])
+    if rows >= entry.shape[0]:
+        return [None]
+    return [(r, min(r + rows, entry.shape[0])) for r in range(0, entry.shape[0], rows)]
 
 
-def _write_dense(plan: Plan, writer: PackageWriter, entry: DenseEntry, progress: _Progress, chunk_bytes: int) -> str:
+def _write_dense(plan: Plan, pipe: WritePipeline, entry: DenseEntry, progress: _Progress, chunk_bytes: int):
+    """Queue one dense tensor's bytes band by band; returns its running digest (final after a drain)."""
     ckpt, sw = plan.ckpt, entry.source
     digest = hashlib.new(CHECKSUM)
-    if len(entry.shape) < 2 or sw.kind == "float" and sw.source_bytes <= chunk_bytes:
-        bands = [None]
-    else:
-        step = _dense_rows_per_chunk(entry, chunk_bytes, ckpt.quant.fp8_block[0])
-        bands = [(r, min(r + step, entry.shape[0])) for r in range(0, entry.shape[0], step)]
     offset = entry.offset
-    for band in bands:
-        t = ckpt.read_float(sw, rows=band)
-        if t.dtype != entry.dtype:
-            t = t.to(entry.dtype)
-        data = _to_bytes(t)
-        writer.write(DENSE_FILE, offset, data, tensor=sw.main.name)
-        digest.update(data)
-        offset += data.nbytes
-        frac = data.nbytes / entry.nbytes
-        progress.advance(int(sw.source_bytes * frac), "dense", entry.name)
-    return digest.hexdigest()
+    row_bytes = entry.nbytes // entry.shape[0] if len(entry.shape) >= 1 and entry.shape[0] else entry.nbytes
+    for band in _dense_bands(entry, chunk_bytes, ckpt.quant.fp8_block[0]):
+        nbytes = entry.nbytes if band is None else (band[1] - band[0]) * row_bytes
+        slot = pipe.acquire()
+        dst = slot.ensure(nbytes)
+        if sw.kind == "float" and sw.main.torch_dtype == entry.dtype:
+            ckpt.read_float(sw, rows=band, out=dst)                  # straight into the output buffer
+        else:
+            t = ckpt.read_float(sw, rows=band, key="dense")
+            _byte_view(dst, entry.dtype, t.shape).copy_(t)
+        pipe.submit(slot, DENSE_FILE, offset, nbytes, digest, tensor=sw.main.name)
+        offset += nbytes
+        progress.advance(sw.source_bytes * nbytes // max(entry.nbytes, 1), "dense", entry.name)
+    return digest
 
 
 def _read_expert(plan: Plan, src: ExpertLayerSource, e: int) -> dict:
-    """One expert, canonical (out, in): {proj: fp32 tensor | Fp4Parts, proj_bias: fp32}."""
+    """One expert, canonical (out, in): {proj: tensor | Fp4Parts, proj_bias: tensor}. Views into scratch
+    buffers, valid until the next expert is read."""
     ckpt, inter, fp4 = plan.ckpt, plan.intermediate, plan.codec == "fp4"
 
-    def load(sw: SourceWeight, index=()):
-        return ckpt.read_fp4(sw, index=index) if fp4 else ckpt.read_float(sw, index=index)
+    def load(sw: SourceWeight, key: str, index=()):
+        return ckpt.read_fp4(sw, index=index, key=key) if fp4 else ckpt.read_float(sw, index=index, key=key)
 
     out: dict = {}
     if src.layout.kind == "per_expert":
         for proj in PROJS:
-            out[proj] = load(src.weights[(proj, e)])
+            out[proj] = load(src.weights[(proj, e)], proj)
         return out
     gate_up, down = src.weights[("gate_up", -1)], src.weights[("down", -1)]
-    gu, dn = load(gate_up, (e,)), load(down, (e,))
+    gu, dn = load(gate_up, "gate_up", (e,)), load(down, "down", (e,))
     if src.layout.kind == "fused_halves":                      # [2I, D]: first half gate
         if fp4:
             out["gate"], out["up"] = gu.select_rows(slice(0, inter)), gu.select_rows(slice(inter, 2 * inter))
@@ -384,51 +392,64 @@ def _read_expert(plan: Plan, src: ExpertLayerSource, e: int) -> dict:
     else:
         out["gate"], out["up"] = gu[:, 0::2].t(), gu[:, 1::2].t()            # [D, 2I] -> [I, D]
     out["down"] = dn if down.kind in ("mxfp4", "nvfp4") else dn.t()         # [I, D] -> [D, I]
-    bias = ckpt.read_float(src.weights[("gate_up_bias", -1)], index=(e,))   # [2I], interleaved
+    bias = ckpt.read_float(src.weights[("gate_up_bias", -1)], index=(e,), key="gate_up_bias")   # [2I], interleaved
     out["gate_bias"], out["up_bias"] = bias[0::2], bias[1::2]
-    out["down_bias"] = ckpt.read_float(src.weights[("down_bias", -1)], index=(e,))
+    out["down_bias"] = ckpt.read_float(src.weights[("down_bias", -1)], index=(e,), key="down_bias")
     return out
 
 
+def _block_gaps(plan: Plan) -> list[tuple[int, int]]:
+    """Byte ranges of a block that no part covers (alignment padding): kept zero."""
+    gaps, pos = [], 0
+    for part in plan.parts:
+        if part.offset > pos:
+            gaps.append((pos, part.offset))
+        pos = part.offset + part.nbytes
+    if pos < plan.block_nbytes:
+        gaps.append((pos, plan.block_nbytes))
+    return gaps
+
+
 def _encode_expert(plan: Plan, weights: dict, buf: np.ndarray, where: str) -> None:
-    """Pack one canonical expert into its block buffer (the gaps between parts stay zero)."""
+    """Pack one canonical expert into its block buffer, each part copied (and converted) in place."""
     packed: dict[str, torch.Tensor] = {}
     for proj in PROJS:
         w = weights[proj]
-        if plan.codec == "f32":
-            packed[proj] = w.to(torch.float32)
-        elif plan.codec == "bf16":
-            packed[proj] = w.to(torch.bfloat16)
+        if plan.codec in ("f32", "bf16"):
+            packed[proj] = w                                      # copy_ converts dtype and layout
         elif plan.codec == "int4":
             q = int4_quantize(w.to(torch.float32), plan.group_size, name=f"{where} {proj}")
             packed[proj], packed[f"{proj}_scales"], packed[f"{proj}_mins"] = q["q"], q["scales"], q["mins"]
         else:
-            packed[proj] = w.packed
-            packed[f"{proj}_scales"] = w.scales.view(torch.float8_e4m3fn) if plan.fp4_format == "nvfp4" else w.scales
+            packed[proj], packed[f"{proj}_scales"] = w.packed, w.scales  # scales as stored bytes
             if w.global_scale is not None:
                 packed[f"{proj}_global"] = w.global_scale.reshape(1)
     for name in ("gate_bias", "up_bias", "down_bias"):
         if name in weights:
-            packed[name] = weights[name].to(torch.float32)
+            packed[name] = weights[name]
     for part in plan.parts:
         t = packed[part.name]
         if tuple(t.shape) != part.shape:
             raise FTWError(f"{where}: {part.name} has shape {list(t.shape)}, expected {list(part.shape)}")
-        buf[part.offset: part.offset + part.nbytes] = _to_bytes(t)
+        region = buf[part.offset: part.offset + part.nbytes]
+        # Byte-typed sources (packed nibbles, e8m0/e4m3 scales) are copied as bytes, never converted.
+        dtype = torch.uint8 if t.dtype == torch.uint8 else TORCH_DTYPES[part.dtype]
+        _byte_view(region, dtype, part.shape).copy_(t)
+    for start, end in plan.gaps:
+        buf[start:end] = 0
 
 
-def _write_experts(plan: Plan, writer: PackageWriter, src: ExpertLayerSource, progress: _Progress) -> str:
+def _write_experts(plan: Plan, pipe: WritePipeline, src: ExpertLayerSource, progress: _Progress):
     digest = hashlib.new(CHECKSUM)
-    buf = np.zeros(plan.block_nbytes, dtype=np.uint8)
     per_expert_src = src.source_bytes() // plan.num_experts
     for e in range(plan.num_experts):
         where = f"layer {src.layer} expert {e}"
         weights = _read_expert(plan, src, e)
-        _encode_expert(plan, weights, buf, where)
-        writer.write(EXPERTS_FILE, src.offset + e * plan.block_nbytes, buf, tensor=where)
-        digest.update(buf)
+        slot = pipe.acquire()
+        _encode_expert(plan, weights, slot.ensure(plan.block_nbytes), where)
+        pipe.submit(slot, EXPERTS_FILE, src.offset + e * plan.block_nbytes, plan.block_nbytes, digest, tensor=where)
         progress.advance(per_expert_src, "experts", where)
-    return digest.hexdigest()
+    return digest
 
 
 def source_metadata(folder: Path) -> dict:
@@ -582,21 +603,27 @@ def _run(plan: Plan, writer: PackageWriter, skeleton: dict, *, progress: Progres
             tracker.done += plan.unit_source_bytes(unit)
         tracker.start_done = tracker.done
         tracker.advance(0, "resuming", f"{len(writer.done)} of {len(plan.units)} units already converted", force=True)
-    for unit in plan.units:
-        if unit in writer.done:
-            record = writer.done[unit]
-            dense_sums.update(record.get("dense", {}))
-            layer_sums.update(record.get("experts", {}))
-            continue
-        record = {"dense": {}, "experts": {}}
-        for entry in plan.dense[unit]:
-            record["dense"][entry.name] = _write_dense(plan, writer, entry, tracker, chunk_bytes)
-        if unit in plan.experts:
-            layer = unit.split(".")[1]
-            record["experts"][layer] = _write_experts(plan, writer, plan.experts[unit], tracker)
-        writer.commit_unit(unit, record)
-        dense_sums.update(record["dense"])
-        layer_sums.update(record["experts"])
+    plan.ckpt.scratch = Scratch()
+    pipe = WritePipeline(writer)
+    try:
+        for unit in plan.units:
+            if unit in writer.done:
+                record = writer.done[unit]
+                dense_sums.update(record.get("dense", {}))
+                layer_sums.update(record.get("experts", {}))
+                continue
+            digests = {("dense", e.name): _write_dense(plan, pipe, e, tracker, chunk_bytes) for e in plan.dense[unit]}
+            if unit in plan.experts:
+                digests[("experts", unit.split(".")[1])] = _write_experts(plan, pipe, plan.experts[unit], tracker)
+            pipe.drain()
+            record = {"dense": {}, "experts": {}}
+            for (kind, name), digest in digests.items():
+                record[kind][name] = digest.hexdigest()
+            writer.commit_unit(unit, record)
+            dense_sums.update(record["dense"])
+            layer_sums.update(record["experts"])
+    finally:
+        pipe.close()
     tracker.advance(0, "finishing", "", force=True)
     manifest = json.loads(json.dumps(skeleton))
     for name, digest in dense_sums.items():

@@ -12,10 +12,13 @@ from __future__ import annotations
 import errno
 import json
 import os
+import queue
 import shutil
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from runtime.ftw.codecs import FP4_FORMATS, int4_num_groups
@@ -227,3 +230,78 @@ class PackageWriter:
         for fh in self._files.values():
             if not fh.closed:
                 fh.close()
+
+
+class Slot:
+    """A reusable output buffer (growable, never freed: fresh memory costs a page fault per 4 KiB)."""
+
+    def __init__(self):
+        self.buf = np.zeros(0, dtype=np.uint8)
+
+    def ensure(self, nbytes: int) -> np.ndarray:
+        if self.buf.nbytes < nbytes:
+            self.buf = np.zeros(nbytes, dtype=np.uint8)
+        return self.buf[:nbytes]
+
+
+class WritePipeline:
+    """Writes and hashes on a background thread while the caller fills the next buffer.
+
+    file writes and hashlib release the GIL, so the two overlap with the caller's reads and
+    repacking. Jobs run in submission order, so each running digest sees its bytes in file order.
+    """
+
+    _BARRIER = object()
+
+    def __init__(self, writer: PackageWriter, *, depth: int = 2):
+        self.writer = writer
+        self._free: queue.Queue = queue.Queue()
+        for _ in range(depth):
+            self._free.put(Slot())
+        self._jobs: queue.Queue = queue.Queue()
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._loop, name="ftw-writer", daemon=True)
+        self._thread.start()
+
+    def _loop(self) -> None:
+        while True:
+            job = self._jobs.get()
+            if job is None:
+                return
+            if job[0] is self._BARRIER:
+                job[1].set()
+                continue
+            slot, file, offset, nbytes, digest, tensor = job
+            try:
+                if self._error is None:
+                    data = slot.buf[:nbytes]
+                    self.writer.write(file, offset, data, tensor=tensor)
+                    if digest is not None:
+                        digest.update(data)
+            except BaseException as e:          # handed to the caller at its next call
+                self._error = e
+            finally:
+                self._free.put(slot)
+
+    def _raise(self) -> None:
+        if self._error is not None:
+            raise self._error
+
+    def acquire(self) -> Slot:
+        slot = self._free.get()
+        self._raise()
+        return slot
+
+    def submit(self, slot: Slot, file: str, offset: int, nbytes: int, digest, *, tensor: str) -> None:
+        self._jobs.put((slot, file, offset, nbytes, digest, tensor))
+
+    def drain(self) -> None:
+        """Wait until every submitted job is written; raise the first error."""
+        done = threading.Event()
+        self._jobs.put((self._BARRIER, done))
+        done.wait()
+        self._raise()
+
+    def close(self) -> None:
+        self._jobs.put(None)
+        self._thread.join()
