@@ -1,0 +1,218 @@
+"""Unit tests of the engine's parts: scheduler, prefix cache, KV cache, rotary, attention, strict loading."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from runtime.kv_cache import KVCache, SequenceCache, StateCache
+from runtime.loading import WeightLoadError, build_empty_model, load_dense_weights
+from runtime.models.base import ModelConfig, UnsupportedModelError, build_model
+from runtime.models.blocks import attend, rope_frequencies
+from runtime.prefix_cache import PrefixCache
+from runtime.scheduler import Scheduler, SchedulerConfig, Sequence
+
+# ---------------------------------------------------------------------------------------------- scheduler
+
+
+def seq(rid: str, prompt_len: int, computed: int = 0) -> Sequence:
+    return Sequence(rid, list(range(prompt_len)), prompt_len, computed=computed)
+
+
+def test_scheduler_admits_up_to_max_batch_in_arrival_order():
+    s = Scheduler(SchedulerConfig(max_batch=2, prefill_chunk=4, step_token_budget=100))
+    a, b, c = seq("a", 3), seq("b", 3), seq("c", 3)
+    for x in (a, b, c):
+        s.add(x)
+    assert s.admit() == [a, b] and list(s.waiting) == [c]
+    s.remove(a)
+    assert s.admit() == [c] and s.running == [b, c]
+
+
+def test_scheduler_runs_decoders_first_then_chunks_prefill_within_budget():
+    s = Scheduler(SchedulerConfig(max_batch=4, prefill_chunk=5, step_token_budget=8))
+    decoding = seq("d", 4, computed=4)
+    decoding.tokens.append(99)                      # one sampled token waiting to be fed
+    long_prompt, other = seq("p", 12), seq("q", 6)
+    for x in (long_prompt, decoding, other):
+        s.add(x)
+    s.admit()
+    work = s.schedule()
+    assert [(w.request_id, n) for w, n in work] == [("d", 1), ("p", 5), ("q", 2)]
+
+
+def test_scheduler_always_makes_progress_with_a_tiny_budget():
+    s = Scheduler(SchedulerConfig(max_batch=2, prefill_chunk=3, step_token_budget=1))
+    s.add(seq("p", 10))
+    s.admit()
+    assert [(w.request_id, n) for w, n in s.schedule()] == [("p", 1)]
+    with pytest.raises(ValueError, match="max_batch"):
+        SchedulerConfig(max_batch=0)
+
+# ----------------------------------------------------------------------------------------- KV and state
+
+
+def test_kv_cache_grows_trims_copies_and_loads():
+    cache = KVCache(2, 4, device="cpu", dtype=torch.float32)
+    k1, v1 = torch.randn(2, 5, 4), torch.randn(2, 5, 4)
+    keys, values = cache.update_and_fetch(k1, v1)
+    assert keys.shape == (2, 5, 4) and torch.equal(keys, k1) and cache.offset == 5
+    k2 = torch.randn(2, 300, 4)                      # past the first growth step
+    keys, _ = cache.update_and_fetch(k2, k2)
+    assert cache.offset == 305 and cache.capacity >= 305 and torch.equal(keys[:, :5], k1)
+    copy = cache.copy()
+    assert copy.nbytes == 2 * 2 * 305 * 4 * 4 and torch.equal(copy.keys, keys)
+    assert cache.trim(300) == 300 and cache.offset == 5
+    cache.update_and_fetch(torch.zeros(2, 1, 4), torch.zeros(2, 1, 4))
+    assert torch.equal(copy.keys[:, 5], k2[:, 0])   # the copy is independent
+    fresh = KVCache(2, 4, device="cpu", dtype=torch.float32)
+    fresh.load(copy, 7)
+    assert fresh.offset == 7 and torch.equal(fresh.keys[:, :7], copy.keys[:, :7])
+
+
+def test_sequence_cache_with_recurrent_state_refuses_to_trim():
+    state = StateCache({"recurrent": torch.ones(2, 2)}, offset=4)
+    kv = KVCache(1, 2, device="cpu", dtype=torch.float32)
+    kv.update_and_fetch(torch.ones(1, 4, 2), torch.ones(1, 4, 2))
+    seq_cache = SequenceCache([kv, state])
+    assert not seq_cache.trimmable and seq_cache.trim(2) == 0 and seq_cache.offset == 4
+    copy = seq_cache.copy()
+    state.states["recurrent"].add_(1)
+    assert torch.equal(copy.layers[1].states["recurrent"], torch.ones(2, 2))
+    with pytest.raises(ValueError, match="cannot be cut"):
+        StateCache().load(copy.layers[1], 3)
+
+# ------------------------------------------------------------------------------------------- prefix cache
+
+
+class FakeCache:
+    def __init__(self, nbytes: int, trimmable: bool = True):
+        self.nbytes, self.trimmable = nbytes, trimmable
+
+
+def test_prefix_cache_longest_match_leaves_one_token():
+    pc = PrefixCache(1000)
+    pc.insert([1, 2, 3, 4, 5], FakeCache(100))
+    assert pc.lookup([1, 2, 3, 9]).length == 3
+    assert pc.lookup([1, 2, 3, 4, 5]).length == 4       # the last prompt token is always computed
+    assert pc.lookup([7, 8]) is None
+    assert pc.stats()["hits"] == 2 and pc.stats()["misses"] == 1
+
+
+def test_prefix_cache_recurrent_entries_match_only_whole():
+    pc = PrefixCache(1000)
+    pc.insert([1, 2, 3], FakeCache(100, trimmable=False))
+    assert pc.lookup([1, 2, 4, 5]) is None
+    assert pc.lookup([1, 2, 3]) is None                 # nothing left to compute
+    assert pc.lookup([1, 2, 3, 4]).length == 3
+
+
+def test_prefix_cache_is_a_byte_bounded_lru():
+    pc = PrefixCache(250)
+    pc.insert([1], FakeCache(100))
+    pc.insert([2], FakeCache(100))
+    pc.lookup([1, 0])                                   # touch [1]: [2] is now the oldest
+    pc.insert([3], FakeCache(100))
+    assert set(pc.entries) == {(1,), (3,)} and pc.nbytes == 200 and pc.evictions == 1
+    assert pc.insert([4], FakeCache(300)) is False      # larger than the whole budget
+    pc.insert([1, 5, 6], FakeCache(120))                # supersedes the trimmable [1]
+    assert (1,) not in pc.entries and pc.nbytes <= 250
+
+# ----------------------------------------------------------------------------------------- rotary, attention
+
+
+@pytest.mark.parametrize("scaling", [
+    {"rope_type": "yarn", "factor": 32.0, "original_max_position_embeddings": 4096, "beta_fast": 32.0,
+     "beta_slow": 1.0, "truncate": False},
+    {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768},
+    None,
+])
+def test_rope_frequencies_match_transformers(scaling):
+    from transformers import GptOssConfig
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    params = {"rope_theta": 150000.0, "rope_type": "default", **(scaling or {})}
+    cfg = GptOssConfig(head_dim=64, hidden_size=256, num_attention_heads=4, max_position_embeddings=131072,
+                       rope_parameters=params)
+    ours, factor = rope_frequencies(64, 150000.0, scaling, 131072)
+    if scaling is None:
+        expected = 1.0 / (150000.0 ** (torch.arange(0, 64, 2, dtype=torch.float32) / 64))
+        ref_factor = 1.0
+    else:
+        expected, ref_factor = ROPE_INIT_FUNCTIONS["yarn"](cfg)
+    assert torch.allclose(ours, expected, rtol=1e-6) and factor == pytest.approx(ref_factor)
+
+
+def naive_attention(q, k, v, *, window=None, sinks=None):
+    """Position-by-position reference: q [H, T, hd] over k/v [Hkv, S, hd], queries at the last T positions."""
+    h, t, hd = q.shape
+    hkv, s, _ = k.shape
+    out = torch.zeros_like(q)
+    for head in range(h):
+        kv = head // (h // hkv)
+        for i in range(t):
+            p = s - t + i
+            keys = [j for j in range(s) if j <= p and (window is None or p - j < window)]
+            logits = torch.stack([q[head, i] @ k[kv, j] / hd ** 0.5 for j in keys])
+            if sinks is not None:
+                logits = torch.cat([logits, sinks[head:head + 1]])
+            probs = torch.softmax(logits, 0)[:len(keys)]
+            out[head, i] = sum(pr * v[kv, j] for pr, j in zip(probs, keys))
+    return out
+
+
+@pytest.mark.parametrize("t,s,window,use_sinks", [(5, 5, None, False), (3, 11, 4, False), (1, 9, 4, True),
+                                                  (6, 6, 3, True), (1, 7, None, False)])
+def test_attend_matches_naive_reference(t, s, window, use_sinks):
+    gen = torch.Generator().manual_seed(t * 100 + s)
+    q, k, v = (torch.randn(*shape, generator=gen) for shape in ((4, t, 8), (2, s, 8), (2, s, 8)))
+    sinks = torch.randn(4, generator=gen) if use_sinks else None
+    ours = attend(q, k, v, scale=8 ** -0.5, sliding_window=window, sinks=sinks)
+    assert torch.allclose(ours, naive_attention(q, k, v, window=window, sinks=sinks), atol=1e-5)
+
+# ------------------------------------------------------------------------------------------- config, loading
+
+
+def test_unknown_architecture_is_named():
+    with pytest.raises(UnsupportedModelError, match=r"'deepseek_v3'.*qwen3_moe"):
+        build_model({"model_type": "deepseek_v3"}, experts=None)
+
+
+def test_config_refuses_impossible_shapes():
+    with pytest.raises(ValueError, match="num_key_value_heads"):
+        ModelConfig.from_hf({"vocab_size": 10, "hidden_size": 8, "num_hidden_layers": 1, "num_attention_heads": 3,
+                             "num_key_value_heads": 2})
+    with pytest.raises(ValueError, match="vocab_size"):
+        ModelConfig.from_hf({"hidden_size": 8, "num_hidden_layers": 1, "num_attention_heads": 2})
+
+
+class DictSource:
+    def __init__(self, tensors):
+        self.tensors = tensors
+
+    def dense_names(self):
+        return list(self.tensors)
+
+    def dense(self, name):
+        return self.tensors[name]
+
+
+def test_strict_loading_names_missing_extra_and_misshaped_tensors(tiny_checkpoints):
+    from tests.engine_fixtures import SafetensorsSource
+
+    src = SafetensorsSource(tiny_checkpoints("mixtral"))
+    tensors = {n: src.dense(n) for n in src.dense_names()}
+    model = build_empty_model(src.config, experts=None, device="cpu", dtype=torch.float32)
+    report = load_dense_weights(model, DictSource(tensors))
+    # the declarative rename: Mixtral's router lives under block_sparse_moe in the checkpoint
+    assert report.loaded["model.layers.1.mlp.gate.weight"] == "model.layers.1.block_sparse_moe.gate.weight"
+
+    broken = dict(tensors)
+    del broken["model.layers.1.self_attn.k_proj.weight"]
+    with pytest.raises(WeightLoadError, match=r"missing tensors: model\.layers\.1\.self_attn\.k_proj\.weight"):
+        load_dense_weights(model, DictSource(broken))
+    broken = dict(tensors, **{"model.layers.0.self_attn.extra.weight": torch.zeros(2)})
+    with pytest.raises(WeightLoadError, match=r"unexpected tensors: model\.layers\.0\.self_attn\.extra\.weight"):
+        load_dense_weights(model, DictSource(broken))
+    broken = dict(tensors, **{"model.norm.weight": torch.zeros(3)})
+    with pytest.raises(WeightLoadError, match=r"wrong shapes: model\.norm\.weight \(3,\) \(expected \(64,\)\)"):
+        load_dense_weights(model, DictSource(broken))
