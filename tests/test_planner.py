@@ -37,8 +37,8 @@ def test_shape_of_real_configs():
     q3 = ModelShape.from_config(QWEN3_30B, codec="int4")
     assert (q3.moe_layers, q3.num_experts, q3.total_experts, q3.top_k) == (48, 128, 6144, 8)
     assert q3.expert_block_bytes % 4096 == 0
-    # 3 * 768 * 2048 int4 codes + bf16 scales per 128-group, rounded up to 4 KiB
-    assert q3.expert_block_bytes == expert_block_bytes("int4", 2048, 768) == 2433024
+    # 3 * 768 * 2048 int4 codes + fp16 scale and min per 64-group, rounded up to 4 KiB
+    assert q3.expert_block_bytes == expert_block_bytes("int4", 2048, 768) == 2654208
     assert 1.4e9 < q3.dense_params < 1.7e9          # Qwen3-30B-A3B: ~30.5B total, ~29B of it routed experts
     assert q3.full_attention_layers == 48 and q3.linear_attention_layers == 0
     q36 = ModelShape.from_config(QWEN36, codec="fp4")
@@ -46,6 +46,17 @@ def test_shape_of_real_configs():
     assert (q36.full_attention_layers, q36.linear_attention_layers) == (10, 30)
     # 30 layers of a [32, 128, 128] fp32 recurrent state = 60 MiB, plus the conv states
     assert 60 * 2 ** 20 < q36.linear_state_bytes < 62 * 2 ** 20
+
+
+def test_block_bytes_match_the_ftw_writer():
+    from runtime.ftw.writer import expert_block_parts
+
+    for codec, fmt, group in (("int4", "", 32), ("int4", "", 64), ("int4", "", 128), ("fp4", "mxfp4", 32),
+                              ("fp4", "nvfp4", 16), ("bf16", "", 64)):
+        for d, i, bias in ((2048, 768, False), (2880, 2880, True), (64, 32, False)):
+            _, nbytes = expert_block_parts(codec=codec, hidden=d, intermediate=i, group_size=group, fp4_format=fmt,
+                                           has_bias=bias)
+            assert expert_block_bytes(codec, d, i, group_size=group, block_size=group, has_bias=bias) == nbytes
 
 
 def test_dense_params_match_transformers_models():

@@ -21,6 +21,7 @@ from dataclasses import asdict, dataclass, field
 GiB = 1024 ** 3
 MiB = 1024 ** 2
 BLOCK_ALIGN = 4096                   # every (layer, expert) block in an FTW expert file is 4 KiB-aligned
+PART_ALIGN = 64                      # parts inside a block start on a cache line
 
 # Named margins (why each exists):
 VRAM_SAFETY_FRACTION = 0.05           # allocator fragmentation and other processes' growth
@@ -89,7 +90,7 @@ class ModelShape:
         return (full + sliding) * self.kv_bytes_per_token_per_layer
 
     @classmethod
-    def from_config(cls, config: dict, *, codec: str = "int4", group_size: int = 128, block_size: int = 32,
+    def from_config(cls, config: dict, *, codec: str = "int4", group_size: int = 64, block_size: int = 32,
                     block_nbytes: int | None = None) -> "ModelShape":
         """Read a Hugging Face config.json (text config for VLMs). `block_nbytes` is the package's real
         expert block size when a converted package is at hand; otherwise it is computed from the codec."""
@@ -159,23 +160,27 @@ class ModelShape:
                    linear_attention_layers=n_linear, linear_state_bytes=state)
 
 
-def expert_block_bytes(codec: str, d: int, i: int, *, group_size: int = 128, block_size: int = 32,
+def expert_block_bytes(codec: str, d: int, i: int, *, group_size: int = 64, block_size: int = 32,
                        has_bias: bool = False) -> int:
-    """Bytes of one (layer, expert) block: gate [I, D], up [I, D], down [D, I] and their scales, 4 KiB-aligned."""
-    n = 3 * i * d
-    if codec == "bf16":
-        payload = 2 * n
-    elif codec == "int4":
-        # 4-bit codes plus one bf16 scale per group along each row's input dimension
-        payload = n // 2 + 2 * (2 * i * math.ceil(d / group_size) + d * math.ceil(i / group_size))
-    elif codec == "fp4":
-        # e2m1 codes plus one 8-bit scale per block along each row's input dimension
-        payload = n // 2 + (2 * i * math.ceil(d / block_size) + d * math.ceil(i / block_size))
-    else:
-        raise ValueError(f"unknown expert codec {codec!r} (expected bf16, int4 or fp4)")
+    """Bytes of one (layer, expert) block as the FTW writer lays it out (runtime/ftw/writer.py, kept torch-free
+    here for the library's quick estimates; a test checks the two agree): gate [I, D], up [I, D], down [D, I]
+    each followed by its scales, every part 64-byte aligned, the block 4 KiB-aligned."""
+    parts: list[int] = []
+    for rows, cols in ((i, d), (i, d), (d, i)):
+        if codec in ("bf16", "f32"):
+            parts.append(rows * cols * (2 if codec == "bf16" else 4))
+        elif codec == "int4":
+            groups = math.ceil(cols / group_size)
+            parts += [rows * cols // 2, rows * groups * 2, rows * groups * 2]      # codes, fp16 scales, fp16 mins
+        elif codec == "fp4":
+            parts += [rows * cols // 2, rows * (cols // block_size)]              # codes, one scale byte per block
+            if block_size == 16:
+                parts.append(4)                                                    # NVFP4's per-matrix fp32 scale
+        else:
+            raise ValueError(f"unknown expert codec {codec!r} (expected bf16, int4 or fp4)")
     if has_bias:
-        payload += (2 * i + d) * 4
-    return _align(payload)
+        parts += [4 * i, 4 * i, 4 * d]
+    return _align(sum(_align(n, PART_ALIGN) for n in parts))
 
 
 @dataclass(frozen=True)
