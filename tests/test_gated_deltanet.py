@@ -2,6 +2,8 @@
 chunks, both checkpoint spellings, the conv state, the fla glue, and the state-slot pool."""
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 import transformers
@@ -51,11 +53,13 @@ def max_err(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 @pytest.mark.parametrize("family", sorted(SPELLINGS))
-def test_chunked_recurrent_and_transformers_agree(family):
+def test_chunked_recurrent_and_transformers_agree(family, device):
     ref, ours = perturbed_pair(family)
+    ours.to(device)
     x = torch.randn(2, 150, ours.cfg.hidden_size, generator=torch.Generator().manual_seed(3))  # 2 full chunks + 22
     with torch.no_grad():
-        expected = ref(x)                                                     # transformers, no cache
+        expected = ref(x).to(device)                                          # transformers on the CPU, no cache
+        x = x.to(device)
         conv0, rec0 = ours.new_states(2)
         y_chunk, conv_c, rec_c = ours(x, conv0, rec0)
         conv, rec, steps = conv0, rec0, []
@@ -72,12 +76,14 @@ def test_chunked_recurrent_and_transformers_agree(family):
 
 @pytest.mark.parametrize("family", sorted(SPELLINGS))
 @pytest.mark.parametrize("split", [1, 2, 64, 70])
-def test_prefill_in_two_chunks_carries_the_state(family, split):
+def test_prefill_in_two_chunks_carries_the_state(family, split, device):
     """What chunked prefill and the prefix cache rely on: stopping anywhere and resuming is exact."""
     ref, ours = perturbed_pair(family, seed=1)
+    ours.to(device)
     x = torch.randn(1, 130, ours.cfg.hidden_size, generator=torch.Generator().manual_seed(4))
     with torch.no_grad():
-        expected = ref(x)
+        expected = ref(x).to(device)
+        x = x.to(device)
         conv, rec = ours.new_states(1)
         y_full, conv_full, rec_full = ours(x, conv, rec)
         y_a, conv, rec = ours(x[:, :split], conv, rec)
@@ -113,7 +119,7 @@ def test_packed_projection_is_regrouped_per_key_head():
 
 
 @pytest.mark.parametrize("chunk_size", [16, 64])
-def test_rule_forms_agree_from_a_nonzero_state(chunk_size):
+def test_rule_forms_agree_from_a_nonzero_state(chunk_size, device):
     """The two forms on raw inputs: grouped value heads (Hv = 3 Hk), a non-zero incoming state, strong decay."""
     gen = torch.Generator().manual_seed(6)
     B, T, Hk, Hv, dk, dv = 2, 45, 2, 6, 8, 12
@@ -122,13 +128,37 @@ def test_rule_forms_agree_from_a_nonzero_state(chunk_size):
     g = -torch.rand(B, T, Hv, generator=gen) * 3                                # log decay in [-3, 0]
     beta = torch.rand(B, T, Hv, generator=gen)
     s0 = torch.randn(B, Hv, dk, dv, generator=gen)
-    o_r, s_r = recurrent_gated_delta_rule(q, k, v, g, beta, initial_state=s0)
-    o_c, s_c = chunked_gated_delta_rule(q, k, v, g, beta, initial_state=s0, chunk_size=chunk_size)
     o_hf, s_hf = hfnext.torch_recurrent_gated_delta_rule(q, k, v, g=g, beta=beta, initial_state=s0,
                                                          output_final_state=True, use_qk_l2norm_in_kernel=True)
+    q, k, v, g, beta, s0, o_hf, s_hf = (t.to(device) for t in (q, k, v, g, beta, s0, o_hf, s_hf))
+    o_r, s_r = recurrent_gated_delta_rule(q, k, v, g, beta, initial_state=s0)
+    o_c, s_c = chunked_gated_delta_rule(q, k, v, g, beta, initial_state=s0, chunk_size=chunk_size)
     assert max_err(o_r, o_hf) <= 1e-5 and max_err(s_r, s_hf) <= 1e-5
     assert max_err(o_c, o_r) <= 1e-5 and max_err(s_c, s_r) <= 1e-5
     assert s0.abs().max() > 0 and max_err(o_r, recurrent_gated_delta_rule(q, k, v, g, beta)[0]) > 1e-3
+
+
+@pytest.mark.parametrize("family", sorted(SPELLINGS))
+def test_16_bit_activations_stay_within_their_bound(family, device):
+    """The layer in bf16 on this device with the automatic backend (the torch path on the CPU; fla-core's
+    kernels on CUDA when installed) against the same weights in fp32, prefill and step by step."""
+    _, ours = perturbed_pair(family, seed=3)
+    ours.backend = "auto"
+    half = ours.to(device=device, dtype=torch.bfloat16)
+    full = copy.deepcopy(half).float()                                          # bf16-rounded weights, upcast
+    x = torch.randn(2, 150, ours.cfg.hidden_size, generator=torch.Generator().manual_seed(9)).to(device)
+    with torch.no_grad():
+        y_ref, _, s_ref = full(x, *full.new_states(2))
+        y, _, s = half(x.bfloat16(), *half.new_states(2))
+        conv, rec = half.new_states(2)
+        steps = []
+        for t in range(20):
+            out, conv, rec = half(x[:, t:t + 1].bfloat16(), conv, rec)
+            steps.append(out)
+    rel = lambda a, b: ((a.float() - b).abs().max() / b.abs().max()).item()   # noqa: E731
+    assert y.dtype == torch.bfloat16 and s.dtype == torch.float32              # the state stays fp32
+    assert rel(y, y_ref) <= 5e-2 and rel(s, s_ref) <= 1e-2                     # measured ~2e-2 and ~5e-3 on CPU
+    assert rel(torch.cat(steps, dim=1), y_ref[:, :20]) <= 5e-2
 
 
 def test_causal_conv_continues_from_its_state():

@@ -45,18 +45,23 @@ class QwenExperts:
         return ExpertWeights(*(self.tensors[name.format(role)].to(dtype) for role in ("gate", "up", "down")))
 
 
-def loaded(tiny_checkpoints, family: str):
-    """(our model, transformers' model, eos ids) on the same fixture weights, built once per run."""
-    if family not in _LOADED:
+def loaded(tiny_checkpoints, family: str, device: str):
+    """(our model on `device`, transformers' model on the CPU, eos ids) on the same fixture weights,
+    built once per run."""
+    if (family, device) not in _LOADED:
         path = tiny_checkpoints(family)
         src = SafetensorsSource(path)
-        model = build_empty_model(src.config, experts=None, device="cpu", dtype=torch.float32)
+        model = build_empty_model(src.config, experts=None, device=device, dtype=torch.float32)
         load_dense_weights(model, src)
-        model.set_experts(ResidentExperts.from_store(QwenExperts(src), model.expert_spec(), device="cpu",
+        model.set_experts(ResidentExperts.from_store(QwenExperts(src), model.expert_spec(), device=device,
                                                      dtype=torch.float32))
         eos = json.loads((path / "generation_config.json").read_text())["eos_token_id"]
-        _LOADED[family] = (model, load_reference(path), set(eos if isinstance(eos, list) else [eos]))
-    return _LOADED[family]
+        _LOADED[family, device] = (model, load_reference(path), set(eos if isinstance(eos, list) else [eos]))
+    return _LOADED[family, device]
+
+
+def new_cache(model):
+    return model.new_cache(device=model.lm_head.weight.device, dtype=torch.float32)
 
 
 def prompt(n: int, seed: int) -> list[int]:
@@ -64,13 +69,14 @@ def prompt(n: int, seed: int) -> list[int]:
 
 
 def run(model, chunks: list[tuple[list[int], object]], *, all_logits: bool = False) -> torch.Tensor:
+    """Logits on the CPU for one forward over a ragged batch on the model's device."""
     with torch.no_grad():
-        return model(Batch.build(chunks, device="cpu"), all_logits=all_logits)
+        return model(Batch.build(chunks, device=model.lm_head.weight.device), all_logits=all_logits).cpu()
 
 
 def greedy(model, tokens: list[int], n: int, *, eos=frozenset(), cache=None, done: int = 0) -> list[int]:
     """Prefill what the cache has not seen, then n greedy tokens (stopping at EOS like transformers)."""
-    cache = cache or model.new_cache(device="cpu", dtype=torch.float32)
+    cache = cache or new_cache(model)
     logits = run(model, [(tokens[done:], cache)])
     out = []
     for _ in range(n):
@@ -83,24 +89,24 @@ def greedy(model, tokens: list[int], n: int, *, eos=frozenset(), cache=None, don
 
 
 @pytest.mark.parametrize("family", FAMILIES)
-def test_logits_match_transformers(tiny_checkpoints, family):
-    model, ref, _ = loaded(tiny_checkpoints, family)
+def test_logits_match_transformers(tiny_checkpoints, family, device):
+    model, ref, _ = loaded(tiny_checkpoints, family, device)
     ids = prompt(80, seed=1)                      # longer than one 64-token GDN chunk
     with torch.no_grad():
         expected = ref(torch.tensor([ids])).logits[0]                                 # [T, V]
-    ours = run(model, [(ids, model.new_cache(device="cpu", dtype=torch.float32))], all_logits=True)
+    ours = run(model, [(ids, new_cache(model))], all_logits=True)
     assert expected.std() > 0.1                   # the fixture's logits are not flat
     assert (ours - expected).abs().max().item() <= TOL
     # chunked prefill: the same prompt fed in pieces through the caches gives the same logits
-    cache = model.new_cache(device="cpu", dtype=torch.float32)
+    cache = new_cache(model)
     pieces = [run(model, [(ids[lo:lo + 30], cache)], all_logits=True) for lo in range(0, 80, 30)]
     assert (torch.cat(pieces) - expected).abs().max().item() <= TOL
     assert cache.offset == 80 and cache.layers[0].offset == 80 and cache.layers[3].offset == 80
 
 
 @pytest.mark.parametrize("family", FAMILIES)
-def test_greedy_generation_matches_transformers(tiny_checkpoints, family):
-    model, ref, eos = loaded(tiny_checkpoints, family)
+def test_greedy_generation_matches_transformers(tiny_checkpoints, family, device):
+    model, ref, eos = loaded(tiny_checkpoints, family, device)
     ids = prompt(12, seed=2)
     with torch.no_grad():
         theirs = ref.generate(torch.tensor([ids]), max_new_tokens=32, do_sample=False)[0, len(ids):].tolist()
@@ -110,18 +116,18 @@ def test_greedy_generation_matches_transformers(tiny_checkpoints, family):
 
 
 @pytest.mark.parametrize("family", FAMILIES)
-def test_batched_equals_sequential(tiny_checkpoints, family):
+def test_batched_equals_sequential(tiny_checkpoints, family, device):
     """Sequences of different lengths prefill together, decode together, and one joins mid-way
     (a prefill chunk in the same batch as decode tokens): each gets what it gets alone."""
-    model, _, _ = loaded(tiny_checkpoints, family)
+    model, _, _ = loaded(tiny_checkpoints, family, device)
     prompts = [prompt(5, 3), prompt(40, 4), prompt(70, 5)]
     late = prompt(23, 6)
     steps = 6
     alone = [greedy(model, p, steps) for p in prompts]
     alone_late = greedy(model, late, steps - 2)
 
-    caches = [model.new_cache(device="cpu", dtype=torch.float32) for _ in prompts]
-    late_cache = model.new_cache(device="cpu", dtype=torch.float32)
+    caches = [new_cache(model) for _ in prompts]
+    late_cache = new_cache(model)
     logits = run(model, list(zip(prompts, caches)))                                   # [3, V]
     got = [[int(t)] for t in logits.argmax(-1)]
     late_got: list[int] = []
@@ -142,50 +148,50 @@ def test_batched_equals_sequential(tiny_checkpoints, family):
 
 
 @pytest.mark.parametrize("family", FAMILIES)
-def test_prefix_cached_equals_uncached(tiny_checkpoints, family):
+def test_prefix_cached_equals_uncached(tiny_checkpoints, family, device):
     """A stored copy of the caches after a prompt, loaded into a fresh sequence, continues exactly."""
-    model, _, _ = loaded(tiny_checkpoints, family)
+    model, _, _ = loaded(tiny_checkpoints, family, device)
     first, follow_up = prompt(50, 7), prompt(20, 8)
-    cache = model.new_cache(device="cpu", dtype=torch.float32)
+    cache = new_cache(model)
     run(model, [(first, cache)])
     stored = cache.copy()                                                  # what the prefix cache keeps
     run(model, [(prompt(9, 9), cache)])                                    # the original sequence moves on
     assert stored.offset == 50
 
-    fresh = model.new_cache(device="cpu", dtype=torch.float32)
+    fresh = new_cache(model)
     fresh.load(stored)
     resumed = run(model, [(follow_up, fresh)], all_logits=True)
-    full = run(model, [(first + follow_up, model.new_cache(device="cpu", dtype=torch.float32))], all_logits=True)
+    full = run(model, [(first + follow_up, new_cache(model))], all_logits=True)
     assert torch.equal(resumed, full[50:]) or (resumed - full[50:]).abs().max().item() <= 1e-5
-    again = model.new_cache(device="cpu", dtype=torch.float32)
+    again = new_cache(model)
     again.load(stored)
     assert greedy(model, first + follow_up, 10, cache=again, done=50) == greedy(model, first + follow_up, 10)
     with pytest.raises(ValueError, match="cannot be cut"):               # recurrent state restores only whole
-        model.new_cache(device="cpu", dtype=torch.float32).load(stored, 30)
+        new_cache(model).load(stored, 30)
 
 
 @pytest.mark.parametrize("family", FAMILIES)
-def test_pooled_state_slots_give_the_same_results(tiny_checkpoints, family):
-    model, _, _ = loaded(tiny_checkpoints, family)
+def test_pooled_state_slots_give_the_same_results(tiny_checkpoints, family, device):
+    model, _, _ = loaded(tiny_checkpoints, family, device)
     ids = [prompt(30, 10), prompt(7, 11)]
     plain = [greedy(model, p, 5) for p in ids]
-    pool = model.attach_state_pool(2, device="cpu", dtype=torch.float32)
+    pool = model.attach_state_pool(2, device=device, dtype=torch.float32)
     try:
-        caches = [model.new_cache(device="cpu", dtype=torch.float32) for _ in ids]
+        caches = [new_cache(model) for _ in ids]
         assert pool.in_use == 2 and isinstance(caches[0].layers[0], SlotStateCache)
         assert not isinstance(caches[0].layers[3], SlotStateCache)            # the attention layer keeps a KV cache
         with pytest.raises(StatePoolFull):
-            model.new_cache(device="cpu", dtype=torch.float32)
+            new_cache(model)
         pooled = [greedy(model, p, 5, cache=c) for p, c in zip(ids, caches)]   # two sequences, two slots
         assert pooled == plain
         stored = caches[0].detach()                                            # slot-free copy for the prefix cache
         caches[0].release()
         caches[0].release()                                                    # idempotent: the slot is freed once
         assert pool.in_use == 1
-        reuse = model.new_cache(device="cpu", dtype=torch.float32)             # a reused slot starts clean
+        reuse = new_cache(model)             # a reused slot starts clean
         assert greedy(model, ids[1], 5, cache=reuse) == plain[1]
         reuse.release()
-        hit = model.new_cache(device="cpu", dtype=torch.float32)
+        hit = new_cache(model)
         hit.load(stored)
         assert hit.offset == stored.offset == 30 + 5      # greedy() feeds back every token it picks
         assert all(layer.slot == hit.layers[0].slot for layer in hit.layers if isinstance(layer, SlotStateCache))
@@ -208,10 +214,10 @@ def package(tiny_checkpoints, tmp_path_factory, family: str):
     return _ENGINE_PACKAGES[family]
 
 
-def engine(path, **options):
+def engine(path, device: str, **options):
     from runtime.engine import Engine
 
-    return Engine.load(path, device="cpu", dtype=torch.float32, **options)
+    return Engine.load(path, device=device, dtype=torch.float32, **options)
 
 
 def drain(eng) -> None:
@@ -226,13 +232,13 @@ def greedy_params(n: int):
 
 
 @pytest.mark.parametrize("family", FAMILIES)
-def test_engine_over_ftw_matches_transformers(tiny_checkpoints, tmp_path_factory, family):
-    _, ref, _ = loaded(tiny_checkpoints, family)
-    eng = engine(package(tiny_checkpoints, tmp_path_factory, family), prefill_chunk=32, prefix_cache_bytes=0)
+def test_engine_over_ftw_matches_transformers(tiny_checkpoints, tmp_path_factory, family, device):
+    _, ref, _ = loaded(tiny_checkpoints, family, device)
+    eng = engine(package(tiny_checkpoints, tmp_path_factory, family), device, prefill_chunk=32, prefix_cache_bytes=0)
     ids = prompt(70, seed=12)
     with torch.no_grad():
         expected = ref(torch.tensor([ids])).logits[0]
-    ours = run(eng.model, [(ids, eng.model.new_cache(device="cpu", dtype=torch.float32))], all_logits=True)
+    ours = run(eng.model, [(ids, new_cache(eng.model))], all_logits=True)
     assert (ours - expected).abs().max().item() <= TOL          # f32 codec: the package is lossless
     short = prompt(12, seed=2)
     with torch.no_grad():
@@ -247,17 +253,17 @@ def test_engine_over_ftw_matches_transformers(tiny_checkpoints, tmp_path_factory
 
 @pytest.mark.parametrize("family", FAMILIES)
 @pytest.mark.parametrize("pooled", [False, True])
-def test_engine_batched_equals_sequential(tiny_checkpoints, tmp_path_factory, family, pooled):
+def test_engine_batched_equals_sequential(tiny_checkpoints, tmp_path_factory, family, pooled, device):
     """Continuous batching over recurrent state: requests of different lengths decode together, one
     joins late, and each gets its one-at-a-time tokens; with a reserved slot pool (fewer slots than
     requests) every slot comes back when its sequence ends."""
     path = package(tiny_checkpoints, tmp_path_factory, family)
     prompts = [prompt(6, 20), prompt(45, 21), prompt(17, 22), prompt(30, 23)]
-    solo = engine(path, prefix_cache_bytes=0)
+    solo = engine(path, device, prefix_cache_bytes=0)
     alone = [solo.generate(p, greedy_params(10)).tokens for p in prompts]
 
-    eng = engine(path, prefix_cache_bytes=0, max_batch=3, prefill_chunk=16)
-    pool = eng.model.attach_state_pool(3, device="cpu", dtype=torch.float32) if pooled else None
+    eng = engine(path, device, prefix_cache_bytes=0, max_batch=3, prefill_chunk=16)
+    pool = eng.model.attach_state_pool(3, device=device, dtype=torch.float32) if pooled else None
     rids = [eng.add_request(p, greedy_params(10)) for p in prompts[:3]]
     eng.step()
     eng.step()
@@ -270,11 +276,12 @@ def test_engine_batched_equals_sequential(tiny_checkpoints, tmp_path_factory, fa
 
 
 @pytest.mark.parametrize("family", FAMILIES)
-def test_engine_prefix_cache_is_exact(tiny_checkpoints, tmp_path_factory, family):
+def test_engine_prefix_cache_is_exact(tiny_checkpoints, tmp_path_factory, family, device):
     """A coding agent resends the whole conversation: the second turn prefills only what is new and
     produces exactly what an engine without a prefix cache produces."""
     path = package(tiny_checkpoints, tmp_path_factory, family)
-    cached, plain = engine(path, prefill_chunk=16), engine(path, prefix_cache_bytes=0, prefill_chunk=16)
+    cached = engine(path, device, prefill_chunk=16)
+    plain = engine(path, device, prefix_cache_bytes=0, prefill_chunk=16)
     turn1 = prompt(40, 30)
     first = cached.generate(turn1, greedy_params(12))
     assert first.tokens == plain.generate(turn1, greedy_params(12)).tokens

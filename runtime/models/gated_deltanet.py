@@ -99,11 +99,17 @@ def causal_conv1d(x: torch.Tensor, conv_state: torch.Tensor, weight: torch.Tenso
 
     x [B, T, C], conv_state [B, C, W-1], weight [C, W] -> (y [B, T, C], new conv_state [B, C, W-1]).
     A fresh sequence starts from zeros, which is exactly the left zero padding of a plain causal conv.
+    Written as W shifted multiply-adds rather than F.conv1d: exact fp32 on every device (cuDNN may use
+    TF32 for convolutions) and no convolution-library overhead for a 4-tap filter.
     """
-    window = weight.shape[-1] - 1
+    W = weight.shape[-1]
+    T = x.shape[1]
     history = torch.cat([conv_state.to(x.dtype), x.transpose(1, 2)], dim=-1)     # [B, C, W-1+T]
-    y = F.conv1d(history, weight.to(x.dtype).unsqueeze(1), groups=weight.shape[0])  # [B, C, T]
-    return F.silu(y).transpose(1, 2), history[..., history.shape[-1] - window:]
+    w = weight.float()                        # accumulate in fp32 whatever the activation dtype
+    y = history[..., 0:T] * w[:, 0:1]
+    for i in range(1, W):
+        y = y + history[..., i:i + T] * w[:, i:i + 1]                            # [B, C, T] fp32
+    return F.silu(y).to(x.dtype).transpose(1, 2), history[..., history.shape[-1] - (W - 1):]
 
 
 def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
