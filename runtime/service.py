@@ -172,6 +172,13 @@ def _default_parser_factory(model_type: str, prompt_text: str, tools: list | Non
     return make_output_parser(model_type, prompt_text, tools=tools)
 
 
+def _generation_config(engine) -> dict:
+    config = getattr(engine, "generation_config", None)
+    if config is None:
+        config = getattr(getattr(engine, "package", None), "generation_config", None)
+    return dict(config or {})
+
+
 class Service:
     """Owns the engine thread. Thread-safe: every public method may be called from any thread."""
 
@@ -358,7 +365,7 @@ class Service:
             info = ModelInfo(model_id=engine.model_id, model_type=engine.model_type,
                              context_length=int(engine.context_length), tokenizer=engine.tokenizer,
                              chat_template=engine.chat_template, plan=dict(getattr(engine, "plan", {}) or {}),
-                             path=str(path), generation_config=dict(getattr(engine, "generation_config", {}) or {}),
+                             path=str(path), generation_config=_generation_config(engine),
                              loaded_at=time.time())
         except Exception as exc:   # any load failure is reported, never kills the thread
             log.exception("loading %s failed", path)

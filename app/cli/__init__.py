@@ -22,6 +22,8 @@ COMMANDS: dict[str, str] = {
     "demo": "app.cli.demo_cmd",
     "run": "app.cli.run_cmd",
     "chat": "app.cli.chat_cmd",
+    "serve": "app.cli.serve_cmd",
+    "worker": "app.cli.worker_cmd",
 }
 
 
