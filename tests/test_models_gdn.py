@@ -290,3 +290,30 @@ def test_engine_prefix_cache_is_exact(tiny_checkpoints, tmp_path_factory, family
     assert second.cached_tokens >= len(turn1)                                   # the state was restored...
     assert second.tokens == plain.generate(turn2, greedy_params(12)).tokens     # ...exactly
     assert cached.generate(turn1, greedy_params(12)).tokens == first.tokens     # the same prompt again
+
+
+def test_config_spellings_and_bad_configs():
+    """Hub Qwen3.5 configs nest the text model under text_config with MRoPE rope_parameters; older
+    Qwen3-Next configs give full_attention_interval instead of layer_types. Bad ones name the field."""
+    from runtime.models import qwen3_5_moe, qwen3_next
+
+    text = dict(model_type="qwen3_5_moe_text", vocab_size=100, hidden_size=64, num_hidden_layers=8,
+                num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_experts=4, num_experts_per_tok=2,
+                moe_intermediate_size=8, shared_expert_intermediate_size=8, linear_num_key_heads=2,
+                linear_num_value_heads=4, linear_key_head_dim=8, linear_value_head_dim=8,
+                rope_parameters={"rope_type": "default", "rope_theta": 1e7, "partial_rotary_factor": 0.25,
+                                 "mrope_section": [11, 11, 10], "mrope_interleaved": True})
+    vlm = {"model_type": "qwen3_5_moe", "tie_word_embeddings": True, "text_config": text, "vision_config": {}}
+    c = qwen3_5_moe.Config.from_hf(vlm)
+    assert (c.rope_theta, c.partial_rotary_factor, c.rope_scaling, c.tie_word_embeddings) == (1e7, 0.25, None, True)
+    assert c.layer_types == ["linear_attention"] * 3 + ["full_attention"] + ["linear_attention"] * 3 + ["full_attention"]
+    assert all(c.is_moe_layer(i) for i in range(8))                  # Qwen3.5: every layer routes
+    old = dict(text, model_type="qwen3_next", full_attention_interval=2, mlp_only_layers=[1], intermediate_size=16)
+    n = qwen3_next.Config.from_hf(old)
+    assert n.layer_types[:4] == ["linear_attention", "full_attention"] * 2 and not n.is_moe_layer(1)
+    with pytest.raises(ValueError, match="layer_types"):
+        qwen3_next.Config.from_hf(dict(old, layer_types=["linear_attention", "sliding_attention"] * 4))
+    with pytest.raises(ValueError, match="layer_types lists 3 layers"):
+        qwen3_next.Config.from_hf(dict(old, layer_types=["linear_attention"] * 3))
+    with pytest.raises(ValueError, match="linear_num_value_heads"):
+        qwen3_next.Config.from_hf(dict(old, linear_num_value_heads=0))

@@ -70,7 +70,10 @@ class Config(ModelConfig):
 
     @classmethod
     def from_hf(cls, d: dict) -> "Config":
-        d = dict(d.get("text_config") or d)       # a VLM config.json keeps the text model's keys nested
+        if d.get("text_config"):                  # a VLM config.json keeps the text model's keys nested
+            outer = {k: v for k, v in d.items() if k not in ("text_config", "vision_config", "model_type")}
+            d = {**outer, **d["text_config"]}     # the text keys win; top-level ones (tie_word_embeddings) fill in
+        d = dict(d)
         rope = d.get("rope_scaling") or {}
         if rope.get("rope_type", rope.get("type")) in ("mrope", "default"):
             d["rope_scaling"] = None                # MRoPE on text positions is plain RoPE
