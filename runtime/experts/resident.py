@@ -1,62 +1,92 @@
 """Every expert on the compute device: the simplest expert tier, and the one CI runs.
 
-At load each MoE layer's experts are dequantized once from the FTW ExpertStore and stacked:
-gate/up [E, I, D], down [E, D, I] (and biases). A call groups the (token, slot) pairs by expert with
-one sort, then runs one matmul chain per expert that any token chose. Only the expert counts cross
-to the host (one sync per layer), which is what lets the loop skip idle experts.
+At load each MoE layer's experts are dequantized once from the FTW ExpertStore and stacked on the
+device: gate_up [E, 2I, D] (gate rows first), down [E, D, I], and biases. A call groups the (token,
+slot) assignments by expert with one sort, then computes either
+- grouped: one grouped GEMM per projection over all experts (`torch.nn.functional.grouped_mm`, the
+  CUDA kernel for bf16 on SM80+); nothing crosses to the host, so a decode step never syncs here; or
+- looped: one matmul chain per expert that any token chose (the plain-torch path; only the expert
+  counts cross to the host, one sync per layer). This is the CPU default: there grouped_mm is a
+  fallback loop itself and measured slower.
 
 Shapes: T tokens, D hidden, K experts per token, E experts, I expert FFN width, A = T*K assignments.
 """
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from typing import Callable
 
 import torch
+import torch.nn.functional as F
 
 from runtime.experts.interface import ExpertSpec, ExpertWeights
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
 class StackedExperts:
     """One layer's experts, stacked on the device."""
-    gate: torch.Tensor                    # [E, I, D]
-    up: torch.Tensor                      # [E, I, D]
+    gate_up: torch.Tensor                 # [E, 2I, D], rows [gate; up]
     down: torch.Tensor                    # [E, D, I]
-    gate_bias: torch.Tensor | None = None   # [E, I]
-    up_bias: torch.Tensor | None = None     # [E, I]
-    down_bias: torch.Tensor | None = None   # [E, D]
+    gate_up_bias: torch.Tensor | None = None   # [E, 2I]
+    down_bias: torch.Tensor | None = None      # [E, D]
 
     @property
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (self.gate, self.up, self.down, self.gate_bias,
-                                                          self.up_bias, self.down_bias) if t is not None)
+        return sum(t.numel() * t.element_size() for t in (self.gate_up, self.down, self.gate_up_bias,
+                                                          self.down_bias) if t is not None)
+
+    @property
+    def intermediate(self) -> int:
+        return self.gate_up.shape[1] // 2
 
     def expert(self, e: int) -> ExpertWeights:
-        pick = lambda t: None if t is None else t[e]   # noqa: E731
-        return ExpertWeights(self.gate[e], self.up[e], self.down[e], pick(self.gate_bias), pick(self.up_bias),
-                             pick(self.down_bias))
+        i = self.intermediate
+        gb = self.gate_up_bias
+        return ExpertWeights(self.gate_up[e, :i], self.gate_up[e, i:], self.down[e],
+                             None if gb is None else gb[e, :i], None if gb is None else gb[e, i:],
+                             None if self.down_bias is None else self.down_bias[e])
 
 
 def stack_experts(weights: list[ExpertWeights], *, device: torch.device | str, dtype: torch.dtype) -> StackedExperts:
     """[ExpertWeights] of one layer -> StackedExperts on `device` in `dtype`."""
-    def stack(name: str) -> torch.Tensor | None:
-        parts = [getattr(w, name) for w in weights]
-        if any(p is None for p in parts):
-            return None
-        return torch.stack([p.to(dtype) for p in parts]).to(device)
-    return StackedExperts(*(stack(n) for n in ("gate", "up", "down", "gate_bias", "up_bias", "down_bias")))
+    gate_up = torch.stack([torch.cat([w.gate, w.up]).to(dtype) for w in weights]).to(device)
+    down = torch.stack([w.down.to(dtype) for w in weights]).to(device)
+    gate_up_bias = down_bias = None
+    if weights[0].gate_bias is not None:
+        gate_up_bias = torch.stack([torch.cat([w.gate_bias, w.up_bias]).to(dtype) for w in weights]).to(device)
+        down_bias = torch.stack([w.down_bias.to(dtype) for w in weights]).to(device)
+    return StackedExperts(gate_up, down, gate_up_bias, down_bias)
+
+
+def activate(spec: ExpertSpec, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """The expert's gated activation (interface.expert_forward's, on [n, I] halves)."""
+    if spec.activation == "silu":
+        return F.silu(gate) * up
+    if spec.activation == "gpt_oss":
+        gate = gate.clamp(max=spec.swiglu_limit)
+        up = up.clamp(min=-spec.swiglu_limit, max=spec.swiglu_limit)
+        return (up + 1) * (gate * torch.sigmoid(spec.swiglu_alpha * gate))
+    raise ValueError(f"unknown expert activation {spec.activation!r}")
 
 
 class ResidentExperts:
     """experts(layer, hidden, topk_ids, topk_weights) over experts that all live on one device."""
 
-    def __init__(self, layers: dict[int, StackedExperts], spec: ExpertSpec):
+    def __init__(self, layers: dict[int, StackedExperts], spec: ExpertSpec, *, grouped: bool | None = None):
         self.layers, self.spec = layers, spec
+        if grouped is None:
+            first = next(iter(layers.values()), None)
+            grouped = (first is not None and first.gate_up.is_cuda and first.gate_up.dtype == torch.bfloat16
+                       and hasattr(F, "grouped_mm"))
+        self.grouped = grouped
 
     @classmethod
     def from_store(cls, store, spec: ExpertSpec, *, device: torch.device | str, dtype: torch.dtype,
-                   progress: Callable[[int, int], None] | None = None) -> "ResidentExperts":
+                   progress: Callable[[int, int], None] | None = None, grouped: bool | None = None
+                   ) -> "ResidentExperts":
         """Dequantize every (layer, expert) of an FTW ExpertStore once and stack it on `device`."""
         layers = {}
         total = len(store.layers)
@@ -65,47 +95,64 @@ class ResidentExperts:
             layers[layer] = stack_experts(weights, device=device, dtype=dtype)
             if progress:
                 progress(done + 1, total)
-        return cls(layers, spec)
+        return cls(layers, spec, grouped=grouped)
 
     @property
     def nbytes(self) -> int:
         return sum(s.nbytes for s in self.layers.values())
+
+    def stats(self) -> dict:
+        return {"backend": "resident", "grouped_gemm": self.grouped, "bytes": self.nbytes}
 
     def __call__(self, layer: int, hidden: torch.Tensor, topk_ids: torch.Tensor,
                  topk_weights: torch.Tensor) -> torch.Tensor:
         stacked = self.layers.get(layer)
         if stacked is None:
             raise KeyError(f"layer {layer} has no routed experts in this model")
-        t, k = topk_ids.shape
-        num_experts = stacked.gate.shape[0]
+        k = topk_ids.shape[1]
         flat_ids = topk_ids.reshape(-1)                                      # [A]
         order = torch.argsort(flat_ids, stable=True)                         # [A] assignments grouped by expert
         token_of = order // k                                                # [A] token of each sorted assignment
-        counts = torch.bincount(flat_ids, minlength=num_experts).tolist()    # host: one sync per layer
         x = hidden.index_select(0, token_of)                                 # [A, D]
         w = topk_weights.reshape(-1).index_select(0, order).to(hidden.dtype)  # [A]
+        counts = torch.bincount(flat_ids, minlength=stacked.gate_up.shape[0])  # [E]
+        out = None
+        if self.grouped:
+            try:
+                out = self._grouped(stacked, x, flat_ids.index_select(0, order), counts)
+            except RuntimeError as exc:   # a device or shape the grouped kernel does not take: loop instead
+                log.warning("grouped expert GEMM unavailable (%s); computing experts one by one", exc)
+                self.grouped = False
+        if out is None:
+            out = self._looped(stacked, x, counts.tolist())
+        result = torch.zeros_like(hidden)                                    # [T, D]
+        result.index_add_(0, token_of, out * w[:, None])
+        return result
+
+    def _grouped(self, s: StackedExperts, x: torch.Tensor, sorted_ids: torch.Tensor,
+                 counts: torch.Tensor) -> torch.Tensor:
+        offs = counts.cumsum(0).to(torch.int32)                              # [E] end of each expert's rows
+        gate_up = F.grouped_mm(x, s.gate_up.transpose(1, 2), offs=offs)      # [A, 2I]
+        if s.gate_up_bias is not None:
+            gate_up = gate_up + s.gate_up_bias.index_select(0, sorted_ids)
+        i = s.intermediate
+        h = activate(self.spec, gate_up[:, :i], gate_up[:, i:])             # [A, I]
+        out = F.grouped_mm(h, s.down.transpose(1, 2), offs=offs)            # [A, D]
+        if s.down_bias is not None:
+            out = out + s.down_bias.index_select(0, sorted_ids)
+        return out
+
+    def _looped(self, s: StackedExperts, x: torch.Tensor, counts: list[int]) -> torch.Tensor:
         out = torch.empty_like(x)                                            # [A, D]
+        i = s.intermediate
         start = 0
         for e, n in enumerate(counts):
             if n == 0:
                 continue
             rows = slice(start, start + n)
-            out[rows] = self._expert(stacked, e, x[rows])
+            gb = None if s.gate_up_bias is None else s.gate_up_bias[e]
+            gate_up = F.linear(x[rows], s.gate_up[e], gb)                    # [n, 2I]
+            h = activate(self.spec, gate_up[:, :i], gate_up[:, i:])         # [n, I]
+            out[rows] = F.linear(h, s.down[e], None if s.down_bias is None else s.down_bias[e])
             start += n
-        result = torch.zeros_like(hidden)                                    # [T, D]
-        result.index_add_(0, token_of, out * w[:, None])
-        return result
-
-    def _expert(self, s: StackedExperts, e: int, x: torch.Tensor) -> torch.Tensor:
-        """One expert on its tokens x [n, D] -> [n, D]; the same math as interface.expert_forward."""
-        g = torch.nn.functional.linear(x, s.gate[e], None if s.gate_bias is None else s.gate_bias[e])
-        u = torch.nn.functional.linear(x, s.up[e], None if s.up_bias is None else s.up_bias[e])
-        if self.spec.activation == "silu":
-            h = torch.nn.functional.silu(g) * u
-        elif self.spec.activation == "gpt_oss":
-            g = g.clamp(max=self.spec.swiglu_limit)
-            u = u.clamp(min=-self.spec.swiglu_limit, max=self.spec.swiglu_limit)
-            h = (u + 1) * (g * torch.sigmoid(self.spec.swiglu_alpha * g))
-        else:
-            raise ValueError(f"unknown expert activation {self.spec.activation!r}")
-        return torch.nn.functional.linear(h, s.down[e], None if s.down_bias is None else s.down_bias[e])
+        return out
