@@ -317,3 +317,55 @@ def test_config_spellings_and_bad_configs():
         qwen3_next.Config.from_hf(dict(old, layer_types=["linear_attention"] * 3))
     with pytest.raises(ValueError, match="linear_num_value_heads"):
         qwen3_next.Config.from_hf(dict(old, linear_num_value_heads=0))
+
+
+def hub_layout_qwen3_5(src_dir, out_dir):
+    """Re-save the Qwen3.5 fixture the way the hub ships Qwen3.5/3.6: a VLM config.json with the text
+    model under text_config, tensors under `model.language_model.`, experts fused per layer
+    (gate_up_proj [E, 2I, D], first half gate; down_proj [E, D, I]), plus mtp.* and visual tensors."""
+    import shutil
+
+    from safetensors.torch import save_file
+
+    src = SafetensorsSource(src_dir)
+    config = json.loads((src_dir / "config.json").read_text())
+    tensors, experts = {}, {}
+    for name, t in src.tensors.items():
+        parts = name.split(".")
+        if ".mlp.experts." in name:               # model.layers.L.mlp.experts.E.role_proj.weight
+            experts.setdefault(int(parts[2]), {}).setdefault(int(parts[5]), {})[parts[6]] = t
+        else:
+            tensors[name.replace("model.", "model.language_model.", 1)] = t.clone()
+    for layer, by_expert in experts.items():
+        order = [by_expert[e] for e in sorted(by_expert)]
+        prefix = f"model.language_model.layers.{layer}.mlp.experts."
+        tensors[prefix + "gate_up_proj"] = torch.stack([torch.cat([w["gate_proj"], w["up_proj"]]) for w in order])
+        tensors[prefix + "down_proj"] = torch.stack([w["down_proj"] for w in order])
+    tensors["mtp.fc.weight"] = torch.randn(8, 8)                 # multi-token prediction head: not ours to run
+    tensors["model.visual.patch_embed.proj.weight"] = torch.randn(8, 8)
+    out_dir.mkdir(parents=True)
+    save_file(tensors, str(out_dir / "model-00001-of-00001.safetensors"))
+    index = {"metadata": {}, "weight_map": {n: "model-00001-of-00001.safetensors" for n in tensors}}
+    (out_dir / "model.safetensors.index.json").write_text(json.dumps(index))   # hub checkpoints ship one
+    vlm = {"model_type": "qwen3_5_moe", "architectures": ["Qwen3_5MoeForConditionalGeneration"],
+           "tie_word_embeddings": False, "text_config": config, "vision_config": {"depth": 1}}
+    (out_dir / "config.json").write_text(json.dumps(vlm))
+    for f in src_dir.iterdir():
+        if f.suffix != ".safetensors" and f.name not in ("config.json", "model.safetensors.index.json"):
+            shutil.copy(f, out_dir / f.name)
+    return out_dir
+
+
+def test_qwen3_5_hub_layout_converts_and_matches(tiny_checkpoints, tmp_path, device):
+    from runtime.ftw.converter import convert
+
+    source = tiny_checkpoints("qwen3_5_moe")
+    _, ref, _ = loaded(tiny_checkpoints, "qwen3_5_moe", device)
+    hub = hub_layout_qwen3_5(source, tmp_path / "hub")
+    eng = engine(convert(hub, tmp_path / "pkg", codec="f32"), device, prefix_cache_bytes=0)
+    assert eng.model_type in ("qwen3_5_moe", "qwen3_5_moe_text")
+    ids = prompt(30, seed=40)
+    with torch.no_grad():
+        expected = ref(torch.tensor([ids])).logits[0]
+    ours = run(eng.model, [(ids, new_cache(eng.model))], all_logits=True)
+    assert (ours - expected).abs().max().item() <= TOL
