@@ -186,3 +186,57 @@ def test_no_stops_passes_text_through():
     matcher = StopMatcher([])
     assert matcher.push("a</") == ("a</", False)
     assert matcher.flush() == ""
+
+
+@pytest.mark.parametrize("shape", ["peaked", "flat"])
+def test_candidate_filtering_equals_filtering_the_whole_vocabulary(shape):
+    """The fast paths (top-k candidates, top-p among the most likely 1024, min-p alone) agree with the plain
+    whole-vocabulary filters, including rows that mix them and rows that need the full sort."""
+    gen = torch.Generator().manual_seed(4)
+    vocab = 3000
+    logits = torch.randn(6, vocab, generator=gen)
+    if shape == "peaked":   # like a language model: a few likely tokens, a long tail
+        logits = logits * 4.0
+    params = [SamplingParams(temperature=1.0, top_p=0.9), SamplingParams(temperature=1.0, top_k=50, top_p=0.5),
+              SamplingParams(temperature=1.0, top_k=7), SamplingParams(temperature=1.0, min_p=0.05),
+              SamplingParams(temperature=1.0, top_p=0.99, min_p=0.01), SamplingParams(temperature=1.0)]
+    got = process_logits(logits, [RequestSampler(p) for p in params])
+    for row, p in enumerate(params):
+        ref = logits[row:row + 1]
+        if p.top_k:
+            ref = apply_top_k(ref, torch.tensor([[p.top_k]]))
+        if p.top_p < 1:
+            ref = apply_top_p(ref, torch.tensor([[p.top_p]]))
+        if p.min_p:
+            ref = apply_min_p(ref, torch.tensor([[p.min_p]]))
+        assert torch.equal(torch.isfinite(got[row]), torch.isfinite(ref[0])), (shape, row)
+        assert torch.allclose(got[row][torch.isfinite(got[row])], ref[0][torch.isfinite(ref[0])])
+
+
+def test_top_p_draws_stay_in_the_nucleus():
+    logits = _logits_of([0.6, 0.2, 0.15, 0.05])
+    sampler = RequestSampler(SamplingParams(temperature=1.0, top_p=0.7, seed=9))
+    picks = {sample_batch(logits, [sampler], observe=False).item() for _ in range(200)}
+    assert picks == {0, 1}
+
+
+def test_sparse_penalties_equal_the_whole_vocabulary_formulas_and_leave_the_input_alone():
+    gen = torch.Generator().manual_seed(5)
+    vocab = 500
+    logits = torch.randn(2, vocab, generator=gen) * 3
+    before = logits.clone()
+    prompt = torch.randint(0, vocab, (300,), generator=gen).tolist()
+    params = SamplingParams(temperature=1.0, repetition_penalty=1.3, presence_penalty=0.4, frequency_penalty=0.2)
+    samplers = [RequestSampler(params, prompt_ids=prompt), RequestSampler(SamplingParams(temperature=1.0))]
+    out = process_logits(logits, samplers)                   # builds the sparse state, then more tokens arrive
+    for token in [3, 3, 499, 7, 3] + prompt[:5]:
+        samplers[0].observe(token)
+    out = process_logits(logits, samplers)
+    assert torch.equal(logits, before)
+    seen = torch.zeros(1, vocab, dtype=torch.bool)
+    seen[0, prompt + samplers[0].output_ids] = True
+    counts = torch.bincount(torch.tensor(samplers[0].output_ids), minlength=vocab).unsqueeze(0)
+    ref = apply_repetition_penalty(logits[:1], seen, torch.tensor([[1.3]]))
+    ref = apply_presence_frequency(ref, counts, torch.tensor([[0.4]]), torch.tensor([[0.2]]))
+    assert torch.allclose(out[:1], ref)
+    assert torch.equal(out[1], logits[1])
