@@ -167,10 +167,10 @@ class WorkerClient(QObject):
 
     # ---- requests ----
 
-    def request(self, kind: str, **fields) -> str:
+    def request(self, message_type: str, /, **fields) -> str:
         """Send a request; returns its id. Raises ProtocolError on a malformed request (our bug)."""
         request_id = fields.pop("id", None) or f"r{next(self._ids)}"
-        message = protocol.request(kind, id=request_id, **fields)
+        message = protocol.request(message_type, id=request_id, **fields)
         self._send(message)
         return request_id
 

@@ -140,14 +140,14 @@ def check_event(message: Any) -> dict:
     return _check(message, EVENTS, "event")
 
 
-def request(kind: str, **fields) -> dict:
-    """A request of type `kind`, checked before it goes on the wire."""
-    return check_request({"type": kind, **fields})
+def request(message_type: str, /, **fields) -> dict:
+    """A request of type `message_type`, checked before it goes on the wire."""
+    return check_request({"type": message_type, **fields})
 
 
-def event(kind: str, **fields) -> dict:
-    """An event of type `kind`, checked before it goes on the wire."""
-    return check_event({"type": kind, **fields})
+def event(message_type: str, /, **fields) -> dict:
+    """An event of type `message_type`, checked before it goes on the wire (a delta has a field `kind`)."""
+    return check_event({"type": message_type, **fields})
 
 
 def hello(*, version: str | None = None, pid: int | None = None) -> dict:
