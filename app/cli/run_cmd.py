@@ -107,11 +107,12 @@ def load_engine(args, *, quiet: bool):
     from app.resolve import resolve_model
     from runtime.engine import Engine
 
-    device = args.device
-    if device is None:
-        from app.settings import Settings
+    from app.paths import user_paths
+    from app.settings import Settings
 
-        device = Settings().get("device") or "auto"
+    settings = Settings()
+    device = args.device or settings.get("device") or "auto"
+    models_dir = user_paths(settings.get("models_dir") or None).models
 
     live = not quiet and sys.stderr.isatty()   # a self-overwriting line only where someone watches it
 
@@ -119,7 +120,13 @@ def load_engine(args, *, quiet: bool):
         if total:
             print(f"\rloading {stage}: {100 * done / total:5.1f}%".ljust(40), end="", file=sys.stderr, flush=True)
 
-    path = resolve_model(args.model)
+    def converting(event) -> None:   # a Hugging Face folder is converted once, into the cache
+        total = getattr(event, "bytes_total", 0)
+        if total:
+            print(f"\rconverting: {100 * event.bytes_done / total:5.1f}%".ljust(40), end="", file=sys.stderr,
+                  flush=True)
+
+    path = resolve_model(args.model, models_dir=models_dir, progress=converting if live else None)
     engine = Engine.load(path, device=device, context_length=args.context, max_batch=1,
                          progress=progress if live else None)
     if live:
