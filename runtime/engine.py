@@ -54,7 +54,7 @@ class TokenEvent:
     token_id: int | None          # None on an event that only reports an end (cancelled, max_tokens=0)
     text: str                     # the text this token completes ("" while a character or stop is pending)
     finished: bool = False
-    finish_reason: str | None = None   # "stop" | "length" | "cancelled"
+    finish_reason: str | None = None   # "stop" | "length" | "cancelled" | "error" (the model raised)
 
 
 @dataclass
@@ -67,6 +67,7 @@ class GenerationResult:
     prefill_tokens_per_s: float = 0.0
     decode_tokens_per_s: float = 0.0
     ttft: float = 0.0             # seconds from add_request to the first token
+    error: str | None = None      # why the request failed (finish_reason "error")
 
     @property
     def prefill_tps(self) -> float:
@@ -94,6 +95,7 @@ class _Request:
     t_first: float | None = None
     t_end: float | None = None
     finish_reason: str | None = None
+    error: str | None = None
 
 
 def _resolve_device(device: str) -> torch.device:
@@ -141,8 +143,8 @@ class Engine:
         self._ids = itertools.count(1)
         self._pending_events: list[TokenEvent] = []
         self._results: dict[str, GenerationResult] = {}
-        self._counters = dict(requests=0, finished=0, cancelled=0, prefill_tokens=0, decode_tokens=0,
-                              prefill_seconds=0.0, decode_seconds=0.0, steps=0)
+        self._counters = dict(requests=0, finished=0, cancelled=0, failed=0, prefill_tokens=0, decode_tokens=0,
+                              prefill_step_seconds=0.0, decode_step_seconds=0.0, steps=0)
 
     # ------------------------------------------------------------------------------------------ load
 
@@ -272,13 +274,16 @@ class Engine:
         work = self.scheduler.schedule()
         if not work:
             return events
-        now = time.perf_counter()
+        t0 = time.perf_counter()
         for seq, _ in work:
             if seq.payload.t_prefill_start is None:
-                seq.payload.t_prefill_start = now
+                seq.payload.t_prefill_start = t0
         batch = Batch.build([(seq.tokens[seq.computed:seq.computed + n], seq.payload.cache) for seq, n in work],
                             device=self.device)
-        logits = self.model(batch)                                       # [B, V] fp32
+        try:
+            logits = self.model(batch)                                   # [B, V] fp32
+        except (RuntimeError, ValueError) as exc:   # e.g. out of memory: fail these requests, keep the engine
+            return events + self._fail(work, exc)
         self._counters["steps"] += 1
         ready_rows, ready = [], []
         for row, (seq, n) in enumerate(work):
@@ -298,6 +303,23 @@ class Engine:
             now = time.perf_counter()
             for seq, token in zip(ready, chosen):
                 events.append(self._accept(seq, int(token), now))
+        # engine-wide speeds: a step with any prompt tokens counts as prefill time, else as decode time
+        elapsed = time.perf_counter() - t0
+        phase = "prefill" if any(seq.computed - n < seq.prompt_len for seq, n in work) else "decode"
+        self._counters[f"{phase}_step_seconds"] += elapsed
+        return events
+
+    def _fail(self, work: list[tuple[Sequence, int]], exc: Exception) -> list[TokenEvent]:
+        """The model raised on this batch: end its requests with finish_reason "error"; the engine lives on."""
+        log.error("engine step failed for %d request(s): %s", len(work), exc, exc_info=exc)
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+        message = f"the model failed on this request: {exc}"
+        events = []
+        for seq, _ in work:
+            seq.payload.error = message
+            self._finish(seq, "error", final_text="", keep_cache=False)
+            events.append(TokenEvent(seq.request_id, None, "", True, "error"))
         return events
 
     def _start(self, seq: Sequence, events: list[TokenEvent]) -> None:
@@ -345,19 +367,19 @@ class Engine:
         self._finish(seq, reason, final_text=visible)
         return TokenEvent(seq.request_id, token, visible, True, reason)
 
-    def _finish(self, seq: Sequence, reason: str, *, final_text: str) -> None:
+    def _finish(self, seq: Sequence, reason: str, *, final_text: str, keep_cache: bool = True) -> None:
         state: _Request = seq.payload
         state.text.append(final_text)
         state.finish_reason = reason
         state.t_end = time.perf_counter()
         self.scheduler.remove(seq)
         if state.cache is not None:
-            if self.prefix_cache.max_bytes and state.cache.offset > 0:
+            if keep_cache and self.prefix_cache.max_bytes and state.cache.offset > 0:
                 # the cache holds every token fed so far: exactly tokens[:offset]
                 self.prefix_cache.insert(seq.tokens[:state.cache.offset], state.cache.detach())
             state.cache.release()
             state.cache = None
-        self._counters["finished" if reason != "cancelled" else "cancelled"] += 1
+        self._counters[{"cancelled": "cancelled", "error": "failed"}.get(reason, "finished")] += 1
         self._results[seq.request_id] = self._make_result(seq)
 
     def _make_result(self, seq: Sequence) -> GenerationResult:
@@ -366,14 +388,12 @@ class Engine:
         computed = seq.prompt_len - state.cached_tokens
         prefill_s = (state.t_first - state.t_prefill_start) if state.t_first and state.t_prefill_start else 0.0
         decode_s = (state.t_end - state.t_first) if state.t_first else 0.0
-        self._counters["prefill_seconds"] += prefill_s
-        self._counters["decode_seconds"] += decode_s
         return GenerationResult(
             tokens=output, text="".join(state.text), finish_reason=state.finish_reason,
             prompt_tokens=seq.prompt_len, cached_tokens=state.cached_tokens,
             prefill_tokens_per_s=computed / prefill_s if prefill_s > 0 else 0.0,
             decode_tokens_per_s=(len(output) - 1) / decode_s if decode_s > 0 and len(output) > 1 else 0.0,
-            ttft=(state.t_first - state.t_added) if state.t_first else 0.0)
+            ttft=(state.t_first - state.t_added) if state.t_first else 0.0, error=state.error)
 
     # ----------------------------------------------------------------------------------- convenience
 
@@ -396,11 +416,12 @@ class Engine:
         running = self.scheduler.running
         return {
             "model_id": self.model_id, "model_type": self.model_type, "device": str(self.device),
-            "requests": c["requests"], "finished": c["finished"], "cancelled": c["cancelled"],
+            "requests": c["requests"], "finished": c["finished"], "cancelled": c["cancelled"], "failed": c["failed"],
             "active_sequences": len(running), "waiting_sequences": len(self.scheduler.waiting),
             "prefill_tokens": c["prefill_tokens"], "decode_tokens": c["decode_tokens"], "steps": c["steps"],
-            "prefill_tokens_per_s": c["prefill_tokens"] / c["prefill_seconds"] if c["prefill_seconds"] else 0.0,
-            "decode_tokens_per_s": c["decode_tokens"] / c["decode_seconds"] if c["decode_seconds"] else 0.0,
+            # over the engine's whole life, all sequences together (steps timed as a whole)
+            "prefill_tokens_per_s": (c["prefill_tokens"] / c["prefill_step_seconds"]) if c["prefill_step_seconds"] else 0.0,
+            "decode_tokens_per_s": (c["decode_tokens"] / c["decode_step_seconds"]) if c["decode_step_seconds"] else 0.0,
             "kv_bytes": sum(s.payload.cache.nbytes for s in running if s.payload.cache is not None),
             "prefix_cache": self.prefix_cache.stats(),
             "experts": self.model.experts.stats() if hasattr(self.model.experts, "stats") else {},

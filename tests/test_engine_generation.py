@@ -217,3 +217,39 @@ def test_stats_count_what_happened(ftw_packages, device):
     assert s["prefill_tokens"] == 12 and s["decode_tokens"] == 4
     assert s["active_sequences"] == 0 and s["prefix_cache"]["entries"] == 1
     assert eng.plan["backend"] == "resident" and eng.plan["expert_bytes"] > 0
+
+
+def test_a_failing_forward_ends_its_requests_and_the_engine_lives_on(ftw_packages, device):
+    from runtime.engine import resident_experts_factory
+
+    class Flaky:
+        """Experts that fail once (as a CUDA out-of-memory would) and then work."""
+
+        def __init__(self, inner):
+            self.inner, self.fail_next = inner, False
+
+        def __call__(self, *args):
+            if self.fail_next:
+                self.fail_next = False
+                raise RuntimeError("CUDA out of memory (simulated)")
+            return self.inner(*args)
+
+    flaky = None
+
+    def factory(package, spec, **kw):
+        nonlocal flaky
+        flaky = Flaky(resident_experts_factory(package, spec, **kw))
+        return flaky
+
+    eng = load(ftw_packages, "qwen3_moe", device, experts_factory=factory)
+    a = eng.add_request(random_prompt(6, seed=100), SamplingParams(max_tokens=5, **GREEDY))
+    eng.step()
+    flaky.fail_next = True
+    events = eng.step()
+    assert [(e.request_id, e.finished, e.finish_reason) for e in events] == [(a, True, "error")]
+    failed = eng.result(a)
+    assert failed.finish_reason == "error" and "out of memory" in failed.error
+    assert eng.stats()["failed"] == 1 and eng.prefix_cache.stats()["entries"] == 0   # a broken cache is not kept
+    prompt = random_prompt(6, seed=101)
+    assert eng.generate(prompt, SamplingParams(max_tokens=5, **GREEDY)).tokens == \
+        load(ftw_packages, "qwen3_moe", device).generate(prompt, SamplingParams(max_tokens=5, **GREEDY)).tokens
