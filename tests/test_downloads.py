@@ -207,7 +207,7 @@ def test_checksum_mismatch_is_rejected(hub, models, tiny_checkpoints):
     names = shards(tiny_checkpoints("qwen3_moe"))
     hub.inject(names[0], "corrupt", times=1)               # one bad transfer: fetched afresh
     hub.inject(names[1], "corrupt", times=-1)              # always bad: rejected
-    mgr = manager(hub, models)
+    mgr = manager(hub, models, concurrency=1)              # in order: the first file is done before the job fails
     job = mgr.add(REPO, allow_patterns=["*.safetensors"])
     mgr.start()
     failed = mgr.wait(job.id, timeout=30)
