@@ -89,21 +89,22 @@ class CpuExecutor:
         return y
 
     def _dense(self, layer, x, tok, uniq, starts) -> torch.Tensor:
-        """f32/bf16 stores: torch's own matmuls over zero-copy views of the blocks."""
+        """f32/bf16 stores: torch's matmuls in fp32 over the blocks (bf16 weights widened per expert), so the
+        result is the reference's to rounding."""
         parts = self.store.layer_parts(layer)
         lay = self.store.layout
-        dt = torch.bfloat16 if lay.codec == "bf16" else torch.float32
-        view = lambda a: torch.from_numpy(a).view(dt)        # noqa: E731  (uint16 bits -> bf16, no copy)
+        if lay.codec == "bf16":
+            view = lambda a: torch.from_numpy(a).view(torch.bfloat16).float()   # noqa: E731
+        else:
+            view = torch.from_numpy
         bias = lambda name, e: torch.from_numpy(parts[name][e]) if lay.has_bias else 0.0   # noqa: E731
         y = torch.empty(len(tok), x.shape[1], dtype=torch.float32)
         for u, e in enumerate(uniq):
-            rows = torch.from_numpy(tok[starts[u]:starts[u + 1]])
-            xb = x[rows].to(dt)
-            g = torch.nn.functional.linear(xb, view(parts["gate"][e])).float() + bias("gate_bias", e)
-            up = torch.nn.functional.linear(xb, view(parts["up"][e])).float() + bias("up_bias", e)
-            h = _torch_act(self.spec, g, up).to(dt)
-            y[starts[u]:starts[u + 1]] = torch.nn.functional.linear(h, view(parts["down"][e])).float() + \
-                bias("down_bias", e)
+            xs = x[torch.from_numpy(tok[starts[u]:starts[u + 1]])]
+            g = torch.nn.functional.linear(xs, view(parts["gate"][e])) + bias("gate_bias", e)
+            up = torch.nn.functional.linear(xs, view(parts["up"][e])) + bias("up_bias", e)
+            y[starts[u]:starts[u + 1]] = torch.nn.functional.linear(_torch_act(self.spec, g, up),
+                                                                   view(parts["down"][e])) + bias("down_bias", e)
         return y
 
     def _kernel(self, layer, x: np.ndarray, tok, uniq, starts) -> torch.Tensor:

@@ -177,6 +177,14 @@ class HostExpertStore:
             bufs[layer] = mm[off:off + experts.num_experts * layout.nbytes].reshape(experts.num_experts, layout.nbytes)
         return cls(bufs, layout, num_experts=experts.num_experts, owner=experts)
 
+    def pinned_copy(self) -> "HostExpertStore":
+        """The same experts copied once into page-locked memory (the GPU then DMAs blocks directly); the
+        mapping's pages are released by the OS as they are no longer touched, so they are not counted twice."""
+        store = HostExpertStore.allocate(self.layout, self.layers, self.num_experts, pin=True)
+        for layer in self.layers:
+            np.copyto(store.layer_buffer(layer), self.layer_buffer(layer))
+        return store
+
     @classmethod
     def allocate(cls, layout: BlockLayout, layers: list[int], num_experts: int, *, pin: bool = False) -> "HostExpertStore":
         """An empty in-memory store (page-locked when `pin`, so the GPU can DMA from it directly)."""

@@ -1,0 +1,353 @@
+"""The hybrid expert tier: hot experts in a VRAM slot pool, misses on the CPU or fetched over PCIe.
+
+`HybridExperts(layer, hidden, topk_ids, topk_weights)` is the `Experts` interface (interface.py). Per call:
+
+  few tokens (decode)                              many tokens (prefill, >= stream_threshold)
+  1. ids -> host (one small sync per layer)        1. the layer's blocks stream into one of two device
+  2. host: split this layer's distinct experts        buffers on the copy stream (the next layer's copy
+     into hits / misses (SlotDirectory)               is enqueued before this one computes: double-buffered)
+  3. misses -> fetch over PCIe (into pool slots)   2. grouped compute over the buffer, one matmul chain
+     or CPU, in the share SplitController learns      per expert on all its tokens
+  4. GPU: table lookup (no sync) + compute of
+     every resident expert; CPU: the rest, at
+     the same time (cpu_executor, one call)
+  5. sum; promote hot CPU-computed experts on
+     the copy stream under a byte budget
+
+Placement (how many slots, which backend) comes from the planner (planner.py); `hybrid_experts_factory` is
+the engine's seam (runtime/engine.py `experts_factory`).
+
+Shapes: T tokens, K experts per token, D hidden, E experts per layer.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from runtime.experts.cpu_executor import CpuExecutor
+from runtime.experts.host_store import HostExpertStore
+from runtime.experts.interface import ExpertSpec
+from runtime.experts.policy import Key, RoutingStats, SlotDirectory, SplitController, make_policy
+from runtime.experts.slot_cache import SlotCache
+from runtime.experts.stats import ExpertStats
+from runtime.experts.transport import Transport
+from runtime.kernels.expert_pool import pool_forward, pool_forward_grouped
+
+log = logging.getLogger(__name__)
+
+STREAM_TOKENS_PER_ACTIVE_SHARE = 32   # stream a layer when tokens >= 32 * E / K (each byte serves enough tokens)
+
+
+@dataclass(frozen=True)
+class HybridOptions:
+    slots: int                                  # VRAM pool slots (0: everything on the CPU)
+    policy: str = "lru"                         # "lru" | "frequency"
+    hot_set: tuple[Key, ...] = ()               # pinned in the pool from the start (persisted routing stats)
+    cpu_threads: int | None = None
+    cpu_gbps: float = 20.0                      # startup estimates; the split controller re-learns them
+    h2d_gbps: float = 20.0
+    promote_bytes_per_call: int = 8 << 20       # background promotion budget per layer call
+    stream_threshold: int | None = None         # tokens from which a layer streams (None: 32 * E / K)
+    top_k: int = 8
+    split: str = "auto"                         # "auto" | "cpu" | "fetch": force a pure strategy (benchmarks)
+    stream_on_cpu: bool = False                 # run the streaming path on a CPU device too (tests)
+
+
+class HybridExperts:
+    backend = "hybrid"
+
+    def __init__(self, store: HostExpertStore, spec: ExpertSpec, *, device: torch.device | str,
+                 dtype: torch.dtype, options: HybridOptions, routing_stats: RoutingStats | None = None):
+        self.store, self.spec, self.options = store, spec, options
+        self.device = torch.device(device)
+        self.dtype = dtype
+        self.layout = store.layout
+        self.cuda = self.device.type == "cuda"
+        directory = SlotDirectory(options.slots, make_policy(options.policy), pinned=options.hot_set)
+        self.cache = SlotCache(directory=directory, layers=store.layers, num_experts=store.num_experts,
+                               block_nbytes=store.block_nbytes, device=self.device)
+        self.transport = Transport(store, self.device)
+        self.cpu = CpuExecutor(store, spec, threads=options.cpu_threads)
+        self.split = SplitController(cpu_gbps=options.cpu_gbps, pcie_gbps=options.h2d_gbps if options.slots else 0.0)
+        self.counters = ExpertStats()
+        self.routing = routing_stats if routing_stats is not None else RoutingStats()
+        self.stream_threshold = options.stream_threshold or \
+            STREAM_TOKENS_PER_ACTIVE_SHARE * store.num_experts // max(1, options.top_k)
+        self._stage = None                      # two device buffers [E, nbytes] for prefill streaming
+        self._staged: dict[int, tuple[int, object]] = {}   # layer -> (buffer index, copy event)
+        self._stage_free: list[object] = [None, None]       # event after which each buffer may be overwritten
+        self._promotions: list[tuple[Key, int, object]] = []
+        self._warm_hot_set()
+
+    # ------------------------------------------------------------------ the Experts interface
+    def __call__(self, layer: int, hidden: torch.Tensor, topk_ids: torch.Tensor,
+                 topk_weights: torch.Tensor) -> torch.Tensor:
+        if layer not in self.cache.layer_index:
+            raise KeyError(f"layer {layer} has no routed experts in this model")
+        self._finish_promotions()
+        t = hidden.shape[0]
+        self.counters.add(tokens=t)
+        if t >= self.stream_threshold and (self.cuda or self.options.stream_on_cpu):
+            return self._streamed(layer, hidden, topk_ids, topk_weights)
+        return self._decode(layer, hidden, topk_ids, topk_weights)
+
+    # ------------------------------------------------------------------ few tokens
+    def _decode(self, layer, hidden, topk_ids, topk_weights) -> torch.Tensor:
+        t0 = time.perf_counter()
+        ids_h = topk_ids.to("cpu", torch.int64).numpy()                     # [T, K]; the one sync
+        uniq = [int(e) for e in np.unique(ids_h)]
+        self.routing.add(layer, uniq)
+        keys = [(layer, e) for e in uniq]
+        dirc = self.cache.directory
+        hits, misses = dirc.lookup(keys)
+        # a promotion still in flight is not a hit yet: its expert runs on the CPU this time
+        in_flight = [k for k in hits if k in self.cache.pending]
+        if in_flight:
+            hits = [k for k in hits if k not in self.cache.pending]
+            misses += in_flight
+            dirc.counters.hits -= len(in_flight)
+            dirc.counters.misses += len(in_flight)
+        if self.options.split == "auto":
+            self.split.choose()
+        else:
+            self.split.mode = self.options.split
+        pending_misses = [k for k in misses if k not in self.cache.pending]
+        n_fetch = self.split.split(len(pending_misses)) if self.options.slots else 0
+        # fetch the misses most worth keeping; the rest run on the CPU
+        pending_misses.sort(key=dirc.policy.score, reverse=True)
+        fetch, cpu_keys = [], [k for k in misses if k in self.cache.pending]
+        protected = set(hits)
+        copies = []
+        for key in pending_misses:
+            got = dirc.allocate(key, protected=protected) if len(fetch) < n_fetch else None
+            if got is None:
+                cpu_keys.append(key)
+                continue
+            slot, evicted = got
+            if evicted is not None:
+                self.cache.withdraw(evicted)
+            protected.add(key)
+            fetch.append((key, slot))
+            copies.append((self.store.block(*key), self.cache.slot_view(slot)))
+        t_pcie = time.perf_counter()
+        if copies:
+            done = self.transport.submit(copies, after=self._record())
+            self._wait(done)
+            for key, slot in fetch:
+                self.cache.publish(key, slot)
+        # GPU: every resident expert of this call, looked up on the device
+        slots = self.cache.device_slots(layer, topk_ids)
+        out = pool_forward(self.cache.pool, self.layout, self.spec, hidden.to(self.dtype), slots,
+                           topk_weights) if (hits or fetch) else torch.zeros_like(hidden, dtype=self.dtype)
+        # CPU: the rest, while the GPU works
+        cpu_s = 0.0
+        if cpu_keys:
+            cpu_set = np.array(sorted(e for _, e in cpu_keys))
+            mask = np.isin(ids_h, cpu_set)                                   # [T, K]
+            tok, kk = np.nonzero(mask)
+            w_h = topk_weights.to("cpu", torch.float32).numpy()
+            c0 = time.perf_counter()
+            cpu_out = self.cpu.run(layer, hidden.to("cpu", torch.float32), tok, ids_h[tok, kk], w_h[tok, kk])
+            cpu_s = time.perf_counter() - c0
+            out = out + cpu_out.to(self.device, self.dtype, non_blocking=True)
+        nb = self.store.block_nbytes
+        self.counters.add(decode_calls=1, hits=len(hits), misses=len(misses), cpu_experts=len(cpu_keys),
+                       fetched_experts=len(fetch), gpu_experts=len(hits) + len(fetch),
+                       bytes_h2d=len(fetch) * nb, bytes_cpu_read=len(cpu_keys) * nb, cpu_seconds=cpu_s)
+        self._promote(cpu_keys)
+        if self.options.split == "auto":
+            if self.cuda:
+                torch.cuda.current_stream(self.device).synchronize()
+            self.split.observe(step_seconds=time.perf_counter() - t0, cpu_bytes=len(cpu_keys) * nb, cpu_seconds=cpu_s,
+                               pcie_bytes=len(fetch) * nb, pcie_seconds=(time.perf_counter() - t_pcie) if fetch and not cpu_keys else 0.0)
+        return out.to(hidden.dtype)
+
+    # ------------------------------------------------------------------ many tokens
+    def _streamed(self, layer, hidden, topk_ids, topk_weights) -> torch.Tensor:
+        if self._stage is None:
+            self._stage = torch.empty((2, self.store.num_experts, self.store.block_nbytes), dtype=torch.uint8,
+                                      device=self.device)
+        buf_idx, ready = self._staged.pop(layer, (None, None))
+        if buf_idx is None:
+            buf_idx = self._free_buffer()
+            ready = self._copy_layer(layer, buf_idx)
+        # double buffering: the next layer's experts cross PCIe while this layer computes
+        nxt = self._next_layer(layer)
+        if nxt is not None and nxt not in self._staged:
+            other = 1 - buf_idx
+            self._staged[nxt] = (other, self._copy_layer(nxt, other))
+        self._wait(ready)
+        self.routing.add(layer, [int(e) for e in torch.unique(topk_ids).tolist()])
+        out = pool_forward_grouped(self._stage[buf_idx], self.layout, self.spec, hidden.to(self.dtype), topk_ids,
+                                   topk_weights)
+        self._stage_free[buf_idx] = self._record()
+        e = self.store.num_experts
+        self.counters.add(stream_calls=1, gpu_experts=e, bytes_h2d=e * self.store.block_nbytes,
+                       bytes_streamed=e * self.store.block_nbytes)
+        return out.to(hidden.dtype)
+
+    def _copy_layer(self, layer: int, buf_idx: int):
+        return self.transport.submit_range(self.store.layer_buffer(layer), self._stage[buf_idx],
+                                           after=self._stage_free[buf_idx])
+
+    def _free_buffer(self) -> int:
+        used = {i for i, _ in self._staged.values()}
+        return 0 if 0 not in used else 1
+
+    def _next_layer(self, layer: int) -> int | None:
+        i = self.cache.layer_index[layer] + 1
+        return self.store.layers[i] if i < len(self.store.layers) else self.store.layers[0]
+
+    # ------------------------------------------------------------------ promotion (off the critical path)
+    def _promote(self, candidates: list[Key]) -> None:
+        """Copy the CPU-computed experts most worth caching into the pool on the copy stream; they are
+        published (become hits) only once their bytes have landed (`_finish_promotions`)."""
+        if not self.options.slots or not candidates:
+            return
+        dirc = self.cache.directory
+        budget = self.options.promote_bytes_per_call // max(1, self.store.block_nbytes)
+        copies, started = [], []
+        for key in sorted(candidates, key=dirc.policy.score, reverse=True)[:budget]:
+            if key in dirc.slot_of:
+                continue
+            if not dirc.free:
+                # admission: replace a cached expert only with one used more than it
+                victim = dirc.policy.victim(dirc.slot_of.keys(), dirc.pinned | self.cache.pending)
+                if victim is None or dirc.policy.score(victim) >= dirc.policy.score(key):
+                    continue
+            got = dirc.allocate(key, protected=self.cache.pending)
+            if got is None:
+                continue
+            slot, evicted = got
+            if evicted is not None:
+                self.cache.withdraw(evicted)
+            self.cache.pending.add(key)
+            copies.append((self.store.block(*key), self.cache.slot_view(slot)))
+            started.append((key, slot))
+        if copies:
+            done = self.transport.submit(copies, after=self._record())
+            self._promotions += [(key, slot, done) for key, slot in started]
+            self.counters.add(promoted_experts=len(copies), bytes_h2d=len(copies) * self.store.block_nbytes)
+
+    def _finish_promotions(self) -> None:
+        still = []
+        for key, slot, done in self._promotions:
+            if done is None or done.query():
+                if self.cache.directory.slot_of.get(key) == slot:
+                    self.cache.publish(key, slot)
+            else:
+                still.append((key, slot, done))
+        self._promotions = still
+
+    def _warm_hot_set(self) -> None:
+        """Load the pinned hot set (from earlier runs' routing statistics) so the cache starts warm."""
+        copies, keys = [], []
+        for key in self.cache.directory.pinned:
+            if key[0] not in self.cache.layer_index or not 0 <= key[1] < self.store.num_experts:
+                continue
+            got = self.cache.directory.allocate(key)
+            if got is None:
+                break
+            copies.append((self.store.block(*key), self.cache.slot_view(got[0])))
+            keys.append((key, got[0]))
+        if copies:
+            self._wait(self.transport.submit(copies))
+            for key, slot in keys:
+                self.cache.publish(key, slot)
+
+    # ------------------------------------------------------------------ streams
+    def _record(self):
+        return torch.cuda.current_stream(self.device).record_event() if self.cuda else None
+
+    def _wait(self, event) -> None:
+        if event is not None:
+            torch.cuda.current_stream(self.device).wait_event(event)
+
+    # ------------------------------------------------------------------ what the engine and UI read
+    @property
+    def nbytes(self) -> int:
+        return self.cache.nbytes + (0 if self._stage is None else self._stage.numel())
+
+    def plan(self) -> dict:
+        return {"backend": self.backend, "slots": self.options.slots,
+                "slot_total": len(self.store.layers) * self.store.num_experts, "pool_bytes": self.cache.pool.numel(),
+                "policy": self.options.policy, "hot_set": len(self.cache.directory.pinned),
+                "stream_threshold_tokens": self.stream_threshold, "codec": self.layout.codec}
+
+    def stats_dict(self) -> dict:
+        d = self.counters.to_dict(pools={"expert_pool": self.cache.pool.numel(),
+                                      "stream_buffers": 0 if self._stage is None else self._stage.numel()})
+        d["split"] = {"mode": self.split.mode, "cpu_gbps": round(self.split.cpu_gbps, 2),
+                      "pcie_gbps": round(self.split.pcie_gbps, 2)}
+        return d
+
+    def stats(self) -> dict:
+        """What the engine's stats() carries under "experts"."""
+        return self.stats_dict()
+
+    def save_routing(self, path: Path) -> None:
+        self.routing.save(path)
+
+
+def hybrid_experts_factory(package, spec: ExpertSpec, *, device, dtype, vram_budget: int | None = None,
+                           cpu_experts_per_layer: int | None = None, progress=None, context_length: int = 8192,
+                           max_sequences: int = 1, hardware=None, slots: int | None = None, policy: str = "lru",
+                           routing_stats_path: Path | None = None, **_unused):
+    """The engine's seam (runtime/engine.py `experts_factory`): plan, then build the tier the plan asks for.
+
+    "gpu" -> every expert resident on the device (resident.py); "hybrid"/"cpu" -> HybridExperts with the
+    planned slot count (`slots` overrides it, e.g. a CPU-device pool in tests). Routing statistics saved by
+    earlier runs at `routing_stats_path` seed the pinned hot set, so the cache starts warm."""
+    from runtime.experts.planner import Hardware, ModelShape, plan_memory
+    from runtime.experts.resident import ResidentExperts
+
+    device = torch.device(device)
+    store = HostExpertStore.from_ftw(package.experts)
+    shape = ModelShape.from_config(package.config, codec=store.codec if store.codec != "f32" else "bf16",
+                                   group_size=store.layout.group or 64, block_size=store.layout.group or 32,
+                                   block_nbytes=store.block_nbytes)
+    hw = hardware or Hardware.probe(device=device.type, measure=device.type == "cuda")
+    plan = plan_memory(shape, hw, context_length=context_length, max_sequences=max_sequences,
+                       vram_budget=vram_budget, cpu_experts_per_layer=cpu_experts_per_layer)
+    for line in plan.summary_lines():
+        log.info("plan: %s", line)
+    if plan.backend == "does_not_fit":
+        raise MemoryError("; ".join(plan.summary_lines()))
+    if plan.backend == "gpu" and slots is None:
+        experts = ResidentExperts.from_store(package.experts, spec, device=device, dtype=dtype, progress=progress)
+        experts.plan = plan.to_dict()
+        return experts
+    if plan.experts_pinned and device.type == "cuda":
+        store = store.pinned_copy()
+    n_slots = plan.expert_slots if slots is None else slots
+    stats = RoutingStats.load(routing_stats_path) if routing_stats_path else RoutingStats()
+    hot = tuple(stats.hot_set(min(n_slots, len(stats.counts)) // 2))     # half the pool warm, half adaptive
+    options = HybridOptions(slots=n_slots, policy=policy, hot_set=hot, cpu_gbps=hw.cpu_gbps or 20.0,
+                            h2d_gbps=hw.h2d_gbps or 20.0, top_k=shape.top_k)
+    experts = _build_hybrid(store, spec, device=device, dtype=dtype, options=options, routing=stats)
+    experts.planned = plan.to_dict()
+    if progress:
+        progress(1, 1)
+    return experts
+
+
+def _build_hybrid(store, spec, *, device, dtype, options, routing):
+    """Build, shrinking the pool when the device runs out of memory (and saying so) instead of failing."""
+    slots = options.slots
+    while True:
+        try:
+            return HybridExperts(store, spec, device=device, dtype=dtype,
+                                 options=HybridOptions(**{**options.__dict__, "slots": slots}), routing_stats=routing)
+        except torch.OutOfMemoryError:
+            if slots == 0:
+                raise
+            smaller = slots * 3 // 4
+            log.warning("CUDA out of memory with %d expert slots: retrying with %d", slots, smaller)
+            slots = smaller
+            if device.type == "cuda":
+                torch.cuda.empty_cache()

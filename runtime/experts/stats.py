@@ -1,0 +1,71 @@
+"""What the expert tier counts, per step and in total: what the worker's stats event and the benchmark show."""
+from __future__ import annotations
+
+import os
+from dataclasses import asdict, dataclass, field
+
+
+@dataclass
+class ExpertCounters:
+    decode_calls: int = 0            # layer calls on the few-token (decode) path
+    stream_calls: int = 0            # layer calls on the streaming (prefill) path
+    tokens: int = 0                  # tokens through the MoE layers (summed over layers)
+    hits: int = 0                    # distinct experts per layer call found in the VRAM pool
+    misses: int = 0                  # ... not found
+    cpu_experts: int = 0             # misses computed on the CPU
+    fetched_experts: int = 0         # misses fetched over PCIe on the critical path
+    promoted_experts: int = 0        # background promotions into the pool
+    bytes_h2d: int = 0               # host -> device, all paths
+    bytes_streamed: int = 0          # of which prefill streaming
+    bytes_cpu_read: int = 0          # expert bytes the CPU kernel read
+    cpu_seconds: float = 0.0         # wall time inside the CPU kernel
+    gpu_experts: int = 0             # distinct experts per layer call computed on the device
+
+    @property
+    def hit_rate(self) -> float:
+        n = self.hits + self.misses
+        return self.hits / n if n else 0.0
+
+    @property
+    def cpu_share(self) -> float:
+        n = self.cpu_experts + self.gpu_experts
+        return self.cpu_experts / n if n else 0.0
+
+
+@dataclass
+class ExpertStats:
+    total: ExpertCounters = field(default_factory=ExpertCounters)
+    step: ExpertCounters = field(default_factory=ExpertCounters)     # since the last `end_step()`
+
+    def add(self, **deltas) -> None:
+        for name, value in deltas.items():
+            setattr(self.total, name, getattr(self.total, name) + value)
+            setattr(self.step, name, getattr(self.step, name) + value)
+
+    def end_step(self) -> dict:
+        """The step's counters as a dict, and a fresh step."""
+        out = _with_rates(self.step)
+        self.step = ExpertCounters()
+        return out
+
+    def to_dict(self, *, pools: dict[str, int] | None = None) -> dict:
+        out = {"total": _with_rates(self.total), "step": _with_rates(self.step), "host_rss_bytes": host_rss()}
+        if pools:
+            out["vram_bytes"] = dict(pools)
+        return out
+
+
+def _with_rates(c: ExpertCounters) -> dict:
+    d = asdict(c)
+    d["hit_rate"] = round(c.hit_rate, 4)
+    d["cpu_share"] = round(c.cpu_share, 4)
+    return d
+
+
+def host_rss() -> int:
+    """This process's resident memory in bytes (0 when psutil cannot tell)."""
+    try:
+        import psutil
+        return int(psutil.Process(os.getpid()).memory_info().rss)
+    except (ImportError, OSError):
+        return 0

@@ -1,0 +1,145 @@
+"""Expert compute over a pool of packed FTW blocks, on any torch device (the plain-torch reference path).
+
+A pool is a uint8 tensor [S, nbytes]: one (layer, expert) block per slot, byte-identical to the FTW expert
+file (runtime/experts/host_store.py `BlockLayout`). Two entry points:
+
+- `pool_forward(pool, layout, spec, x, slots, weights)` for few tokens (decode): every (token, k) assignment
+  gathers its slot's block, all are dequantized together and run as batched matmuls. No host sync: slots of
+  -1 (experts computed elsewhere) are clamped and their weight zeroed.
+- `pool_forward_grouped(...)` for many tokens (prefill): assignments grouped by slot, each used slot
+  dequantized once and run over all its tokens (one host sync for the group sizes).
+
+Shapes: T tokens, K experts per token, A = T*K assignments, S slots, D hidden, I expert width, G groups.
+"""
+from __future__ import annotations
+
+import torch
+
+from runtime.experts.interface import ExpertSpec
+
+E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
+_TORCH = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16, "uint8": torch.uint8,
+          "float8_e4m3fn": torch.float8_e4m3fn}
+
+
+def _part(blocks: torch.Tensor, layout, name: str) -> torch.Tensor:
+    """blocks [A, nbytes] -> the named part, typed and shaped [A, *shape] (a view where strides allow)."""
+    p = layout.parts[name]
+    raw = blocks[:, p.offset:p.offset + p.nbytes]
+    return raw.view(_TORCH[p.dtype]).reshape((blocks.shape[0],) + tuple(p.shape))
+
+
+def _unpack(q: torch.Tensor) -> torch.Tensor:
+    """uint8 [..., N/2] -> codes [..., N] (uint8); low nibble is the even element."""
+    return torch.stack((q & 0xF, q >> 4), dim=-1).flatten(-2)
+
+
+def dequantize_blocks(blocks: torch.Tensor, layout, proj: str, dtype: torch.dtype) -> torch.Tensor:
+    """One projection ("gate", "up", "down") of every block: [A, O, N] in `dtype` (math in fp32)."""
+    a = blocks.shape[0]
+    if layout.codec in ("f32", "bf16"):
+        return _part(blocks, layout, proj).to(dtype)
+    codes = _unpack(_part(blocks, layout, proj))                                  # [A, O, N]
+    o, n = codes.shape[1], codes.shape[2]
+    g = layout.group
+    if layout.codec == "int4":
+        scales = _part(blocks, layout, f"{proj}_scales").float()                  # [A, O, G]
+        mins = _part(blocks, layout, f"{proj}_mins").float()
+        return (codes.float() * _per_element(scales, g, n) + _per_element(mins, g, n)).to(dtype)
+    lut = torch.tensor(E2M1, dtype=torch.float32, device=blocks.device)
+    vals = lut[codes.long()]                                                      # [A, O, N]
+    s = _part(blocks, layout, f"{proj}_scales")
+    if layout.scale_format == "e8m0":
+        scale = torch.exp2(s.float() - 127.0)
+    else:
+        scale = s.view(torch.float8_e4m3fn).float()
+    w = vals * _per_element(scale, g, n)
+    gname = f"{proj}_global"
+    if gname in layout.parts:
+        glob = _part(blocks, layout, gname).float().view(a, 1, 1)
+        w = w / glob if layout.global_op == "div" else w * glob
+    return w.to(dtype)
+
+
+def _per_element(s: torch.Tensor, group: int, n: int) -> torch.Tensor:
+    """Per-group values [A, O, G] -> per-element [A, O, N] (a broadcast view when groups tile the row)."""
+    a, o, g = s.shape
+    if g * group == n:
+        return s[..., None].expand(a, o, g, group).reshape(a, o, n)
+    return s.repeat_interleave(group, dim=-1)[..., :n]                              # a short last group
+
+
+def _bias(blocks: torch.Tensor, layout, name: str, dtype: torch.dtype) -> torch.Tensor | None:
+    return _part(blocks, layout, name).to(dtype) if name in layout.parts else None
+
+
+def _act(spec: ExpertSpec, g: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    if spec.activation == "silu":
+        return torch.nn.functional.silu(g) * u
+    g = g.clamp(max=spec.swiglu_limit)
+    u = u.clamp(min=-spec.swiglu_limit, max=spec.swiglu_limit)
+    return (u + 1) * (g * torch.sigmoid(spec.swiglu_alpha * g))
+
+
+def blocks_forward(blocks: torch.Tensor, layout, spec: ExpertSpec, x: torch.Tensor) -> torch.Tensor:
+    """Each block b computes on its own row x[b]: blocks [A, nbytes], x [A, D] -> [A, D] (batched matmuls)."""
+    dt = x.dtype
+    xa = x[:, :, None]                                                            # [A, D, 1]
+    g = torch.bmm(dequantize_blocks(blocks, layout, "gate", dt), xa)[..., 0]      # [A, I]
+    u = torch.bmm(dequantize_blocks(blocks, layout, "up", dt), xa)[..., 0]
+    gb, ub = _bias(blocks, layout, "gate_bias", dt), _bias(blocks, layout, "up_bias", dt)
+    if gb is not None:
+        g, u = g + gb, u + ub
+    h = _act(spec, g, u)
+    y = torch.bmm(dequantize_blocks(blocks, layout, "down", dt), h[:, :, None])[..., 0]   # [A, D]
+    db = _bias(blocks, layout, "down_bias", dt)
+    return y if db is None else y + db
+
+
+def pool_forward(pool: torch.Tensor, layout, spec: ExpertSpec, x: torch.Tensor, slots: torch.Tensor,
+                 weights: torch.Tensor) -> torch.Tensor:
+    """x [T, D], slots [T, K] (-1: not here), weights [T, K] -> sum_k weights * expert_slot(x) [T, D]."""
+    t, k = slots.shape
+    flat = slots.reshape(-1)                                                      # [A]
+    valid = flat >= 0
+    blocks = pool.index_select(0, flat.clamp(min=0))                              # [A, nbytes]
+    xa = x.repeat_interleave(k, dim=0)                                            # [A, D]
+    y = blocks_forward(blocks, layout, spec, xa)                                  # [A, D]
+    w = torch.where(valid, weights.reshape(-1).to(y.dtype), torch.zeros((), dtype=y.dtype, device=y.device))
+    # NaN-safe: a clamped (invalid) slot may hold any bytes; where() drops its values entirely
+    y = torch.where(valid[:, None], y * w[:, None], torch.zeros((), dtype=y.dtype, device=y.device))
+    return y.view(t, k, -1).sum(dim=1)
+
+
+def pool_forward_grouped(pool: torch.Tensor, layout, spec: ExpertSpec, x: torch.Tensor, slots: torch.Tensor,
+                         weights: torch.Tensor) -> torch.Tensor:
+    """The same function for many tokens: each used slot dequantized once, run on all its tokens."""
+    t, k = slots.shape
+    flat = slots.reshape(-1)
+    order = torch.argsort(flat, stable=True)                                      # [A] grouped by slot
+    sorted_slots = flat.index_select(0, order)
+    uniq, counts = torch.unique_consecutive(sorted_slots, return_counts=True)
+    token_of = order // k
+    w = weights.reshape(-1).index_select(0, order).to(x.dtype)
+    out = torch.zeros_like(x)
+    start = 0
+    for slot, n in zip(uniq.tolist(), counts.tolist()):                           # host: one sync per call
+        rows = slice(start, start + n)
+        start += n
+        if slot < 0:
+            continue
+        block = pool[slot:slot + 1]
+        tok = token_of[rows]
+        xs = x.index_select(0, tok)                                               # [n, D]
+        gate = dequantize_blocks(block, layout, "gate", x.dtype)[0]
+        up = dequantize_blocks(block, layout, "up", x.dtype)[0]
+        down = dequantize_blocks(block, layout, "down", x.dtype)[0]
+        g = torch.nn.functional.linear(xs, gate, _first(_bias(block, layout, "gate_bias", x.dtype)))
+        u = torch.nn.functional.linear(xs, up, _first(_bias(block, layout, "up_bias", x.dtype)))
+        y = torch.nn.functional.linear(_act(spec, g, u), down, _first(_bias(block, layout, "down_bias", x.dtype)))
+        out.index_add_(0, tok, y * w[rows, None])
+    return out
+
+
+def _first(t: torch.Tensor | None) -> torch.Tensor | None:
+    return None if t is None else t[0]

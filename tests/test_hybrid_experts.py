@@ -1,0 +1,158 @@
+"""The hybrid expert tier against the resident reference, on CPU (the "GPU pool" is a CPU tensor pool here,
+so every path -- slot table lookup, fetch, CPU misses, promotion, streaming -- runs in CI)."""
+from __future__ import annotations
+
+import functools
+
+import numpy as np
+import pytest
+import torch
+
+from runtime.experts.cpu_executor import CpuExecutor
+from runtime.experts.host_store import HostExpertStore
+from runtime.experts.hybrid import HybridExperts, HybridOptions, hybrid_experts_factory
+from runtime.experts.interface import ExpertSpec, ExpertWeights, expert_forward
+from runtime.experts.planner import GiB, Hardware
+from runtime.experts.policy import RoutingStats
+from runtime.experts.resident import ResidentExperts
+from tests.engine_fixtures import ftw_packages, random_prompt  # noqa: F401  (session fixture)
+
+CPU = torch.device("cpu")
+
+
+def random_routing(gen: torch.Generator, t: int, e: int, k: int, *, hot: int = 0):
+    """[T, K] distinct expert ids per token (from the first `hot` experts when hot > 0) and softmax weights."""
+    pool = hot or e
+    ids = torch.stack([torch.randperm(pool, generator=gen)[:k] for _ in range(t)])
+    w = torch.softmax(torch.randn(t, k, generator=gen), dim=-1)
+    return ids, w
+
+
+def reference(store: HostExpertStore, spec: ExpertSpec, layer: int, x, ids, w) -> torch.Tensor:
+    out = torch.zeros_like(x)
+    for ti in range(x.shape[0]):
+        for ki in range(ids.shape[1]):
+            weights = store.dequantize(layer, int(ids[ti, ki]))
+            out[ti] += w[ti, ki] * expert_forward(spec, weights, x[ti:ti + 1])[0]
+    return out
+
+
+def test_hybrid_matches_resident_on_a_converted_tiny_model(ftw_packages):
+    """A real FTW package (int4): every split strategy gives the resident tier's output; the counters add up."""
+    from runtime.ftw.reader import FTWPackage
+
+    pkg = FTWPackage.open(ftw_packages("qwen3_moe", "int4"))
+    spec = ExpertSpec()
+    resident = ResidentExperts.from_store(pkg.experts, spec, device=CPU, dtype=torch.float32)
+    store = HostExpertStore.from_ftw(pkg.experts)
+    assert store.layers == pkg.experts.layers and store.codec == "int4"
+    gen = torch.Generator().manual_seed(0)
+    d, e, k = store.hidden_size, store.num_experts, 2
+    for split in ("auto", "cpu", "fetch"):
+        hybrid = HybridExperts(store, spec, device=CPU, dtype=torch.float32,
+                               options=HybridOptions(slots=5, top_k=k, split=split))
+        for step in range(12):
+            layer = store.layers[step % len(store.layers)]
+            x = torch.randn(3, d, generator=gen)
+            ids, w = random_routing(gen, 3, e, k, hot=5 if step % 2 else 0)
+            got = hybrid(layer, x, ids, w)
+            want = resident(layer, x, ids, w)
+            torch.testing.assert_close(got, want, rtol=2e-4, atol=2e-5)
+        c = hybrid.counters.total
+        assert c.decode_calls == 12 and c.hits + c.misses > 0
+        assert c.cpu_experts + c.fetched_experts + c.hits == c.hits + c.misses
+        if split == "cpu":
+            assert c.fetched_experts == 0 and c.cpu_experts == c.misses
+        if split == "fetch":
+            assert c.cpu_experts <= c.misses and c.fetched_experts > 0
+        assert c.hits > 0                       # promotions and fetches made later calls hit
+        assert len(hybrid.cache.directory) <= 5
+
+
+@pytest.mark.parametrize("codec, fmt, activation", [("int4", "", "silu"), ("fp4", "mxfp4", "gpt_oss"),
+                                                    ("fp4", "nvfp4", "silu"), ("bf16", "", "gpt_oss")])
+def test_hybrid_every_codec_against_the_reference(codec, fmt, activation):
+    gen = torch.Generator().manual_seed(1)
+    d, i, e, k = 64, 32, 6, 2
+    bias = activation == "gpt_oss"
+    rnd = lambda *s: torch.randn(*s, generator=gen) * 0.2        # noqa: E731
+    weights = {(layer, x): ExpertWeights(rnd(i, d), rnd(i, d), rnd(d, i), rnd(i) if bias else None,
+                                         rnd(i) if bias else None, rnd(d) if bias else None)
+               for layer in (1, 3) for x in range(e)}
+    store = HostExpertStore.from_weights(weights, codec=codec, group=32, fp4_format=fmt or "mxfp4")
+    spec = ExpertSpec(activation=activation, has_bias=bias)
+    hybrid = HybridExperts(store, spec, device=CPU, dtype=torch.float32,
+                           options=HybridOptions(slots=3, top_k=k, stream_threshold=16, stream_on_cpu=True))
+    for t in (1, 4, 20):                                    # 20 tokens: the streaming (prefill) path
+        x = torch.randn(t, d, generator=gen)
+        ids, w = random_routing(gen, t, e, k)
+        got = hybrid(3, x, ids, w)
+        tol = dict(rtol=3e-2, atol=3e-3) if codec == "bf16" else dict(rtol=1e-4, atol=1e-5)   # bf16 activations
+        torch.testing.assert_close(got, reference(store, spec, 3, x, ids, w), **tol)
+    assert hybrid.counters.total.stream_calls == 1 and hybrid.counters.total.decode_calls == 2
+
+
+def test_cpu_executor_fast_path_matches_reference_path():
+    """The numba kernels (one call for all misses) against dequantize + expert_forward, odd groupings included."""
+    gen = torch.Generator().manual_seed(2)
+    d, i, e = 128, 64, 5
+    weights = {(0, x): ExpertWeights(torch.randn(i, d, generator=gen) * .1, torch.randn(i, d, generator=gen) * .1,
+                                     torch.randn(d, i, generator=gen) * .1) for x in range(e)}
+    for codec in ("int4", "fp4"):
+        store = HostExpertStore.from_weights(weights, codec=codec, group=32)
+        fast, ref = CpuExecutor(store, ExpertSpec()), CpuExecutor(store, ExpertSpec(), fast=False)
+        assert fast.fast and not ref.fast
+        x = torch.randn(4, d, generator=gen)
+        tokens = np.array([0, 0, 1, 2, 2, 3, 3, 3])
+        experts = np.array([4, 1, 1, 0, 4, 2, 1, 4])        # repeated experts and tokens
+        w = np.linspace(0.1, 0.8, 8, dtype=np.float32)
+        torch.testing.assert_close(fast.run(0, x, tokens, experts, w), ref.run(0, x, tokens, experts, w),
+                                   rtol=1e-4, atol=1e-6)
+        assert torch.equal(fast.run(0, x, tokens[:0], experts[:0], w[:0]), torch.zeros_like(x))
+
+
+def test_warm_start_from_routing_stats_and_stats_dict(tmp_path):
+    gen = torch.Generator().manual_seed(3)
+    store = HostExpertStore.synthetic(layers=2, num_experts=8, hidden=64, intermediate=32, codec="int4", group=32)
+    stats = RoutingStats()
+    stats.add(1, [5, 5, 6])
+    stats.add(1, [5])
+    path = tmp_path / "routing.json"
+    stats.save(path)
+    loaded = RoutingStats.load(path)
+    hybrid = HybridExperts(store, ExpertSpec(), device=CPU, dtype=torch.float32, routing_stats=loaded,
+                           options=HybridOptions(slots=2, top_k=1, hot_set=tuple(loaded.hot_set(2)), split="cpu"))
+    x = torch.randn(1, 64, generator=gen)
+    hybrid(1, x, torch.tensor([[5]]), torch.ones(1, 1))
+    hybrid(1, x, torch.tensor([[6]]), torch.ones(1, 1))
+    c = hybrid.counters.total
+    assert (c.hits, c.misses) == (2, 0)                     # the hot set was in the pool from the start
+    hybrid(0, x, torch.tensor([[2]]), torch.ones(1, 1))     # a miss; the pool is all pinned: stays on the CPU
+    d = hybrid.stats()
+    assert d["total"]["hits"] == 2 and d["total"]["misses"] == 1 and d["total"]["cpu_experts"] == 1
+    assert d["total"]["hit_rate"] == pytest.approx(2 / 3, abs=1e-3) and d["vram_bytes"]["expert_pool"] == 2 * store.block_nbytes
+    assert d["host_rss_bytes"] > 0
+    hybrid.save_routing(path)
+    again = RoutingStats.load(path)                          # earlier runs' counts plus this one's
+    assert again.counts[(1, 5)] == 4 and again.counts[(1, 6)] == 2 and again.counts[(0, 2)] == 1
+    with pytest.raises(KeyError, match="layer 7"):
+        hybrid(7, x, torch.tensor([[2]]), torch.ones(1, 1))
+
+
+def test_engine_generates_the_same_tokens_through_the_hybrid_tier(ftw_packages):
+    """End to end: the engine with the hybrid tier (a 6-slot CPU pool) greedy-decodes exactly what it does
+    with every expert resident."""
+    from runtime.engine import Engine, SamplingParams
+
+    path = ftw_packages("qwen3_moe", "int4")
+    prompt = random_prompt(12, seed=5)
+    sampling = SamplingParams(temperature=0.0, max_tokens=8, stop_token_ids=[])
+    want = Engine.load(path, device="cpu").generate(prompt, sampling).tokens
+    hw = Hardware(ram_total=16 * GiB, ram_available=16 * GiB, pinnable=8 * GiB, cpu_gbps=10.0)
+    factory = functools.partial(hybrid_experts_factory, hardware=hw, slots=6)
+    eng = Engine.load(path, device="cpu", experts_factory=factory)
+    got = eng.generate(prompt, sampling).tokens
+    assert got == want and len(got) == 8
+    experts = eng.model.experts
+    assert isinstance(experts, HybridExperts) and experts.counters.total.cpu_experts > 0
+    assert experts.planned["backend"] == "cpu"
