@@ -25,7 +25,7 @@ import os
 import sys
 import uuid
 
-from PySide6.QtCore import QObject, QProcess, Signal, Slot
+from PySide6.QtCore import QObject, QProcess, QTimer, Signal, Slot
 from PySide6.QtNetwork import QLocalServer, QLocalSocket
 
 from runtime import protocol
@@ -33,7 +33,7 @@ from runtime.protocol import FrameDecoder, ProtocolError, encode_frame
 
 log = logging.getLogger(__name__)
 
-HANDSHAKE_TIMEOUT_MS = 60_000      # a cold start imports torch: seconds on a slow disk
+DISCONNECT_GRACE_MS = 3000         # a worker that dropped its connection has this long to exit by itself
 
 
 def worker_command(ipc_name: str, extra_args: list[str] | None = None) -> tuple[str, list[str]]:
@@ -257,8 +257,19 @@ class WorkerClient(QObject):
 
     @Slot()
     def _on_socket_disconnected(self) -> None:
-        if not self._stopping:
-            self._report_crash("the worker closed the connection")
+        """Jobs fail now (nothing may hang); the crash itself is reported when the process ends, with its
+        exit status, or — if it lingers without its connection — after a grace period, killing it."""
+        self.is_ready = False
+        for job in list(self.jobs.values()):
+            job._on_event(protocol.error(job.request_id, "worker_crashed", "the worker closed the connection"))
+        if not self._stopping and self.process is not None:
+            process = self.process
+            QTimer.singleShot(DISCONNECT_GRACE_MS, lambda: self._linger_check(process))
+
+    def _linger_check(self, process: QProcess) -> None:
+        if process is self.process and process.state() != QProcess.ProcessState.NotRunning:
+            self._report_crash("the worker closed the connection but kept running; it was stopped")
+            process.kill()
 
     @Slot(QProcess.ProcessError)
     def _on_process_error(self, error) -> None:
