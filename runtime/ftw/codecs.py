@@ -60,35 +60,66 @@ def _round_fp16(x: np.ndarray, direction: float) -> np.ndarray:
 
 
 def int4_quantize(w: torch.Tensor, group_size: int, *, name: str = "") -> dict[str, torch.Tensor]:
-    """W [O, N] float -> {q: uint8 [O, N/2], scales: fp16 [O, G], mins: fp16 [O, G]}.
+    """W [O, N] float -> {q: uint8 [O, N/2], scales: fp16 [O, G], mins: fp16 [O, G]} (fresh tensors)."""
+    out_f, in_f = w.shape
+    groups = int4_num_groups(in_f, group_size)
+    q = torch.empty(out_f, in_f // 2, dtype=torch.uint8)
+    scales = torch.empty(out_f, groups, dtype=torch.float16)
+    mins = torch.empty(out_f, groups, dtype=torch.float16)
+    int4_quantize_into(w, group_size, q=q, scales=scales, mins=mins, name=name)
+    return {"q": q, "scales": scales, "mins": mins}
 
-    min is rounded down and scale up in fp16, so every group's range [min, min + 15·scale] covers
-    its values and each element lands within half a step of its code.
+
+def _work(scratch, key: str, shape, dtype: torch.dtype) -> torch.Tensor:
+    n = dtype.itemsize
+    for s in shape:
+        n *= s
+    if scratch is None:
+        return torch.empty(shape, dtype=dtype)
+    return torch.from_numpy(scratch.get(key, n)).view(dtype).reshape(shape)
+
+
+def int4_quantize_into(w: torch.Tensor, group_size: int, *, q: torch.Tensor, scales: torch.Tensor,
+                       mins: torch.Tensor, scratch=None, name: str = "") -> None:
+    """Quantize W [O, N] into the given outputs (views into an expert block, say).
+
+    min is rounded down and the step up in fp16, so every group's range [min, min + 15·step] covers
+    its values and each element lands within half a step of its code. The work happens in place in
+    one fp32 buffer (from `scratch`, reused between calls: fresh memory costs page faults).
     """
     if group_size not in INT4_GROUP_SIZES:
         raise FTWError(f"int4 group size must be one of {INT4_GROUP_SIZES}, not {group_size}")
     out_f, in_f = w.shape
     if in_f % 2:
         raise FTWError(f"{name}: int4 needs an even number of input features, the tensor has {in_f}")
-    w = w.to(torch.float32)
-    amax = float(w.abs().max()) if w.numel() else 0.0
-    if not np.isfinite(amax) or amax > FP16_MAX / 2:
-        raise FTWError(f"{name}: values up to {amax:g} do not fit int4's fp16 scales; use --codec bf16")
     groups = int4_num_groups(in_f, group_size)
-    pad = groups * group_size - in_f
-    # Pad a short last group with copies of its first element: it changes neither min nor max.
-    wp = torch.cat((w, w[:, -1:].expand(out_f, pad)), dim=1) if pad else w
-    wg = wp.reshape(out_f, groups, group_size)                         # [O, G, gs]
-    lo = wg.amin(dim=2).numpy()
-    hi = wg.amax(dim=2).numpy()
+    wf = _work(scratch, "int4.f32", (out_f, groups * group_size), torch.float32)
+    wf[:, :in_f].copy_(w)
+    if groups * group_size > in_f:
+        # Pad a short last group with copies of its last element: it changes neither min nor max.
+        wf[:, in_f:].copy_(wf[:, in_f - 1:in_f].expand(out_f, groups * group_size - in_f))
+    wg = wf.view(out_f, groups, group_size)                            # [O, G, gs]
+    lo_t, hi_t = torch.aminmax(wg, dim=2)
+    lo, hi = lo_t.numpy(), hi_t.numpy()
+    if not (np.isfinite(lo).all() and np.isfinite(hi).all()) or max(-lo.min(), hi.max()) > FP16_MAX / 2:
+        raise FTWError(f"{name}: values up to {max(abs(lo.min()), abs(hi.max())):g} (or non-finite) do not fit "
+                       "int4's fp16 scales; use --codec bf16")
     mins16 = _round_fp16(lo, -np.inf)
-    step = (hi - mins16.astype(np.float32)) / 15.0
+    step = (hi - mins16.astype(np.float32)) / np.float32(15.0)
     scales16 = _round_fp16(step.astype(np.float32), np.inf)
     # A zero step means an fp16-exact constant group: every code is 0 and min is the value.
-    s = torch.from_numpy(np.where(scales16 == 0, np.float16(1.0), scales16).astype(np.float32)).unsqueeze(2)
-    m = torch.from_numpy(mins16.astype(np.float32)).unsqueeze(2)
-    q = torch.clamp(torch.round((wg - m) / s), 0, 15).reshape(out_f, groups * group_size)[:, :in_f]
-    return {"q": pack_nibbles(q), "scales": torch.from_numpy(scales16), "mins": torch.from_numpy(mins16)}
+    inv = torch.from_numpy((np.float32(1.0) / np.where(scales16 == 0, np.float16(1.0), scales16)
+                            .astype(np.float32))).unsqueeze(2)
+    wg.sub_(torch.from_numpy(mins16.astype(np.float32)).unsqueeze(2)).mul_(inv).round_().clamp_(0, 15)
+    codes = _work(scratch, "int4.u8", (out_f, groups * group_size), torch.uint8)
+    codes.copy_(wf)
+    codes = codes[:, :in_f]
+    # byte j = code 2j | code 2j+1 << 4, written straight into q
+    hi_nib = _work(scratch, "int4.hi", (out_f, in_f // 2), torch.uint8)
+    torch.bitwise_left_shift(codes[:, 1::2], 4, out=hi_nib)
+    torch.bitwise_or(codes[:, 0::2], hi_nib, out=q)
+    scales.copy_(torch.from_numpy(scales16))
+    mins.copy_(torch.from_numpy(mins16))
 
 
 def int4_dequantize(q: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor, group_size: int) -> torch.Tensor:

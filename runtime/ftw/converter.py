@@ -29,7 +29,7 @@ import numpy as np
 import torch
 
 from runtime.ftw import architectures as archs
-from runtime.ftw.codecs import CODECS, FP4_FORMATS, INT4_GROUP_SIZES, int4_quantize
+from runtime.ftw.codecs import CODECS, FP4_FORMATS, INT4_GROUP_SIZES, int4_quantize_into
 from runtime.ftw.errors import FTWError
 from runtime.ftw.sources import Checkpoint, Fp4Parts, Scratch, SourceWeight
 from runtime.ftw.writer import (CHECKSUM, DENSE_FILE, EXPERTS_FILE, FORMAT_VERSION, PART_ALIGN, TORCH_DTYPES, Part,
@@ -108,6 +108,7 @@ class Plan:
     dense_nbytes: int = 0
     experts_nbytes: int = 0
     gaps: list[tuple[int, int]] = field(default_factory=list)     # padding inside a block, kept zero
+    part_by_name: dict[str, Part] = field(default_factory=dict)
 
     def unit_source_bytes(self, unit: str) -> int:
         n = sum(d.source.source_bytes for d in self.dense.get(unit, []))
@@ -256,6 +257,7 @@ def make_plan(ckpt: Checkpoint, *, codec: str = "auto", group_size: int = 64,
     plan = Plan(ckpt, arch, codec, group_size, fp4_format, global_op, hidden, inter, num_experts, parts,
                 block_nbytes, units, dense, experts)
     plan.gaps = _block_gaps(plan)
+    plan.part_by_name = {p.name: p for p in parts}
     offset = 0
     for unit in units:
         for entry in dense[unit]:
@@ -412,14 +414,21 @@ def _block_gaps(plan: Plan) -> list[tuple[int, int]]:
 
 def _encode_expert(plan: Plan, weights: dict, buf: np.ndarray, where: str) -> None:
     """Pack one canonical expert into its block buffer, each part copied (and converted) in place."""
+    def view(name: str) -> torch.Tensor:
+        part = plan.part_by_name[name]
+        return _byte_view(buf[part.offset: part.offset + part.nbytes], TORCH_DTYPES[part.dtype], part.shape)
+
     packed: dict[str, torch.Tensor] = {}
     for proj in PROJS:
         w = weights[proj]
         if plan.codec in ("f32", "bf16"):
             packed[proj] = w                                      # copy_ converts dtype and layout
         elif plan.codec == "int4":
-            q = int4_quantize(w.to(torch.float32), plan.group_size, name=f"{where} {proj}")
-            packed[proj], packed[f"{proj}_scales"], packed[f"{proj}_mins"] = q["q"], q["scales"], q["mins"]
+            expect = plan.part_by_name[proj].shape
+            if tuple(w.shape) != (expect[0], expect[1] * 2):
+                raise FTWError(f"{where}: {proj} has shape {list(w.shape)}, expected {[expect[0], expect[1] * 2]}")
+            int4_quantize_into(w, plan.group_size, q=view(proj), scales=view(f"{proj}_scales"),
+                               mins=view(f"{proj}_mins"), scratch=plan.ckpt.scratch, name=f"{where} {proj}")
         else:
             packed[proj], packed[f"{proj}_scales"] = w.packed, w.scales  # scales as stored bytes
             if w.global_scale is not None:
@@ -428,7 +437,9 @@ def _encode_expert(plan: Plan, weights: dict, buf: np.ndarray, where: str) -> No
         if name in weights:
             packed[name] = weights[name]
     for part in plan.parts:
-        t = packed[part.name]
+        t = packed.get(part.name)
+        if t is None:                                             # already written in place (int4)
+            continue
         if tuple(t.shape) != part.shape:
             raise FTWError(f"{where}: {part.name} has shape {list(t.shape)}, expected {list(part.shape)}")
         region = buf[part.offset: part.offset + part.nbytes]

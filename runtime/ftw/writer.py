@@ -245,43 +245,57 @@ class Slot:
 
 
 class WritePipeline:
-    """Writes and hashes on a background thread while the caller fills the next buffer.
+    """Writes and hashes on two background threads while the caller fills the next buffer.
 
-    file writes and hashlib release the GIL, so the two overlap with the caller's reads and
-    repacking. Jobs run in submission order, so each running digest sees its bytes in file order.
+    File writes and hashlib release the GIL, so reading and repacking (caller), writing and hashing
+    run at once: the pipeline goes at the pace of its slowest stage, not the sum of them. Each
+    stage handles jobs in submission order, so a running digest sees its bytes in file order.
     """
 
     _BARRIER = object()
 
-    def __init__(self, writer: PackageWriter, *, depth: int = 2):
+    def __init__(self, writer: PackageWriter, *, depth: int = 3):
         self.writer = writer
         self._free: queue.Queue = queue.Queue()
         for _ in range(depth):
             self._free.put(Slot())
-        self._jobs: queue.Queue = queue.Queue()
+        self._pending: dict[int, int] = {}           # id(slot) -> stages still to finish
+        self._lock = threading.Lock()
         self._error: BaseException | None = None
-        self._thread = threading.Thread(target=self._loop, name="ftw-writer", daemon=True)
-        self._thread.start()
+        self._queues = (queue.Queue(), queue.Queue())
+        self._threads = [threading.Thread(target=self._loop, args=(q, stage), name=f"ftw-{stage}", daemon=True)
+                         for q, stage in zip(self._queues, ("write", "hash"))]
+        for t in self._threads:
+            t.start()
 
-    def _loop(self) -> None:
+    def _loop(self, jobs: queue.Queue, stage: str) -> None:
         while True:
-            job = self._jobs.get()
+            job = jobs.get()
             if job is None:
                 return
             if job[0] is self._BARRIER:
-                job[1].set()
+                job[1].wait()                          # both stages reach the barrier, then it opens
                 continue
             slot, file, offset, nbytes, digest, tensor = job
             try:
                 if self._error is None:
                     data = slot.buf[:nbytes]
-                    self.writer.write(file, offset, data, tensor=tensor)
-                    if digest is not None:
+                    if stage == "write":
+                        self.writer.write(file, offset, data, tensor=tensor)
+                    elif digest is not None:
                         digest.update(data)
             except BaseException as e:          # handed to the caller at its next call
                 self._error = e
             finally:
-                self._free.put(slot)
+                self._release(slot)
+
+    def _release(self, slot: Slot) -> None:
+        with self._lock:
+            self._pending[id(slot)] -= 1
+            if self._pending[id(slot)]:
+                return
+            del self._pending[id(slot)]
+        self._free.put(slot)
 
     def _raise(self) -> None:
         if self._error is not None:
@@ -293,15 +307,21 @@ class WritePipeline:
         return slot
 
     def submit(self, slot: Slot, file: str, offset: int, nbytes: int, digest, *, tensor: str) -> None:
-        self._jobs.put((slot, file, offset, nbytes, digest, tensor))
+        with self._lock:
+            self._pending[id(slot)] = len(self._queues)
+        for q in self._queues:
+            q.put((slot, file, offset, nbytes, digest, tensor))
 
     def drain(self) -> None:
-        """Wait until every submitted job is written; raise the first error."""
-        done = threading.Event()
-        self._jobs.put((self._BARRIER, done))
-        done.wait()
+        """Wait until every submitted job is written and hashed; raise the first error."""
+        barrier = threading.Barrier(len(self._queues) + 1)
+        for q in self._queues:
+            q.put((self._BARRIER, barrier))
+        barrier.wait()
         self._raise()
 
     def close(self) -> None:
-        self._jobs.put(None)
-        self._thread.join()
+        for q in self._queues:
+            q.put(None)
+        for t in self._threads:
+            t.join()
