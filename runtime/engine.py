@@ -37,6 +37,7 @@ __all__ = ["Engine", "EngineError", "SamplingParams", "TokenEvent", "GenerationR
 log = logging.getLogger(__name__)
 
 DEFAULT_PREFIX_CACHE_BYTES = 1 << 30
+MAX_KEPT_RESULTS = 1024          # finished requests whose GenerationResult waits for result()
 
 ProgressFn = Callable[[int, int, str], None]      # (done, total, stage)
 PrefillFn = Callable[[int, int], None]            # (done, total) prompt tokens
@@ -55,6 +56,7 @@ class TokenEvent:
     text: str                     # the text this token completes ("" while a character or stop is pending)
     finished: bool = False
     finish_reason: str | None = None   # "stop" | "length" | "cancelled" | "error" (the model raised)
+    stop_sequence: str | None = None   # the stop string that ended the request, when one did
 
 
 @dataclass
@@ -353,19 +355,20 @@ class Engine:
             return self._end(seq, token, "", "stop")
         visible, stopped = state.matcher.push(state.decoder.push(token))
         if stopped:
-            return self._end(seq, token, visible, "stop", flush=False)
+            return self._end(seq, token, visible, "stop", flush=False, stop_sequence=state.matcher.matched)
         if produced >= state.params.max_tokens or len(seq.tokens) >= self.context_length:
             return self._end(seq, token, visible, "length")
         state.text.append(visible)
         return TokenEvent(seq.request_id, token, visible)
 
-    def _end(self, seq: Sequence, token: int, visible: str, reason: str, *, flush: bool = True) -> TokenEvent:
+    def _end(self, seq: Sequence, token: int, visible: str, reason: str, *, flush: bool = True,
+             stop_sequence: str | None = None) -> TokenEvent:
         state: _Request = seq.payload
         if flush:
             tail, _ = state.matcher.push(state.decoder.flush())
             visible += tail + state.matcher.flush()
         self._finish(seq, reason, final_text=visible)
-        return TokenEvent(seq.request_id, token, visible, True, reason)
+        return TokenEvent(seq.request_id, token, visible, True, reason, stop_sequence)
 
     def _finish(self, seq: Sequence, reason: str, *, final_text: str, keep_cache: bool = True) -> None:
         state: _Request = seq.payload
@@ -381,6 +384,8 @@ class Engine:
             state.cache = None
         self._counters[{"cancelled": "cancelled", "error": "failed"}.get(reason, "finished")] += 1
         self._results[seq.request_id] = self._make_result(seq)
+        while len(self._results) > MAX_KEPT_RESULTS:        # results nobody collected do not pile up
+            self._results.pop(next(iter(self._results)))
 
     def _make_result(self, seq: Sequence) -> GenerationResult:
         state: _Request = seq.payload

@@ -159,8 +159,10 @@ def test_stop_string_ends_generation_and_is_not_shown(ftw_packages, device):
     full = eng.generate(prompt, SamplingParams(max_tokens=24, **GREEDY)).text
     stop = full[len(full) // 2: len(full) // 2 + 3]
     assert len(stop) == 3
-    result = eng.generate(prompt, SamplingParams(max_tokens=24, stop=(stop,), **GREEDY))
-    assert result.finish_reason == "stop"
+    events = []
+    result = eng.generate(prompt, SamplingParams(max_tokens=24, stop=(stop, "never-seen"), **GREEDY),
+                          on_token=events.append)
+    assert result.finish_reason == "stop" and events[-1].stop_sequence == stop
     assert result.text == full[:full.find(stop)]
     assert len(result.tokens) < 24
 
