@@ -131,8 +131,10 @@ def test_rule_forms_agree_from_a_nonzero_state(chunk_size, device):
     o_hf, s_hf = hfnext.torch_recurrent_gated_delta_rule(q, k, v, g=g, beta=beta, initial_state=s0,
                                                          output_final_state=True, use_qk_l2norm_in_kernel=True)
     q, k, v, g, beta, s0, o_hf, s_hf = (t.to(device) for t in (q, k, v, g, beta, s0, o_hf, s_hf))
+    s0_before = s0.clone()
     o_r, s_r = recurrent_gated_delta_rule(q, k, v, g, beta, initial_state=s0)
     o_c, s_c = chunked_gated_delta_rule(q, k, v, g, beta, initial_state=s0, chunk_size=chunk_size)
+    assert torch.equal(s0, s0_before)          # the incoming state may be a prefix-cache snapshot: never written
     assert max_err(o_r, o_hf) <= 1e-5 and max_err(s_r, s_hf) <= 1e-5
     assert max_err(o_c, o_r) <= 1e-5 and max_err(s_c, s_r) <= 1e-5
     assert s0.abs().max() > 0 and max_err(o_r, recurrent_gated_delta_rule(q, k, v, g, beta)[0]) > 1e-3

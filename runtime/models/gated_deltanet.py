@@ -149,16 +149,24 @@ def recurrent_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     """
     out_dtype = v.dtype
     q, k, v, g, beta = _heads_first(q, k, v, g, beta)
-    state = _initial_state(initial_state, v, q.shape[-1])
+    B, H, T, dk = q.shape
+    dv = v.shape[-1]
+    state = _initial_state(initial_state, v, dk).reshape(B * H, dk, dv)              # [BH, dk, dv]
+    decay = g.exp().reshape(B * H, T, 1, 1)
+    q, k = q.reshape(B * H, T, 1, dk), k.reshape(B * H, T, 1, dk)
+    v, beta = v.reshape(B * H, T, 1, dv), beta.reshape(B * H, T, 1, 1)
     outs = []
-    for t in range(q.shape[2]):
-        state = state * g[:, :, t].exp()[..., None, None]
-        predicted = torch.einsum("bhkv,bhk->bhv", state, k[:, :, t])                  # [B, Hv, dv]
-        written = (v[:, :, t] - predicted) * beta[:, :, t, None]                      # [B, Hv, dv]
-        state = state + k[:, :, t, :, None] * written[:, :, None, :]
-        outs.append(torch.einsum("bhkv,bhk->bhv", state, q[:, :, t]))
-    o = torch.stack(outs, dim=1) if outs else v.transpose(1, 2)                      # [B, T, Hv, dv]
-    return o.to(out_dtype), state
+    for t in range(T):
+        # the first decay makes our own copy (the caller's state may be a prefix-cache snapshot);
+        # after that the state is updated in place, one pass over it per operation
+        state = state * decay[:, 0] if t == 0 else state.mul_(decay[:, t])
+        predicted = torch.bmm(k[:, t], state)                                         # [BH, 1, dv]
+        written = (v[:, t] - predicted) * beta[:, t]                                   # [BH, 1, dv]
+        state.baddbmm_(k[:, t].transpose(1, 2), written)                               # += k written^T
+        outs.append(torch.bmm(q[:, t], state))                                        # [BH, 1, dv]
+    o = torch.cat(outs, dim=1) if outs else v.new_zeros(B * H, 0, dv)                 # [BH, T, dv]
+    o = o.view(B, H, T, dv).transpose(1, 2)                                           # [B, T, Hv, dv]
+    return o.to(out_dtype), state.view(B, H, dk, dv)
 
 
 def chunked_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
