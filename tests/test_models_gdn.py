@@ -276,11 +276,14 @@ def test_engine_batched_equals_sequential(tiny_checkpoints, tmp_path_factory, fa
 
 
 @pytest.mark.parametrize("family", FAMILIES)
-def test_engine_prefix_cache_is_exact(tiny_checkpoints, tmp_path_factory, family, device):
+@pytest.mark.parametrize("pooled", [False, True])
+def test_engine_prefix_cache_is_exact(tiny_checkpoints, tmp_path_factory, family, pooled, device):
     """A coding agent resends the whole conversation: the second turn prefills only what is new and
-    produces exactly what an engine without a prefix cache produces."""
+    produces exactly what an engine without a prefix cache produces (also when the restored state
+    enters a reserved slot)."""
     path = package(tiny_checkpoints, tmp_path_factory, family)
-    cached = engine(path, device, prefill_chunk=16)
+    cached = engine(path, device, prefill_chunk=16, max_batch=1)
+    pool = cached.model.attach_state_pool(1, device=device, dtype=torch.float32) if pooled else None
     plain = engine(path, device, prefix_cache_bytes=0, prefill_chunk=16)
     turn1 = prompt(40, 30)
     first = cached.generate(turn1, greedy_params(12))
@@ -290,6 +293,8 @@ def test_engine_prefix_cache_is_exact(tiny_checkpoints, tmp_path_factory, family
     assert second.cached_tokens >= len(turn1)                                   # the state was restored...
     assert second.tokens == plain.generate(turn2, greedy_params(12)).tokens     # ...exactly
     assert cached.generate(turn1, greedy_params(12)).tokens == first.tokens     # the same prompt again
+    if pooled:
+        assert pool.in_use == 0                                                 # every sequence gave its slot back
 
 
 def test_config_spellings_and_bad_configs():
