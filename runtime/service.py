@@ -121,6 +121,7 @@ class GenerateJob:
     t_submit: float = 0.0
     t_first: float | None = None
     completion_tokens: int = 0
+    tokens: list = field(default_factory=list)    # generated ids, to tell which stop string matched
     saw_tool_call: bool = False
     done: bool = False
 
@@ -435,6 +436,7 @@ class Service:
                 continue
             if ev.token_id is not None:
                 job.completion_tokens += 1
+                job.tokens.append(ev.token_id)
                 produced += 1
             if job.t_first is None:
                 job.t_first = now
@@ -447,12 +449,23 @@ class Service:
                 reason = ev.finish_reason or "stop"
                 if reason == "stop" and job.saw_tool_call:
                     reason = "tool_calls"
-                self._finish(job, reason, stop_sequence=getattr(ev, "stop_sequence", None))
+                self._finish(job, reason, stop_sequence=self._matched_stop(job, reason))
         if produced:
             self._tokens_out += produced
             self._recent.append((time.monotonic(), produced))
             if len(self._recent) > 4096:
                 del self._recent[:2048]
+
+    def _matched_stop(self, job: GenerateJob, reason: str) -> str | None:
+        """The stop string that ended `job`, if one did (the engine hides it from the text it streams)."""
+        stops = tuple(getattr(job.sampling, "stop", ()) or ())
+        if reason != "stop" or not stops or not job.tokens:
+            return None
+        if job.tokens[-1] in set(getattr(self._engine, "eos_ids", ()) or ()):
+            return None
+        text = self._model.tokenizer.decode(job.tokens)
+        found = [(text.find(s), s) for s in stops if s and s in text]
+        return min(found)[1] if found else None
 
     def _forget(self, job: GenerateJob) -> None:
         """Drop the engine's kept result of a finished request (it keeps them until read)."""

@@ -161,3 +161,13 @@ def test_errors_come_in_anthropic_shape(server):
                    headers={"x-api-key": "sk-local-test"})
     assert r.status_code == 400 and r.json()["type"] == "error"
     assert "max_tokens" in r.json()["error"]["message"] and "messages" in r.json()["error"]["message"]
+
+
+def test_stop_sequence_is_reported(client):
+    m = client.messages.create(model="claude-x", max_tokens=100, stop_sequences=["never", "three"],
+                               messages=[{"role": "user", "content": "[[script:stopword]]"}])
+    assert m.stop_reason == "stop_sequence" and m.stop_sequence == "three"
+    assert m.content[-1].text == "one two "
+    plain = client.messages.create(model="claude-x", max_tokens=100, stop_sequences=["absent"],
+                                   messages=[{"role": "user", "content": "[[script:answer]]"}])
+    assert plain.stop_reason == "end_turn" and plain.stop_sequence is None
