@@ -184,6 +184,7 @@ def chunked_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
     out_dtype, seq_len = v.dtype, q.shape[1]
     q, k, v, g, beta = _heads_first(q, k, v, g, beta)
     state = _initial_state(initial_state, v, q.shape[-1])
+    chunk_size = max(1, min(chunk_size, seq_len))     # a short input is one block of its own length, unpadded
     pad = (-seq_len) % chunk_size
     if pad:  # padded tokens have k = v = 0, beta = 0, g = 0: they neither decay nor write the state
         q, k, v = (F.pad(t, (0, 0, 0, pad)) for t in (q, k, v))
