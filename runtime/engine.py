@@ -204,6 +204,10 @@ class Engine:
         experts = factory(package, model.expert_spec(), device=dev, dtype=dtype, vram_budget=vram_budget,
                           cpu_experts_per_layer=cpu_experts_per_layer, progress=stage("experts"))
         model.set_experts(experts)
+        state_bytes = 0
+        if callable(getattr(model, "attach_state_pool", None)):
+            # linear-attention models: one recurrent-state slot per sequence that may run at once
+            state_bytes = model.attach_state_pool(max_batch, device=dev, dtype=dtype).nbytes
         tokenizer = Tokenizer.from_dir(package.tokenizer_dir)
         try:
             chat_template = ChatTemplate.from_dir(package.tokenizer_dir)
@@ -214,6 +218,7 @@ class Engine:
                 "device": str(dev), "dtype": str(dtype).replace("torch.", ""), "context_length": context_length,
                 "max_batch": max_batch, "dense_bytes": report.nbytes,
                 "expert_bytes": int(getattr(experts, "nbytes", 0)), "prefix_cache_bytes": prefix_cache_bytes,
+                "state_slots": max_batch if state_bytes else 0, "state_bytes": state_bytes,
                 "load_seconds": round(time.perf_counter() - t0, 3)}
         if hasattr(experts, "plan"):
             plan["experts"] = experts.plan() if callable(experts.plan) else experts.plan

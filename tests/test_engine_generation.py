@@ -46,6 +46,8 @@ def test_batched_equals_sequential(family, ftw_packages, device):
         peak = max(peak, eng.stats()["active_sequences"])
     assert peak == 3                        # max_batch holds: the fourth waited for a place
     assert [eng.result(r).tokens for r in ids] == expected
+    if family == STATE_FAMILY:              # one state slot per running sequence, all given back
+        assert eng.plan["state_slots"] == 3 and eng.model.state_pool.in_use == 0
 
 
 def test_seeded_sampling_is_reproducible_inside_a_batch(ftw_packages, device):
