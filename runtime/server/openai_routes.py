@@ -7,7 +7,6 @@ answers, so the two can never disagree.
 """
 from __future__ import annotations
 
-import json
 from typing import AsyncIterator
 
 from fastapi import APIRouter, Request
@@ -18,7 +17,7 @@ from runtime.server.context import advertised_id, current_model, new_id, now, se
 from runtime.server.errors import APIError, error_body, is_anthropic
 from runtime.server.schemas import ChatCompletionRequest, ChatMessage, CompletionRequest
 from runtime.server.streaming import JobStream, sse, sse_response
-from runtime.service import Finished, Piece, PrefillProgress
+from runtime.service import Finished, Piece
 
 router = APIRouter()
 
@@ -302,9 +301,3 @@ async def completions(body: CompletionRequest, request: Request):
     out["object"] = "text_completion"
     return out
 
-
-def dumps_arguments(arguments) -> str:
-    return arguments if isinstance(arguments, str) else json.dumps(arguments, ensure_ascii=False)
-
-
-__all__ = ["router", "ChatBuilder", "chat_messages", "PrefillProgress"]
