@@ -83,6 +83,9 @@ class HybridExperts:
         self._stage_free: list[object] = [None, None]       # event after which each buffer may be overwritten
         self._promotions: list[tuple[Key, int, object]] = []
         self._warm_hot_set()
+        total = len(store.layers) * store.num_experts
+        self._all_resident = options.slots >= total and all(
+            self.cache.is_ready((layer, e)) for layer in store.layers for e in range(store.num_experts))
 
     # ------------------------------------------------------------------ the Experts interface
     def __call__(self, layer: int, hidden: torch.Tensor, topk_ids: torch.Tensor,
@@ -92,8 +95,15 @@ class HybridExperts:
         self._finish_promotions()
         t = hidden.shape[0]
         self.counters.add(tokens=t)
-        if t >= self.stream_threshold and (self.cuda or self.options.stream_on_cpu):
-            return self._streamed(layer, hidden, topk_ids, topk_weights)
+        if t >= self.stream_threshold:
+            if self._all_resident:
+                # every expert lives in the pool: group over it directly, nothing to stream
+                slots = self.cache.device_slots(layer, topk_ids)
+                self.counters.add(stream_calls=1, gpu_experts=self.store.num_experts)
+                return pool_forward_grouped(self.cache.pool, self.layout, self.spec, hidden.to(self.dtype), slots,
+                                            topk_weights).to(hidden.dtype)
+            if self.cuda or self.options.stream_on_cpu:
+                return self._streamed(layer, hidden, topk_ids, topk_weights)
         return self._decode(layer, hidden, topk_ids, topk_weights)
 
     # ------------------------------------------------------------------ few tokens
