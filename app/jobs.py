@@ -60,6 +60,7 @@ class ProcessJob(QObject):
         self.arguments = list(arguments)
         self.title = title or " ".join([program, *arguments])
         self.lines: list[str] = []            # stdout and stderr, in arrival order
+        self.stdout: list[str] = []           # stdout alone (not the JSON progress lines), for a result
         self.last_progress: dict[str, Any] = {}
         self.outcome: JobOutcome | None = None
         self.state = JobState.PENDING
@@ -104,7 +105,7 @@ class ProcessJob(QObject):
         self._proc.terminate()
         from PySide6.QtCore import QTimer
 
-        QTimer.singleShot(TERMINATE_GRACE_MS, self._kill_if_running)
+        QTimer.singleShot(TERMINATE_GRACE_MS, self, self._kill_if_running)   # cancelled if the job goes first
 
     def _kill_if_running(self) -> None:
         if self._proc.state() != QProcess.ProcessState.NotRunning:
@@ -138,6 +139,8 @@ class ProcessJob(QObject):
                 self.last_progress = event
                 self.progress.emit(event)
                 return
+        if stream == "out":
+            self.stdout.append(line)
         if not line:
             return
         if len(self.lines) >= MAX_KEPT_LINES:

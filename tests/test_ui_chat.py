@@ -30,7 +30,7 @@ class ScriptedWorker(QObject):
     def start(self) -> None:
         self.event.emit(protocol.hello(version="test", pid=1))
 
-    def stop(self) -> None:
+    def stop(self, *, wait_ms: int = 0) -> None:
         self.stopped = True
 
     def request(self, kind: str, **fields) -> str:

@@ -16,8 +16,8 @@ from ui.views.library import LibraryView
 QWEN3 = "Qwen/Qwen3-30B-A3B-Instruct-2507"
 
 
-def make_view(qtbot, services) -> LibraryView:
-    view = LibraryView(services)
+def make_view(qtbot, services, *, estimate_fits: bool = False) -> LibraryView:
+    view = LibraryView(services, estimate_fits=estimate_fits)   # fits cost a child process: only where tested
     qtbot.addWidget(view)
     view.show()
     qtbot.waitUntil(lambda: view.model.rowCount() > 0 and not view._refreshing, timeout=10000)
@@ -42,7 +42,10 @@ def test_catalog_rows_and_detail_sheet(qtbot, qtmodeltester, tmp_path):
     assert row_text(view, QWEN3, "Parameters") == f"{entry.total_params / 1e9:.1f}B · {entry.active_params / 1e9:.1f}B active"
     assert row_text(view, QWEN3, "Download") == f"{entry.download_bytes / 1024**3:.1f} GiB"
     assert row_text(view, QWEN3, "Licence") == entry.licence and status(view, QWEN3) == NOT_DOWNLOADED
-    # the fit badge comes from app.fit (the engine's planner) for this machine, labelled an estimate
+    # the fit badge comes from app.fit (the engine's planner) for this machine, labelled an estimate;
+    # it is computed in a child process (`freetoken models --json`) so the window never imports torch
+    view.request_fits()
+    qtbot.waitUntil(lambda: QWEN3 in view.model.fits, timeout=60000)
     fit = view.model.fits[QWEN3]
     assert row_text(view, QWEN3, "Fit on this PC") == fit.text != "—"
     assert fit.tone in ("good", "info", "warn", "bad")

@@ -58,13 +58,14 @@ class Services:
 
     def close(self) -> None:
         self.telemetry.stop()
-        self.session.shutdown()
+        self.session.shutdown(wait_ms=WORKER_QUIT_MS)
         if self.downloads is not None:
             self.downloads.shutdown(wait=True, timeout=DOWNLOAD_SHUTDOWN_S)   # partial files resume next time
         self.chats.close()
 
 
 DOWNLOAD_SHUTDOWN_S = 5.0
+WORKER_QUIT_MS = 5000           # the worker frees the model and exits; past this it is killed
 MIB = 1024**2
 
 

@@ -96,6 +96,7 @@ class EngineSession(QObject):
         if self.client is not None and self.state not in ("stopped", "crashed"):
             return
         self.client = self._factory()
+        self.client.setParent(self)
         self.client.event.connect(self._on_event)
         self.client.exited.connect(self._on_exited)
         self._set_state("starting")
@@ -111,11 +112,18 @@ class EngineSession(QObject):
         else:
             self.ensure_worker()
 
-    def shutdown(self) -> None:
+    def shutdown(self, *, wait_ms: int = 0) -> None:
+        """Stop the worker cleanly; `wait_ms` > 0 waits for it to exit (quitting the app)."""
         if self.client is not None:
             client, self.client = self.client, None
-            client.exited.disconnect(self._on_exited)
-            client.stop()
+            try:
+                client.event.disconnect(self._on_event)
+                client.exited.disconnect(self._on_exited)
+            except (RuntimeError, TypeError):
+                pass   # already disconnected
+            client.stop(wait_ms=wait_ms)
+        self._generations.clear()
+        self._forget_model()
         self._set_state("stopped")
 
     def _drop_client(self) -> None:

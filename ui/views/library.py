@@ -7,10 +7,11 @@ The library reads the disk on every call, so rows are fetched off the UI thread 
 """
 from __future__ import annotations
 
+import json
 import logging
 from pathlib import Path
 
-from PySide6.QtCore import Qt, QTimer, QUrl, Signal
+from PySide6.QtCore import QObject, Qt, QTimer, QUrl, Signal
 from PySide6.QtGui import QDesktopServices
 from PySide6.QtWidgets import (QAbstractItemView, QFrame, QGridLayout, QHBoxLayout, QHeaderView, QLabel, QLineEdit,
                                QProgressBar, QPushButton, QScrollArea, QSplitter, QTableView, QTableWidget,
@@ -29,76 +30,91 @@ log = logging.getLogger(__name__)
 REFRESH_DEBOUNCE_MS = 300
 DELETE_CONFIRM_MS = 5000
 LOAD_STEPS = 1000
+FIT_DELAY_MS = 1500
 
 
-class FitEstimator:
-    """Fit badges from app.fit (the engine's planner) for the catalog; the machine is probed and its CPU
-    bandwidth measured once (about a second, off the UI thread), estimates are kept per context length."""
+class FitEstimator(QObject):
+    """Fit badges for the catalog from app.fit, the engine's own planner, through `freetoken models --json`.
+
+    It runs as a child process: the estimate probes the machine and measures CPU bandwidth with torch,
+    and importing torch in the window's process would stall its event loop for a second. Results are
+    kept per context length; `updated(dict key -> FitBadge)` follows each run."""
 
     TONES = {"gpu": "good", "hybrid": "info", "cpu": "warn", "does_not_fit": "bad"}
+    updated = Signal(dict)
 
-    def __init__(self, models_dir: Path) -> None:
-        from ui.services import optional_module
-
-        self.fit, self.reason = optional_module("app.fit")
-        self.models_dir = models_dir
-        self._machine = None
+    def __init__(self, parent: QObject | None = None) -> None:
+        super().__init__(parent)
         self._badges: dict[int, dict[str, FitBadge]] = {}
+        self._job: ProcessJob | None = None
+        self.error = ""
 
-    def badges(self, models: list, *, context_length: int) -> dict[str, FitBadge]:
-        if self.fit is None:
-            return {}
-        if context_length not in self._badges:
-            if self._machine is None:
-                from app.hardware import probe
+    def badges(self, context_length: int) -> dict[str, FitBadge]:
+        return self._badges.get(context_length, {})
 
-                self._machine = self.fit.machine_from_report(probe(self.models_dir))
-            badges = {}
-            for model in models:
-                if model.catalog is not None:
-                    entry = model.catalog
-                    result = self.fit.estimate(entry.config(), codec=entry.codec, machine=self._machine,
-                                               context_length=context_length, id=entry.id, name=entry.name)
-                    badges[model.key] = self.badge(result)
-            self._badges[context_length] = badges
-        return self._badges[context_length]
+    def request(self, context_length: int) -> None:
+        if context_length in self._badges or (self._job is not None and self._job.running):
+            return
+        job = ProcessJob.freetoken("models", "list", "--json", "--context", str(context_length),
+                                   title="fit estimates", parent=self)
+        job.finished.connect(lambda outcome, n=context_length, j=job: self._on_finished(j, outcome, n))
+        self._job = job
+        job.start()
+
+    def _on_finished(self, job: ProcessJob, outcome, context_length: int) -> None:
+        if not outcome.ok:
+            self.error = f"fit estimates failed: {outcome.message}"
+            log.warning(self.error)
+            return
+        try:
+            rows = json.loads("\n".join(job.stdout))["models"]
+        except (ValueError, KeyError, TypeError) as exc:
+            self.error = f"fit estimates: unreadable output ({exc})"
+            log.warning(self.error)
+            return
+        badges = {row["key"]: self.badge(row["fit"], row.get("speed", "")) for row in rows if row.get("fit")}
+        self._badges[context_length] = badges
+        self.updated.emit(badges)
 
     @classmethod
-    def badge(cls, result) -> FitBadge:
+    def badge(cls, fit: dict, speed: str) -> FitBadge:
         """A short cell ("Hybrid · 40% cached · ~12–20 tok/s"); the planner's full words go in the detail."""
-        verdict = result.verdict
+        verdict = fit.get("verdict")
         if verdict == "gpu":
             short = "Fits on the GPU"
         elif verdict == "hybrid":
-            short = f"Hybrid · {result.experts_cached_pct:.0f}% cached"
+            short = f"Hybrid · {fit.get('experts_cached_pct', 0):.0f}% cached"
         elif verdict == "cpu":
             short = "CPU only"
         elif verdict == "does_not_fit":
-            short = f"Does not fit: +{result.shortfall_bytes / 1e9:.1f} GB {result.short_of.upper() or 'memory'}"
+            short = f"Does not fit: +{fit.get('shortfall_bytes', 0) / 1e9:.1f} GB " \
+                    f"{(fit.get('short_of') or 'memory').upper()}"
         else:
             short = "Unknown"
-        if result.decode_tok_s:
-            lo, hi = result.decode_tok_s
+        if fit.get("decode_tok_s"):
+            lo, hi = fit["decode_tok_s"]
             short += f" · ~{lo:.1f}–{hi:.1f} tok/s"
-        lines = [result.badge] + ([result.speed_text] if result.speed_text else []) + list(result.notes)
-        return FitBadge(text=short, tone=cls.TONES.get(verdict, "info"), detail="\n".join(lines))
+        lines = [fit.get("badge", "")] + ([speed] if speed else []) + list(fit.get("notes") or [])
+        return FitBadge(text=short, tone=cls.TONES.get(verdict, "info"), detail="\n".join(l for l in lines if l))
 
 
 class LibraryView(QWidget):
     downloads_requested = Signal()          # "see Downloads": the window switches page
     _download_completed = Signal(str)       # from the download manager's thread to ours
 
-    def __init__(self, services, parent: QWidget | None = None) -> None:
+    def __init__(self, services, parent: QWidget | None = None, *, estimate_fits: bool = True) -> None:
         super().__init__(parent)
         self.services = services
+        self.estimate_fits = estimate_fits
         self.settings = services.settings
         self.session = services.session
         self.library = Library(services.paths.models, downloads=services.downloads)
-        self.fits = FitEstimator(services.paths.models)
+        self.fits = FitEstimator(self)
         self.conversions: dict[str, ConversionPanel] = {}
         self._refreshing = False
         self._refresh_again = False
         self._delete_armed: str | None = None
+        self._fits_wanted = False
 
         title = QLabel("Library")
         title.setObjectName("PageTitle")
@@ -111,6 +127,7 @@ class LibraryView(QWidget):
 
         # -- models table + detail sheet ------------------------------------------------------
         self.model = LibraryModel(self)
+        self.fits.updated.connect(lambda badges: (self.model.set_fits(badges), self.show_details()))
         self.table = QTableView()
         self.table.setModel(self.model)
         self.table.setSelectionBehavior(QAbstractItemView.SelectionBehavior.SelectRows)
@@ -268,24 +285,27 @@ class LibraryView(QWidget):
             return
         self._refreshing = True
 
+        if self._fits_wanted:
+            self.request_fits()
+        run_in_thread(self.library.models, on_done=self._on_rows, on_error=self._on_rows_failed,
+                      name="library-scan")
+
+    def request_fits(self) -> None:
+        """Ask for fit estimates at the current context length (a child process; cached per length)."""
+        self._fits_wanted = True
         context_length = self.settings.get("context_length")
+        self.fits.request(context_length)
+        self.model.set_fits(self.fits.badges(context_length))
 
-        def fetch():
-            models = self.library.models()
-            try:
-                fits = self.fits.badges(models, context_length=context_length)
-            except Exception as exc:   # an estimate that fails must not hide the library itself
-                log.warning("fit estimates failed: %s", exc)
-                fits = {}
-            return models, fits
+    def showEvent(self, event) -> None:
+        super().showEvent(event)
+        if self.estimate_fits and not self._fits_wanted:
+            # estimating costs a second of CPU: not before anyone looks, nor in the middle of startup
+            QTimer.singleShot(FIT_DELAY_MS, self, self.request_fits)
 
-        run_in_thread(fetch, on_done=self._on_rows, on_error=self._on_rows_failed, name="library-scan")
-
-    def _on_rows(self, result) -> None:
-        models, fits = result
+    def _on_rows(self, models) -> None:
         key = self.selected_key()
         self.model.set_rows(models)
-        self.model.set_fits(fits)
         self._finish_refresh(key)
 
     def _on_rows_failed(self, exc: BaseException) -> None:
@@ -463,7 +483,7 @@ class LibraryView(QWidget):
         if self._delete_armed != m.key:   # two clicks: the first arms, the second deletes
             self._delete_armed = m.key
             self.buttons["delete"].setText("Click again to delete")
-            QTimer.singleShot(DELETE_CONFIRM_MS, self._disarm_delete)
+            QTimer.singleShot(DELETE_CONFIRM_MS, self, self._disarm_delete)   # the context object cancels it with us
             return
         self._delete_armed = None
         self.buttons["delete"].setText("Delete")

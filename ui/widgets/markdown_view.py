@@ -146,7 +146,7 @@ class CodeBlock(QFrame):
     def copy(self) -> None:
         QGuiApplication.clipboard().setText(self.code)
         self.copy_button.setText("Copied")
-        QTimer.singleShot(COPIED_FEEDBACK_MS, lambda: self.copy_button.setText("Copy"))
+        QTimer.singleShot(COPIED_FEEDBACK_MS, self.copy_button, lambda: self.copy_button.setText("Copy"))
         self.copied.emit(self.code)
 
 
