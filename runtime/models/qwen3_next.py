@@ -170,12 +170,16 @@ def linear_attention(gdn: GatedDeltaNet, x: torch.Tensor, batch: Batch, layer: i
         out[rows] = y[0]
         _store_states(cache, conv[0], rec[0], tokens)
     if decoding:
-        idx = torch.tensor([row for row, _ in decoding], device=x.device)
         states = [_slot_states(gdn, cache, x.device, x.dtype) for _, cache in decoding]
         conv = torch.stack([s[0] for s in states])                                   # [B, C, W-1]
         rec = torch.stack([s[1] for s in states])                                    # [B, Hv, dk, dv]
-        y, conv, rec = gdn(x.index_select(0, idx)[:, None], conv, rec)              # [B, 1, D]
-        out.index_copy_(0, idx, y[:, 0])
+        if len(decoding) == x.shape[0]:          # a pure decode step: row i is sequence i, no gather
+            y, conv, rec = gdn(x[:, None], conv, rec)                               # [B, 1, D]
+            out = y[:, 0]
+        else:
+            idx = torch.tensor([row for row, _ in decoding], device=x.device)
+            y, conv, rec = gdn(x.index_select(0, idx)[:, None], conv, rec)          # [B, 1, D]
+            out.index_copy_(0, idx, y[:, 0])
         for i, (_, cache) in enumerate(decoding):
             _store_states(cache, conv[i], rec[i], 1)
     return out
