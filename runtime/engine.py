@@ -36,7 +36,8 @@ __all__ = ["Engine", "EngineError", "SamplingParams", "TokenEvent", "GenerationR
 
 log = logging.getLogger(__name__)
 
-DEFAULT_PREFIX_CACHE_BYTES = 1 << 30
+DEFAULT_PREFIX_CACHE_BYTES = 1 << 30        # prefix cache on the compute device (CPU engines)
+HOST_PREFIX_CACHE_BYTES = 4 << 30           # prefix cache of a GPU engine, kept in host RAM
 MAX_KEPT_RESULTS = 1024          # finished requests whose GenerationResult waits for result()
 
 ProgressFn = Callable[[int, int, str], None]      # (done, total, stage)
@@ -130,7 +131,7 @@ def resident_experts_factory(package, spec: ExpertSpec, *, device, dtype, progre
 class Engine:
     def __init__(self, *, model: CausalLM, package, tokenizer, chat_template, device: torch.device,
                  dtype: torch.dtype, context_length: int, max_batch: int, prefix_cache_bytes: int,
-                 prefill_chunk: int, plan: dict):
+                 prefill_chunk: int, plan: dict, prefix_cache_device: torch.device | None = None):
         self.model, self.package = model, package
         self.tokenizer, self.chat_template = tokenizer, chat_template
         self.device, self.dtype = device, dtype
@@ -142,6 +143,7 @@ class Engine:
         self.scheduler = Scheduler(SchedulerConfig(max_batch=max_batch, prefill_chunk=prefill_chunk,
                                                    step_token_budget=max(prefill_chunk, 2 * max_batch)))
         self.prefix_cache = PrefixCache(prefix_cache_bytes)
+        self.prefix_cache_device = prefix_cache_device or device
         self._ids = itertools.count(1)
         self._pending_events: list[TokenEvent] = []
         self._results: dict[str, GenerationResult] = {}
@@ -154,8 +156,8 @@ class Engine:
     def load(cls, path: str | Path, *, device: str = "auto", dtype: torch.dtype | None = None,
              context_length: int | None = None, max_batch: int = 8, vram_budget: int | None = None,
              cpu_experts_per_layer: int | None = None, progress: ProgressFn | None = None,
-             experts_factory: ExpertsFactory | None = None, prefix_cache_bytes: int = DEFAULT_PREFIX_CACHE_BYTES,
-             prefill_chunk: int = 512) -> "Engine":
+             experts_factory: ExpertsFactory | None = None, prefix_cache_bytes: int | None = None,
+             prefix_cache_device: str | None = None, prefill_chunk: int = 512) -> "Engine":
         """Open an FTW package and build an engine over it (see `from_package`)."""
         from runtime.ftw.reader import FTWError, FTWPackage
 
@@ -167,20 +169,25 @@ class Engine:
                                 max_batch=max_batch, vram_budget=vram_budget,
                                 cpu_experts_per_layer=cpu_experts_per_layer, progress=progress,
                                 experts_factory=experts_factory, prefix_cache_bytes=prefix_cache_bytes,
-                                prefill_chunk=prefill_chunk)
+                                prefix_cache_device=prefix_cache_device, prefill_chunk=prefill_chunk)
 
     @classmethod
     def from_package(cls, package, *, device: str = "auto", dtype: torch.dtype | None = None,
                      context_length: int | None = None, max_batch: int = 8, vram_budget: int | None = None,
                      cpu_experts_per_layer: int | None = None, progress: ProgressFn | None = None,
-                     experts_factory: ExpertsFactory | None = None,
-                     prefix_cache_bytes: int = DEFAULT_PREFIX_CACHE_BYTES, prefill_chunk: int = 512) -> "Engine":
+                     experts_factory: ExpertsFactory | None = None, prefix_cache_bytes: int | None = None,
+                     prefix_cache_device: str | None = None, prefill_chunk: int = 512) -> "Engine":
         """Build from anything FTWPackage-shaped: config, model_type, generation_config, tokenizer_dir,
         dense_names()/dense(name), experts (an ExpertStore), path."""
         from runtime.text.chat_template import ChatTemplate, ChatTemplateError
         from runtime.text.tokenizer import Tokenizer
 
         dev = _resolve_device(device)
+        # a GPU's caches are kept in host RAM: VRAM is for weights, and a conversation's KV can be GBs
+        prefix_dev = torch.device(prefix_cache_device or ("cpu" if dev.type == "cuda" else dev))
+        if prefix_cache_bytes is None:
+            prefix_cache_bytes = HOST_PREFIX_CACHE_BYTES if prefix_dev.type == "cpu" and dev.type == "cuda" \
+                else DEFAULT_PREFIX_CACHE_BYTES
         if dtype is None:
             dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
         if max_batch < 1:
@@ -218,13 +225,15 @@ class Engine:
                 "device": str(dev), "dtype": str(dtype).replace("torch.", ""), "context_length": context_length,
                 "max_batch": max_batch, "dense_bytes": report.nbytes,
                 "expert_bytes": int(getattr(experts, "nbytes", 0)), "prefix_cache_bytes": prefix_cache_bytes,
+                "prefix_cache_device": str(prefix_dev),
                 "state_slots": max_batch if state_bytes else 0, "state_bytes": state_bytes,
                 "load_seconds": round(time.perf_counter() - t0, 3)}
         if hasattr(experts, "plan"):
             plan["experts"] = experts.plan() if callable(experts.plan) else experts.plan
         return cls(model=model, package=package, tokenizer=tokenizer, chat_template=chat_template, device=dev,
                    dtype=dtype, context_length=context_length, max_batch=max_batch,
-                   prefix_cache_bytes=prefix_cache_bytes, prefill_chunk=prefill_chunk, plan=plan)
+                   prefix_cache_bytes=prefix_cache_bytes, prefix_cache_device=prefix_dev, prefill_chunk=prefill_chunk,
+                   plan=plan)
 
     # -------------------------------------------------------------------------------------- requests
 
@@ -335,7 +344,8 @@ class Engine:
         state.cache = self.model.new_cache(device=self.device, dtype=self.dtype)
         hit = self.prefix_cache.lookup(seq.tokens[:seq.prompt_len])
         if hit is not None:
-            state.cache.load(hit.cache, hit.length)
+            stored = hit.cache if self.prefix_cache_device == self.device else hit.cache.to(self.device)
+            state.cache.load(stored, hit.length)
             seq.computed = state.cached_tokens = hit.length
         if state.params.max_tokens == 0:
             self._finish(seq, "length", final_text="")
@@ -345,7 +355,12 @@ class Engine:
         """For models with recurrent state, keep a copy at the end of the prompt (it cannot be cut later)."""
         cache = seq.payload.cache
         if not cache.trimmable and self.prefix_cache.max_bytes:
-            self.prefix_cache.insert(seq.tokens[:seq.computed], cache.copy())
+            self.prefix_cache.insert(seq.tokens[:seq.computed], self._for_prefix_cache(cache.copy()))
+
+    def _for_prefix_cache(self, cache: SequenceCache) -> SequenceCache:
+        if self.prefix_cache_device == self.device:
+            return cache
+        return cache.to(self.prefix_cache_device)
 
     def _accept(self, seq: Sequence, token: int, now: float) -> TokenEvent:
         """Record a sampled token: stream its text, check stops and limits."""
@@ -384,7 +399,7 @@ class Engine:
         if state.cache is not None:
             if keep_cache and self.prefix_cache.max_bytes and state.cache.offset > 0:
                 # the cache holds every token fed so far: exactly tokens[:offset]
-                self.prefix_cache.insert(seq.tokens[:state.cache.offset], state.cache.detach())
+                self.prefix_cache.insert(seq.tokens[:state.cache.offset], self._for_prefix_cache(state.cache.detach()))
             state.cache.release()
             state.cache = None
         self._counters[{"cancelled": "cancelled", "error": "failed"}.get(reason, "finished")] += 1

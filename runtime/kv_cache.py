@@ -74,6 +74,15 @@ class KVCache:
         out.offset = self.offset
         return out
 
+    def to(self, device: torch.device | str) -> "KVCache":
+        """A compact copy on `device` (the prefix cache may keep GPU caches in host RAM)."""
+        device = torch.device(device)
+        out = KVCache(self.num_kv_heads, self.head_dim, device=device, dtype=self.dtype, capacity=0)
+        out.keys = self.keys[:, :self.offset].to(device, copy=True)
+        out.values = self.values[:, :self.offset].to(device, copy=True)
+        out.offset = self.offset
+        return out
+
     @property
     def nbytes(self) -> int:
         return (self.keys.numel() + self.values.numel()) * self.keys.element_size()
@@ -99,6 +108,9 @@ class StateCache:
 
     def copy(self) -> "StateCache":
         return StateCache({k: v.clone() for k, v in self.states.items()}, self.offset)
+
+    def to(self, device: torch.device | str) -> "StateCache":
+        return StateCache({k: v.to(device, copy=True) for k, v in self.states.items()}, self.offset)
 
     def load(self, other: "StateCache", length: int | None = None) -> None:
         """Take another state's tensors (a prefix-cache hit); a recurrent state restores only whole."""
@@ -135,6 +147,10 @@ class SequenceCache:
 
     def copy(self) -> "SequenceCache":
         return SequenceCache([layer.copy() for layer in self.layers])
+
+    def to(self, device: torch.device | str) -> "SequenceCache":
+        """A copy on `device` of a detached cache (plain KV and state layers)."""
+        return SequenceCache([layer.to(device) for layer in self.layers])
 
     def load(self, other: "SequenceCache", length: int | None = None) -> None:
         """Fill this (fresh) cache from a stored one, keeping its first `length` tokens (default all)."""

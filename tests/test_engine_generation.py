@@ -257,3 +257,20 @@ def test_a_failing_forward_ends_its_requests_and_the_engine_lives_on(ftw_package
     prompt = random_prompt(6, seed=101)
     assert eng.generate(prompt, SamplingParams(max_tokens=5, **GREEDY)).tokens == \
         load(ftw_packages, "qwen3_moe", device).generate(prompt, SamplingParams(max_tokens=5, **GREEDY)).tokens
+
+
+@pytest.mark.parametrize("family", ["mixtral", STATE_FAMILY])
+def test_prefix_cache_kept_on_another_device_is_exact(family, ftw_packages, device):
+    """A GPU engine keeps its prefix cache in host RAM; "cpu:0" stands in for that other device on CPU."""
+    store = "cpu:0" if device == "cpu" else "cpu"
+    eng = load(ftw_packages, family, device, prefix_cache_device=store)
+    assert eng.plan["prefix_cache_device"] == store
+    turn1 = random_prompt(12, seed=110)
+    first = eng.generate(turn1, SamplingParams(max_tokens=4, **GREEDY))
+    kept = next(iter(eng.prefix_cache.entries.values()))
+    assert all(getattr(layer, "keys", None) is None or layer.keys.device == torch.device("cpu") for layer in kept.layers)
+    turn2 = turn1 + first.tokens + random_prompt(5, seed=111)
+    second = eng.generate(turn2, SamplingParams(max_tokens=6, **GREEDY))
+    assert second.cached_tokens == len(turn1) + len(first.tokens) - 1
+    plain = load(ftw_packages, family, device, prefix_cache_bytes=0)
+    assert second.tokens == plain.generate(turn2, SamplingParams(max_tokens=6, **GREEDY)).tokens
