@@ -374,3 +374,23 @@ def test_qwen3_5_hub_layout_converts_and_matches(tiny_checkpoints, tmp_path, dev
         expected = ref(torch.tensor([ids])).logits[0]
     ours = run(eng.model, [(ids, new_cache(eng.model))], all_logits=True)
     assert (ours - expected).abs().max().item() <= TOL
+
+
+def test_wrong_checkpoint_tensors_are_named(tiny_checkpoints):
+    """Strict loading names what is missing, extra or mis-shaped in a GDN layer's tensors."""
+    from runtime.loading import WeightLoadError
+
+    src = SafetensorsSource(tiny_checkpoints("qwen3_next"))
+    del src.tensors["model.layers.1.linear_attn.in_proj_ba.weight"]
+    src.tensors["model.layers.0.linear_attn.A_log"] = torch.zeros(3)
+    model = build_empty_model(src.config, experts=None, device="cpu", dtype=torch.float32)
+    with pytest.raises(WeightLoadError) as err:
+        load_dense_weights(model, src)
+    assert "model.layers.1.linear_attn.in_proj_ba.weight" in str(err.value)
+    assert "model.layers.0.linear_attn.A_log (3,)" in str(err.value)
+    # a Qwen3.5 checkpoint (separate projections) labelled qwen3_next: both spellings are reported
+    src35 = SafetensorsSource(tiny_checkpoints("qwen3_5_moe"))
+    model = build_empty_model(dict(src35.config, model_type="qwen3_next"), experts=None, device="cpu",
+                              dtype=torch.float32)
+    with pytest.raises(WeightLoadError, match=r"missing tensors: .*in_proj_qkvz.*unexpected tensors: .*in_proj_"):
+        load_dense_weights(model, src35)
