@@ -11,7 +11,8 @@ RMSNorm w * rmsnorm(o) * silu(z) and out_proj.
 Two forms of the rule, identical in exact arithmetic: `recurrent_gated_delta_rule` (one token at a
 time; decode and the reference) and `chunked_gated_delta_rule` (blocks of 64 tokens solved with a
 triangular system; prefill). On CUDA, `fla-core`'s Triton kernels replace both when importable and
-the activations are 16-bit (its chunked kernel refuses fp32); otherwise the torch path runs.
+the activations are 16-bit; fp32 runs the exact torch path (fla releases before 0.6 refuse fp32 in the
+chunked kernel, and fp32 is what the parity tests compare). Checked against fla-core 0.6.0's API.
 
 Checkpoint spellings: Qwen3-Next packs `in_proj_qkvz` [Hk * (2dk + 2r dv), D] and `in_proj_ba`
 [Hk * 2r, D] grouped per key head (r = Hv / Hk value heads per key head); Qwen3.5 stores
@@ -231,7 +232,7 @@ def fla_kernels() -> tuple[Callable, Callable] | None:
 
 
 def fla_usable(x: torch.Tensor) -> bool:
-    """fla runs on CUDA, and its chunked kernel only takes 16-bit activations."""
+    """fla for 16-bit activations on CUDA; fp32 keeps the exact torch path."""
     return x.is_cuda and x.dtype in (torch.bfloat16, torch.float16) and fla_kernels() is not None
 
 
