@@ -17,7 +17,7 @@ top-k, top-p and min-p on the tempered distribution, then a draw. Conventions:
 
 Speed at a real vocabulary (150k): penalties touch only the ids a request has seen; filters run on
 the fewest candidates that give the exact result (see filtered_candidates); the draw is one pass
-(argmax of p / Exp(1) noise). benchmarks/bench_sampling.py measures it (docs/benchmarks.md).
+(argmax of logit + Gumbel noise). benchmarks/bench_sampling.py measures it (docs/benchmarks.md).
 
 Shapes: B rows in the batch, V vocabulary, C candidates.
 """
@@ -288,8 +288,9 @@ def sample_batch(logits: torch.Tensor, samplers: Sequence[RequestSampler], *, ob
     """Pick one token per row: logits [B, V] -> token ids [B] int64 (on the logits' device).
 
     Greedy rows take the argmax of the penalised logits; the others draw from their filtered
-    distribution with their own generator (the exponential race: argmax of p / Exp(1) noise, one
-    pass over the candidates, the same law as a categorical draw, as vLLM samples). With `observe`,
+    distribution with their own generator (the exponential race, argmax of p / Exp(1) noise, as vLLM
+    samples; here in log space, i.e. Gumbel-max: one pass over the candidates, the same law as a
+    categorical draw). With `observe`,
     each chosen token is recorded in its sampler (the penalties of the next step see it).
     """
     logits = penalized_tempered(logits, samplers)
@@ -299,13 +300,15 @@ def sample_batch(logits: torch.Tensor, samplers: Sequence[RequestSampler], *, ob
         sub = logits if len(drawing) == len(samplers) else logits.index_select(
             0, torch.tensor(drawing, device=logits.device))
         for rows, values, ids in _filter_groups(sub, [samplers[r].params for r in drawing]):
-            probs = values.softmax(dim=-1)                                    # [R, C]
-            for i, r in enumerate(rows):
+            for i, r in enumerate(rows):                                      # values [R, C]
                 row = drawing[r]
-                # Exp(1) noise as -log(U): several times faster than Tensor.exponential_ on a CPU
-                uniform = torch.rand(probs.shape[-1], generator=samplers[row].generator(logits.device),
+                # argmax(p / E), E ~ Exp(1) = -log U, taken in log space: argmax(logit - log(-log U)).
+                # Logits rather than probabilities: no softmax, and no subnormal floats (slow on CPUs)
+                # from the far tail of a peaked distribution. -log(U) is several times faster than
+                # Tensor.exponential_ on a CPU.
+                uniform = torch.rand(values.shape[-1], generator=samplers[row].generator(logits.device),
                                      device=logits.device)
-                pick = torch.argmax(probs[i] / -torch.log(uniform))
+                pick = torch.argmax(values[i] - torch.log(-torch.log(uniform)))
                 chosen[row] = pick if ids is None else ids[i, pick]
     if observe:
         for sampler, token in zip(samplers, chosen.tolist()):
