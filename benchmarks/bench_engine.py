@@ -1,7 +1,9 @@
 """Engine throughput on a random-weight Qwen3-MoE: prefill tokens/s and decode tokens/s by batch size.
 
     python benchmarks/bench_engine.py [--device cpu|cuda] [--threads 1] [--size small|mid|a3b]
-                                      [--experts looped|grouped|auto]
+                                      [--experts looped|grouped|auto] [--codec f32|bf16|int4]
+
+(a3b: Qwen3-30B-A3B's layer shapes, 2 layers, bf16 checkpoint; use --codec bf16 on the GPU machine)
 
 Builds the checkpoint with transformers (random weights, real structure), converts it with the real FTW
 converter (f32 experts), loads it with Engine.load and drives it through add_request/step as the server
@@ -24,7 +26,7 @@ SIZES = {
     "mid": dict(hidden_size=1024, num_hidden_layers=12, num_attention_heads=16, num_key_value_heads=4, head_dim=64,
                 moe_intermediate_size=384, num_experts=32, num_experts_per_tok=8, intermediate_size=2048),
     # Qwen3-30B-A3B's layer shapes with fewer layers (for the GPU machine)
-    "a3b": dict(hidden_size=2048, num_hidden_layers=8, num_attention_heads=32, num_key_value_heads=4, head_dim=128,
+    "a3b": dict(hidden_size=2048, num_hidden_layers=2, num_attention_heads=32, num_key_value_heads=4, head_dim=128,
                 moe_intermediate_size=768, num_experts=128, num_experts_per_tok=8, intermediate_size=6144),
 }
 
@@ -39,7 +41,7 @@ def build(root: Path, size: str) -> Path:
     ids = save_tokenizer("qwen", "qwen3.jinja", out)
     config = transformers.Qwen3MoeConfig(vocab_size=VOCAB, max_position_embeddings=8192, rms_norm_eps=1e-6,
                                          norm_topk_prob=True, eos_token_id=ids["gen_eos"][0], **SIZES[size])
-    model = transformers.Qwen3MoeForCausalLM(config)
+    model = transformers.Qwen3MoeForCausalLM(config).to(torch.bfloat16 if size == "a3b" else torch.float32)
     model.save_pretrained(out, safe_serialization=True, max_shard_size="200MB")
     return out
 
@@ -53,6 +55,7 @@ def main() -> None:
     ap.add_argument("--decode", type=int, default=32)
     ap.add_argument("--batches", default="1,4,8")
     ap.add_argument("--experts", default="auto", choices=["auto", "looped", "grouped"])
+    ap.add_argument("--codec", default="f32", choices=["f32", "bf16", "int4"])
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
 
@@ -66,7 +69,7 @@ def main() -> None:
 
     with tempfile.TemporaryDirectory() as tmp:
         ckpt = build(Path(tmp), args.size)
-        pkg = convert(ckpt, Path(tmp) / "pkg", codec="f32")
+        pkg = convert(ckpt, Path(tmp) / "pkg", codec=args.codec)
         eng = Engine.load(pkg, device=args.device, max_batch=max(int(b) for b in args.batches.split(",")),
                           prefix_cache_bytes=0, experts_factory=factory)
         gen = torch.Generator().manual_seed(0)
