@@ -133,3 +133,21 @@ def test_qwen35_hub_layout(variant, tiny_checkpoints, tmp_path):
     for name in pkg.dense_names():
         assert torch.equal(pkg.dense(name), sd[name])
     check_experts(pkg, qz.reference_experts(original, "qwen3_5_moe"), exact_dtype=torch.float32)
+
+
+def test_mxfp4_matches_transformers_own_dequantization(variant, tmp_path):
+    """The oracle the engine's parity tests trust: transformers' gpt-oss MXFP4 unpacking (to [E, in, out])."""
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+    _, src = variant("mxfp4")
+    sd = qz.load_state_dict(src)
+    ex = FTWPackage.open(convert(src, tmp_path / "pkg")).experts
+    for layer in ex.layers:
+        p = f"model.layers.{layer}.mlp.experts."
+        gate_up = convert_moe_packed_tensors(sd[p + "gate_up_proj_blocks"], sd[p + "gate_up_proj_scales"],
+                                             dtype=torch.float32)
+        down = convert_moe_packed_tensors(sd[p + "down_proj_blocks"], sd[p + "down_proj_scales"], dtype=torch.float32)
+        for e in range(ex.num_experts):
+            w = ex.dequantize(layer, e)
+            assert torch.equal(w.gate, gate_up[e][:, 0::2].t()) and torch.equal(w.up, gate_up[e][:, 1::2].t())
+            assert torch.equal(w.down, down[e].t())
