@@ -240,3 +240,28 @@ def test_sparse_penalties_equal_the_whole_vocabulary_formulas_and_leave_the_inpu
     ref = apply_presence_frequency(ref, counts, torch.tensor([[0.4]]), torch.tensor([[0.2]]))
     assert torch.allclose(out[:1], ref)
     assert torch.equal(out[1], logits[1])
+
+
+def test_the_same_on_the_engine_device(device):
+    """On the device the suite runs on (--device cuda on the GPU machine): filters match the whole-vocabulary
+    formulas, greedy is the argmax, a seed reproduces, penalties apply."""
+    gen = torch.Generator().manual_seed(6)
+    logits = (torch.randn(4, 2000, generator=gen) * 4).to(device)
+    params = [SamplingParams(temperature=0.8, top_k=40, top_p=0.9, seed=1), SamplingParams(temperature=1.0, seed=2),
+              SamplingParams(temperature=0.0, repetition_penalty=1.2, presence_penalty=0.5),
+              SamplingParams(temperature=0.7, top_p=0.5, min_p=0.1, seed=3)]
+    got = process_logits(logits, [RequestSampler(p, prompt_ids=[1, 2, 3]) for p in params]).cpu()
+    ref = apply_top_p(apply_top_k(logits[:1].cpu() / 0.8, torch.tensor([[40]])), torch.tensor([[0.9]]))
+    assert torch.equal(torch.isfinite(got[0]), torch.isfinite(ref[0]))
+    assert torch.allclose(got[0][torch.isfinite(got[0])], ref[0][torch.isfinite(ref[0])], atol=1e-5)
+
+    def run():
+        samplers = [RequestSampler(p, prompt_ids=[1, 2, 3]) for p in params]
+        return [sample_batch(logits, samplers).cpu().tolist() for _ in range(10)]
+
+    first = run()
+    assert run() == first
+    penalised = logits[2].cpu().clone()
+    penalised[[1, 2, 3]] = torch.where(penalised[[1, 2, 3]] > 0, penalised[[1, 2, 3]] / 1.2,
+                                       penalised[[1, 2, 3]] * 1.2)
+    assert first[0][2] == int(penalised.argmax())

@@ -285,3 +285,12 @@ def test_json_string_arguments_are_decoded_for_templates_that_need_dicts(tiny_ch
     assert tpl.render(decoded) == hf[0].apply_chat_template(as_dicts, tokenize=False, add_generation_prompt=True)
     untouched = [{"role": "assistant", "tool_calls": [{"function": {"name": "f", "arguments": "not json"}}]}]
     assert decode_tool_arguments(untouched) == untouched
+
+
+def test_content_parts_render_as_transformers_renders_them(tiny_checkpoints):
+    """OpenAI-style content lists: Qwen3.5's template reads the text parts itself."""
+    _, hf, tpl, tok = _pair(tiny_checkpoints, "qwen3_5_moe")
+    messages = [{"role": "system", "content": [{"type": "text", "text": "Be brief."}]},
+                {"role": "user", "content": [{"type": "text", "text": "Part one. "}, {"type": "text", "text": "Two."}]}]
+    text = _assert_same(hf, tpl, tok, messages, add_generation_prompt=True)
+    assert "Part one. Two." in text and "Be brief." in text
