@@ -212,6 +212,8 @@ class WorkerClient(QObject):
         socket.readyRead.connect(self._on_ready_read)
         socket.disconnected.connect(self._on_socket_disconnected)
         self._send(protocol.hello(version=_version(), pid=os.getpid()))
+        if socket.bytesAvailable():      # the worker's hello may have arrived before readyRead was connected
+            self._on_ready_read()
 
     @Slot()
     def _on_ready_read(self) -> None:

@@ -225,11 +225,9 @@ def _jsonable(value):
 
 def run_worker(ipc_name: str, *, version: str | None = None, max_queue: int | None = None) -> int:
     """Connect to the app's QLocalServer `ipc_name` and serve until shutdown or until the app goes away."""
-    from PySide6.QtCore import QCoreApplication
+    from runtime.worker_transport import EventLoop, WorkerTransport
 
-    from runtime.worker_transport import WorkerTransport
-
-    app = QCoreApplication.instance() or QCoreApplication([])
+    app = EventLoop()
     transport = WorkerTransport(ipc_name)
     if not transport.connect_to_server():
         return EXIT_NO_CONNECTION
@@ -251,6 +249,6 @@ def run_worker(ipc_name: str, *, version: str | None = None, max_queue: int | No
 
     transport.broken.connect(on_broken)
     core.start()
-    app.exec()
+    app.run()
     core.close()
     return exit_code["code"]

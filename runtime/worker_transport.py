@@ -10,12 +10,25 @@ from __future__ import annotations
 
 import logging
 
-from PySide6.QtCore import QObject, Qt, Signal, Slot
+from PySide6.QtCore import QCoreApplication, QObject, Qt, Signal, Slot
 from PySide6.QtNetwork import QLocalSocket
 
 from runtime.protocol import FrameDecoder, ProtocolError, encode_frame
 
 log = logging.getLogger(__name__)
+
+
+class EventLoop:
+    """The worker's Qt event loop (the socket needs one), so that worker.py itself stays Qt-free."""
+
+    def __init__(self):
+        self.app = QCoreApplication.instance() or QCoreApplication([])
+
+    def run(self) -> int:
+        return self.app.exec()
+
+    def exit(self, code: int) -> None:
+        self.app.exit(code)
 
 
 class WorkerTransport(QObject):
@@ -52,8 +65,6 @@ class WorkerTransport(QObject):
 
     def flush(self, timeout_ms: int = 2000) -> None:
         """Write out what is queued (before exiting)."""
-        from PySide6.QtCore import QCoreApplication
-
         QCoreApplication.processEvents()
         if self.socket.state() == QLocalSocket.LocalSocketState.ConnectedState:
             self.socket.flush()
