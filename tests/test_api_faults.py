@@ -293,3 +293,26 @@ def test_schemathesis_finds_no_server_errors(ckpt, tmp_path):
         run = subprocess.run(cmd, capture_output=True, text=True, timeout=240, cwd=tmp_path)
     assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-2000:]
     assert "10 selected" in run.stdout and " passed" in run.stdout and "failed" not in run.stdout
+
+
+def test_cors_only_when_enabled_for_that_origin():
+    import asyncio as aio
+
+    async def probe(origins):
+        app = create_app(Service(engine_loader=scripted_loader),
+                         ServerConfig(security=SecurityConfig(cors_origins=origins)))
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://127.0.0.1:1919") as client:
+            preflight = await client.options(CHAT, headers={
+                "Origin": "http://localhost:3000", "Access-Control-Request-Method": "POST",
+                "Access-Control-Request-Headers": "content-type,authorization"})
+            get = await client.get("/health", headers={"Origin": "http://localhost:3000"})
+        return preflight, get
+
+    preflight, get = aio.run(probe(("http://localhost:3000",)))
+    assert preflight.status_code == 200
+    assert preflight.headers["access-control-allow-origin"] == "http://localhost:3000"
+    assert get.status_code == 200 and get.headers["access-control-allow-origin"] == "http://localhost:3000"
+    preflight, get = aio.run(probe(()))
+    assert preflight.status_code == 403 and "access-control-allow-origin" not in preflight.headers
+    assert get.status_code == 403

@@ -150,13 +150,11 @@ def _clamp_context(options, package):
 
 
 def plan_lines(plan: dict) -> list[str]:
-    """The engine's plan dict as lines (the planner's own summary lines when the expert tier gives them)."""
-    experts = plan.get("experts")
+    """The engine's plan dict as lines; the expert tier's part (slots, pool, policy...) prefixed 'experts'."""
     lines = []
-    if isinstance(experts, dict) and experts.get("summary_lines"):
-        lines += list(experts["summary_lines"])
     for key, value in plan.items():
-        if key == "experts":
+        if key == "experts" and isinstance(value, dict):
+            lines += [f"experts {line}" for line in plan_lines(value)]
             continue
         if key.endswith("bytes") and isinstance(value, int):
             value = f"{value / (1 << 30):.2f} GiB" if value >= 1 << 30 else f"{value / (1 << 20):.1f} MiB"
