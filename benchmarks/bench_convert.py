@@ -229,6 +229,20 @@ def sequential_read(paths, chunk: int = 16 << 20) -> tuple[int, float]:
     return total, time.perf_counter() - t0
 
 
+def sequential_write(path: Path, nbytes: int, chunk: int = 16 << 20) -> float:
+    """Buffered write of nbytes then fsync, as the converter writes; returns seconds."""
+    buf = np.ones(chunk, dtype=np.uint8)
+    t0 = time.perf_counter()
+    with open(path, "wb", buffering=0) as fh:
+        left = nbytes
+        while left > 0:
+            left -= fh.write(memoryview(buf)[: min(chunk, left)])
+        os.fsync(fh.fileno())
+    dt = time.perf_counter() - t0
+    path.unlink()
+    return dt
+
+
 def tree_files(folder: Path) -> list[Path]:
     return [p for p in sorted(folder.rglob("*")) if p.is_file()]
 
@@ -267,7 +281,23 @@ def run_kind(kind: str, layers: int, work: Path, *, keep: bool) -> dict:
         dt = time.perf_counter() - t0
         result[f"convert_{mode}_s"] = round(dt, 2)
         result[f"convert_{mode}_gibps"] = total / 2**30 / dt
-    result["output_gib"] = sum(p.stat().st_size for p in tree_files(out)) / 2**30
+    out_bytes = sum(p.stat().st_size for p in tree_files(out))
+    result["output_gib"] = out_bytes / 2**30
+    result["disk_write_gibps"] = min(out_bytes, 2 << 30) / 2**30 / sequential_write(work / "write-probe",
+                                                                                   min(out_bytes, 2 << 30))
+    from runtime.ftw.reader import FTWPackage
+    from runtime.ftw.verify import verify
+
+    t0 = time.perf_counter()
+    pkg = FTWPackage.open(out)
+    result["open_ms"] = round((time.perf_counter() - t0) * 1000, 2)
+    t0 = time.perf_counter()
+    pkg.experts.block(pkg.experts.layers[-1], pkg.experts.num_experts - 1)[:4096].sum()
+    result["first_block_ms"] = round((time.perf_counter() - t0) * 1000, 2)
+    t0 = time.perf_counter()
+    ok = verify(out).ok
+    result["verify_gibps"] = out_bytes / 2**30 / (time.perf_counter() - t0)
+    assert ok, "the package does not verify"
     if not keep:
         shutil.rmtree(src, ignore_errors=True)
         shutil.rmtree(out, ignore_errors=True)
@@ -281,19 +311,23 @@ def main(argv=None) -> int:
     parser.add_argument("--kinds", default="bf16,mxfp4,nvfp4")
     parser.add_argument("--layers", type=int, default=0, help="decoder layers (0: the kind's default, a few GB)")
     parser.add_argument("--keep", action="store_true", help="keep the synthetic checkpoints and packages")
+    parser.add_argument("--threads", type=int, default=0, help="torch threads for int4 (0: all cores)")
     args = parser.parse_args(argv)
     import torch
 
-    torch.set_num_threads(max(1, os.cpu_count() or 1))
+    torch.set_num_threads(args.threads or max(1, os.cpu_count() or 1))
     args.work.mkdir(parents=True, exist_ok=True)
     args.json_dir.mkdir(parents=True, exist_ok=True)
     report = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+              "load_average": os.getloadavg() if hasattr(os, "getloadavg") else None,
+              "torch_threads": torch.get_num_threads(),
               "machine": f"{platform.node()} {platform.machine()} {os.cpu_count()} cpus", "commit": git_commit(),
               "command": " ".join([Path(sys.argv[0]).name] + (argv if argv is not None else sys.argv[1:])),
               "results": []}
     for kind in args.kinds.split(","):
         layers = args.layers or KINDS[kind][2]
         res = run_kind(kind, layers, args.work, keep=args.keep)
+        res["load_average_after"] = os.getloadavg() if hasattr(os, "getloadavg") else None
         report["results"].append(res)
         print(json.dumps(res), flush=True)
     (args.json_dir / "bench_convert.json").write_text(json.dumps(report, indent=1))

@@ -202,3 +202,21 @@ def test_read_only_destination(ckpt, tmp_path):
     assert r.returncode == 1, r.stderr
     assert "read-only" in r.stderr and str(parent / "pkg.partial") in r.stderr
     assert list(parent.iterdir()) == []
+
+
+def test_quantized_tensor_without_known_scales(ckpt, tmp_path):
+    """An FP8 expert with no weight_scale_inv must not be read as if it were a float weight."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    shard = shard_of(ckpt, EXPERT)
+    tensors = load_file(shard)
+    tensors[EXPERT] = tensors[EXPERT].to(torch.float8_e4m3fn)
+    save_file(tensors, str(shard), metadata={"format": "pt"})
+    assert_fails_cleanly(ckpt, tmp_path / "out", shard.name, EXPERT, "F8_E4M3", "unsupported quantization")
+
+
+def test_missing_tokenizer_fails_before_converting(ckpt, tmp_path):
+    (ckpt / "tokenizer.json").unlink()
+    assert_fails_cleanly(ckpt, tmp_path / "out", "tokenizer.json missing")
+    assert not (tmp_path / "out.partial").exists()

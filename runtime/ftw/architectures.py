@@ -84,7 +84,8 @@ ARCHITECTURES: dict[str, Architecture] = {
 NAME_PREFIX_REWRITES = (("model.language_model.", "model."),)
 DROPPED_PREFIXES = ("mtp.", "model.visual.", "visual.", "model.vision_tower.")
 # Activation/KV calibration scales of quantized checkpoints: a weight-only runtime has no use for them.
-DROPPED_SUFFIXES = (".input_scale", ".input_global_scale", ".k_scale", ".v_scale", ".output_scale")
+DROPPED_SUFFIXES = (".input_scale", ".input_global_scale", ".k_scale", ".v_scale", ".output_scale",
+                    ".weight_shape")
 
 
 def lookup(model_type: str) -> Architecture | None:

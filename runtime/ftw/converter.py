@@ -31,7 +31,7 @@ import torch
 from runtime.ftw import architectures as archs
 from runtime.ftw.codecs import CODECS, FP4_FORMATS, INT4_GROUP_SIZES, int4_quantize_into
 from runtime.ftw.errors import FTWError
-from runtime.ftw.sources import Checkpoint, Fp4Parts, Scratch, SourceWeight
+from runtime.ftw.sources import FLOAT_DTYPES, Checkpoint, Fp4Parts, Scratch, SourceWeight
 from runtime.ftw.writer import (CHECKSUM, DENSE_FILE, EXPERTS_FILE, FORMAT_VERSION, PART_ALIGN, TORCH_DTYPES, Part,
                                 PackageWriter, WritePipeline, align, dtype_name, expert_block_parts)
 
@@ -217,6 +217,11 @@ def make_plan(ckpt: Checkpoint, *, codec: str = "auto", group_size: int = 64,
                            f"both map to {norm}")
         names[norm] = src_name
 
+    for norm, src_name in names.items():
+        sw = ckpt.weights[src_name]
+        if sw.kind == "float" and sw.main.dtype not in FLOAT_DTYPES:
+            raise FTWError(f"{sw.main.file.name}: tensor {sw.main.name} is stored as {sw.main.dtype} without the "
+                           "scales of a format FreeToken knows: unsupported quantization")
     layers = archs.expert_layers(arch, cfg)
     experts: dict[str, ExpertLayerSource] = {}
     consumed: set[str] = set()
@@ -579,6 +584,8 @@ def convert(src: str | Path, out: str | Path, *, codec: str = "auto", group_size
         plan = make_plan(ckpt, codec=codec, group_size=group_size, chunk_bytes=chunk_bytes)
         if out.exists() and not overwrite:
             raise FTWError(f"{out} already exists; remove it or pass --force to replace it")
+        if not (src / "tokenizer.json").is_file():
+            raise FTWError(f"{src}: tokenizer.json missing; FreeToken needs the model's fast tokenizer")
         skeleton = _skeleton(plan)
         _check_free_space(out, plan.dense_nbytes + plan.experts_nbytes)
         writer = PackageWriter(out, fingerprint=_fingerprint(plan, skeleton),
