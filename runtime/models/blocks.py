@@ -135,6 +135,17 @@ def rope_frequencies(dim: int, theta: float, scaling: dict | None,
 # ------------------------------------------------------------------------------------------ attention
 
 
+def causal_window_mask(first_pos: int, t: int, s: int, sliding_window: int | None, *,
+                       device: torch.device) -> torch.Tensor:
+    """[T, S] bool: query i (at position first_pos + i) may see key j."""
+    qpos = torch.arange(first_pos, first_pos + t, device=device)[:, None]       # [T, 1]
+    kpos = torch.arange(s, device=device)[None, :]                                # [1, S]
+    allowed = kpos <= qpos
+    if sliding_window is not None:
+        allowed = allowed & (qpos - kpos < sliding_window)
+    return allowed
+
+
 def attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, *, scale: float,
            sliding_window: int | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Causal attention of one sequence's T new queries over its S cached keys (the new ones last).
@@ -150,21 +161,17 @@ def attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, *, scale: 
         # keys older than the first query's window are never seen: drop them before the matmul
         lo = max(0, first_pos - sliding_window + 1)
         keys, values, first_pos, s = keys[:, lo:], values[:, lo:], first_pos - lo, s - lo
-    qpos = torch.arange(first_pos, first_pos + t, device=q.device)[:, None]     # [T, 1]
-    kpos = torch.arange(s, device=q.device)[None, :]                              # [1, S]
-    allowed = kpos <= qpos                                                        # [T, S]
-    if sliding_window is not None:
-        allowed = allowed & (qpos - kpos < sliding_window)
+    # one query sees every key left after the window cut: no mask to build (decode's common case)
+    allowed = None if t == 1 else causal_window_mask(first_pos, t, s, sliding_window, device=q.device)  # [T, S]
     if sinks is None:
-        # one query sees every key left after the window cut: no mask (and no host sync to find that out)
-        mask = None if t == 1 else allowed
-        return F.scaled_dot_product_attention(q[None], keys[None], values[None], attn_mask=mask,
+        return F.scaled_dot_product_attention(q[None], keys[None], values[None], attn_mask=allowed,
                                               scale=scale, enable_gqa=h != hkv)[0]
     # sinks: softmax over [scores, sink] then drop the sink column, so a head may attend to nothing
     g = h // hkv
     qg = q.reshape(hkv, g, t, hd)                                                 # [Hkv, G, T, hd]
     scores = torch.matmul(qg, keys[:, None].transpose(-1, -2)) * scale            # [Hkv, G, T, S]
-    scores = scores.masked_fill(~allowed, float("-inf"))
+    if allowed is not None:
+        scores = scores.masked_fill(~allowed, float("-inf"))
     sink = sinks.reshape(hkv, g, 1, 1).to(scores.dtype).expand(hkv, g, t, 1)
     logits = torch.cat([scores, sink], dim=-1)
     logits = logits - logits.max(dim=-1, keepdim=True).values
