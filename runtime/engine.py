@@ -42,7 +42,8 @@ MAX_KEPT_RESULTS = 1024          # finished requests whose GenerationResult wait
 
 ProgressFn = Callable[[int, int, str], None]      # (done, total, stage)
 PrefillFn = Callable[[int, int], None]            # (done, total) prompt tokens
-# experts_factory(package, spec, *, device, dtype, vram_budget, cpu_experts_per_layer, progress) -> Experts
+# experts_factory(package, spec, *, device, dtype, vram_budget, cpu_experts_per_layer, progress,
+#                 context_length, max_sequences) -> Experts
 ExpertsFactory = Callable[..., Experts]
 
 
@@ -208,8 +209,12 @@ class Engine:
         stage = lambda name: (lambda done, total: progress(done, total, name)) if progress else None  # noqa: E731
         report = load_dense_weights(model, package, progress=stage("dense weights"))
         factory = experts_factory or resident_experts_factory
-        experts = factory(package, model.expert_spec(), device=dev, dtype=dtype, vram_budget=vram_budget,
-                          cpu_experts_per_layer=cpu_experts_per_layer, progress=stage("experts"))
+        try:
+            experts = factory(package, model.expert_spec(), device=dev, dtype=dtype, vram_budget=vram_budget,
+                              cpu_experts_per_layer=cpu_experts_per_layer, progress=stage("experts"),
+                              context_length=context_length, max_sequences=max_batch)
+        except MemoryError as exc:   # the plan (or the device) says the experts do not fit
+            raise EngineError(f"the model does not fit on this machine: {exc}") from exc
         model.set_experts(experts)
         state_bytes = 0
         if callable(getattr(model, "attach_state_pool", None)):

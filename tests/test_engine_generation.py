@@ -274,3 +274,25 @@ def test_prefix_cache_kept_on_another_device_is_exact(family, ftw_packages, devi
     assert second.cached_tokens == len(turn1) + len(first.tokens) - 1
     plain = load(ftw_packages, family, device, prefix_cache_bytes=0)
     assert second.tokens == plain.generate(turn2, SamplingParams(max_tokens=6, **GREEDY)).tokens
+
+
+def test_experts_factory_seam_gets_the_plan_inputs_and_a_misfit_is_an_engine_error(ftw_packages, device):
+    from runtime.engine import resident_experts_factory
+
+    seen = {}
+
+    def factory(package, spec, **kw):
+        seen.update(kw, spec=spec)
+        return resident_experts_factory(package, spec, **kw)
+
+    eng = load(ftw_packages, "gpt_oss", device, experts_factory=factory, context_length=512, max_batch=3,
+               vram_budget=123)
+    assert seen["context_length"] == 512 and seen["max_sequences"] == 3 and seen["vram_budget"] == 123
+    assert seen["spec"].activation == "gpt_oss" and seen["spec"].has_bias
+    assert eng.plan["backend"] == "custom"
+
+    def too_big(package, spec, **kw):
+        raise MemoryError("experts need 60 GiB, 8 GiB are free")
+
+    with pytest.raises(EngineError, match="does not fit.*60 GiB"):
+        load(ftw_packages, "gpt_oss", device, experts_factory=too_big)
