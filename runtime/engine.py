@@ -226,15 +226,18 @@ class Engine:
         except ChatTemplateError as exc:
             log.warning("%s", exc)
             chat_template = None
-        plan = {"backend": "resident" if factory is resident_experts_factory else getattr(experts, "backend", "custom"),
+        experts_plan = getattr(experts, "plan", None) or getattr(experts, "planned", None)
+        experts_plan = experts_plan() if callable(experts_plan) else experts_plan
+        backend = (experts_plan or {}).get("backend") or getattr(experts, "backend", None) or "custom"
+        plan = {"backend": "resident" if factory is resident_experts_factory else backend,
                 "device": str(dev), "dtype": str(dtype).replace("torch.", ""), "context_length": context_length,
                 "max_batch": max_batch, "dense_bytes": report.nbytes,
                 "expert_bytes": int(getattr(experts, "nbytes", 0)), "prefix_cache_bytes": prefix_cache_bytes,
                 "prefix_cache_device": str(prefix_dev),
                 "state_slots": max_batch if state_bytes else 0, "state_bytes": state_bytes,
                 "load_seconds": round(time.perf_counter() - t0, 3)}
-        if hasattr(experts, "plan"):
-            plan["experts"] = experts.plan() if callable(experts.plan) else experts.plan
+        if experts_plan:
+            plan["experts"] = experts_plan
         return cls(model=model, package=package, tokenizer=tokenizer, chat_template=chat_template, device=dev,
                    dtype=dtype, context_length=context_length, max_batch=max_batch,
                    prefix_cache_bytes=prefix_cache_bytes, prefix_cache_device=prefix_dev, prefill_chunk=prefill_chunk,

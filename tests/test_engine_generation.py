@@ -283,13 +283,15 @@ def test_experts_factory_seam_gets_the_plan_inputs_and_a_misfit_is_an_engine_err
 
     def factory(package, spec, **kw):
         seen.update(kw, spec=spec)
-        return resident_experts_factory(package, spec, **kw)
+        experts = resident_experts_factory(package, spec, **kw)
+        experts.plan = {"backend": "gpu", "expert_slots": 0}       # what the planner-driven factory attaches
+        return experts
 
     eng = load(ftw_packages, "gpt_oss", device, experts_factory=factory, context_length=512, max_batch=3,
                vram_budget=123)
     assert seen["context_length"] == 512 and seen["max_sequences"] == 3 and seen["vram_budget"] == 123
     assert seen["spec"].activation == "gpt_oss" and seen["spec"].has_bias
-    assert eng.plan["backend"] == "custom"
+    assert eng.plan["backend"] == "gpu" and eng.plan["experts"]["expert_slots"] == 0
 
     def too_big(package, spec, **kw):
         raise MemoryError("experts need 60 GiB, 8 GiB are free")
