@@ -45,9 +45,13 @@ def check_experts(pkg: FTWPackage, reference: dict, *, exact_dtype: torch.dtype 
     """exact_dtype: the package must equal the reference rounded to it; None: int4 within its bound."""
     ex = pkg.experts
     assert sorted({k[0] for k in reference}) == ex.layers
+    stacked = {layer: ex.layer_tensors(layer) for layer in ex.layers}
     for (layer, e), ref in reference.items():
         w = ex.dequantize(layer, e)
         parts = ex.tensors(layer, e)
+        for name, t in parts.items():                 # [E, ...] strided views agree with the per-expert ones
+            assert stacked[layer][name].dtype == t.dtype
+            assert torch.equal(stacked[layer][name][e].view(torch.uint8), t.view(torch.uint8)), name
         for key, value in ref.items():
             if key.endswith("bias"):
                 assert torch.equal(getattr(w, key), value.float()), (layer, e, key)
