@@ -246,14 +246,23 @@ class Engine:
     # -------------------------------------------------------------------------------------- requests
 
     def add_request(self, prompt_ids: list[int], sampling: SamplingParams | None = None, *,
-                    on_prefill: PrefillFn | None = None, request_id: str | None = None) -> str:
-        """Queue a request; it joins the running batch at the next step. Returns its id."""
+                    on_prefill: PrefillFn | None = None, request_id: str | None = None,
+                    truncate: bool = False) -> str:
+        """Queue a request; it joins the running batch at the next step. Returns its id.
+
+        A prompt longer than the context is refused, unless `truncate`: then its oldest tokens are dropped
+        so that it fills the context but one token (room for at least one answer token).
+        """
         from runtime.text.tokenizer import StreamDecoder
 
         params = sampling or SamplingParams()
         prompt = [int(t) for t in prompt_ids]
         if not prompt:
             raise EngineError("the prompt is empty: at least one token is needed")
+        if truncate and len(prompt) >= self.context_length:
+            keep = max(1, self.context_length - 1)
+            log.info("prompt of %d tokens truncated to its last %d", len(prompt), keep)
+            prompt = prompt[-keep:]
         if len(prompt) > self.context_length:
             raise EngineError(f"the prompt is {len(prompt)} tokens long but the context holds {self.context_length}; "
                               "shorten the conversation or load the model with a longer context")

@@ -189,6 +189,12 @@ def test_max_tokens_and_context_limits(ftw_packages, device):
         eng.add_request([], SamplingParams(**GREEDY))
     with pytest.raises(EngineError, match="vocabulary"):
         eng.add_request([1, 10_000], SamplingParams(**GREEDY))
+    long_prompt = random_prompt(20, seed=80)
+    rid = eng.add_request(long_prompt, SamplingParams(max_tokens=5, **GREEDY), truncate=True)
+    run_all(eng)
+    cut = eng.result(rid)
+    assert cut.prompt_tokens == 15 and len(cut.tokens) == 1 and cut.finish_reason == "length"
+    assert cut.tokens == eng.generate(long_prompt[-15:], SamplingParams(max_tokens=1, **GREEDY)).tokens
     at_context = eng.generate(random_prompt(10, seed=81), SamplingParams(max_tokens=100, **GREEDY))
     assert at_context.finish_reason == "length" and len(at_context.tokens) == 6
     assert eng.generate(random_prompt(4, seed=82), SamplingParams(max_tokens=3, **GREEDY)).tokens.__len__() == 3
