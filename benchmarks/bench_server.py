@@ -4,8 +4,11 @@
 
 For each concurrency C it runs C greedy generations of --tokens tokens from the same chat prompt
   - directly: Engine.add_request x C, then step() until done (the engine alone), and
-  - through HTTP: C concurrent streaming /v1/chat/completions requests to `freetoken serve` running in
-    its own process (the real server: SSE, JSON, the service thread, the parser),
+  - through HTTP: C concurrent streaming /v1/completions requests with the same prompt tokens to
+    `freetoken serve` in its own process (the real server: HTTP, SSE, JSON, the service thread).
+    Completions, not chat: a chat answer goes through the family's output parser, which holds text
+    back while it might be a tool call (the random demo model writes `<tool_call>` tokens), and that
+    is the model's content, not the server's overhead;
 and reports tokens/s summed over the streams (all generated tokens over the wall time from the first
 request to the last token), the inter-token latency p50/p99 (time between consecutive text arrivals
 within a stream, as a client sees them), and errors. Without --model it uses the
@@ -38,11 +41,20 @@ def percentile(values: list[float], q: float) -> float:
     return values[lo] + (values[hi] - values[lo]) * (k - lo)
 
 
-def direct(model: Path, streams: int, tokens: int, device: str) -> dict:
+def prompt_ids(model: Path) -> list[int]:
+    """The chat prompt rendered with the model's template: the same tokens on both paths."""
+    from runtime.ftw.reader import FTWPackage
+    from runtime.text.chat_template import ChatTemplate
+    from runtime.text.tokenizer import Tokenizer
+
+    folder = FTWPackage.open(model).tokenizer_dir
+    return Tokenizer.from_dir(folder).encode(ChatTemplate.from_dir(folder).render(PROMPT, add_generation_prompt=True))
+
+
+def direct(model: Path, streams: int, tokens: int, device: str, ids: list[int], max_batch: int) -> dict:
     from runtime.engine import Engine, SamplingParams
 
-    engine = Engine.load(model, device=device, max_batch=max(8, streams), context_length=2048)
-    ids = engine.tokenizer.encode(engine.chat_template.render(PROMPT, add_generation_prompt=True))
+    engine = Engine.load(model, device=device, max_batch=max_batch, context_length=2048)   # as the server has
     engine.generate(ids, SamplingParams(temperature=0, max_tokens=8))            # warm-up
     stamps: dict[str, list[float]] = {}
     for i in range(streams):
@@ -68,14 +80,14 @@ def summarize(stamps: list[list[float]], generated: int, wall: float, errors: in
             "errors": errors}
 
 
-async def http_run(url: str, streams: int, tokens: int) -> dict:
+async def http_run(url: str, streams: int, tokens: int, prompt_ids: list[int]) -> dict:
     import httpx
 
     async def one(client, i):
-        body = {"model": "bench", "messages": PROMPT, "max_tokens": tokens, "temperature": 0, "seed": i,
+        body = {"model": "bench", "prompt": prompt_ids, "max_tokens": tokens, "temperature": 0, "seed": i,
                 "stream": True, "stream_options": {"include_usage": True}}
         times, usage = [], None
-        async with client.stream("POST", f"{url}/v1/chat/completions", json=body) as response:
+        async with client.stream("POST", f"{url}/v1/completions", json=body) as response:
             if response.status_code != 200:
                 await response.aread()
                 return times, f"HTTP {response.status_code}: {response.text[:200]}", 0
@@ -85,7 +97,7 @@ async def http_run(url: str, streams: int, tokens: int) -> dict:
                 chunk = json.loads(line[6:])
                 if chunk.get("usage"):
                     usage = chunk["usage"]
-                elif chunk["choices"] and chunk["choices"][0]["delta"].get("content"):
+                elif chunk["choices"] and chunk["choices"][0]["text"]:
                     times.append(time.perf_counter())
         if not usage or usage["completion_tokens"] != tokens:
             return times, f"usage {usage} (expected {tokens} tokens)", 0
@@ -142,8 +154,9 @@ def main() -> int:
     rows = []
     try:
         for streams in [int(s) for s in args.streams.split(",")]:
-            d = direct(model, streams, args.tokens, args.device)
-            h = asyncio.run(http_run(f"http://127.0.0.1:{port}", streams, args.tokens))
+            ids = prompt_ids(model)
+            d = direct(model, streams, args.tokens, args.device, ids, args.max_batch)
+            h = asyncio.run(http_run(f"http://127.0.0.1:{port}", streams, args.tokens, ids))
             rows.append((streams, d, h))
             print(f"C={streams}: direct {d['tps']:.0f} tok/s, http {h['tps']:.0f} tok/s, "
                   f"errors {h['errors']}", file=sys.stderr)
