@@ -83,6 +83,8 @@ class FileTask:
     state: str = QUEUED
     done: int = 0                  # bytes on disk (final or .part)
     error: str = ""
+    rate: float = 0.0              # live, not persisted: bytes/s of this file over the last few seconds
+    eta_s: float | None = None
 
     @property
     def expected(self) -> str:
@@ -122,7 +124,8 @@ class DownloadJob:
 
     def to_json(self) -> dict:
         data = asdict(self)
-        data.pop("rate"), data.pop("eta_s")
+        for item in (data, *data["files"]):
+            item.pop("rate"), item.pop("eta_s")
         return data
 
     def summary(self) -> str:
@@ -296,6 +299,9 @@ class DownloadManager:
             raise DownloadError(f"{repo}: no file matches {allow_patterns or '*'}")
         files = []
         for path in chosen:
+            parts = Path(path).parts
+            if Path(path).is_absolute() or ".." in parts or path.startswith(("/", "\\")):
+                raise DownloadError(f"{repo}: refusing the file name {path!r}: it points outside the model folder")
             s = siblings[path]
             if s.size is None:
                 raise DownloadError(f"{repo}: the hub gave no size for {path}")
@@ -404,7 +410,7 @@ class DownloadManager:
                 self._wake.wait(0.05)
 
     def _scan_disk(self, job: DownloadJob) -> None:
-        """What is already on disk: finished files (same size; verified when the job finishes) and partials."""
+        """What is already on disk: finished files (verified before they were renamed into place) and partials."""
         for f in job.files:
             final = job.dest_path / f.path
             part = job.dest_path / PARTIAL_DIR / (f.path + ".part")
@@ -440,9 +446,13 @@ class DownloadManager:
             except Exception:      # a listener's bug must not kill a download worker
                 log.exception("download listener failed")
 
-    def _progress(self, job: DownloadJob, *, force: bool = False) -> None:
+    def _progress(self, job: DownloadJob, *, task: FileTask | None = None, force: bool = False) -> None:
         now = time.monotonic()
         with self._lock:
+            if task is not None:
+                file_meter = self._meters.setdefault(f"{job.id}/{task.path}", _RateMeter())
+                task.rate = file_meter.add(task.done)
+                task.eta_s = (task.size - task.done) / task.rate if task.rate > 0 else None
             meter = self._meters.setdefault(job.id, _RateMeter())
             job.rate = meter.add(job.done_bytes)
             remaining = job.total_bytes - job.done_bytes
@@ -529,6 +539,8 @@ class DownloadManager:
             finally:
                 with self._lock:
                     self._active.pop((job.id, task.path), None)
+                    self._meters.pop(f"{job.id}/{task.path}", None)
+                    task.rate, task.eta_s = 0.0, None
                     self._wake.notify_all()
             self._after_file(job, task)
 
@@ -658,7 +670,7 @@ class DownloadManager:
                             received += len(chunk)
                             with self._lock:
                                 task.done = min(received, task.size)
-                            self._progress(job)
+                            self._progress(job, task=task)
                         fh.flush()
                         os.fsync(fh.fileno())
                 except OSError as exc:

@@ -90,6 +90,7 @@ def test_download_verifies_every_file_and_reports_progress(hub, models, tiny_che
     assert not (done.dest_path / PARTIAL_DIR).exists()
     progress = [e.job.done_bytes for e in events if e.kind == "progress"]
     assert progress == sorted(progress) and progress[-1] == done.total_bytes
+    assert all(f.done <= f.size for e in events for f in e.job.files)
     assert [e.kind for e in events].count("file_done") == len(names)
     assert [j.repo for j in completed] == [REPO]
     assert "done 100.0%" in done.summary()
@@ -300,6 +301,8 @@ def test_cancel_removes_partial_and_finished_files(hub, models):
 
 def test_bandwidth_cap_and_paused_state_survive(hub, models):
     mgr = manager(hub, models, concurrency=2, bandwidth_bytes_s=400_000)
+    events = []
+    mgr.add_listener(events.append)
     job = mgr.add(REPO, allow_patterns=["*.safetensors"])
     started = time.monotonic()
     mgr.start()
@@ -308,6 +311,10 @@ def test_bandwidth_cap_and_paused_state_survive(hub, models):
     mgr.shutdown()
     assert done.state == DONE
     assert elapsed >= 0.8 * done.total_bytes / 400_000     # two workers share one cap
+    assert max(e.job.rate for e in events if e.kind == "progress") > 0
+    # per-file progress: bytes, rate and ETA of files part-way through
+    assert any(0 < f.done < f.size and f.rate > 0 and f.eta_s is not None
+               for e in events if e.kind == "progress" for f in e.job.files)
     # a paused job stays paused across a restart
     mgr2 = manager(hub, models)
     job2 = mgr2.add("tiny/qwen3-moe", allow_patterns=["*.json"], dest=models / "second")
@@ -364,7 +371,7 @@ def test_library_follows_a_model_from_catalog_to_ready_and_deletes_it(hub, model
     assert mgr.jobs() == []
 
 
-def test_download_command_fetches_converts_and_the_library_shows_it_ready(hub, freetoken_home, tiny_checkpoints):
+def test_download_command_fetches_converts_and_the_library_shows_it_ready(hub, freetoken_home, tiny_checkpoints, capsys):
     env = {**os.environ, "HF_HUB_OFFLINE": "0", "PYTHONPATH": str(ROOT), "FREETOKEN_HOME": str(freetoken_home)}
     cmd = [sys.executable, "-m", "ui.entry", "download", REPO, "--endpoint", hub.url, "--progress-json", "--convert"]
     out = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=300)
@@ -377,14 +384,29 @@ def test_download_command_fetches_converts_and_the_library_shows_it_ready(hub, f
     package = Path(done[-1]["path"])
     assert (package / "manifest.json").exists()
     assert json.loads((package / "manifest.json").read_text())["source"]["repo_id"] == REPO
-    listed = subprocess.run([sys.executable, "-m", "ui.entry", "models", "--json", "--cpu-gbps", "10"], env=env,
-                            cwd=ROOT, capture_output=True, text=True, timeout=120)
-    rows = {r["key"]: r for r in json.loads(listed.stdout)["models"]}
+    from app.cli import main
+
+    capsys.readouterr()
+    assert main(["models", "list", "--json", "--cpu-gbps", "10", "--context", "8192"]) == 0
+    listed = json.loads(capsys.readouterr().out)
+    assert listed["context_length"] == 8192
+    rows = {r["key"]: r for r in listed["models"]}
     assert rows[REPO]["status"] == "ready"
     assert rows["Qwen/Qwen3-30B-A3B-Instruct-2507"]["status"] == "not downloaded"
     assert rows["Qwen/Qwen3-30B-A3B-Instruct-2507"]["fit_badge"]
     # an architecture FreeToken cannot run is refused before any byte is fetched
     hub.add_config_only("meta/llama", {"model_type": "llama"})
-    refused = subprocess.run([sys.executable, "-m", "ui.entry", "download", "meta/llama", "--endpoint", hub.url],
-                             env=env, cwd=ROOT, capture_output=True, text=True, timeout=120)
-    assert refused.returncode == 1 and "llama" in refused.stderr and "--force" in refused.stderr
+    assert main(["download", "meta/llama", "--endpoint", hub.url]) == 1
+    err = capsys.readouterr().err
+    assert "llama" in err and "--force" in err
+    assert not [p for _, p, _ in hub.requests if p.startswith("/meta/llama/resolve/")]
+
+
+def test_file_names_that_escape_the_model_folder_are_refused(hub, models):
+    from tests.hub_server import RepoFile
+
+    hub.add_repo("org/evil", {"config.json": RepoFile("config.json", b"{}", lfs=False),
+                              "../../outside.json": RepoFile("../../outside.json", b"{}", lfs=False)})
+    with pytest.raises(DownloadError, match="outside the model folder"):
+        manager(hub, models).add("org/evil")
+    assert not (models.parent / "outside.json").exists()

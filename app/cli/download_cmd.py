@@ -105,6 +105,9 @@ def run(args) -> int:
         print(f"\npaused {repo}; run the same command to resume", file=sys.stderr)
         return 130
     manager.shutdown()
+    if final is None:
+        print(f"\nthe download of {repo} was cancelled", file=sys.stderr)
+        return 1
     if tty and not args.progress_json:
         print(file=sys.stderr)
     if final.state == FAILED:
