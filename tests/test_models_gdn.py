@@ -264,6 +264,10 @@ def test_engine_batched_equals_sequential(tiny_checkpoints, tmp_path_factory, fa
 
     eng = engine(path, device, prefix_cache_bytes=0, max_batch=3, prefill_chunk=16)
     pool = eng.model.attach_state_pool(3, device=device, dtype=torch.float32) if pooled else None
+    gathered = []                                # batch sizes of the pool's one-gather decode path
+    if pooled:
+        gather = pool.gather
+        pool.gather = lambda layer, slots: gathered.append(len(slots)) or gather(layer, slots)
     rids = [eng.add_request(p, greedy_params(10)) for p in prompts[:3]]
     eng.step()
     eng.step()
@@ -272,7 +276,7 @@ def test_engine_batched_equals_sequential(tiny_checkpoints, tmp_path_factory, fa
     assert [eng.result(r).tokens for r in rids] == alone
     assert len({tuple(t) for t in alone}) == 4
     if pooled:
-        assert pool.in_use == 0
+        assert pool.in_use == 0 and max(gathered) == 3      # three sequences decoded in one call per layer
 
 
 @pytest.mark.parametrize("family", FAMILIES)

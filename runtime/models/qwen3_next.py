@@ -29,7 +29,7 @@ from runtime.experts.interface import Experts
 from runtime.models.base import Batch, CausalLM, ModelConfig
 from runtime.models.blocks import DenseMLP, RMSNorm, Rotary, SparseMoE, attend_batch, route_softmax_topk
 from runtime.models.gated_deltanet import GatedDeltaNet, GatedDeltaNetConfig
-from runtime.models.linear_state import CONV, RECURRENT, LinearStateSpec, StatePool
+from runtime.models.linear_state import CONV, RECURRENT, LinearStateSpec, SlotStateCache, StatePool
 
 LINEAR, FULL = "linear_attention", "full_attention"   # config.json's layer_types
 
@@ -152,6 +152,16 @@ def _store_states(cache, conv: torch.Tensor, rec: torch.Tensor, tokens: int) -> 
     cache.advance(tokens)
 
 
+def _common_pool(caches) -> StatePool | None:
+    """The pool when every cache is a slot of the same pool (same linear layer), else None."""
+    first = caches[0]
+    if not isinstance(first, SlotStateCache):
+        return None
+    if all(isinstance(c, SlotStateCache) and c.pool is first.pool and c.layer == first.layer for c in caches):
+        return first.pool
+    return None
+
+
 def linear_attention(gdn: GatedDeltaNet, x: torch.Tensor, batch: Batch, layer: int) -> torch.Tensor:
     """Run a GatedDeltaNet over a ragged batch, each sequence from and back into its own state.
 
@@ -170,9 +180,15 @@ def linear_attention(gdn: GatedDeltaNet, x: torch.Tensor, batch: Batch, layer: i
         out[rows] = y[0]
         _store_states(cache, conv[0], rec[0], tokens)
     if decoding:
-        states = [_slot_states(gdn, cache, x.device, x.dtype) for _, cache in decoding]
-        conv = torch.stack([s[0] for s in states])                                   # [B, C, W-1]
-        rec = torch.stack([s[1] for s in states])                                    # [B, Hv, dk, dv]
+        caches = [cache for _, cache in decoding]
+        pool = _common_pool(caches)
+        if pool is not None:     # every sequence in one slot pool: one gather and one scatter per layer
+            slots = torch.tensor([c.slot for c in caches], device=pool.device)
+            conv, rec = pool.gather(caches[0].layer, slots)                          # [B, C, W-1], [B, Hv, dk, dv]
+        else:
+            states = [_slot_states(gdn, cache, x.device, x.dtype) for cache in caches]
+            conv = torch.stack([s[0] for s in states])                               # [B, C, W-1]
+            rec = torch.stack([s[1] for s in states])                                # [B, Hv, dk, dv]
         if len(decoding) == x.shape[0]:          # a pure decode step: row i is sequence i, no gather
             y, conv, rec = gdn(x[:, None], conv, rec)                               # [B, 1, D]
             out = y[:, 0]
@@ -180,8 +196,13 @@ def linear_attention(gdn: GatedDeltaNet, x: torch.Tensor, batch: Batch, layer: i
             idx = torch.tensor([row for row, _ in decoding], device=x.device)
             y, conv, rec = gdn(x.index_select(0, idx)[:, None], conv, rec)          # [B, 1, D]
             out.index_copy_(0, idx, y[:, 0])
-        for i, (_, cache) in enumerate(decoding):
-            _store_states(cache, conv[i], rec[i], 1)
+        if pool is not None:
+            pool.scatter(caches[0].layer, slots, conv, rec)
+            for cache in caches:
+                cache.advance(1)
+        else:
+            for i, cache in enumerate(caches):
+                _store_states(cache, conv[i], rec[i], 1)
     return out
 
 
