@@ -33,6 +33,7 @@ SCRIPTS = {
     "think": "<think>\nLet me think about this carefully.\n</think>\n\nThe answer is 4.<|im_end|>",
     "answer": "It is sunny in Paris, 21 degrees.<|im_end|>",
     "stopword": "one two three STOP four five<|im_end|>",
+    "explode": "Starting to answer, then the engine fails",     # see ScriptedEngine._accept
 }
 
 
@@ -44,16 +45,19 @@ class ScriptedEngine(Engine):
     def add_request(self, prompt_ids, sampling=None, **kwargs):
         rid = super().add_request(prompt_ids, sampling, **kwargs)
         if not hasattr(self, "scripts"):
-            self.scripts = {}
+            self.scripts, self._script_names = {}, {}
         found = SCRIPT_MARKER.findall(self.tokenizer.decode(prompt_ids))
         if found:
             self.scripts[rid] = list(self.tokenizer.encode(SCRIPTS[found[-1]]))
+            self._script_names[rid] = found[-1]
         return rid
 
     def _accept(self, seq, token, now):
         script = getattr(self, "scripts", {}).get(seq.request_id)
         if script:
             token = script.pop(0)
+        elif script is not None and self._script_names.get(seq.request_id) == "explode":
+            raise RuntimeError("simulated engine failure (the explode script ran out)")
         return super()._accept(seq, token, now)
 
 

@@ -316,3 +316,28 @@ def test_cors_only_when_enabled_for_that_origin():
     preflight, get = aio.run(probe(()))
     assert preflight.status_code == 403 and "access-control-allow-origin" not in preflight.headers
     assert get.status_code == 403
+
+
+def test_engine_failure_mid_stream_is_an_error_in_each_api_and_the_server_lives_on(server):
+    service, srv = server
+    ask = [{"role": "user", "content": "[[script:explode]]"}]
+    oa = openai.OpenAI(base_url=srv.url + "/v1", api_key="x", max_retries=0)
+    seen = ""
+    with pytest.raises(openai.APIError) as err:
+        for chunk in oa.chat.completions.create(model="m", messages=ask, max_tokens=100, stream=True):
+            seen += chunk.choices[0].delta.content or "" if chunk.choices else ""
+    assert "simulated engine failure" in str(err.value.message) and seen.startswith("Starting to answer")
+    with pytest.raises(openai.InternalServerError):          # not streamed: a 500 in OpenAI's shape
+        oa.chat.completions.create(model="m", messages=ask, max_tokens=100)
+    an = anthropic.Anthropic(base_url=srv.url, api_key="x", max_retries=0)
+    with pytest.raises(anthropic.APIStatusError) as aerr:
+        with an.messages.stream(model="c", max_tokens=100, messages=ask) as stream:
+            for _ in stream:
+                pass
+    assert "simulated engine failure" in str(aerr.value)
+    events = list(oa.responses.create(model="m", input="[[script:explode]]", stream=True))
+    assert events[-1].type == "response.failed"
+    assert "simulated engine failure" in events[-1].response.error.message
+    ok = oa.chat.completions.create(model="m", messages=[{"role": "user", "content": "hi"}], max_tokens=3,
+                                    temperature=0)
+    assert ok.usage.completion_tokens == 3 and service.pending() == 0

@@ -117,11 +117,11 @@ def template_kwargs(thinking) -> dict:
     return {}
 
 
-def _prompt(model, body) -> tuple[str, list[int], list[dict] | None]:
+async def _prompt(model, body) -> tuple[str, list[int], list[dict] | None]:
     messages = anthropic_messages(body.system, body.messages)
     tools = anthropic_tools(body.tools, getattr(body, "tool_choice", None))
-    text = prompts.render(model, messages, tools, template_kwargs(body.thinking))
-    return text, prompts.tokenize(model, text), tools
+    text, ids = await prompts.render_and_tokenize(model, messages, tools, template_kwargs(body.thinking))
+    return text, ids, tools
 
 
 class MessageBuilder:
@@ -214,7 +214,7 @@ def usage(finished: Finished | None, prompt_tokens: int) -> dict:
 @router.post("/v1/messages", summary="Anthropic Messages (Claude Code): streaming and not, tools, thinking")
 async def messages(body: MessagesRequest, request: Request):
     model = await current_model(request)
-    text, ids, tools = _prompt(model, body)
+    text, ids, tools = await _prompt(model, body)
     prompts.check_context(model, ids)
     sampling = prompts.sampling_params(model, prompt_len=len(ids), max_tokens=body.max_tokens,
                                        stop=body.stop_sequences, temperature=body.temperature, top_p=body.top_p,
@@ -262,5 +262,5 @@ async def _message_frames(stream: JobStream, builder: MessageBuilder, prompt_tok
 @router.post("/v1/messages/count_tokens", summary="Anthropic token count with the model's real chat template")
 async def count_tokens(body: CountTokensRequest, request: Request):
     model = await current_model(request)
-    _, ids, _ = _prompt(model, body)
+    _, ids, _ = await _prompt(model, body)
     return {"input_tokens": len(ids)}

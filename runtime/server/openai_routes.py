@@ -177,8 +177,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
     model = await current_model(request)
     messages = chat_messages(body.messages)
     tools = chat_tools(body)
-    text = prompts.render(model, messages, tools, template_kwargs_for_chat(body))
-    ids = prompts.tokenize(model, text)
+    text, ids = await prompts.render_and_tokenize(model, messages, tools, template_kwargs_for_chat(body))
     prompts.check_context(model, ids)
     sampling = prompts.sampling_params(
         model, prompt_len=len(ids), max_tokens=body.max_completion_tokens or body.max_tokens, stop=body.stop,

@@ -76,6 +76,19 @@ def tokenize(model: ModelInfo, text: str) -> list[int]:
     return list(model.tokenizer.encode(text))
 
 
+async def render_and_tokenize(model: ModelInfo, messages: list[dict], tools: list[dict] | None,
+                              template_kwargs: dict) -> tuple[str, list[int]]:
+    """Template and tokenizer off the event loop: an agent's 20K-token prompt takes tens of milliseconds,
+    which would stall every other stream's tokens if done on the loop."""
+    from starlette.concurrency import run_in_threadpool
+
+    def work():
+        text = render(model, messages, tools, template_kwargs)
+        return text, tokenize(model, text)
+
+    return await run_in_threadpool(work)
+
+
 def check_context(model: ModelInfo, prompt_ids: list[int], *, param: str = "messages") -> None:
     if len(prompt_ids) >= model.context_length:
         raise APIError("context_length", f"the prompt is {len(prompt_ids)} tokens, but the model's context is "

@@ -267,8 +267,7 @@ async def responses(body: ResponsesRequest, request: Request):
         kwargs["reasoning_effort"] = effort
         if effort in ("none", "minimal"):
             kwargs["enable_thinking"] = False
-    text = prompts.render(model, messages, tools, kwargs)
-    ids = prompts.tokenize(model, text)
+    text, ids = await prompts.render_and_tokenize(model, messages, tools, kwargs)
     prompts.check_context(model, ids, param="input")
     sampling = prompts.sampling_params(model, prompt_len=len(ids), max_tokens=body.max_output_tokens,
                                        temperature=body.temperature, top_p=body.top_p)
