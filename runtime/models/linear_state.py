@@ -72,8 +72,11 @@ class StatePool:
             raise ValueError(f"a state pool needs at least one slot, got capacity={capacity}")
         self.spec, self.capacity, self.device = spec, capacity, torch.device(device)
         G = spec.num_layers
-        self.conv = torch.zeros(capacity, G, *spec.conv_shape, dtype=spec.conv_dtype, device=self.device)
-        self.recurrent = torch.zeros(capacity, G, *spec.recurrent_shape, dtype=torch.float32, device=self.device)
+        # normal tensors even when reserved inside inference mode: slots are reset and restored in place,
+        # possibly outside it, which inference tensors refuse
+        with torch.inference_mode(False):
+            self.conv = torch.zeros(capacity, G, *spec.conv_shape, dtype=spec.conv_dtype, device=self.device)
+            self.recurrent = torch.zeros(capacity, G, *spec.recurrent_shape, dtype=torch.float32, device=self.device)
         self._free = list(range(capacity - 1, -1, -1))      # stack: lowest slot handed out first
         self._offsets = [0] * capacity
 
