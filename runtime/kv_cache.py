@@ -15,16 +15,32 @@ GROWTH_STEP = 256
 
 
 class KVCache:
-    """Keys and values of one attention layer for one sequence."""
-    trimmable = True
+    """Keys and values of one attention layer for one sequence.
+
+    With a sliding `window` W (gpt-oss's alternate layers) only the last W-1 tokens are ever needed
+    again, so the buffer drops older ones once W of them pile up (an occasional copy of W-1 tokens to
+    the front): memory stays ~2W tokens however long the sequence. Such a cache cannot be rewound past
+    what it dropped, so it is not trimmable, and it loads only whole.
+    """
 
     def __init__(self, num_kv_heads: int, head_dim: int, *, device: torch.device | str, dtype: torch.dtype,
-                 capacity: int = 0):
+                 capacity: int = 0, window: int | None = None):
         self.num_kv_heads, self.head_dim = num_kv_heads, head_dim
         self.device, self.dtype = torch.device(device), dtype
-        self.offset = 0
+        self.window = window
+        self.offset = 0          # tokens seen
+        self.start = 0           # absolute position of buffer row 0 (> 0 once a windowed cache dropped tokens)
         self.keys = torch.empty(num_kv_heads, capacity, head_dim, device=self.device, dtype=dtype)    # [Hkv, cap, hd]
         self.values = torch.empty(num_kv_heads, capacity, head_dim, device=self.device, dtype=dtype)  # [Hkv, cap, hd]
+
+    @property
+    def trimmable(self) -> bool:
+        return self.window is None
+
+    @property
+    def stored(self) -> int:
+        """Tokens held in the buffer (the last `stored` of the `offset` seen)."""
+        return self.offset - self.start
 
     @property
     def capacity(self) -> int:
@@ -38,19 +54,35 @@ class KVCache:
         for name in ("keys", "values"):
             old = getattr(self, name)
             grown = torch.empty(self.num_kv_heads, new_cap, self.head_dim, device=self.device, dtype=self.dtype)
-            grown[:, :self.offset] = old[:, :self.offset]
+            grown[:, :self.stored] = old[:, :self.stored]
             setattr(self, name, grown)
 
+    def _drop_outside_window(self) -> None:
+        """Keep only the W-1 tokens a next query can still see, once at least W are droppable."""
+        keep = self.window - 1
+        droppable = self.stored - keep
+        if droppable < self.window:
+            return
+        for buf in (self.keys, self.values):
+            buf[:, :keep] = buf[:, droppable:self.stored].clone()
+        self.start += droppable
+
     def update_and_fetch(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Append k, v [Hkv, T, hd]; return every cached key and value [Hkv, S, hd] (views, S = new offset)."""
+        """Append k, v [Hkv, T, hd]; return the cached keys and values [Hkv, S, hd] (views) ending with the
+        new ones: all of them, or with a window at least the W-1 before the first new token."""
+        if self.window is not None:
+            self._drop_outside_window()
         t = int(k.shape[1])
-        self._reserve(self.offset + t)
-        self.keys[:, self.offset:self.offset + t] = k
-        self.values[:, self.offset:self.offset + t] = v
+        at = self.stored
+        self._reserve(at + t)
+        self.keys[:, at:at + t] = k
+        self.values[:, at:at + t] = v
         self.offset += t
-        return self.keys[:, :self.offset], self.values[:, :self.offset]
+        return self.keys[:, :self.stored], self.values[:, :self.stored]
 
     def trim(self, n: int) -> int:
+        if not self.trimmable:
+            return 0
         n = max(0, min(n, self.offset))
         self.offset -= n
         return n
@@ -60,27 +92,26 @@ class KVCache:
         n = other.offset if length is None else length
         if not 0 <= n <= other.offset:
             raise ValueError(f"cannot take {n} tokens from a KV cache holding {other.offset}")
-        self.offset = 0
-        self._reserve(n)
-        self.keys[:, :n] = other.keys[:, :n]
-        self.values[:, :n] = other.values[:, :n]
+        if not other.trimmable and n != other.offset:
+            raise ValueError(f"a sliding-window KV cache of {other.offset} tokens cannot be cut to {n}")
+        keep = n - other.start
+        self.start, self.offset = other.start, other.start
+        self._reserve(keep)
+        self.keys[:, :keep] = other.keys[:, :keep]
+        self.values[:, :keep] = other.values[:, :keep]
         self.offset = n
 
     def copy(self) -> "KVCache":
-        """A compact independent copy holding exactly `offset` tokens."""
-        out = KVCache(self.num_kv_heads, self.head_dim, device=self.device, dtype=self.dtype, capacity=0)
-        out.keys = self.keys[:, :self.offset].clone()
-        out.values = self.values[:, :self.offset].clone()
-        out.offset = self.offset
-        return out
+        """A compact independent copy holding exactly what is stored."""
+        return self.to(self.device)
 
     def to(self, device: torch.device | str) -> "KVCache":
         """A compact copy on `device` (the prefix cache may keep GPU caches in host RAM)."""
-        device = torch.device(device)
-        out = KVCache(self.num_kv_heads, self.head_dim, device=device, dtype=self.dtype, capacity=0)
-        out.keys = self.keys[:, :self.offset].to(device, copy=True)
-        out.values = self.values[:, :self.offset].to(device, copy=True)
-        out.offset = self.offset
+        out = KVCache(self.num_kv_heads, self.head_dim, device=device, dtype=self.dtype, capacity=0,
+                      window=self.window)
+        out.keys = self.keys[:, :self.stored].to(out.device, copy=True)
+        out.values = self.values[:, :self.stored].to(out.device, copy=True)
+        out.offset, out.start = self.offset, self.start
         return out
 
     @property

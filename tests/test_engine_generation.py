@@ -88,8 +88,8 @@ def test_prefix_cache_resent_conversation_prefills_only_new_tokens(family, ftw_p
 
 def test_prefix_cache_cuts_kv_to_a_shared_prefix_and_stays_exact(ftw_packages, device):
     base = random_prompt(18, seed=30)
-    eng = load(ftw_packages, "gpt_oss", device)
-    plain = load(ftw_packages, "gpt_oss", device, prefix_cache_bytes=0)
+    eng = load(ftw_packages, "qwen3_moe", device)
+    plain = load(ftw_packages, "qwen3_moe", device, prefix_cache_bytes=0)
     eng.generate(base, SamplingParams(max_tokens=4, **GREEDY))
     branch = base[:11] + random_prompt(6, seed=31)          # edits the conversation after token 11
     if branch[11] == base[11]:

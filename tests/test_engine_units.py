@@ -69,6 +69,33 @@ def test_kv_cache_grows_trims_copies_and_loads():
     assert fresh.offset == 7 and torch.equal(fresh.keys[:, :7], copy.keys[:, :7])
 
 
+@pytest.mark.parametrize("chunks", [[1] * 40, [13, 1, 1, 9, 1, 20, 1, 1], [30, 30]])
+def test_windowed_kv_cache_keeps_what_the_window_sees(chunks):
+    window = 8
+    gen = torch.Generator().manual_seed(len(chunks))
+    full = KVCache(2, 4, device="cpu", dtype=torch.float32)
+    windowed = KVCache(2, 4, device="cpu", dtype=torch.float32, window=window)
+    for t in chunks:
+        k, v = torch.randn(2, t, 4, generator=gen), torch.randn(2, t, 4, generator=gen)
+        all_keys, all_values = full.update_and_fetch(k, v)
+        keys, values = windowed.update_and_fetch(k, v)
+        s = keys.shape[1]
+        # what it returns is the tail of the full history, covering every new query's window
+        assert torch.equal(keys, all_keys[:, -s:]) and torch.equal(values, all_values[:, -s:])
+        assert s >= min(full.offset, window - 1 + t)
+        assert windowed.offset == full.offset and windowed.stored <= 2 * window + t
+        q = torch.randn(4, t, 4, generator=gen)
+        assert torch.allclose(attend(q, keys, values, scale=0.5, sliding_window=window),
+                              attend(q, all_keys, all_values, scale=0.5, sliding_window=window), atol=1e-6)
+    assert not windowed.trimmable and windowed.trim(3) == 0
+    restored = KVCache(2, 4, device="cpu", dtype=torch.float32, window=window)
+    restored.load(windowed.copy())
+    assert restored.offset == windowed.offset and torch.equal(restored.keys[:, :restored.stored],
+                                                               windowed.keys[:, :windowed.stored])
+    with pytest.raises(ValueError, match="cannot be cut"):
+        restored.load(windowed, windowed.offset - 1)
+
+
 def test_sequence_cache_with_recurrent_state_refuses_to_trim():
     state = StateCache({"recurrent": torch.ones(2, 2)}, offset=4)
     kv = KVCache(1, 2, device="cpu", dtype=torch.float32)

@@ -42,8 +42,9 @@ and `detach()` to keep a finished sequence's cache in the prefix cache):
     load(other, length=None)   fill a fresh cache from a stored copy, keeping `length` tokens
                     (a recurrent state only whole); how a prefix-cache hit enters a new sequence
     release()       optional: give pooled resources (state slots) back when the sequence ends
-  KVCache (attention):   update_and_fetch(k, v) with k, v [Hkv, T, hd] -> all keys/values [Hkv, S, hd]
-                         (S = offset after the update); offset advances by T.
+  KVCache (attention):   update_and_fetch(k, v) with k, v [Hkv, T, hd] -> keys/values [Hkv, S, hd] that
+                         end with the new ones (S = offset after the update, or fewer for a layer
+                         with a sliding window, `model.kv_window(layer)`); offset advances by T.
   StateCache (linear attention): `states: dict[str, Tensor]` the layer reads and replaces as it likes
                          (e.g. "conv" [C, K-1], "recurrent" [Hv, dk, dv] fp32), `advance(T)` after a
                          chunk; copy() clones the tensors (the snapshot the prefix cache keeps).
@@ -251,15 +252,19 @@ class CausalLM(nn.Module, abc.ABC):
         from runtime.kv_cache import KVCache, SequenceCache, StateCache
 
         layers = []
-        for kind in self.layer_kinds:
+        for i, kind in enumerate(self.layer_kinds):
             if kind == "attention":
                 layers.append(KVCache(self.config.num_key_value_heads, self.config.head_dim,
-                                      device=device, dtype=dtype))
+                                      device=device, dtype=dtype, window=self.kv_window(i)))
             elif kind == "linear_attention":
                 layers.append(StateCache())
             else:
                 raise ValueError(f"unknown layer kind {kind!r}")
         return SequenceCache(layers)
+
+    def kv_window(self, layer: int) -> int | None:
+        """The sliding window of an attention layer (its KV cache then keeps only what the window sees)."""
+        return None
 
     def checkpoint_to_param(self, name: str) -> str | None:
         """Our parameter name for a checkpoint dense tensor, or None when it is deliberately ignored."""

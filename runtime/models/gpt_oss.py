@@ -61,6 +61,9 @@ class Model(CausalLM):
         if c.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 
+    def kv_window(self, layer: int) -> int | None:
+        return self.config.sliding_window if self.config.layer_types[layer] == "sliding_attention" else None
+
     def expert_spec(self) -> ExpertSpec:
         return ExpertSpec(activation="gpt_oss", swiglu_alpha=self.config.swiglu_alpha,
                           swiglu_limit=self.config.swiglu_limit, has_bias=True)
