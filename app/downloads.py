@@ -232,6 +232,7 @@ class DownloadManager:
         self.open_part = open_part
         self._limiter = _RateLimiter(bandwidth_bytes_s)
         self._lock = threading.RLock()
+        self._save_lock = threading.Lock()
         self._wake = threading.Condition(self._lock)
         self._shutdown = threading.Event()
         self._jobs: dict[str, DownloadJob] = {}
@@ -298,29 +299,58 @@ class DownloadManager:
         if not chosen:
             raise DownloadError(f"{repo}: no file matches {allow_patterns or '*'}")
         files = []
+        commit = info.sha or revision
         for path in chosen:
             parts = Path(path).parts
             if Path(path).is_absolute() or ".." in parts or path.startswith(("/", "\\")):
                 raise DownloadError(f"{repo}: refusing the file name {path!r}: it points outside the model folder")
             s = siblings[path]
-            if s.size is None:
-                raise DownloadError(f"{repo}: the hub gave no size for {path}")
-            files.append(FileTask(path=path, size=int(s.size), sha256=s.lfs.sha256 if s.lfs else None,
-                                  blob_id=s.blob_id))
+            if s.size is not None and (s.lfs or s.blob_id):
+                files.append(FileTask(path=path, size=int(s.size), sha256=s.lfs.sha256 if s.lfs else None,
+                                      blob_id=s.blob_id))
+            else:
+                files.append(self._file_from_headers(repo, commit, path))
         dest = Path(dest) if dest else repo_folder(self.models_dir, repo)
-        job = DownloadJob(id=uuid.uuid4().hex[:12], repo=repo, revision=info.sha or revision, dest=str(dest),
+        job = DownloadJob(id=uuid.uuid4().hex[:12], repo=repo, revision=commit, dest=str(dest),
                           files=files, requested_revision=revision, allow_patterns=allow_patterns)
         self._scan_disk(job)
         self._check_disk(job)
         with self._lock:
-            for other in self._jobs.values():
-                if other.dest == job.dest and other.state in ACTIVE_STATES + (PAUSED,):
-                    raise DownloadError(f"{repo} is already in the download queue ({other.state})")
+            for other in list(self._jobs.values()):
+                if other.dest != job.dest:
+                    continue
+                if other.state in ACTIVE_STATES + (PAUSED,):
+                    raise DownloadError(f"{repo} is already in the download queue ({other.state}); resume it")
+                del self._jobs[other.id]           # a finished or failed job for the same folder: replaced
             self._jobs[job.id] = job
             self._wake.notify_all()
         self._save()
         self._emit("added", job)
         return job
+
+    def _file_from_headers(self, repo: str, revision: str, path: str) -> FileTask:
+        """Size and checksum from the file's own headers, for mirrors whose file listing lacks them:
+        `X-Linked-Size`/`X-Linked-Etag` (the LFS sha256) or `Content-Length`/`ETag` (the git blob sha1)."""
+        import httpx2
+        from huggingface_hub import get_hf_file_metadata, hf_hub_url
+        from huggingface_hub.errors import HfHubHTTPError
+
+        url = hf_hub_url(repo, path, revision=revision, endpoint=self.endpoint)
+        try:
+            meta = get_hf_file_metadata(url, token=self.token, endpoint=self.endpoint, retry_on_errors=True)
+        except HfHubHTTPError as exc:
+            raise DownloadError(f"{repo}: {path}: {_http_reason(exc)}") from exc
+        except (OSError, httpx2.TransportError) as exc:
+            raise DownloadError(f"{repo}: {path}: cannot read its metadata ({exc})") from exc
+        if meta.size is None:
+            raise DownloadError(f"{repo}: the hub gives no size for {path}")
+        etag = (meta.etag or "").lower()
+        sha256 = etag if len(etag) == 64 and all(c in "0123456789abcdef" for c in etag) else None
+        blob_id = etag if len(etag) == 40 and all(c in "0123456789abcdef" for c in etag) else None
+        if not (sha256 or blob_id):
+            log.warning("%s: %s: the server gives no checksum (ETag %r); only its size can be checked",
+                        repo, path, meta.etag)
+        return FileTask(path=path, size=int(meta.size), sha256=sha256, blob_id=blob_id)
 
     def jobs(self) -> list[DownloadJob]:
         with self._lock:
@@ -486,6 +516,10 @@ class DownloadManager:
             self._jobs.clear()
 
     def _save(self) -> None:
+        with self._save_lock:            # snapshot and write in one step: an older snapshot never lands last
+            self._save_locked()
+
+    def _save_locked(self) -> None:
         with self._lock:
             data = {"version": 1, "jobs": [j.to_json() for j in self._jobs.values()]}
         self.state_file.parent.mkdir(parents=True, exist_ok=True)
@@ -592,8 +626,8 @@ class DownloadManager:
                 raise _Interrupted
             before = part.stat().st_size if part.exists() else 0
             try:
-                self._stream(job, task, part, stop)
-                self._verify_part(part, task)
+                digest = self._stream(job, task, part, stop)
+                self._verify_part(digest, task)
                 os.replace(part, final)
                 with self._lock:
                     task.state, task.done, task.error = DONE, task.size, ""
@@ -627,7 +661,9 @@ class DownloadManager:
             headers["Range"] = f"bytes={offset}-"
         return headers
 
-    def _stream(self, job: DownloadJob, task: FileTask, part: Path, stop: threading.Event) -> None:
+    def _stream(self, job: DownloadJob, task: FileTask, part: Path, stop: threading.Event) -> str:
+        """Bring `part` to the file's full size; returns its digest, hashed as the bytes arrive (a resumed
+        file's prefix is hashed from disk first), so verifying costs no second read of the file."""
         import httpx2
         from huggingface_hub import hf_hub_url
         from huggingface_hub.errors import HfHubHTTPError
@@ -639,8 +675,13 @@ class DownloadManager:
             offset = 0
         with self._lock:
             task.done = offset
+        hasher = _new_hasher(task)
+        if offset:
+            with open(part, "rb") as fh:
+                while chunk := fh.read(4 * 1024 * 1024):
+                    hasher.update(chunk)
         if offset == task.size:
-            return
+            return hasher.hexdigest()
         url = hf_hub_url(job.repo, task.path, revision=job.revision, endpoint=self.endpoint)
         timeout = httpx2.Timeout(self.retry.stall_timeout_s, connect=self.retry.connect_timeout_s)
         try:
@@ -658,7 +699,7 @@ class DownloadManager:
                         raise DownloadError(f"{job.repo}: {task.path}: {_http_reason(exc)}") from None
                 mode = "ab"
                 if offset and resp.status_code == 200:         # the server ignored Range: whole file again
-                    mode, offset = "wb", 0
+                    mode, offset, hasher = "wb", 0, _new_hasher(task)
                 try:
                     with self.open_part(part, mode) as fh:
                         received = offset
@@ -667,6 +708,7 @@ class DownloadManager:
                                 raise _Interrupted
                             self._limiter.wait(len(chunk), stop)
                             fh.write(chunk)
+                            hasher.update(chunk)
                             received += len(chunk)
                             with self._lock:
                                 task.done = min(received, task.size)
@@ -681,6 +723,7 @@ class DownloadManager:
         size = part.stat().st_size
         if size != task.size:
             raise _Retryable(f"got {size} of {task.size} bytes")
+        return hasher.hexdigest()
 
     def _write_failed(self, exc: OSError, job: DownloadJob, task: FileTask, part: Path) -> None:
         if exc.errno in (errno.ENOSPC, errno.EDQUOT):
@@ -691,8 +734,7 @@ class DownloadManager:
                                 f"{_human(task.size)} or more and resume") from None
         raise DownloadError(f"{job.repo}: {task.path}: cannot write {part} ({exc})") from None
 
-    def _verify_part(self, part: Path, task: FileTask) -> None:
-        actual = _file_digest(part, task)
+    def _verify_part(self, actual: str, task: FileTask) -> None:
         wanted = task.sha256 or task.blob_id
         if wanted and actual != wanted:
             raise _ChecksumMismatch(f"expected {task.expected}, got {actual}")
@@ -706,12 +748,15 @@ class _ChecksumMismatch(Exception):
     pass
 
 
-def _file_digest(path: Path, task: FileTask) -> str:
+def _new_hasher(task: FileTask):
     """LFS files: sha256 of the content. Git files: the blob sha1 (`sha1("blob <size>\\0" + content)`)."""
-    if task.sha256:
-        h = hashlib.sha256()
-    else:
-        h = hashlib.sha1(b"blob %d\0" % path.stat().st_size)
+    return hashlib.sha256() if task.sha256 else hashlib.sha1(b"blob %d\0" % task.size)
+
+
+def _file_digest(path: Path, task: FileTask) -> str:
+    if path.stat().st_size != task.size:
+        return ""
+    h = _new_hasher(task)
     with open(path, "rb") as fh:
         while chunk := fh.read(4 * 1024 * 1024):
             h.update(chunk)

@@ -183,6 +183,8 @@ def _decode_range(shape, plan, machine: Machine, cost: CostModel, dense_read: fl
 def _prefill_range(shape, plan, machine: Machine, cost: CostModel, active_params: int) -> tuple[float, float]:
     """tokens/s over a long prompt. GPU paths: compute, or the PCIe stream of uncached experts per chunk,
     whichever is slower. CPU only: compute on the cores."""
+    from runtime.experts.planner import PREFILL_CHUNK_TOKENS
+
     hw = machine.hardware
     flops_per_token = 2.0 * active_params
     rates = []
@@ -192,7 +194,7 @@ def _prefill_range(shape, plan, machine: Machine, cost: CostModel, active_params
             rates.append(gflops * 1e9 / flops_per_token)
             continue
         t_compute = flops_per_token / (machine.gpu_tflops * cost.gpu_flops_efficiency[i] * 1e12)
-        chunk = max(1, plan.workspace_bytes // (shape.hidden_size * 24)) if plan.workspace_bytes else 4096
+        chunk = min(PREFILL_CHUNK_TOKENS, plan.kv_tokens)      # the planner's streaming unit
         streamed = max(0, plan.experts_bytes - plan.pool_bytes)
         t_stream = streamed / (hw.h2d_gbps * cost.h2d_efficiency[i] * GB) / chunk if streamed and hw.h2d_gbps else 0.0
         rates.append(1.0 / max(t_compute, t_stream))

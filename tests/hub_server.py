@@ -96,6 +96,7 @@ class HubServer:
         self.repos: dict[str, Repo] = {}
         self.faults: list[Fault] = []
         self.throttle_bps = 0                 # 0: no limit
+        self.blobs_listing = True             # False: like a mirror whose file list has no sizes or checksums
         self.stall_s = stall_s
         self.token = token
         self.requests: list[tuple[str, str, str | None]] = []   # (method, path, Range header)
@@ -278,7 +279,7 @@ def _make_handler(hub: HubServer):
                         return
                     if m["rev"] not in (None, "main", repo.sha):
                         return self._error(404, "RevisionNotFound", f"Invalid rev id: {m['rev']}")
-                    blobs = query.get("blobs", ["false"])[0].lower() in ("1", "true")
+                    blobs = hub.blobs_listing and query.get("blobs", ["false"])[0].lower() in ("1", "true")
                     return self._json(200, hub.model_document(repo, blobs=blobs, expand=query.get("expand")))
                 m = resolve_re.match(path)
                 if m:

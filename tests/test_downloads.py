@@ -410,3 +410,22 @@ def test_file_names_that_escape_the_model_folder_are_refused(hub, models):
     with pytest.raises(DownloadError, match="outside the model folder"):
         manager(hub, models).add("org/evil")
     assert not (models.parent / "outside.json").exists()
+
+
+def test_a_mirror_without_file_metadata_is_verified_from_the_file_headers(hub, models, tiny_checkpoints):
+    hub.blobs_listing = False                               # sizes and checksums only in HEAD headers
+    names = shards(tiny_checkpoints("qwen3_moe"))
+    hub.inject(names[1], "corrupt", times=-1)
+    mgr = manager(hub, models, concurrency=1)
+    job = mgr.add(REPO, allow_patterns=["*.safetensors", "config.json"])
+    heads = [p for m, p, _ in hub.requests if m == "HEAD"]
+    assert len(heads) == len(job.files)                     # one HEAD per file for its metadata
+    by_path = {f.path: f for f in job.files}
+    assert by_path[names[0]].sha256 == hashlib.sha256((tiny_checkpoints("qwen3_moe") / names[0]).read_bytes()).hexdigest()
+    assert by_path["config.json"].blob_id and by_path["config.json"].sha256 is None
+    mgr.start()
+    failed = mgr.wait(job.id, timeout=30)
+    mgr.shutdown()
+    assert failed.state == FAILED and names[1] in failed.error and "checksum mismatch" in failed.error
+    assert (failed.dest_path / names[0]).read_bytes() == (tiny_checkpoints("qwen3_moe") / names[0]).read_bytes()
+    assert (failed.dest_path / "config.json").read_bytes() == (tiny_checkpoints("qwen3_moe") / "config.json").read_bytes()

@@ -108,3 +108,18 @@ def test_a_config_the_planner_cannot_read_is_unknown_not_a_crash():
     result = estimate({"model_type": "llama", "num_hidden_layers": 2, "hidden_size": 8, "num_attention_heads": 2,
                        "vocab_size": 10, "num_experts_per_tok": 1}, codec="int4", machine=machine(), context_length=4096)
     assert result.verdict == UNKNOWN and "cannot estimate" in result.badge
+
+
+def test_prefill_on_a_narrow_pcie_link_is_bound_by_streaming_experts():
+    wide = machine(vram_gib=12)
+    narrow_hw = wide.hardware.__class__(**{**wide.hardware.__dict__, "h2d_gbps": 3.2})   # gen3 x4
+    narrow = Machine(hardware=narrow_hw, gpu_gbps=wide.gpu_gbps, gpu_tflops=wide.gpu_tflops, cpu_cores=8,
+                     cpu_read_gbps=wide.cpu_read_gbps)
+    fast = fit("qwen3-next-80b-a3b-instruct", wide)
+    slow = fit("qwen3-next-80b-a3b-instruct", narrow)
+    assert fast.verdict == slow.verdict == HYBRID
+    assert slow.prefill_tok_s[1] < fast.prefill_tok_s[1]
+    # the stream of uncached experts per 4K-token chunk over 3.2 GB/s x efficiency is the bound
+    streamed = slow.plan["experts_bytes"] - slow.plan["pool_bytes"]
+    chunk = min(4096, slow.context_length)
+    assert slow.prefill_tok_s[1] == pytest.approx(chunk / (streamed / (3.2e9 * CostModel().h2d_efficiency[1])))

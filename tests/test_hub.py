@@ -47,6 +47,7 @@ def test_search_keeps_moe_models_with_support_verdicts(hub):
     found = browser.search(limit=50, safetensors_only=False)
     repos = [m.repo for m in found]
     assert "meta/llama-3-8b" not in repos                     # not a MoE
+    assert sum(1 for m, p, _ in hub.requests if p == "/api/models") >= 3   # pages followed by their Link header
     assert repos[:3] == ["openai/gpt-oss-20b", "deepseek-ai/DeepSeek-V3", "nvidia/Qwen3.6-35B-A3B-NVFP4"]
     by_repo = {m.repo: m for m in found}
     assert by_repo["openai/gpt-oss-20b"].supported and by_repo["openai/gpt-oss-20b"].quantization == "mxfp4"
