@@ -45,3 +45,23 @@ def test_unknown_layer_is_reported():
     with pytest.raises(KeyError, match="layer 5"):
         experts(5, torch.zeros(1, 4), torch.zeros(1, 1, dtype=torch.long), torch.ones(1, 1))
     assert experts.grouped is False          # CPU fp32 defaults to the looped path
+
+
+@pytest.mark.parametrize("spec", [ExpertSpec(), ExpertSpec(activation="gpt_oss", has_bias=True)])
+def test_grouped_matches_looped_in_bf16_on_the_device(spec, device):
+    """The path a GPU engine takes by default (bf16 grouped GEMM) against the looped one, on --device."""
+    gen = torch.Generator().manual_seed(7)
+    d, i, num, tokens, k = 64, 32, 16, 24, 4
+    weights = random_experts(num, d, i, bias=spec.has_bias, gen=gen)
+    stacked = stack_experts(weights, device=device, dtype=torch.bfloat16)
+    hidden = torch.randn(tokens, d, generator=gen).to(device, torch.bfloat16)
+    ids = torch.stack([torch.randperm(num, generator=gen)[:k] for _ in range(tokens)]).to(device)
+    topk = torch.softmax(torch.randn(tokens, k, generator=gen), dim=-1).to(device, torch.bfloat16)
+    grouped = ResidentExperts({0: stacked}, spec, grouped=True)
+    out_grouped = grouped(0, hidden, ids, topk)
+    assert grouped.grouped, "the grouped kernel refused bf16 on this device"
+    out_looped = ResidentExperts({0: stacked}, spec, grouped=False)(0, hidden, ids, topk)
+    scale = out_looped.float().abs().max().item()
+    assert (out_grouped.float() - out_looped.float()).abs().max().item() <= 2e-2 * scale
+    if torch.device(device).type == "cuda":
+        assert ResidentExperts({0: stacked}, spec).grouped      # the default on a GPU
