@@ -21,7 +21,8 @@ from runtime.service import LoadOptions, Service
 
 SCRIPT_MARKER = re.compile(r"\[\[script:(\w+)\]\]")
 
-# Outputs in the Qwen3 format (the tiny qwen3_moe fixture's template and parser); each ends with EOS.
+# Outputs in the Qwen3 format (the tiny qwen3_moe fixture's template and parser) and, `harmony_*`, in
+# gpt-oss's harmony format; each ends with an end-of-generation token.
 SCRIPTS = {
     "weather": '<think>\nThe user asks about the weather, so I call the tool.\n</think>\n\n'
                '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}}\n'
@@ -34,6 +35,11 @@ SCRIPTS = {
     "answer": "It is sunny in Paris, 21 degrees.<|im_end|>",
     "stopword": "one two three STOP four five<|im_end|>",
     "explode": "Starting to answer, then the engine fails",     # see ScriptedEngine._accept
+    "harmony_weather": "<|channel|>analysis<|message|>The user wants the weather; call the tool.<|end|>"
+                       "<|start|>assistant<|channel|>commentary to=functions.get_weather <|constrain|>json"
+                       '<|message|>{"city": "Paris"}<|call|>',
+    "harmony_answer": "<|channel|>analysis<|message|>Simple arithmetic.<|end|>"
+                      "<|start|>assistant<|channel|>final<|message|>It is 4.<|return|>",
 }
 
 
