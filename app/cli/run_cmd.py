@@ -104,11 +104,10 @@ def template_kwargs(args) -> dict:
 
 def load_engine(args, *, quiet: bool):
     """Resolve MODEL and load it, with a progress line on stderr unless quiet."""
-    from app.resolve import resolve_model
-    from runtime.engine import Engine
-
     from app.paths import user_paths
+    from app.resolve import resolve_model
     from app.settings import Settings
+    from runtime.engine import Engine
 
     settings = Settings()
     device = args.device or settings.get("device") or "auto"
