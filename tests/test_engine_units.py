@@ -243,3 +243,13 @@ def test_strict_loading_names_missing_extra_and_misshaped_tensors(tiny_checkpoin
     broken = dict(tensors, **{"model.norm.weight": torch.zeros(3)})
     with pytest.raises(WeightLoadError, match=r"wrong shapes: model\.norm\.weight \(3,\) \(expected \(64,\)\)"):
         load_dense_weights(model, DictSource(broken))
+
+
+def test_common_prefix_len():
+    from runtime.prefix_cache import common_prefix_len
+
+    assert common_prefix_len((1, 2, 3), [1, 2, 4, 5]) == 2
+    assert common_prefix_len((1, 2), [1, 2, 3]) == 2
+    assert common_prefix_len((), [1]) == 0 and common_prefix_len((7,), [8]) == 0
+    long = list(range(100_000))
+    assert common_prefix_len(tuple(long), long[:99_999] + [-1]) == 99_999
