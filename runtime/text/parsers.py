@@ -4,7 +4,8 @@ Each family marks reasoning and tool calls its own way:
 - Qwen: `<think>...</think>` (the prompt may already have opened it) and
   `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`, or in Qwen3.5 / Qwen3-Coder the XML form
   `<tool_call><function=NAME><parameter=P>value</parameter></function></tool_call>`. One parser reads
-  both tool forms: what follows `<tool_call>` tells which.
+  both tool forms: what follows `<tool_call>` tells which. A bare `<function=...>` block (the wrapper
+  forgotten) is a call too.
 - gpt-oss (harmony): messages `<|start|>assistant<|channel|>analysis<|message|>...<|end|>`; the
   `analysis` channel is reasoning, `final` is the answer, and `commentary to=functions.NAME` with a
   `<|call|>` end is a tool call whose body is the JSON arguments.
@@ -151,8 +152,11 @@ class PlainParser(OutputParser):
 
 THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
 TOOL_OPEN, TOOL_CLOSE = "<tool_call>", "</tool_call>"
-_XML_FUNCTION = re.compile(r"\s*<function=([^>\n]+)>(.*?)(?:</function>\s*)?\Z", re.S)
-_XML_PARAMETER = re.compile(r"<parameter=([^>\n]+)>(.*?)(?:</parameter>|(?=<parameter=)|\Z)", re.S)
+# Qwen3-Coder / Qwen3.5 sometimes drop the <tool_call> wrapper and write the function block bare (vLLM's
+# qwen3_coder parser accepts that too); such a block runs to </function>.
+FUNCTION_OPEN, FUNCTION_CLOSE = "<function=", "</function>"
+_XML_FUNCTION = re.compile(r"\s*<function=([^<>\s]+)>(.*?)(?:</function>\s*)?\Z", re.S)
+_XML_PARAMETER = re.compile(r"<parameter=([^<>\n]+)>(.*?)(?:</parameter>|(?=<parameter=)|\Z)", re.S)
 
 
 def prompt_opens_think(prompt_text: str) -> bool:
@@ -170,25 +174,26 @@ class QwenParser(OutputParser):
         self._text = _Trimmed("text")
         self._reasoning = _Trimmed("reasoning")
         self._tool_body = ""
+        self._tool_open, self._tool_close = TOOL_OPEN, TOOL_CLOSE   # the markers of the call being read
 
     def _process(self, *, final: bool) -> list[Delta]:
         out: list[Delta] = []
         while True:
             if self._state == "tool":
-                index, _ = find_first(self._buffer, [TOOL_CLOSE])
+                index, _ = find_first(self._buffer, [self._tool_close])
                 if index < 0:
-                    cut = len(self._buffer) if final else safe_prefix_length(self._buffer, [TOOL_CLOSE])
+                    cut = len(self._buffer) if final else safe_prefix_length(self._buffer, [self._tool_close])
                     self._tool_body += self._buffer[:cut]
                     self._buffer = self._buffer[cut:]
                     if final:
                         out += self._end_tool_call(closed=False)
                     return out
                 self._tool_body += self._buffer[:index]
-                self._buffer = self._buffer[index + len(TOOL_CLOSE):]
+                self._buffer = self._buffer[index + len(self._tool_close):]
                 out += self._end_tool_call(closed=True)
                 continue
             stream = self._text if self._state == "text" else self._reasoning
-            markers = [THINK_OPEN, THINK_CLOSE, TOOL_OPEN] if self._state == "text" else [THINK_CLOSE]
+            markers = [THINK_OPEN, THINK_CLOSE, TOOL_OPEN, FUNCTION_OPEN] if self._state == "text" else [THINK_CLOSE]
             index, marker = find_first(self._buffer, markers)
             if marker is None:
                 cut = len(self._buffer) if final else safe_prefix_length(self._buffer, markers)
@@ -199,7 +204,7 @@ class QwenParser(OutputParser):
                 return out
             out += stream.add(self._buffer[:index])
             self._buffer = self._buffer[index + len(marker):]
-            if marker != TOOL_OPEN:       # whitespace before a tool call goes only if the call is valid
+            if marker not in (TOOL_OPEN, FUNCTION_OPEN):   # whitespace before a call goes only if it is valid
                 stream.close_block()
             if marker == THINK_OPEN:
                 self._state = "reasoning"
@@ -207,16 +212,19 @@ class QwenParser(OutputParser):
                 self._state = "text"      # in text mode a stray </think> is dropped
             else:
                 self._state, self._tool_body = "tool", ""
+                self._tool_open, self._tool_close = ((TOOL_OPEN, TOOL_CLOSE) if marker == TOOL_OPEN
+                                                     else (FUNCTION_OPEN, FUNCTION_CLOSE))
 
     def _end_tool_call(self, *, closed: bool) -> list[Delta]:
         body, self._tool_body = self._tool_body, ""
         self._state = "text"
-        call = self._parse_call(body)
+        bare = self._tool_open == FUNCTION_OPEN
+        call = self._parse_xml_call(FUNCTION_OPEN + body + FUNCTION_CLOSE) if bare else self._parse_call(body)
         if call is not None:
             self._text.close_block()
             return self._tool_call(*call)
         # Not a tool call after all: show it as the model wrote it.
-        return self._text.add(TOOL_OPEN + body + (TOOL_CLOSE if closed else ""))
+        return self._text.add(self._tool_open + body + (self._tool_close if closed else ""))
 
     def _parse_call(self, body: str) -> tuple[str, str] | None:
         stripped = body.strip()
