@@ -63,9 +63,24 @@ if HAVE_NUMBA:
         return np.int64(buf[e, off]) | (np.int64(buf[e, off + np.uint64(1)]) << 8)
 
     @njit(cache=True, fastmath=True, inline="always")
+    def _int4_chunk(buf, e, start, xe, xo, t, gu, j0):
+        """32 packed bytes (64 weights) dotted with x. The trip count is a constant, so LLVM turns the loop
+        into full-width vector code even though a group is short (a runtime bound under 64 iterations would
+        fall back to scalar code); int32 lanes (not numba's default int64) keep 16 weights per register."""
+        acc = np.float32(0.0)
+        for j in range(32):
+            ju = np.uint64(j) + j0
+            # nibbles split in float lanes: numba widens integer math to int64 (8 lanes), floats stay at 16
+            b = np.float32(buf[e, start + ju])
+            hi = np.floor(b * np.float32(0.0625))
+            lo = b - np.float32(16.0) * hi
+            acc += lo * xe[t, gu, ju] + hi * xo[t, gu, ju]
+        return acc
+
+    @njit(cache=True, fastmath=True, inline="always")
     def _int4_row(buf, e, q_off, s_off, m_off, r, n_groups, hg, table, xe, xo, xsum, t):
         """sum_k W[r, k] x_t[k] for W = q * scale + min (fp16 scale and min per group of the row)."""
-        one = np.uint64(1)
+        two = np.uint64(2)
         row = q_off + r * np.uint64(n_groups * hg)
         gi = r * np.uint64(n_groups)
         total = np.float32(0.0)
@@ -73,22 +88,48 @@ if HAVE_NUMBA:
             gu = np.uint64(g)
             start = row + gu * np.uint64(hg)
             acc = np.float32(0.0)
-            for j in range(hg):
-                ju = np.uint64(j)
-                b = np.int32(buf[e, start + ju])
-                acc += np.float32(b & 15) * xe[t, gu, ju] + np.float32(b >> 4) * xo[t, gu, ju]
-            sg = table[_u16(buf, e, s_off + (gi + gu) * (one + one))]
-            mg = table[_u16(buf, e, m_off + (gi + gu) * (one + one))]
+            if hg % 32 == 0:
+                for c in range(hg // 32):
+                    acc += _int4_chunk(buf, e, start, xe, xo, t, gu, np.uint64(32 * c))
+            else:
+                for j in range(hg):
+                    ju = np.uint64(j)
+                    b = np.int32(buf[e, start + ju])
+                    acc += np.float32(b & np.int32(15)) * xe[t, gu, ju] + np.float32(b >> np.int32(4)) * xo[t, gu, ju]
+            sg = table[_u16(buf, e, s_off + (gi + gu) * two)]
+            mg = table[_u16(buf, e, m_off + (gi + gu) * two)]
             total += sg * acc + mg * xsum[t, gu]
         return total
 
     @njit(cache=True, fastmath=True, inline="always")
     def _e2m1_twice(c):
-        """2 * e2m1(c) as a float, computed (no table lookup, so the loop vectorizes): {0,1,2,3,4,6,8,12}."""
-        e = (c >> 1) & 3
-        m = c & 1
-        k = (((2 + m) << e) >> 1) if e else m
-        return np.float32(k if c < 8 else -k)
+        """2 * e2m1(c) as a float, computed in int32 lanes (no table lookup, so the loop vectorizes)."""
+        one, two = np.int32(1), np.int32(2)
+        e = (c >> one) & np.int32(3)
+        m = c & one
+        k = (((two + m) << e) >> one) if e else m
+        return np.float32(k if c < np.int32(8) else -k)
+
+    @njit(cache=True, fastmath=True, inline="always")
+    def _e2m1_float(c):
+        """e2m1(c) for a code held in a float (0..15), in float arithmetic only (16 lanes per register):
+        magnitudes 0..7 -> 0, .5, 1, 1.5, 2, 3, 4, 6 = m/2 + relu(m-4)/2 + relu(m-6); bit 3 is the sign."""
+        neg = c >= np.float32(8.0)
+        m = c - np.float32(8.0) if neg else c
+        v = np.float32(0.5) * m + np.float32(0.5) * max(m - np.float32(4.0), np.float32(0.0)) + \
+            max(m - np.float32(6.0), np.float32(0.0))
+        return -v if neg else v
+
+    @njit(cache=True, fastmath=True, inline="always")
+    def _fp4_chunk(buf, e, start, xe, xo, t, gu, j0):
+        acc = np.float32(0.0)
+        for j in range(16):
+            ju = np.uint64(j) + j0
+            b = np.float32(buf[e, start + ju])
+            hi = np.floor(b * np.float32(0.0625))
+            lo = b - np.float32(16.0) * hi
+            acc += _e2m1_float(lo) * xe[t, gu, ju] + _e2m1_float(hi) * xo[t, gu, ju]
+        return acc
 
     @njit(cache=True, fastmath=True, inline="always")
     def _fp4_row(buf, e, q_off, s_off, r, n_groups, hg, scale_table, xe, xo, t):
@@ -100,10 +141,14 @@ if HAVE_NUMBA:
             gu = np.uint64(g)
             start = row + gu * np.uint64(hg)
             acc = np.float32(0.0)
-            for j in range(hg):
-                ju = np.uint64(j)
-                b = np.int32(buf[e, start + ju])
-                acc += _e2m1_twice(b & 15) * xe[t, gu, ju] + _e2m1_twice(b >> 4) * xo[t, gu, ju]
+            if hg % 16 == 0:
+                for c in range(hg // 16):
+                    acc += _fp4_chunk(buf, e, start, xe, xo, t, gu, np.uint64(16 * c)) * np.float32(2.0)
+            else:
+                for j in range(hg):
+                    ju = np.uint64(j)
+                    b = np.int32(buf[e, start + ju])
+                    acc += _e2m1_twice(b & np.int32(15)) * xe[t, gu, ju] + _e2m1_twice(b >> np.int32(4)) * xo[t, gu, ju]
             total += scale_table[buf[e, gi + gu]] * acc
         return total * np.float32(0.5)
 
