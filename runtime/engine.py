@@ -191,8 +191,8 @@ class Engine:
                 else DEFAULT_PREFIX_CACHE_BYTES
         if dtype is None:
             dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
-        if max_batch < 1:
-            raise EngineError(f"max_batch must be at least 1, got {max_batch}")
+        if max_batch < 1 or prefill_chunk < 1:
+            raise EngineError(f"max_batch and prefill_chunk must be at least 1, got {max_batch} and {prefill_chunk}")
         config = dict(package.config)
         config.setdefault("model_type", package.model_type)
         max_pos = int(config.get("max_position_embeddings") or 0)

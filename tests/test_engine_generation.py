@@ -217,6 +217,11 @@ def test_load_errors_name_the_cause(tmp_path, ftw_packages, device):
     (pkg / "manifest.json").write_text(json.dumps(manifest))
     with pytest.raises(EngineError, match="llama4_moe"):
         Engine.load(pkg, device=device)
+    with pytest.raises(EngineError, match="max_batch"):
+        Engine.load(ftw_packages("mixtral", "f32"), device=device, max_batch=0)
+    if not torch.cuda.is_available():
+        with pytest.raises(EngineError, match="no usable CUDA GPU"):
+            Engine.load(ftw_packages("mixtral", "f32"), device="cuda")
 
 
 def test_stats_count_what_happened(ftw_packages, device):
