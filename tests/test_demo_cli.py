@@ -144,3 +144,24 @@ def test_chat_keeps_history_across_turns(demo_home, monkeypatch, capsys):
     assert prompt_tokens[1] > prompt_tokens[0] > 0 and prompt_tokens[2] < prompt_tokens[1]
     assert "cached" in stats[1]
     assert "(history cleared)" in err
+
+
+def test_run_on_a_hugging_face_folder_uses_its_template_and_parser(tiny_checkpoints, monkeypatch, capsys, tmp_path):
+    """A gpt-oss checkpoint folder: converted on the fly, prompted through the harmony template with the
+    reasoning effort asked for, and its greedy tokens are the engine's."""
+    from app.cli import main
+    from runtime.engine import Engine, SamplingParams
+
+    monkeypatch.setenv("FREETOKEN_HOME", str(tmp_path / "home"))
+    folder = tiny_checkpoints("gpt_oss")
+    assert main(["run", str(folder), "--prompt", "hi", "--system", "Be brief.", "--reasoning-effort", "high",
+                 "--max-tokens", "6", "--temperature", "0", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["model_type"] == "gpt_oss"
+    assert "Reasoning: high" in report["prompt"] and "# Instructions\n\nBe brief." in report["prompt"]
+    assert report["prompt"].endswith("<|start|>user<|message|>hi<|end|><|start|>assistant")
+    packages = [p for p in (tmp_path / "home" / "cache").rglob("manifest.json")]
+    assert len(packages) == 1                      # converted once into the cache
+    engine = Engine.load(packages[0].parent, device="cpu")
+    result = engine.generate(report["prompt_ids"], SamplingParams(temperature=0, max_tokens=6))
+    assert result.tokens == report["generated_ids"]
