@@ -294,6 +294,7 @@ class DownloadManager:
             raise DownloadError(f"{repo}: {_http_reason(exc)}") from exc
         except (OSError, httpx2.TransportError) as exc:
             raise DownloadError(f"{repo}: cannot reach the hub at {self.endpoint or 'huggingface.co'} ({exc})") from exc
+        repo = info.id or repo                  # the hub's spelling, so folders and the library agree
         siblings = {s.rfilename: s for s in info.siblings or []}
         chosen = select_files(sorted(siblings), allow_patterns, ignore_patterns)
         if not chosen:

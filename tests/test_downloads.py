@@ -436,3 +436,14 @@ def test_a_mirror_without_file_metadata_is_verified_from_the_file_headers(hub, m
     assert failed.state == FAILED and names[1] in failed.error and "checksum mismatch" in failed.error
     assert (failed.dest_path / names[0]).read_bytes() == (tiny_checkpoints("qwen3_moe") / names[0]).read_bytes()
     assert (failed.dest_path / "config.json").read_bytes() == (tiny_checkpoints("qwen3_moe") / "config.json").read_bytes()
+
+
+def test_an_unreadable_queue_file_is_set_aside_not_fatal(hub, models):
+    state = models.parent / "data" / "downloads.json"
+    state.parent.mkdir(parents=True)
+    state.write_text("{ not json")
+    mgr = manager(hub, models)
+    assert mgr.jobs() == []
+    assert state.with_suffix(".bad.json").read_text() == "{ not json"
+    job = mgr.add(REPO, allow_patterns=["config.json"])     # and the queue works again
+    assert json.loads(state.read_text())["jobs"][0]["id"] == job.id
