@@ -242,19 +242,26 @@ def _call(nvml: Any, fn: str, *args: Any, missing: Any) -> Any:
         return missing
 
 
+def _pci_display_vendors(sys_root: Path) -> list[str]:
+    """PCI vendor ids of the display adapters Linux lists (connectors like card0-DP-1 skipped)."""
+    vendors = []
+    for vendor_file in sorted((sys_root / "sys/class/drm").glob("card*/device/vendor")):
+        if "-" in vendor_file.parent.parent.name:
+            continue
+        try:
+            vendors.append(vendor_file.read_text().strip().lower())
+        except OSError:
+            continue
+    return vendors
+
+
 def other_gpus(*, sys_root: Path = Path("/")) -> list[str]:
     """Display adapters that are not NVIDIA, by platform: PCI vendor ids on Linux, the Apple GPU on macOS,
     the adapter names Windows lists. Best effort, never raises."""
     found: list[str] = []
     system = platform.system()
     if system == "Linux":
-        for vendor_file in sorted((sys_root / "sys/class/drm").glob("card*/device/vendor")):
-            if "-" in vendor_file.parent.parent.name:     # card0-HDMI-A-1: a connector, not a card
-                continue
-            try:
-                vendor = vendor_file.read_text().strip().lower()
-            except OSError:
-                continue
+        for vendor in _pci_display_vendors(sys_root):
             if vendor != "0x10de":
                 name = PCI_VENDORS.get(vendor, f"GPU vendor {vendor}")
                 if name not in found:
@@ -382,6 +389,9 @@ def probe(models_dir: Path, *, nvml: Any = None, cpuinfo: Path = Path("/proc/cpu
         status = f"{len(gpus)} NVIDIA GPU{'s' if len(gpus) > 1 else ''}"
         if len(gpus) > 1:
             notes.append("FreeToken uses the first GPU (index 0)")
+    elif platform.system() == "Linux" and "0x10de" in _pci_display_vendors(sys_root):
+        status = (f"an NVIDIA GPU is installed but not usable ({reason}); install or repair the NVIDIA "
+                  f"driver — until then FreeToken will run on the CPU only")
     elif others:
         status = (f"{', '.join(others)} found but not supported ({reason}); "
                   f"FreeToken will run on the CPU only")

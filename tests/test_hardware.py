@@ -141,3 +141,14 @@ def test_probe_report_script_prints_json(tmp_path):
     data = json.loads(out)
     assert {"os", "gpus", "gpu_status", "cpu", "memory", "disk"} <= set(data)
     assert data["disk"]["path"] == str(tmp_path)
+
+
+def test_an_nvidia_card_without_its_driver_is_named(tmp_path, monkeypatch):
+    monkeypatch.setattr("platform.system", lambda: "Linux")
+    dev = tmp_path / "sys/class/drm/card0/device"
+    dev.mkdir(parents=True)
+    (dev / "vendor").write_text("0x10de\n")
+    nvml, _ = fake_nvml(fail_init=True)
+    report = probe(tmp_path, nvml=nvml, sys_root=tmp_path)
+    assert report.cpu_only and report.other_gpus == []
+    assert "NVIDIA GPU is installed but not usable" in report.gpu_status and "driver" in report.gpu_status
