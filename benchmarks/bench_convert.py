@@ -21,6 +21,7 @@ import json
 import math
 import os
 import platform
+import resource
 import shutil
 import struct
 import subprocess
@@ -276,11 +277,16 @@ def run_kind(kind: str, layers: int, work: Path, *, keep: bool) -> dict:
             evict(shards)
         else:
             sequential_read(shards)            # now in the page cache (if RAM allows)
-        t0 = time.perf_counter()
+        r0, t0 = resource.getrusage(resource.RUSAGE_SELF), time.perf_counter()
         convert(src, out, codec=codec)
         dt = time.perf_counter() - t0
+        r1 = resource.getrusage(resource.RUSAGE_SELF)
+        cpu = (r1.ru_utime - r0.ru_utime) + (r1.ru_stime - r0.ru_stime)
         result[f"convert_{mode}_s"] = round(dt, 2)
         result[f"convert_{mode}_gibps"] = total / 2**30 / dt
+        # CPU seconds of all threads (user + kernel): what the converter itself costs, whatever the disk does
+        result[f"convert_{mode}_cpu_s"] = round(cpu, 2)
+        result[f"convert_{mode}_gib_per_cpu_s"] = total / 2**30 / cpu
     out_bytes = sum(p.stat().st_size for p in tree_files(out))
     result["output_gib"] = out_bytes / 2**30
     result["disk_write_gibps"] = min(out_bytes, 2 << 30) / 2**30 / sequential_write(work / "write-probe",
