@@ -36,9 +36,11 @@ pooled state slots overrides it; the engine calls `SequenceCache.release()` when
 and `detach()` to keep a finished sequence's cache in the prefix cache):
     offset          tokens seen by this layer
     nbytes          bytes held
-    trimmable       True when trim() can drop tokens (KV); False for recurrent state
+    trimmable       True when trim() can drop tokens (full-attention KV); False for recurrent state
+                    and sliding-window KV (they cannot be rewound)
     trim(n) -> int  drop the last n tokens, return how many were dropped
-    copy()          an independent, compact copy (what the prefix cache stores)
+    copy()          an independent, compact copy (what the prefix cache stores); `to(device)` the same
+                    on another device (plain KVCache / StateCache, for a prefix cache in host RAM)
     load(other, length=None)   fill a fresh cache from a stored copy, keeping `length` tokens
                     (a recurrent state only whole); how a prefix-cache hit enters a new sequence
     release()       optional: give pooled resources (state slots) back when the sequence ends
