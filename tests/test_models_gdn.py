@@ -145,6 +145,10 @@ def test_batched_equals_sequential(tiny_checkpoints, family, device):
     assert got == alone
     assert late_got == alone_late
     assert len({tuple(s) for s in got}) == 3      # the sequences really differ
+    for cache in caches + [late_cache]:           # states are compact: nothing larger hides behind them
+        for layer in cache.layers[:3]:
+            for t in layer.states.values():
+                assert t.untyped_storage().nbytes() == t.numel() * t.element_size()
 
 
 @pytest.mark.parametrize("family", FAMILIES)

@@ -110,7 +110,8 @@ def causal_conv1d(x: torch.Tensor, conv_state: torch.Tensor, weight: torch.Tenso
     y = history[..., 0:T] * w[:, 0:1]
     for i in range(1, W):
         y = y + history[..., i:i + T] * w[:, i:i + 1]                            # [B, C, T] fp32
-    return F.silu(y).to(x.dtype).transpose(1, 2), history[..., history.shape[-1] - (W - 1):]
+    # a compact copy: a view would keep the whole [C, W-1+T] history of a prefill chunk alive
+    return F.silu(y).to(x.dtype).transpose(1, 2), history[..., history.shape[-1] - (W - 1):].contiguous()
 
 
 def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

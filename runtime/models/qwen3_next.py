@@ -201,8 +201,11 @@ def linear_attention(gdn: GatedDeltaNet, x: torch.Tensor, batch: Batch, layer: i
             for cache in caches:
                 cache.advance(1)
         else:
+            # each sequence gets its own compact tensors: a row view would keep the whole batch's states
+            # alive behind it (and a finished sequence's states go to the prefix cache as they are)
             for i, cache in enumerate(caches):
-                _store_states(cache, conv[i], rec[i], 1)
+                own = len(caches) > 1
+                _store_states(cache, conv[i].clone() if own else conv[i], rec[i].clone() if own else rec[i], 1)
     return out
 
 
