@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from typing import Any
 
 from app.catalog import CatalogEntry, count_parameters, load_catalog
@@ -113,12 +114,14 @@ def machine_from_report(report: HardwareReport, *, cpu_read_gbps: float | None =
 
 
 def estimate(config: dict, *, codec: str, machine: Machine, context_length: int, max_sequences: int = 1,
-             vram_budget: int | None = None, cost: CostModel = CostModel(), id: str = "", name: str = "") -> FitEstimate:
-    """Fit of one model config on `machine` at `context_length` tokens of KV cache."""
+             vram_budget: int | None = None, cost: CostModel = CostModel(), id: str = "", name: str = "",
+             block_nbytes: int | None = None, group_size: int = 64) -> FitEstimate:
+    """Fit of one model config on `machine` at `context_length` tokens of KV cache. `block_nbytes` is a
+    converted package's real expert block size (its manifest), used instead of the codec's formula."""
     from runtime.experts.planner import ModelShape, plan_memory
 
     try:
-        shape = ModelShape.from_config(config, codec=codec)
+        shape = ModelShape.from_config(config, codec=codec, group_size=group_size, block_nbytes=block_nbytes)
         plan = plan_memory(shape, machine.hardware, context_length=context_length, max_sequences=max_sequences,
                            vram_budget=vram_budget)
     except (ValueError, KeyError) as exc:
@@ -203,12 +206,39 @@ def _prefill_range(shape, plan, machine: Machine, cost: CostModel, active_params
 
 def fit_catalog(report: HardwareReport, *, context_length: int, max_sequences: int = 1,
                 vram_budget: int | None = None, cpu_read_gbps: float | None = None,
-                entries: list[CatalogEntry] | None = None, cost: CostModel = CostModel()) -> list[FitEstimate]:
-    """The fit of every catalog model on the probed machine."""
-    machine = machine_from_report(report, cpu_read_gbps=cpu_read_gbps, cost=cost)
+                entries: list[CatalogEntry] | None = None, cost: CostModel = CostModel(),
+                machine: Machine | None = None) -> list[FitEstimate]:
+    """The fit of every catalog model on the probed machine (or on `machine` when given)."""
+    machine = machine or machine_from_report(report, cpu_read_gbps=cpu_read_gbps, cost=cost)
     out = []
     for entry in entries if entries is not None else load_catalog():
         out.append(estimate(entry.config(), codec=entry.codec, machine=machine, context_length=context_length,
                             max_sequences=max_sequences, vram_budget=vram_budget, cost=cost, id=entry.id,
                             name=entry.name))
     return out
+
+
+def local_fit_inputs(source_dir: Path | None, package_dir: Path | None) -> tuple[dict, dict] | None:
+    """(config, estimate options) for a local model not in the catalog: a converted package's manifest
+    (its codec and real block size), else the checkpoint's config.json with the codec the converter
+    would pick (fp4 for MXFP4/NVFP4 sources, int4 otherwise). None when neither can be read."""
+    import json
+
+    from app.catalog import CatalogError, checkpoint_format
+
+    if package_dir is not None:
+        try:
+            manifest = json.loads((package_dir / "manifest.json").read_text(encoding="utf-8"))
+            experts = manifest["experts"]
+            return manifest["config"], {"codec": experts["codec"], "block_nbytes": int(experts["block_nbytes"]),
+                                        "group_size": int(experts.get("group_size") or 64)}
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            log.warning("cannot read %s/manifest.json for a fit estimate: %s", package_dir, exc)
+    if source_dir is not None:
+        try:
+            config = json.loads((source_dir / "config.json").read_text(encoding="utf-8"))
+            codec = "fp4" if checkpoint_format(config) in ("mxfp4", "nvfp4") else "int4"
+            return config, {"codec": codec}
+        except (OSError, ValueError, CatalogError) as exc:
+            log.warning("cannot read %s/config.json for a fit estimate: %s", source_dir, exc)
+    return None

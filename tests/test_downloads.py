@@ -399,6 +399,10 @@ def test_download_command_fetches_converts_and_the_library_shows_it_ready(hub, f
     assert listed["context_length"] == 8192
     rows = {r["key"]: r for r in listed["models"]}
     assert rows[REPO]["status"] == "ready"
+    # a model outside the catalog is fitted from its package: its codec and its real expert block size
+    manifest = json.loads((package / "manifest.json").read_text())
+    assert rows[REPO]["fit"]["codec"] == manifest["experts"]["codec"]
+    assert rows[REPO]["fit"]["plan"]["expert_block_bytes"] == manifest["experts"]["block_nbytes"]
     assert rows["Qwen/Qwen3-30B-A3B-Instruct-2507"]["status"] == "not downloaded"
     assert rows["Qwen/Qwen3-30B-A3B-Instruct-2507"]["fit_badge"]
     # an architecture FreeToken cannot run is refused before any byte is fetched

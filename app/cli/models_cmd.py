@@ -108,19 +108,27 @@ def run(args) -> int:
 
 def _list(args, settings, paths) -> int:
     from app.downloads import DownloadManager
-    from app.fit import fit_catalog
+    from app.fit import estimate, fit_catalog, local_fit_inputs, machine_from_report
     from app.hardware import probe
     from app.library import Library
 
     context = args.context or settings.get("context_length")
     budget = args.vram_budget_gib if args.vram_budget_gib is not None else settings.get("vram_budget_gib")
+    vram_budget = int(budget * 1024 ** 3) if budget else None
     report = probe(paths.models)
-    fits = {f.id: f for f in fit_catalog(report, context_length=context, cpu_read_gbps=args.cpu_gbps,
-                                         vram_budget=int(budget * 1024 ** 3) if budget else None)}
+    machine = machine_from_report(report, cpu_read_gbps=args.cpu_gbps)     # measures the CPU once when not given
+    fits = {f.id: f for f in fit_catalog(report, context_length=context, vram_budget=vram_budget, machine=machine)}
     lib = Library(paths.models, downloads=DownloadManager(paths.models, paths.data / "downloads.json"))
     rows = []
     for model in lib.models():
         fit = fits.get(model.catalog.id) if model.catalog else None
+        if fit is None and model.catalog is None:
+            # a model outside the catalog: its package's manifest or its config.json
+            inputs = local_fit_inputs(model.source_dir, model.package_dir)
+            if inputs is not None:
+                config, options = inputs
+                fit = estimate(config, machine=machine, context_length=context, vram_budget=vram_budget,
+                               id=model.key, name=model.key, **options)
         rows.append({
             "key": model.key, "id": model.catalog.id if model.catalog else None,
             "name": model.catalog.name if model.catalog else model.key, "status": model.status,
