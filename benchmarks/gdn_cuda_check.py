@@ -92,7 +92,8 @@ def check_rule(cfg: GatedDeltaNetConfig, have_fla: bool, rows: list[dict]) -> No
         q, k, v, g, beta = rule_inputs(cfg, 1, T, gen=gen, dtype=torch.bfloat16)
         s0 = (torch.randn(1, cfg.num_v_heads, cfg.head_k_dim, cfg.head_v_dim, generator=gen, device=DEVICE) * 0.1
               if with_state else None)
-        ref = lambda: chunked_gated_delta_rule(q.float(), k.float(), v.float(), g, beta.float(), initial_state=s0)  # noqa: E731
+        ref = lambda: chunked_gated_delta_rule(q.float(), k.float(), v.float(), g, beta.float(),  # noqa: E731
+                                               initial_state=s0)
         o_ref, s_ref = ref()
         row = dict(check="rule/prefill", T=T, initial_state=with_state, torch_fp32_ms=round(cuda_time(ref), 3))
         if have_fla:
@@ -104,7 +105,8 @@ def check_rule(cfg: GatedDeltaNetConfig, have_fla: bool, rows: list[dict]) -> No
     for B in (1, 8):
         q, k, v, g, beta = rule_inputs(cfg, B, 1, gen=gen, dtype=torch.bfloat16)
         s0 = torch.randn(B, cfg.num_v_heads, cfg.head_k_dim, cfg.head_v_dim, generator=gen, device=DEVICE) * 0.1
-        ref = lambda: recurrent_gated_delta_rule(q.float(), k.float(), v.float(), g, beta.float(), initial_state=s0)  # noqa: E731
+        ref = lambda: recurrent_gated_delta_rule(q.float(), k.float(), v.float(), g, beta.float(),  # noqa: E731
+                                                 initial_state=s0)
         o_ref, s_ref = ref()
         row = dict(check="rule/decode", B=B, torch_fp32_ms=round(cuda_time(ref, repeats=50), 4))
         if have_fla:

@@ -319,7 +319,7 @@ def test_config_spellings_and_bad_configs():
     vlm = {"model_type": "qwen3_5_moe", "tie_word_embeddings": True, "text_config": text, "vision_config": {}}
     c = qwen3_5_moe.Config.from_hf(vlm)
     assert (c.rope_theta, c.partial_rotary_factor, c.rope_scaling, c.tie_word_embeddings) == (1e7, 0.25, None, True)
-    assert c.layer_types == ["linear_attention"] * 3 + ["full_attention"] + ["linear_attention"] * 3 + ["full_attention"]
+    assert c.layer_types == (["linear_attention"] * 3 + ["full_attention"]) * 2
     assert all(c.is_moe_layer(i) for i in range(8))                  # Qwen3.5: every layer routes
     old = dict(text, model_type="qwen3_next", full_attention_interval=2, mlp_only_layers=[1], intermediate_size=16)
     n = qwen3_next.Config.from_hf(old)

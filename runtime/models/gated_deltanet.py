@@ -316,7 +316,8 @@ class GatedDeltaNet(torch.nn.Module):
         return fla_usable(x)
 
     def project(self, x: torch.Tensor):
-        """x [B, T, D] -> mixed [B, T, C] (= [q | k | v], the conv's channel order), z [B, T, Hv, dv], b, a [B, T, Hv]."""
+        """x [B, T, D] -> mixed [B, T, C] ([q | k | v], the conv's channel order), z [B, T, Hv, dv],
+        b and a [B, T, Hv]."""
         cfg = self.cfg
         B, T, D = x.shape
         Hk, Hv, dk, dv, r = cfg.num_k_heads, cfg.num_v_heads, cfg.head_k_dim, cfg.head_v_dim, cfg.heads_per_key
