@@ -220,3 +220,21 @@ def test_missing_tokenizer_fails_before_converting(ckpt, tmp_path):
     (ckpt / "tokenizer.json").unlink()
     assert_fails_cleanly(ckpt, tmp_path / "out", "tokenizer.json missing")
     assert not (tmp_path / "out.partial").exists()
+
+
+def test_nvfp4_scale_that_does_not_fit_its_weight(tiny_checkpoints, tmp_path):
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    from tests.fixtures.quantized import build_nvfp4
+
+    src = build_nvfp4(tiny_checkpoints("qwen3_moe"), tmp_path / "nv")
+    name = "model.layers.2.mlp.experts.4.down_proj.weight_scale"
+    shard = src / index(src)["weight_map"][name]
+    tensors = load_file(shard)
+    tensors[name] = tensors[name][:, :1].contiguous()                  # one block of scales per row instead of two
+    save_file(tensors, str(shard), metadata={"format": "pt"})
+    assert_fails_cleanly(src, tmp_path / "out", shard.name, name, "does not fit weight")
+    tensors[name] = torch.zeros(64, 2, dtype=torch.float32)             # right shape, wrong dtype
+    save_file(tensors, str(shard), metadata={"format": "pt"})
+    assert_fails_cleanly(src, tmp_path / "out", shard.name, name, "F32", "F8_E4M3")

@@ -188,8 +188,8 @@ def _find_expert_layer(ckpt: Checkpoint, arch: archs.Architecture, layer: int, n
                    f"(config.json says layer {layer} has {num_experts} routed experts)")
 
 
-def make_plan(ckpt: Checkpoint, *, codec: str = "auto", group_size: int = 64,
-              chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> Plan:
+def make_plan(ckpt: Checkpoint, *, codec: str = "auto", group_size: int = 64) -> Plan:
+    """Locate and check every tensor, resolve the codec and fix every output offset (headers only)."""
     cfg = ckpt.text_config
     model_type = str(cfg.get("model_type") or ckpt.config.get("model_type") or "")
     arch = archs.lookup(model_type)
@@ -581,7 +581,7 @@ def convert(src: str | Path, out: str | Path, *, codec: str = "auto", group_size
         progress(ProgressEvent("planning", "", 0, 0, 0.0, None))
     ckpt = Checkpoint.open(src)
     try:
-        plan = make_plan(ckpt, codec=codec, group_size=group_size, chunk_bytes=chunk_bytes)
+        plan = make_plan(ckpt, codec=codec, group_size=group_size)
         if out.exists() and not overwrite:
             raise FTWError(f"{out} already exists; remove it or pass --force to replace it")
         if not (src / "tokenizer.json").is_file():

@@ -295,7 +295,36 @@ def group_logical_weights(tensors: dict[str, TensorInfo]) -> dict[str, SourceWei
         if sw.kind == "float" and sw.main.dtype not in FLOAT_DTYPES and sw.name + "_scale" in tensors:
             raise FTWError(f"{sw.main.file.name}: tensor {sw.name} is {sw.main.dtype} with a per-tensor scale; "
                            "this quantization is not supported")
+        _check_quantized(sw)
     return out
+
+
+# kind -> role -> dtypes the published formats use
+QUANT_DTYPES = {
+    "fp8": {"main": ("F8_E4M3",), "scale": ("F32", "BF16", "F16")},
+    "mxfp4": {"main": ("U8",), "scale": ("U8", "F8_E8M0")},
+    "nvfp4": {"main": ("U8",), "scale": ("F8_E4M3", "U8"), "scale2": ("F32",)},
+}
+
+
+def _check_quantized(sw: SourceWeight) -> None:
+    """Dtypes and shapes of a quantized weight's tensors agree with each other and with the format."""
+    if sw.kind == "float":
+        return
+    for role, info in sw.parts.items():
+        if info.dtype not in QUANT_DTYPES[sw.kind][role]:
+            raise FTWError(f"{info.file.name}: tensor {info.name} is {info.dtype}; {sw.kind} stores it as "
+                           f"{' or '.join(QUANT_DTYPES[sw.kind][role])}")
+    main, scale = sw.parts["main"], sw.parts["scale"]
+    if sw.kind == "mxfp4":
+        ok = main.shape[-1] == 16 and scale.shape == main.shape[:-1]
+    elif sw.kind == "nvfp4":
+        ok = scale.shape[:-1] == main.shape[:-1] and scale.shape[-1] * 8 == main.shape[-1]
+    else:
+        ok = len(scale.shape) == len(main.shape)
+    if not ok:
+        raise FTWError(f"{scale.file.name}: scale {scale.name} {list(scale.shape)} does not fit weight "
+                       f"{main.name} {list(main.shape)} ({sw.kind})")
 
 
 # ---------------------------------------------------------------- the checkpoint
