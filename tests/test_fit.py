@@ -1,8 +1,6 @@
 """Fit estimates: the planner decides placement (no second formula); the speed is a calibrated range."""
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 
 from app.catalog import find_entry, load_catalog
