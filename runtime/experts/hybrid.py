@@ -36,6 +36,7 @@ from runtime.experts.policy import Key, RoutingStats, SlotDirectory, SplitContro
 from runtime.experts.slot_cache import SlotCache
 from runtime.experts.stats import ExpertStats
 from runtime.experts.transport import Transport
+from runtime.kernels import int4_pool_triton
 from runtime.kernels.expert_pool import pool_forward, pool_forward_grouped
 
 log = logging.getLogger(__name__)
@@ -82,6 +83,9 @@ class HybridExperts:
         self._staged: dict[int, tuple[int, object]] = {}   # layer -> (buffer index, copy event)
         self._stage_free: list[object] = [None, None]       # event after which each buffer may be overwritten
         self._promotions: list[tuple[Key, int, object]] = []
+        # decode compute over the pool: the fused Triton kernels where they cover the codec, else torch
+        self._pool_forward = int4_pool_triton.pool_forward_triton if (
+            self.cuda and int4_pool_triton.supports(self.layout, spec)) else pool_forward
         self._warm_hot_set()
         total = len(store.layers) * store.num_experts
         self._all_resident = options.slots >= total and all(
@@ -152,8 +156,8 @@ class HybridExperts:
                 self.cache.publish(key, slot)
         # GPU: every resident expert of this call, looked up on the device
         slots = self.cache.device_slots(layer, topk_ids)
-        out = pool_forward(self.cache.pool, self.layout, self.spec, hidden.to(self.dtype), slots,
-                           topk_weights) if (hits or fetch) else torch.zeros_like(hidden, dtype=self.dtype)
+        out = self._pool_forward(self.cache.pool, self.layout, self.spec, hidden.to(self.dtype), slots,
+                                 topk_weights) if (hits or fetch) else torch.zeros_like(hidden, dtype=self.dtype)
         # CPU: the rest, while the GPU works
         cpu_s = 0.0
         if cpu_keys:
@@ -171,8 +175,8 @@ class HybridExperts:
                        bytes_h2d=len(fetch) * nb, bytes_cpu_read=len(cpu_keys) * nb, cpu_seconds=cpu_s)
         self._promote(cpu_keys)
         if self.options.split == "auto":
-            if self.cuda:
-                torch.cuda.current_stream(self.device).synchronize()
+            # wall time of this call, no device sync: the GPU part overlaps the CPU part and the next
+            # call's id transfer waits for it anyway, so a slow GPU shows up in the next call's time
             self.split.observe(step_seconds=time.perf_counter() - t0, cpu_bytes=len(cpu_keys) * nb, cpu_seconds=cpu_s,
                                pcie_bytes=len(fetch) * nb, pcie_seconds=(time.perf_counter() - t_pcie) if fetch and not cpu_keys else 0.0)
         return out.to(hidden.dtype)

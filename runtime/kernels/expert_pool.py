@@ -112,32 +112,51 @@ def pool_forward(pool: torch.Tensor, layout, spec: ExpertSpec, x: torch.Tensor, 
 
 
 def pool_forward_grouped(pool: torch.Tensor, layout, spec: ExpertSpec, x: torch.Tensor, slots: torch.Tensor,
-                         weights: torch.Tensor) -> torch.Tensor:
-    """The same function for many tokens: each used slot dequantized once, run on all its tokens."""
+                         weights: torch.Tensor, *, workspace_bytes: int = 256 << 20) -> torch.Tensor:
+    """The same function for many tokens: used slots dequantized a batch at a time (as many as fit in
+    `workspace_bytes` of bf16 weights) and run as padded batched matmuls over each slot's tokens."""
     t, k = slots.shape
     flat = slots.reshape(-1)
     order = torch.argsort(flat, stable=True)                                      # [A] grouped by slot
     sorted_slots = flat.index_select(0, order)
     uniq, counts = torch.unique_consecutive(sorted_slots, return_counts=True)
-    token_of = order // k
-    w = weights.reshape(-1).index_select(0, order).to(x.dtype)
+    uniq_h, counts_h = uniq.tolist(), counts.tolist()                             # host: one sync per call
+    token_of = order // k                                                         # [A]
+    w_sorted = weights.reshape(-1).index_select(0, order).to(x.dtype)             # [A]
     out = torch.zeros_like(x)
-    start = 0
-    for slot, n in zip(uniq.tolist(), counts.tolist()):                           # host: one sync per call
-        rows = slice(start, start + n)
-        start += n
-        if slot < 0:
-            continue
-        block = pool[slot:slot + 1]
-        tok = token_of[rows]
-        xs = x.index_select(0, tok)                                               # [n, D]
-        gate = dequantize_blocks(block, layout, "gate", x.dtype)[0]
-        up = dequantize_blocks(block, layout, "up", x.dtype)[0]
-        down = dequantize_blocks(block, layout, "down", x.dtype)[0]
-        g = torch.nn.functional.linear(xs, gate, _first(_bias(block, layout, "gate_bias", x.dtype)))
-        u = torch.nn.functional.linear(xs, up, _first(_bias(block, layout, "up_bias", x.dtype)))
-        y = torch.nn.functional.linear(_act(spec, g, u), down, _first(_bias(block, layout, "down_bias", x.dtype)))
-        out.index_add_(0, tok, y * w[rows, None])
+    per_expert = 3 * layout.hidden * layout.intermediate * x.element_size()
+    batch = max(1, workspace_bytes // per_expert)
+    # padded token table [U, width]: position p of slot j holds its p-th token (pads: row 0 with weight 0)
+    a = flat.numel()
+    gid = torch.repeat_interleave(torch.arange(len(uniq_h), device=x.device), counts)          # [A]
+    first = torch.cumsum(counts, 0) - counts                                                     # [U]
+    pos = torch.arange(a, device=x.device) - first.index_select(0, gid)                         # [A]
+    idx_all = torch.zeros((len(uniq_h), max(counts_h)), dtype=torch.long, device=x.device)
+    w_all = torch.zeros((len(uniq_h), max(counts_h)), dtype=x.dtype, device=x.device)
+    idx_all[gid, pos] = token_of
+    w_all[gid, pos] = w_sorted
+    used = [(j, sl) for j, sl in enumerate(uniq_h) if sl >= 0]
+    for b0 in range(0, len(used), batch):
+        group = used[b0:b0 + batch]
+        blocks = pool.index_select(0, torch.tensor([sl for _, sl in group], device=pool.device))
+        gate = dequantize_blocks(blocks, layout, "gate", x.dtype)                 # [B, I, D]
+        up = dequantize_blocks(blocks, layout, "up", x.dtype)
+        down = dequantize_blocks(blocks, layout, "down", x.dtype)                 # [B, D, I]
+        width = max(counts_h[j] for j, _ in group)
+        rows = torch.tensor([j for j, _ in group], device=x.device)
+        idx = idx_all.index_select(0, rows)[:, :width].contiguous()              # [B, W]
+        wpad = w_all.index_select(0, rows)[:, :width]
+        xs = x.index_select(0, idx.reshape(-1)).view(len(group), width, -1)       # [B, W, D]
+        g = torch.bmm(xs, gate.transpose(1, 2))                                   # [B, W, I]
+        u = torch.bmm(xs, up.transpose(1, 2))
+        gb, ub = _bias(blocks, layout, "gate_bias", x.dtype), _bias(blocks, layout, "up_bias", x.dtype)
+        if gb is not None:
+            g, u = g + gb[:, None, :], u + ub[:, None, :]
+        y = torch.bmm(_act(spec, g, u), down.transpose(1, 2))                     # [B, W, D]
+        db = _bias(blocks, layout, "down_bias", x.dtype)
+        if db is not None:
+            y = y + db[:, None, :]
+        out.index_add_(0, idx.reshape(-1), (y * wpad[..., None]).reshape(-1, y.shape[-1]))
     return out
 
 
