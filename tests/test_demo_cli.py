@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -165,3 +166,33 @@ def test_run_on_a_hugging_face_folder_uses_its_template_and_parser(tiny_checkpoi
     engine = Engine.load(packages[0].parent, device="cpu")
     result = engine.generate(report["prompt_ids"], SamplingParams(temperature=0, max_tokens=6))
     assert result.tokens == report["generated_ids"]
+
+
+def test_truncation_only_when_asked(demo_home, monkeypatch, capsys):
+    import io
+
+    from app.cli import main
+
+    monkeypatch.setenv("FREETOKEN_HOME", str(demo_home))
+    words = " ".join(f"w{i}" for i in range(60))
+    assert main(["run", DEMO_MODEL_NAME, "--raw", "--prompt", words, "--context", "16", "--max-tokens", "1"]) == 1
+    assert "context" in capsys.readouterr().err
+    assert main(["run", DEMO_MODEL_NAME, "--raw", "--prompt", words, "--context", "16", "--max-tokens", "1",
+                 "--truncate", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert len(report["prompt_ids"]) == 15 and report["truncated_tokens"] > 0
+    assert words.endswith(report["prompt"]) and report["prompt"].endswith("w59")
+    # Through the chat template: the frame stays whole, the start of the message goes.
+    assert main(["run", DEMO_MODEL_NAME, "--prompt", words, "--context", "32", "--max-tokens", "1", "--truncate",
+                 "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert len(report["prompt_ids"]) <= 31 and report["truncated_tokens"] > 0
+    assert report["prompt"].startswith("<|im_start|>user\n")
+    assert report["prompt"].endswith("w59<|im_end|>\n<|im_start|>assistant\n")
+    # chat forgets its oldest turns instead
+    monkeypatch.setattr(sys, "stdin", io.StringIO("first question here\nsecond question here\nthird one\n"))
+    assert main(["chat", DEMO_MODEL_NAME, "--context", "48", "--max-tokens", "8", "--temperature", "0",
+                 "--truncate"]) == 0
+    err = capsys.readouterr().err
+    assert len([line for line in err.splitlines() if "prompt tokens" in line]) == 3
+    assert re.search(r"forgot the \d+ oldest turns to fit the 48-token context", err)

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import sys
 
-from app.cli.run_cmd import (TerminalPrinter, add_model_arguments, add_sampling_arguments, generate, load_engine,
-                             prompt_ids_for, sampling_from_args, stats_line, template_kwargs, user_errors)
+from app.cli.run_cmd import (TerminalPrinter, add_model_arguments, add_sampling_arguments, fit_prompt, generate,
+                             load_engine, sampling_from_args, stats_line, template_kwargs, user_errors)
 
 HELP = "commands: /reset  /system TEXT  /exit"
 
@@ -22,8 +22,28 @@ def register(sub) -> None:
     add_model_arguments(p)
     p.add_argument("--system", metavar="TEXT", help="a system prompt")
     p.add_argument("--hide-reasoning", action="store_true", help="do not print the model's reasoning")
+    p.add_argument("--truncate", action="store_true",
+                   help="forget the oldest turns when the conversation outgrows the context")
     add_sampling_arguments(p)
     p.set_defaults(run=run)
+
+
+def _fit_conversation(engine, system: str | None, history: list[dict], text: str, kwargs: dict, *,
+                      truncate: bool) -> tuple[str, list[int], int]:
+    """(prompt text, ids, turns forgotten): with `truncate`, the oldest user/assistant pairs go (from
+    `history` itself, so they stay forgotten) until the conversation fits; then the new message is cut."""
+    head = [{"role": "system", "content": system}] if system else []
+    dropped = 0
+    while True:
+        messages = head + history + [{"role": "user", "content": text}]
+        if not (truncate and history):
+            prompt_text, ids, _ = fit_prompt(engine, messages, kwargs=kwargs, truncate=truncate)
+            return prompt_text, ids, dropped
+        prompt_text, ids, _ = fit_prompt(engine, messages, kwargs=kwargs)
+        if len(ids) < engine.context_length:
+            return prompt_text, ids, dropped
+        del history[:2]
+        dropped += 1
 
 
 def _read_line(interactive: bool) -> str | None:
@@ -70,10 +90,12 @@ def run(args) -> int:
         if text.startswith("/"):
             print(f"unknown command {text.split()[0]}; {HELP}", file=sys.stderr)
             continue
-        messages = ([{"role": "system", "content": system}] if system else []) + history + \
-                   [{"role": "user", "content": text}]
         try:
-            prompt_text, prompt_ids = prompt_ids_for(engine, messages, kwargs=kwargs)
+            prompt_text, prompt_ids, dropped = _fit_conversation(engine, system, history, text, kwargs,
+                                                                 truncate=args.truncate)
+            if dropped:
+                print(f"(forgot the {dropped} oldest turns to fit the {engine.context_length}-token context)",
+                      file=sys.stderr)
             outcome = generate(engine, prompt_text, prompt_ids, params, printer=printer)
         except KeyboardInterrupt:
             print("\n(stopped)", file=sys.stderr)

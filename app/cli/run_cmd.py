@@ -34,6 +34,8 @@ def register(sub) -> None:
     p.add_argument("--json", action="store_true",
                    help="print one JSON object (prompt and generated token ids, text, stats) instead of streaming")
     p.add_argument("--hide-reasoning", action="store_true", help="do not print the model's reasoning")
+    p.add_argument("--truncate", action="store_true",
+                   help="cut the start of a prompt too long for the context instead of refusing it")
     add_sampling_arguments(p)
     p.set_defaults(run=run)
 
@@ -142,6 +144,36 @@ def prompt_ids_for(engine, messages: list[dict], *, raw_text: str | None = None,
         raise CliError(f"model {engine.model_id} has no chat template; use --raw to send the text as is")
     text = engine.chat_template.render(messages, add_generation_prompt=True, **(kwargs or {}))
     return text, engine.tokenizer.encode(text)
+
+
+def fit_prompt(engine, messages: list[dict], *, raw_text: str | None = None, kwargs: dict | None = None,
+               truncate: bool = False) -> tuple[str, list[int], int]:
+    """(prompt text, ids, tokens cut): the prompt, leaving room for at least one new token.
+
+    Too long and not `truncate`: the engine's own error says so. With `truncate`, the start goes: of the
+    raw text, or of the last message's content (the template's frame and the system prompt stay whole).
+    """
+    text, ids = prompt_ids_for(engine, messages, raw_text=raw_text, kwargs=kwargs)
+    limit = engine.context_length - 1
+    if len(ids) <= limit or not truncate:
+        return text, ids, 0
+    tok = engine.tokenizer
+    if raw_text is not None:
+        kept = ids[-limit:]
+        return tok.decode(kept), kept, len(ids) - len(kept)
+    content = messages[-1].get("content")
+    if not isinstance(content, str):
+        raise CliError("the prompt does not fit the context and its last message cannot be shortened")
+    content_ids = tok.encode(content)
+    keep = len(content_ids) - (len(ids) - limit)
+    while keep > 0:
+        shorter = [*messages[:-1], {**messages[-1], "content": tok.decode(content_ids[-keep:])}]
+        text, new_ids = prompt_ids_for(engine, shorter, kwargs=kwargs)
+        if len(new_ids) <= limit:     # re-tokenising at the cut can differ by a token: check, not assume
+            return text, new_ids, len(ids) - len(new_ids)
+        keep -= max(1, len(new_ids) - limit)
+    raise CliError(f"the prompt does not fit the {engine.context_length}-token context even with the last "
+                   "message emptied (the system prompt and template take it all)")
 
 
 @dataclass
@@ -278,8 +310,11 @@ def run(args) -> int:
         params = sampling_from_args(args, engine.package.generation_config)
         messages = ([{"role": "system", "content": args.system}] if args.system else []) + \
                    [{"role": "user", "content": prompt}]
-        prompt_text, prompt_ids = prompt_ids_for(engine, messages, raw_text=prompt if args.raw else None,
-                                                 kwargs=template_kwargs(args))
+        prompt_text, prompt_ids, cut = fit_prompt(engine, messages, raw_text=prompt if args.raw else None,
+                                                  kwargs=template_kwargs(args), truncate=args.truncate)
+        if cut and not args.json:
+            print(f"(the prompt's first {cut} tokens were cut to fit the {engine.context_length}-token context)",
+                  file=sys.stderr)
         printer = None if args.json else TerminalPrinter(sys.stdout, show_reasoning=not args.hide_reasoning)
         outcome = generate(engine, prompt_text, prompt_ids, params, printer=printer)
     except errors as exc:
@@ -293,7 +328,7 @@ def run(args) -> int:
             "raw_text": result.text, "reasoning": outcome.reasoning, "tool_calls": outcome.tool_calls,
             "sampling": {"temperature": params.temperature, "top_k": params.top_k, "top_p": params.top_p,
                          "min_p": params.min_p, "seed": params.seed, "max_tokens": params.max_tokens},
-            "stats": stats_dict(result),
+            "truncated_tokens": cut, "stats": stats_dict(result),
         }, ensure_ascii=False))
     else:
         print(stats_line(result), file=sys.stderr)
