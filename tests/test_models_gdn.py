@@ -267,7 +267,11 @@ def test_engine_batched_equals_sequential(tiny_checkpoints, tmp_path_factory, fa
     alone = [solo.generate(p, greedy_params(10)).tokens for p in prompts]
 
     eng = engine(path, device, prefix_cache_bytes=0, max_batch=3, prefill_chunk=16)
-    pool = eng.model.attach_state_pool(3, device=device, dtype=torch.float32) if pooled else None
+    pool = eng.model.state_pool                  # the engine reserves max_batch slots...
+    assert pool is not None and pool.capacity == 3
+    assert (eng.plan["state_slots"], eng.plan["state_bytes"]) == (3, pool.nbytes)
+    if not pooled:
+        eng.model.state_pool = None              # ...without them every sequence owns its state tensors
     gathered = []                                # batch sizes of the pool's one-gather decode path
     if pooled:
         gather = pool.gather
@@ -291,7 +295,9 @@ def test_engine_prefix_cache_is_exact(tiny_checkpoints, tmp_path_factory, family
     enters a reserved slot)."""
     path = package(tiny_checkpoints, tmp_path_factory, family)
     cached = engine(path, device, prefill_chunk=16, max_batch=1)
-    pool = cached.model.attach_state_pool(1, device=device, dtype=torch.float32) if pooled else None
+    pool = cached.model.state_pool
+    if not pooled:
+        cached.model.state_pool = None
     plain = engine(path, device, prefix_cache_bytes=0, prefill_chunk=16)
     turn1 = prompt(40, 30)
     first = cached.generate(turn1, greedy_params(12))
