@@ -366,6 +366,7 @@ class DownloadManager:
 
     def resume(self, job_id: str) -> None:
         """Resume a paused job, or retry a failed one (its files start from their .part)."""
+        self._wait_idle(job_id)            # workers told to stop on pause/failure have let go of their files
         with self._lock:
             job = self._get(job_id)
             if job.state not in (PAUSED, FAILED):
@@ -374,7 +375,7 @@ class DownloadManager:
                 if f.state == FAILED:
                     f.state, f.error = QUEUED, ""
             job.error = ""
-        self._scan_disk(job)
+            self._scan_disk(job)
         self._check_disk(job)
         self._set_state(job_id, QUEUED, from_states=(PAUSED, FAILED))
 
@@ -397,7 +398,9 @@ class DownloadManager:
         self._save()
         self._emit("state", job)
 
-    def wait(self, job_id: str, *, timeout: float | None = None, states: tuple[str, ...] = (DONE, FAILED, CANCELLED, PAUSED)) -> DownloadJob:
+    def wait(self, job_id: str, *, timeout: float | None = None,
+             states: tuple[str, ...] = (DONE, FAILED, CANCELLED, PAUSED)) -> DownloadJob | None:
+        """Block until the job reaches one of `states`; its snapshot, or None once it was cancelled."""
         deadline = None if timeout is None else time.monotonic() + timeout
         with self._lock:
             while True:
