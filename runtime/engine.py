@@ -122,6 +122,18 @@ def _eos_ids(package) -> tuple[int, ...]:
     return ()
 
 
+def kv_bytes_per_sequence(model: CausalLM, tokens: int, dtype: torch.dtype) -> int:
+    """KV bytes of one sequence of `tokens` tokens (a sliding-window layer holds at most ~2 windows)."""
+    c = model.config
+    per_token = 2 * c.num_key_value_heads * c.head_dim * torch.empty((), dtype=dtype).element_size()
+    total = 0
+    for layer, kind in enumerate(model.layer_kinds):
+        if kind == "attention":
+            window = model.kv_window(layer)
+            total += per_token * (tokens if window is None else min(tokens, 2 * window))
+    return total
+
+
 def resident_experts_factory(package, spec: ExpertSpec, *, device, dtype, progress=None, **_unused) -> Experts:
     """The default expert tier: every expert dequantized once onto the compute device."""
     from runtime.experts.resident import ResidentExperts
@@ -235,6 +247,10 @@ class Engine:
                 "expert_bytes": int(getattr(experts, "nbytes", 0)), "prefix_cache_bytes": prefix_cache_bytes,
                 "prefix_cache_device": str(prefix_dev),
                 "state_slots": max_batch if state_bytes else 0, "state_bytes": state_bytes,
+                "dense_on": "gpu" if dev.type == "cuda" else "cpu",
+                # KV of one sequence at full context (caches grow with use, up to this per sequence)
+                "kv_tokens": context_length, "kv_bytes": kv_bytes_per_sequence(model, context_length, dtype),
+                "expert_total": len(package.experts.layers) * package.experts.num_experts,
                 "load_seconds": round(time.perf_counter() - t0, 3)}
         if experts_plan:
             plan["experts"] = experts_plan

@@ -232,6 +232,9 @@ def test_stats_count_what_happened(ftw_packages, device):
     assert s["prefill_tokens"] == 12 and s["decode_tokens"] == 4
     assert s["active_sequences"] == 0 and s["prefix_cache"]["entries"] == 1
     assert eng.plan["backend"] == "resident" and eng.plan["expert_bytes"] > 0
+    # Qwen3-MoE tiny: 3 layers x 2 KV heads x 16 dims x (K and V) x 4 bytes per token, at full context
+    assert eng.plan["kv_tokens"] == 2048 and eng.plan["kv_bytes"] == 3 * 2 * 2 * 16 * 4 * 2048
+    assert eng.plan["expert_total"] == 2 * 8          # layer 1 is dense (mlp_only_layers)
 
 
 def test_a_failing_forward_ends_its_requests_and_the_engine_lives_on(ftw_packages, device):
@@ -303,6 +306,8 @@ def test_experts_factory_seam_gets_the_plan_inputs_and_a_misfit_is_an_engine_err
     assert seen["context_length"] == 512 and seen["max_sequences"] == 3 and seen["vram_budget"] == 123
     assert seen["spec"].activation == "gpt_oss" and seen["spec"].has_bias
     assert eng.plan["backend"] == "gpu" and eng.plan["experts"]["expert_slots"] == 0
+    # 256 bytes of K+V per token and layer; the sliding layer (window 8) holds at most 16 tokens
+    assert eng.plan["kv_bytes"] == 256 * 16 + 256 * 512
 
     def too_big(package, spec, **kw):
         raise MemoryError("experts need 60 GiB, 8 GiB are free")
