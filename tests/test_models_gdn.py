@@ -11,6 +11,7 @@ from runtime.experts.interface import ExpertWeights
 from runtime.experts.resident import ResidentExperts
 from runtime.loading import build_empty_model, load_dense_weights
 from runtime.models.base import Batch
+from runtime.models.gated_deltanet import chunked_gated_delta_rule, recurrent_gated_delta_rule
 from runtime.models.linear_state import SlotStateCache, StatePoolFull
 from tests.engine_fixtures import SafetensorsSource
 from tests.fixtures.checkpoints import load_reference
@@ -428,3 +429,37 @@ def test_engine_in_bf16_stays_within_its_bound(tiny_checkpoints, tmp_path_factor
     assert (ours.argmax(-1) == expected.argmax(-1)).float().mean().item() >= 0.9
     assert cache.layers[0].states["recurrent"].dtype == torch.float32          # the state stays fp32
     assert cache.layers[0].states["conv"].dtype == torch.bfloat16
+
+
+def test_fla_path_through_the_engine(tiny_checkpoints, tmp_path_factory, monkeypatch):
+    """The route a CUDA machine with fla-core takes (bf16: chunk kernel for prefill, fused recurrent
+    kernel for batched decode), run here through stand-ins with fla's keyword API that compute with our
+    torch forms: the glue must hand fla what it expects and give back the same tokens as the torch path."""
+    from runtime.models import gated_deltanet as gdn_mod
+
+    path = package(tiny_checkpoints, tmp_path_factory, "qwen3_next")
+    prompts = [prompt(37, 50), prompt(5, 51), prompt(20, 52)]
+    torch_path = engine(path, "cpu", dtype=torch.bfloat16, prefix_cache_bytes=0)
+    expected = [torch_path.generate(p, greedy_params(6)).tokens for p in prompts]
+
+    calls = []
+
+    def stand_in(form):
+        def kernel(*, q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel):
+            B, T, H, dk = q.shape
+            assert k.shape == q.shape and v.shape[:3] == (B, T, H)            # key heads already expanded
+            assert q.dtype == v.dtype == beta.dtype == torch.bfloat16 and g.dtype == torch.float32
+            assert initial_state.dtype == torch.float32 and initial_state.shape == (B, H, dk, v.shape[-1])
+            assert output_final_state and use_qk_l2norm_in_kernel and scale == dk ** -0.5
+            calls.append((form, B, T))
+            rule = recurrent_gated_delta_rule if form == "recurrent" else chunked_gated_delta_rule
+            return rule(q, k, v, g, beta, initial_state=initial_state)
+        return kernel
+
+    monkeypatch.setattr(gdn_mod, "fla_kernels", lambda: (stand_in("chunk"), stand_in("recurrent")))
+    monkeypatch.setattr(gdn_mod, "fla_usable", lambda x: x.dtype == torch.bfloat16)
+    eng = engine(path, "cpu", dtype=torch.bfloat16, prefix_cache_bytes=0, max_batch=3)
+    rids = [eng.add_request(p, greedy_params(6)) for p in prompts]
+    drain(eng)
+    assert [eng.result(r).tokens for r in rids] == expected
+    assert ("chunk", 1, 37) in calls and any(form == "recurrent" and B == 3 for form, B, _ in calls)
