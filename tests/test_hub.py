@@ -1,6 +1,7 @@
 """Hub search and browse through the real HfApi client against the local hub-compatible server."""
 from __future__ import annotations
 
+import json
 import socket
 
 import pytest
@@ -117,3 +118,23 @@ def test_quantization_and_support_rules_without_a_server():
                                has_safetensors=True)
     assert ok, reason
     assert support_check(None, has_safetensors=True) == (False, "no config.json (not a transformers checkpoint)")
+
+
+def test_models_search_and_show_commands_use_the_endpoint_setting(hub, capsys):
+    from app.cli import main
+    from app.settings import Settings
+
+    settings = Settings()
+    settings.set("hf_endpoint", hub.url)                     # the mirror setting
+    settings.save()
+    assert main(["models", "search", "qwen3", "--json"]) == 0
+    found = json.loads(capsys.readouterr().out)
+    assert [m["repo"] for m in found] == ["nvidia/Qwen3.6-35B-A3B-NVFP4", "tiny/qwen3-moe"]   # supported only
+    assert main(["models", "search", "qwen3", "--all"]) == 0
+    out = capsys.readouterr().out
+    assert "someone/qwen3-moe-awq" in out and "awq" in out
+    assert main(["models", "show", "tiny/qwen3-moe"]) == 0
+    out = capsys.readouterr().out
+    assert "qwen3_moe" in out and "runs it" in out and "apache-2.0" in out
+    assert main(["models", "show", "nobody/nothing"]) == 1
+    assert "not found" in capsys.readouterr().err
