@@ -121,3 +121,35 @@ def test_lossy_codecs_within_stated_bounds(family, codec, ftw_packages, tiny_che
                 if name in params:
                     params[name].copy_(eng.package.dense(name).float())
     assert (ours - reference_logits(ref, prompt)).abs().max().item() <= 1e-4
+
+
+@pytest.mark.parametrize("family,source", [("gpt_oss", "mxfp4"), ("qwen3_moe", "nvfp4")])
+def test_fp4_checkpoints_run_exactly_on_the_weights_they_hold(family, source, tiny_checkpoints, tmp_path, device):
+    """gpt-oss as OpenAI ships it (MXFP4 experts) and an NVFP4 (ModelOpt) Qwen3-MoE, converted with the
+    fp4 codec that keeps them exactly, run by the engine: equal to transformers on those very weights."""
+    from runtime.ftw.converter import convert
+    from tests.fixtures.checkpoints import load_reference
+    from tests.fixtures.quantized import build_mxfp4_gpt_oss, build_nvfp4
+
+    src = tiny_checkpoints(family)
+    variant = (build_mxfp4_gpt_oss if source == "mxfp4" else build_nvfp4)(src, tmp_path / source)
+    eng = Engine.load(convert(variant, tmp_path / "pkg"), device=device, dtype=torch.float32)
+    store = eng.package.experts
+    assert store.codec == "fp4"
+    # the experts the engine computes with are the published formula's, bit for bit
+    from tests.fixtures.quantized import reference_experts
+
+    expected = reference_experts(variant, family)
+    for layer, e in ((store.layers[0], 0), (store.layers[-1], store.num_experts - 1)):
+        got = store.dequantize(layer, e)
+        for role, tensor in expected[(layer, e)].items():
+            assert torch.equal(getattr(got, role), tensor.float()), (layer, e, role)
+    prompt = random_prompt(20, seed=6)
+    ours = engine_logits(eng, prompt, (12, 8))
+    ref = load_reference(src)
+    _substitute_experts(ref, family, eng.package.experts)
+    with torch.no_grad():
+        params = dict(ref.named_parameters())
+        for name in eng.package.dense_names():     # NVFP4 also quantized the dense projections
+            params[name].copy_(eng.package.dense(name).float())
+    assert (ours - reference_logits(ref, prompt)).abs().max().item() <= 1e-4
