@@ -182,7 +182,10 @@ class HubServer:
         for f in repo.files.values():
             if f.path.endswith(".safetensors"):
                 header_len = int.from_bytes(f.data[:8], "little")
-                header = json.loads(f.data[8:8 + header_len])
+                try:
+                    header = json.loads(f.data[8:8 + header_len])
+                except ValueError:          # not a real safetensors file: the hub lists no parameters either
+                    continue
                 for name, info in header.items():
                     if name == "__metadata__":
                         continue
