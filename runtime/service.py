@@ -199,13 +199,11 @@ class Service:
         self._model: ModelInfo | None = None
         self._state = "empty"                         # empty | loading | ready | failed
         self._load_error: str | None = None
-        self._ready = threading.Condition(self._lock)
         self._stats_sinks: dict[str, Callable[[dict], None]] = {}
         self._served = 0
         self._tokens_out = 0
         self._recent: list[tuple[float, int]] = []    # (time, tokens) per step, for a recent tok/s
         self._thread = threading.Thread(target=self._run, name="freetoken-engine", daemon=True)
-        self._stopped = threading.Event()
         self._thread.start()
 
     # ---- state readable from any thread ----
@@ -225,20 +223,6 @@ class Service:
     def pending(self) -> int:
         with self._lock:
             return len(self._jobs)
-
-    def wait_for_model(self, timeout_s: float) -> ModelInfo:
-        """The loaded model, waiting up to `timeout_s` while one is loading; NoModel/StillLoading otherwise."""
-        deadline = time.monotonic() + timeout_s
-        with self._ready:
-            while self._state == "loading":
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    raise StillLoading("a model is still loading; try again in a moment")
-                self._ready.wait(left)
-            if self._model is None:
-                reason = f" (the last load failed: {self._load_error})" if self._load_error else ""
-                raise NoModel(f"no model is loaded{reason}")
-            return self._model
 
     # ---- commands ----
 
@@ -336,7 +320,6 @@ class Service:
         finally:
             self._fail_all("engine_error", "the engine service stopped")
             self._engine = None
-            self._stopped.set()
 
     def _drain_inbox(self, block_s: float) -> bool:
         """Run every queued command; False once 'stop' arrived."""
@@ -370,26 +353,24 @@ class Service:
                              loaded_at=time.time())
         except Exception as exc:   # any load failure is reported, never kills the thread
             log.exception("loading %s failed", path)
-            message = f"{type(exc).__name__}: {exc}" if not str(exc).startswith(str(path)) else str(exc)
-            with self._ready:
+            # the engine's and the reader's errors are written for users; anything else is a bug: name it
+            message = str(exc) if isinstance(exc, (ValueError, OSError)) else f"{type(exc).__name__}: {exc}"
+            with self._lock:
                 self._state, self._load_error = "failed", message
-                self._ready.notify_all()
             if on_done:
                 on_done(None, message)
             return
         self._engine = engine
-        with self._ready:
+        with self._lock:
             self._model, self._state = info, "ready"
-            self._ready.notify_all()
         if on_done:
             on_done(info, None)
 
     def _do_unload(self, on_done) -> None:
         self._fail_all("no_model", "the model was unloaded")
         self._engine = None
-        with self._ready:
+        with self._lock:
             self._model, self._state = None, "empty"
-            self._ready.notify_all()
         if on_done:
             on_done()
 

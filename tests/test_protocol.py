@@ -152,6 +152,11 @@ def test_worker_core_speaks_the_protocol(core_env):
     assert wait_for(sent, lambda m: m.get("id") == "x")["code"] == "bad_request"
     core.handle(protocol.request("generate", id="early", prompt="hi"))
     assert wait_for(sent, lambda m: m.get("id") == "early")["code"] == "no_model"
+    core.handle(protocol.request("load", id="missing", model=str(ckpt / "no-such-model")))
+    failed = wait_for(sent, lambda m: m.get("id") == "missing")
+    assert failed["code"] == "load_failed" and "no-such-model" in failed["message"]
+    core.handle(protocol.request("load", id="badopt", model=str(ckpt), options={"gpu_layers": 3}))
+    assert "gpu_layers" in wait_for(sent, lambda m: m.get("id") == "badopt")["message"]
 
     core.handle(protocol.request("load", id="L", model=str(ckpt), options={"device": "cpu", "context_length": 1024}))
     loaded = wait_for(sent, lambda m: m["type"] == "loaded")
