@@ -32,6 +32,7 @@ NEEDS_CONVERSION = "needs conversion"
 CONVERTING = "converting"
 READY = "ready"
 PARTIAL_SUFFIX = ".partial"          # runtime/ftw/writer.py: a package being written
+PACKAGE_CODECS = ("int4", "fp4", "bf16", "f32")   # the codec suffixes of `freetoken convert`'s default names
 
 
 class LibraryError(RuntimeError):
@@ -132,7 +133,10 @@ class Library:
             job = jobs.get(str(src.resolve())) if src is not None else None
             pkgs = tuple(dict.fromkeys(packages.get(key, []) + ([] if src is None else packages.get(src.name, []))))
             base = key.split("/")[-1]
-            parts = tuple(p for p in partials if p.name.startswith(base + "-") or p.name.startswith(base + "."))
+            # `freetoken convert` writes <name>-<codec>.partial; match the name exactly, not as a prefix
+            # (Qwen3-30B-A3B must not claim Qwen3-30B-A3B-Instruct-2507's conversion)
+            parts = tuple(p for p in partials if p.name[:-len(PARTIAL_SUFFIX)] in
+                          {f"{base}-{codec}" for codec in PACKAGE_CODECS})
             out.append(self._status(key, entry, src if src is not None and src.exists() else None, job, pkgs, parts))
         return out
 

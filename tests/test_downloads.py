@@ -450,3 +450,18 @@ def test_an_unreadable_queue_file_is_set_aside_not_fatal(hub, models):
     assert state.with_suffix(".bad.json").read_text() == "{ not json"
     job = mgr.add(REPO, allow_patterns=["config.json"])     # and the queue works again
     assert json.loads(state.read_text())["jobs"][0]["id"] == job.id
+
+
+def test_library_matches_conversions_by_exact_name(tmp_path):
+    from app.library import CONVERTING, NEEDS_CONVERSION, Library
+
+    models = tmp_path / "models"
+    for repo in ("Org/Model", "Org/Model-Instruct"):
+        src = models / repo.replace("/", "--")
+        src.mkdir(parents=True)
+        (src / "config.json").write_text("{}")
+        (src / "source.json").write_text(json.dumps({"repo_id": repo, "revision": "abc"}))
+    (models / "Model-Instruct-int4.partial").mkdir()
+    lib = Library(models, catalog=[])
+    assert {m.key: m.status for m in lib.models()} == {"Org/Model": NEEDS_CONVERSION,
+                                                      "Org/Model-Instruct": CONVERTING}
