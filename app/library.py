@@ -124,7 +124,8 @@ class Library:
                     sources[key] = child
         if include_catalog:
             keys.extend(e.repo for e in self.catalog)
-        keys.extend(k for k in list(sources) + list(packages) if k not in keys)
+        queued = [j.repo for j in jobs.values()]         # a queued repo may have no folder yet
+        keys.extend(dict.fromkeys(k for k in list(sources) + list(packages) + queued if k not in keys))
         by_repo = {e.repo: e for e in self.catalog}
         out = []
         for key in keys:
