@@ -211,7 +211,7 @@ class WorkerClient(QObject):
         self.socket = socket
         socket.readyRead.connect(self._on_ready_read)
         socket.disconnected.connect(self._on_socket_disconnected)
-        self._send(protocol.hello(version=_version(), pid=os.getpid()))
+        self._send(protocol.hello(version=_VERSION, pid=os.getpid()))
         if socket.bytesAvailable():      # the worker's hello may have arrived before readyRead was connected
             self._on_ready_read()
 
@@ -313,10 +313,13 @@ class WorkerClient(QObject):
         self.stopped.emit(code)
 
 
-def _version() -> str:
+def _read_version() -> str:
     from importlib.metadata import PackageNotFoundError, version
 
     try:
         return version("freetoken")
     except PackageNotFoundError:
         return "0+unknown"
+
+
+_VERSION = _read_version()   # read once at import: never an import or a disk read inside a Qt slot
