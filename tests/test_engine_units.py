@@ -253,3 +253,16 @@ def test_common_prefix_len():
     assert common_prefix_len((), [1]) == 0 and common_prefix_len((7,), [8]) == 0
     long = list(range(100_000))
     assert common_prefix_len(tuple(long), long[:99_999] + [-1]) == 99_999
+
+
+@pytest.mark.parametrize("window", [None, 5])
+def test_sinks_attention_in_query_blocks_equals_one_block(window, monkeypatch):
+    import runtime.models.blocks as blocks
+
+    gen = torch.Generator().manual_seed(11)
+    q, k, v = torch.randn(4, 9, 8, generator=gen), torch.randn(2, 14, 8, generator=gen), torch.randn(2, 14, 8, generator=gen)
+    sinks = torch.randn(4, generator=gen)
+    whole = attend(q, k, v, scale=8 ** -0.5, sliding_window=window, sinks=sinks)
+    monkeypatch.setattr(blocks, "SCORE_BUDGET_BYTES", 4 * 14 * 4 * 2)      # two queries per block
+    assert torch.allclose(attend(q, k, v, scale=8 ** -0.5, sliding_window=window, sinks=sinks), whole, atol=1e-6)
+    assert torch.allclose(whole, naive_attention(q, k, v, window=window, sinks=sinks), atol=1e-5)

@@ -135,6 +135,10 @@ def rope_frequencies(dim: int, theta: float, scaling: dict | None,
 # ------------------------------------------------------------------------------------------ attention
 
 
+# The sinks path materialises scores [H, T, S] in fp32; longer prefill chunks are split to stay under this.
+SCORE_BUDGET_BYTES = 256 << 20
+
+
 def causal_window_mask(first_pos: int, t: int, s: int, sliding_window: int | None, *,
                        device: torch.device) -> torch.Tensor:
     """[T, S] bool: query i (at position first_pos + i) may see key j."""
@@ -166,6 +170,13 @@ def attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, *, scale: 
     if sinks is None:
         return F.scaled_dot_product_attention(q[None], keys[None], values[None], attn_mask=allowed,
                                               scale=scale, enable_gqa=h != hkv)[0]
+    if h * t * s * 4 > SCORE_BUDGET_BYTES and t > 1:
+        # the explicit scores of a long prefill chunk would not fit: attend in query blocks, each over
+        # the keys up to its last query (the recursion re-derives positions and the window cut)
+        step = max(1, SCORE_BUDGET_BYTES // (h * s * 4))
+        return torch.cat([attend(q[:, i:i + step], keys[:, :first_pos + min(i + step, t)],
+                                 values[:, :first_pos + min(i + step, t)], scale=scale,
+                                 sliding_window=sliding_window, sinks=sinks) for i in range(0, t, step)], dim=1)
     # sinks: softmax over [scores, sink] then drop the sink column, so a head may attend to nothing
     g = h // hkv
     qg = q.reshape(hkv, g, t, hd)                                                 # [Hkv, G, T, hd]
