@@ -152,7 +152,9 @@ class Engine:
         self.model_type = package.model_type
         self.model_id = Path(package.path).name
         self.plan = plan
-        self.eos_ids = _eos_ids(package)
+        # generation_config's EOS ids, else config.json's, else the tokenizer's own end token
+        tok_eos = getattr(tokenizer, "eos_token_id", None)
+        self.eos_ids = _eos_ids(package) or ((tok_eos,) if tok_eos is not None else ())
         self.scheduler = Scheduler(SchedulerConfig(max_batch=max_batch, prefill_chunk=prefill_chunk,
                                                    step_token_budget=max(prefill_chunk, 2 * max_batch)))
         self.prefix_cache = PrefixCache(prefix_cache_bytes)
@@ -458,7 +460,8 @@ class Engine:
     def generate(self, prompt_ids: list[int], sampling: SamplingParams | None = None, *,
                  on_prefill: PrefillFn | None = None,
                  on_token: Callable[[TokenEvent], None] | None = None) -> GenerationResult:
-        """Run one request to the end (other queued requests advance alongside it)."""
+        """Run one request to the end. Other queued requests advance alongside it, but their events are
+        not returned (read their results with `result()`); a server drives add_request/step itself."""
         rid = self.add_request(prompt_ids, sampling, on_prefill=on_prefill)
         while True:
             for event in self.step():
