@@ -140,6 +140,7 @@ def test_queue_bound_gives_429_and_529_never_a_hang(server):
             with pytest.raises(openai.RateLimitError) as err:
                 oa.chat.completions.create(model="m", messages=[{"role": "user", "content": "hi"}], max_tokens=2)
             assert err.value.status_code == 429 and err.value.body["type"] == "rate_limit_error"
+            assert err.value.response.headers["retry-after"] == "1"
             an = anthropic.Anthropic(base_url=srv.url, api_key="x", max_retries=0)
             with pytest.raises(anthropic.APIStatusError) as err:
                 an.messages.create(model="c", max_tokens=2, messages=[{"role": "user", "content": "hi"}])

@@ -49,6 +49,9 @@ SERVICE_CODE_KINDS = {"bad_request": "invalid_request", "overloaded": "overloade
                       "context_length": "context_length", "engine_error": "server", "load_failed": "unavailable"}
 
 
+RETRY_AFTER_S = 1
+
+
 class APIError(Exception):
     def __init__(self, kind: str, message: str, *, param: str | None = None):
         assert kind in KINDS, kind
@@ -103,7 +106,9 @@ def install_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(APIError)
     async def api_error(request: Request, exc: APIError):
-        return error_response(anthropic_of(request), exc.kind, exc.message, exc.param)
+        # busy or loading: tell clients when to retry instead of letting them hammer the server
+        retry = {"retry-after": str(RETRY_AFTER_S)} if exc.kind in ("overloaded", "unavailable") else None
+        return error_response(anthropic_of(request), exc.kind, exc.message, exc.param, headers=retry)
 
     @app.exception_handler(RequestValidationError)
     async def validation_error(request: Request, exc: RequestValidationError):
