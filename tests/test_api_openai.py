@@ -241,3 +241,14 @@ def test_unsupported_options_are_refused_clearly(client):
     with pytest.raises(openai.BadRequestError) as err:
         client.responses.create(model="m", input="hi", previous_response_id="resp_123")
     assert "previous_response_id" in err.value.body["message"]
+
+
+def test_responses_stream_helper_accumulates_text_and_reasoning(client):
+    """The SDK's own accumulator checks item and content indexes of every delta against what was added."""
+    with client.responses.stream(model="m", input="2+2? [[script:think]]") as stream:
+        deltas = [e.delta for e in stream if e.type == "response.output_text.delta"]
+        final = stream.get_final_response()
+    assert final.output_text == "".join(deltas) == "The answer is 4."
+    assert [i.type for i in final.output] == ["reasoning", "message"]
+    assert final.output[0].content[0].text == "Let me think about this carefully."
+    assert final.output[1].status == "completed" and final.output[1].content[0].annotations == []
