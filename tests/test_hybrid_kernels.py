@@ -31,14 +31,13 @@ def make_store(codec, group, fmt, d, i, bias, *, experts=5, seed=0):
 
 
 def reference(store, spec, x, slots, weights):
+    experts = {s: store.dequantize(0, s, dtype=torch.float64) for s in set(slots.flatten().tolist()) if s >= 0}
     out = torch.zeros(x.shape, dtype=torch.float64)
     for t in range(x.shape[0]):
         for k in range(slots.shape[1]):
             s = int(slots[t, k])
-            if s < 0:
-                continue
-            w = store.dequantize(0, s, dtype=torch.float64)
-            out[t] += float(weights[t, k]) * expert_forward(spec, w, x[t:t + 1].double())[0]
+            if s >= 0:
+                out[t] += float(weights[t, k]) * expert_forward(spec, experts[s], x[t:t + 1].double())[0]
     return out
 
 

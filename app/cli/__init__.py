@@ -24,6 +24,7 @@ COMMANDS: dict[str, str] = {
     "chat": "app.cli.chat_cmd",
     "serve": "app.cli.serve_cmd",
     "worker": "app.cli.worker_cmd",
+    "bench": "app.cli.bench_cmd",
 }
 
 

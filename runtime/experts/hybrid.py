@@ -156,8 +156,8 @@ class HybridExperts:
                 self.cache.publish(key, slot)
         # GPU: every resident expert of this call, looked up on the device
         slots = self.cache.device_slots(layer, topk_ids)
-        out = self._pool_forward(self.cache.pool, self.layout, self.spec, hidden.to(self.dtype), slots,
-                                 topk_weights) if (hits or fetch) else torch.zeros_like(hidden, dtype=self.dtype)
+        out = self._gpu_forward(hidden, slots, topk_weights) if (hits or fetch) else \
+            torch.zeros_like(hidden, dtype=self.dtype)
         # CPU: the rest, while the GPU works
         cpu_s = 0.0
         if cpu_keys:
@@ -180,6 +180,17 @@ class HybridExperts:
             self.split.observe(step_seconds=time.perf_counter() - t0, cpu_bytes=len(cpu_keys) * nb, cpu_seconds=cpu_s,
                                pcie_bytes=len(fetch) * nb, pcie_seconds=(time.perf_counter() - t_pcie) if fetch and not cpu_keys else 0.0)
         return out.to(hidden.dtype)
+
+    def _gpu_forward(self, hidden, slots, topk_weights) -> torch.Tensor:
+        try:
+            return self._pool_forward(self.cache.pool, self.layout, self.spec, hidden.to(self.dtype), slots,
+                                      topk_weights)
+        except Exception as exc:     # noqa: BLE001  (a Triton compile/launch failure: say so, keep serving)
+            if self._pool_forward is pool_forward:
+                raise
+            log.warning("Triton expert kernel failed (%s); using the torch path from now on", exc)
+            self._pool_forward = pool_forward
+            return self._gpu_forward(hidden, slots, topk_weights)
 
     # ------------------------------------------------------------------ many tokens
     def _streamed(self, layer, hidden, topk_ids, topk_weights) -> torch.Tensor:
