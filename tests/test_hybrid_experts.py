@@ -156,3 +156,23 @@ def test_engine_generates_the_same_tokens_through_the_hybrid_tier(ftw_packages):
     experts = eng.model.experts
     assert isinstance(experts, HybridExperts) and experts.counters.total.cpu_experts > 0
     assert experts.planned["backend"] == "cpu"
+
+
+def test_out_of_memory_at_load_shrinks_the_pool_and_says_so(monkeypatch, caplog):
+    import runtime.experts.hybrid as hybrid_mod
+
+    store = HostExpertStore.synthetic(layers=1, num_experts=8, hidden=64, intermediate=32, codec="int4", group=32)
+    real_init = hybrid_mod.HybridExperts.__init__
+
+    def small_gpu(self, *args, options, **kwargs):
+        if options.slots > 3:
+            raise torch.OutOfMemoryError("CUDA out of memory (simulated)")
+        real_init(self, *args, options=options, **kwargs)
+
+    monkeypatch.setattr(hybrid_mod.HybridExperts, "__init__", small_gpu)
+    with caplog.at_level("WARNING"):
+        experts = hybrid_mod._build_hybrid(store, ExpertSpec(), device=CPU, dtype=torch.float32,
+                                           options=HybridOptions(slots=8, top_k=2), routing=RoutingStats())
+    assert experts.options.slots == 3 and experts.cache.directory.capacity == 3       # 8 -> 6 -> 4 -> 3
+    assert "out of memory with 8 expert slots" in caplog.text
+    assert experts.plan()["slots"] == 3

@@ -299,7 +299,8 @@ class HybridExperts:
         return self.cache.nbytes + (0 if self._stage is None else self._stage.numel())
 
     def plan(self) -> dict:
-        return {"backend": self.backend, "slots": self.options.slots,
+        """What the engine's plan carries under "experts" (and the planner's own plan, when it made this)."""
+        return {"backend": self.backend, "slots": self.options.slots, "planner": getattr(self, "planned", None),
                 "slot_total": len(self.store.layers) * self.store.num_experts, "pool_bytes": self.cache.pool.numel(),
                 "policy": self.options.policy, "hot_set": len(self.cache.directory.pinned),
                 "stream_threshold_tokens": self.stream_threshold, "codec": self.layout.codec}
