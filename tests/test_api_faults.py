@@ -112,7 +112,7 @@ def test_client_killed_mid_stream_frees_its_slot(server):
     freed_after = time.monotonic() - t0
     stats = engine_stats(service)
     assert stats["cancelled"] == before + 1 and stats["active_sequences"] == 0
-    assert freed_after < 2.0      # 1900 tokens would take ~10 s: the cancel came within a step or so
+    assert freed_after < 3.0      # 1900 tokens take ~10 s or more here: the cancel came within a few steps
 
 
 def test_non_streaming_client_that_gives_up_is_cancelled(server):
@@ -145,7 +145,7 @@ def test_queue_bound_gives_429_and_529_never_a_hang(server):
             with pytest.raises(anthropic.APIStatusError) as err:
                 an.messages.create(model="c", max_tokens=2, messages=[{"role": "user", "content": "hi"}])
             assert err.value.status_code == 529 and err.value.body["error"]["type"] == "overloaded_error"
-            assert time.monotonic() - t0 < 3
+            assert time.monotonic() - t0 < 5      # refused at once, not queued behind the busy stream
     finally:
         service.max_queue = old
     assert wait_until(lambda: service.pending() == 0, 5)
