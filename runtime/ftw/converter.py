@@ -33,7 +33,7 @@ from runtime.ftw.codecs import CODECS, FP4_FORMATS, INT4_GROUP_SIZES, int4_quant
 from runtime.ftw.errors import FTWError
 from runtime.ftw.sources import FLOAT_DTYPES, Checkpoint, Fp4Parts, Scratch, SourceWeight
 from runtime.ftw.writer import (CHECKSUM, DENSE_FILE, EXPERTS_FILE, FORMAT_VERSION, PART_ALIGN, TORCH_DTYPES, Part,
-                                PackageWriter, WritePipeline, align, dtype_name, expert_block_parts)
+                                BlockDigests, PackageWriter, WritePipeline, align, dtype_name, expert_block_parts)
 
 log = logging.getLogger(__name__)
 
@@ -455,17 +455,18 @@ def _encode_expert(plan: Plan, weights: dict, buf: np.ndarray, where: str) -> No
         buf[start:end] = 0
 
 
-def _write_experts(plan: Plan, pipe: WritePipeline, src: ExpertLayerSource, progress: _Progress):
-    digest = hashlib.new(CHECKSUM)
+def _write_experts(plan: Plan, pipe: WritePipeline, src: ExpertLayerSource, progress: _Progress) -> BlockDigests:
+    digests = BlockDigests(plan.num_experts)
     per_expert_src = src.source_bytes() // plan.num_experts
     for e in range(plan.num_experts):
         where = f"layer {src.layer} expert {e}"
         weights = _read_expert(plan, src, e)
         slot = pipe.acquire()
         _encode_expert(plan, weights, slot.ensure(plan.block_nbytes), where)
-        pipe.submit(slot, EXPERTS_FILE, src.offset + e * plan.block_nbytes, plan.block_nbytes, digest, tensor=where)
+        pipe.submit(slot, EXPERTS_FILE, src.offset + e * plan.block_nbytes, plan.block_nbytes, None, tensor=where,
+                    block=(digests, e))
         progress.advance(per_expert_src, "experts", where)
-    return digest
+    return digests
 
 
 def source_metadata(folder: Path) -> dict:

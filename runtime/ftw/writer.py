@@ -10,11 +10,13 @@ without `.partial` in its name is a complete package, and nothing else is.
 from __future__ import annotations
 
 import errno
+import hashlib
 import json
 import os
 import queue
 import shutil
 import threading
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -244,50 +246,77 @@ class Slot:
         return self.buf[:nbytes]
 
 
-class WritePipeline:
-    """Writes and hashes on two background threads while the caller fills the next buffer.
+def block_digest(data) -> bytes:
+    return hashlib.new(CHECKSUM, data).digest()
 
-    File writes and hashlib release the GIL, so reading and repacking (caller), writing and hashing
-    run at once: the pipeline goes at the pace of its slowest stage, not the sum of them. Each
-    stage handles jobs in submission order, so a running digest sees its bytes in file order.
+
+def combine_digests(digests) -> str:
+    """A layer's checksum: the hash of its blocks' hashes, in expert order (so blocks hash in parallel)."""
+    return hashlib.new(CHECKSUM, b"".join(digests)).hexdigest()
+
+
+class BlockDigests:
+    """Collects one layer's per-block digests as the hash workers finish them."""
+
+    def __init__(self, n: int):
+        self.parts: list[bytes | None] = [None] * n
+
+    def hexdigest(self) -> str:
+        if any(p is None for p in self.parts):
+            raise RuntimeError("a block was never hashed")
+        return combine_digests(self.parts)
+
+
+class WritePipeline:
+    """Writes and hashes on background threads while the caller fills the next buffer.
+
+    File writes and hashlib release the GIL, so reading and repacking (caller), writing (one thread,
+    in submission order) and hashing (a pool: expert blocks hash independently, see BlockDigests)
+    run at once. A running digest (dense tensors) is updated by the writer thread, in file order.
     """
 
     _BARRIER = object()
 
-    def __init__(self, writer: PackageWriter, *, depth: int = 3):
+    def __init__(self, writer: PackageWriter, *, hash_threads: int = 0):
         self.writer = writer
+        hash_threads = hash_threads or max(1, min(4, os.cpu_count() or 1))
         self._free: queue.Queue = queue.Queue()
-        for _ in range(depth):
+        for _ in range(hash_threads + 2):
             self._free.put(Slot())
         self._pending: dict[int, int] = {}           # id(slot) -> stages still to finish
         self._lock = threading.Lock()
         self._error: BaseException | None = None
-        self._queues = (queue.Queue(), queue.Queue())
-        self._threads = [threading.Thread(target=self._loop, args=(q, stage), name=f"ftw-{stage}", daemon=True)
-                         for q, stage in zip(self._queues, ("write", "hash"))]
-        for t in self._threads:
-            t.start()
+        self._jobs: queue.Queue = queue.Queue()
+        self._thread = threading.Thread(target=self._write_loop, name="ftw-write", daemon=True)
+        self._thread.start()
+        self._pool = ThreadPoolExecutor(max_workers=hash_threads, thread_name_prefix="ftw-hash")
+        self._futures: list[Future] = []
 
-    def _loop(self, jobs: queue.Queue, stage: str) -> None:
+    def _write_loop(self) -> None:
         while True:
-            job = jobs.get()
+            job = self._jobs.get()
             if job is None:
                 return
             if job[0] is self._BARRIER:
-                job[1].wait()                          # both stages reach the barrier, then it opens
+                job[1].set()
                 continue
             slot, file, offset, nbytes, digest, tensor = job
             try:
                 if self._error is None:
                     data = slot.buf[:nbytes]
-                    if stage == "write":
-                        self.writer.write(file, offset, data, tensor=tensor)
-                    elif digest is not None:
+                    self.writer.write(file, offset, data, tensor=tensor)
+                    if digest is not None and not isinstance(digest, tuple):
                         digest.update(data)
             except BaseException as e:          # handed to the caller at its next call
                 self._error = e
             finally:
                 self._release(slot)
+
+    def _hash_block(self, slot: Slot, nbytes: int, target: BlockDigests, index: int) -> None:
+        try:
+            target.parts[index] = block_digest(slot.buf[:nbytes])
+        finally:
+            self._release(slot)
 
     def _release(self, slot: Slot) -> None:
         with self._lock:
@@ -300,28 +329,37 @@ class WritePipeline:
     def _raise(self) -> None:
         if self._error is not None:
             raise self._error
+        done = [f for f in self._futures if f.done()]
+        for f in done:
+            f.result()                          # raises a hash worker's error
+        self._futures = [f for f in self._futures if not f.done()]
 
     def acquire(self) -> Slot:
         slot = self._free.get()
         self._raise()
         return slot
 
-    def submit(self, slot: Slot, file: str, offset: int, nbytes: int, digest, *, tensor: str) -> None:
+    def submit(self, slot: Slot, file: str, offset: int, nbytes: int, digest, *, tensor: str,
+               block: tuple[BlockDigests, int] | None = None) -> None:
+        """Queue a write of slot's first nbytes; hash them into `digest` (a running hashlib object,
+        updated in order) or, with `block=(collector, index)`, as one block on the hash pool."""
         with self._lock:
-            self._pending[id(slot)] = len(self._queues)
-        for q in self._queues:
-            q.put((slot, file, offset, nbytes, digest, tensor))
+            self._pending[id(slot)] = 2 if block else 1
+        self._jobs.put((slot, file, offset, nbytes, digest, tensor))
+        if block:
+            self._futures.append(self._pool.submit(self._hash_block, slot, nbytes, *block))
 
     def drain(self) -> None:
         """Wait until every submitted job is written and hashed; raise the first error."""
-        barrier = threading.Barrier(len(self._queues) + 1)
-        for q in self._queues:
-            q.put((self._BARRIER, barrier))
-        barrier.wait()
+        done = threading.Event()
+        self._jobs.put((self._BARRIER, done))
+        done.wait()
+        for f in self._futures:
+            f.result()
+        self._futures = []
         self._raise()
 
     def close(self) -> None:
-        for q in self._queues:
-            q.put(None)
-        for t in self._threads:
-            t.join()
+        self._jobs.put(None)
+        self._thread.join()
+        self._pool.shutdown(wait=True)
