@@ -94,21 +94,34 @@ def test_sixteen_concurrent_streams_complete_with_correct_usage(server):
     assert wait_until(lambda: service.pending() == 0, 5)
 
 
+STREAMING_CLIENT = """
+import sys, httpx
+body = {"model": "m", "messages": [{"role": "user", "content": "write forever"}], "max_tokens": 1900,
+        "stream": True, "temperature": 0}
+with httpx.stream("POST", sys.argv[1], json=body, timeout=60) as response:
+    for line in response.iter_lines():
+        print(line, flush=True)
+"""
+
+
 def test_client_killed_mid_stream_frees_its_slot(server):
+    """A client process SIGKILLed mid-stream: its sequence is cancelled and its slot freed at once."""
     service, srv = server
     before = engine_stats(service)["cancelled"]
-    body = {"model": "m", "messages": [{"role": "user", "content": "write forever"}], "max_tokens": 1900,
-            "stream": True, "temperature": 0}
-    with httpx.Client(timeout=10) as client:
-        with client.stream("POST", srv.url + CHAT, json=body) as response:
-            assert response.status_code == 200
-            chunks = 0
-            for line in response.iter_lines():
-                chunks += line.startswith("data:")
-                if chunks >= 3:
-                    break           # leaving the block closes the connection mid-stream
+    client = subprocess.Popen([sys.executable, "-c", STREAMING_CLIENT, srv.url + CHAT], stdout=subprocess.PIPE,
+                              text=True)
+    try:
+        data_lines = 0
+        while data_lines < 3:
+            line = client.stdout.readline()
+            assert line, "the client's stream ended early"
+            data_lines += line.startswith("data:")
+        assert service.pending() == 1
+    finally:
+        client.kill()
+        client.wait()
     t0 = time.monotonic()
-    assert wait_until(lambda: service.pending() == 0, 5), "the abandoned request still holds its slot"
+    assert wait_until(lambda: service.pending() == 0, 5), "the killed client's request still holds its slot"
     freed_after = time.monotonic() - t0
     stats = engine_stats(service)
     assert stats["cancelled"] == before + 1 and stats["active_sequences"] == 0
