@@ -176,3 +176,23 @@ def test_out_of_memory_at_load_shrinks_the_pool_and_says_so(monkeypatch, caplog)
     assert experts.options.slots == 3 and experts.cache.directory.capacity == 3       # 8 -> 6 -> 4 -> 3
     assert "out of memory with 8 expert slots" in caplog.text
     assert experts.plan()["slots"] == 3
+
+
+def test_fully_resident_layer_skips_the_host():
+    """When every expert of a layer is in the pool, calls go straight to the device lookup (no id transfer,
+    no host bookkeeping) and still match the reference; a layer that loses one expert takes the full path."""
+    gen = torch.Generator().manual_seed(4)
+    store = HostExpertStore.synthetic(layers=2, num_experts=4, hidden=64, intermediate=32, codec="int4", group=32,
+                                      weight_std=0.2)
+    every = tuple((layer, e) for layer in range(2) for e in range(4))
+    hybrid = HybridExperts(store, ExpertSpec(), device=CPU, dtype=torch.float32,
+                           options=HybridOptions(slots=8, top_k=2, hot_set=every))
+    x = torch.randn(3, 64, generator=gen)
+    ids, w = random_routing(gen, 3, 4, 2)
+    torch.testing.assert_close(hybrid(1, x, ids, w), reference(store, ExpertSpec(), 1, x, ids, w), rtol=1e-4, atol=1e-5)
+    assert hybrid.routing.counts == {}                         # the host never looked at the ids
+    assert hybrid.counters.total.hits == 6 and hybrid.counters.total.misses == 0
+    hybrid.cache.withdraw((1, 3))                               # no longer fully resident
+    hybrid.cache.directory.release((1, 3))
+    torch.testing.assert_close(hybrid(1, x, ids, w), reference(store, ExpertSpec(), 1, x, ids, w), rtol=1e-4, atol=1e-5)
+    assert sum(hybrid.routing.counts.values()) == len(torch.unique(ids))

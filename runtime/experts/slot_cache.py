@@ -26,6 +26,9 @@ class SlotCache:
         self.pool = torch.empty((directory.capacity, block_nbytes), dtype=torch.uint8, device=device)
         self.table = torch.full((len(layers), num_experts), -1, dtype=torch.int64, device=device)
         self.pending: set[Key] = set()            # allocated, bytes still in flight: not a hit yet
+        self.published: set[Key] = set()          # what the device table says is resident
+        self._per_layer = {layer: 0 for layer in layers}
+        self.num_experts = num_experts
 
     @property
     def nbytes(self) -> int:
@@ -40,10 +43,20 @@ class SlotCache:
 
     def publish(self, key: Key, slot: int) -> None:
         self.pending.discard(key)
+        if key not in self.published:
+            self.published.add(key)
+            self._per_layer[key[0]] += 1
         self.table[self.layer_index[key[0]], key[1]] = slot
 
     def withdraw(self, key: Key) -> None:
+        if key in self.published:
+            self.published.discard(key)
+            self._per_layer[key[0]] -= 1
         self.table[self.layer_index[key[0]], key[1]] = -1
+
+    def layer_resident(self, layer: int) -> bool:
+        """Every expert of `layer` is in the pool and published: its calls need no host involvement."""
+        return self._per_layer[layer] == self.num_experts
 
     def slot_view(self, slot: int) -> torch.Tensor:
         return self.pool[slot]
