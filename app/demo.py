@@ -66,7 +66,8 @@ class DemoSpec:
     num_experts: int = 16
     experts_per_token: int = 4
     moe_intermediate_size: int = 128
-    max_position_embeddings: int = 4096
+    # Long enough for a coding agent's first turn (Claude Code sends ~50K tokens with this small vocabulary).
+    max_position_embeddings: int = 131072
     rope_theta: float = 1_000_000.0
     seed: int = 20261130
 
