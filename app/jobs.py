@@ -85,6 +85,8 @@ class ProcessJob(QObject):
     @classmethod
     def freetoken(cls, *args: str, title: str = "", parent: QObject | None = None) -> "ProcessJob":
         """A job running `freetoken ARGS` with this interpreter (works from a venv and a bundle alike)."""
+        if getattr(sys, "frozen", False):        # the PyInstaller bundle: the executable itself is `freetoken`
+            return cls(sys.executable, list(args), title=title, parent=parent)
         return cls(sys.executable, ["-m", "ui.entry", *args], title=title, parent=parent)
 
     # -- control -------------------------------------------------------------------------

@@ -1,6 +1,7 @@
 """Start the desktop app."""
 from __future__ import annotations
 
+import os
 import sys
 
 
@@ -27,4 +28,11 @@ def run_gui(argv: list[str]) -> int:
     theme.follow_os(qapp)
     window = MainWindow()
     window.show()
+    quit_after_ms = os.environ.get("FREETOKEN_QUIT_AFTER_MS")
+    if quit_after_ms:
+        # The bundle's smoke test: close through the window (saves state, stops the worker), then quit.
+        from PySide6.QtCore import QTimer
+
+        QTimer.singleShot(int(quit_after_ms), window.close)
+        QTimer.singleShot(int(quit_after_ms), qapp.quit)
     return qapp.exec()
