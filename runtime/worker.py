@@ -58,7 +58,11 @@ class WorkerCore:
         except ProtocolError as exc:
             self.send(protocol.error(request_id, "bad_request", str(exc)))
             return
-        getattr(self, f"_on_{message['type']}")(message)
+        try:
+            getattr(self, f"_on_{message['type']}")(message)
+        except Exception as exc:   # a bug in one request must answer it and leave the worker serving
+            log.exception("request %s failed", message["type"])
+            self.send(protocol.error(request_id, "engine_error", f"{type(exc).__name__}: {exc}"))
 
     # ---- requests ----
 
@@ -103,6 +107,10 @@ class WorkerCore:
         except (ServiceError, ValueError, TypeError) as exc:
             self.jobs.pop(rid, None)
             self.send(protocol.error(rid, "bad_request", str(exc)))
+        except Exception as exc:   # a bug must still answer the request, never leave the app waiting
+            log.exception("generate %s failed", rid)
+            self.jobs.pop(rid, None)
+            self.send(protocol.error(rid, "engine_error", f"{type(exc).__name__}: {exc}"))
 
     def _make_job(self, rid: str, message: dict) -> GenerateJob:
         from runtime.server import prompts
@@ -115,7 +123,7 @@ class WorkerCore:
         tools = message.get("tools") or None
         try:
             if message.get("messages") is not None:
-                text = prompts.render(model, prompts.merge_system(message["messages"]), tools,
+                text = prompts.render(model, prompts.merge_system(_checked_messages(message["messages"])), tools,
                                       dict(message.get("template_kwargs") or {}))
                 parse = True
             else:
@@ -199,6 +207,18 @@ class WorkerCore:
             self.server.stop()
             self.server = None
         self.service.close()
+
+
+def _checked_messages(messages: list) -> list[dict]:
+    """Chat messages as the templates need them: dicts with a string role and text content."""
+    from runtime.server import prompts
+
+    out = []
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+            raise ValueError(f"messages[{i}] must be an object with a string 'role'")
+        out.append({**m, "content": prompts.text_of(m.get("content"), where=f"messages[{i}].content")})
+    return out
 
 
 def _default_server(service: Service, *, host: str, port: int, api_key: str | None):

@@ -190,6 +190,11 @@ def test_worker_core_speaks_the_protocol(core_env):
     err = wait_for(sent, lambda m: m.get("id") == "huge")
     assert err["code"] == "context_length" and "1024" in err["message"]
 
+    core.handle(protocol.request("generate", id="badmsg", messages=[{"content": "no role"}]))
+    assert "role" in wait_for(sent, lambda m: m.get("id") == "badmsg")["message"]
+    core.handle(protocol.request("generate", id="badsampling", prompt="hi", sampling={"top_p": 7}))
+    assert wait_for(sent, lambda m: m.get("id") == "badsampling")["code"] == "bad_request"
+
     core.handle(protocol.request("unload", id="U"))
     wait_for(sent, lambda m: m["type"] == "unloaded" and m["id"] == "U")
     assert exits == []
