@@ -8,6 +8,7 @@ Unicode true
 !include "MUI2.nsh"
 !include "LogicLib.nsh"
 !include "FileFunc.nsh"
+!include "x64.nsh"
 
 !ifndef VERSION
   !define VERSION "0.0.0"
@@ -17,6 +18,9 @@ Unicode true
 !endif
 !ifndef OUTFILE
   !define OUTFILE "FreeToken-${VERSION}-setup.exe"
+!endif
+!ifndef ICON
+  !define ICON "..\..\resources\icons\freetoken.ico"
 !endif
 
 !define APPNAME "FreeToken"
@@ -32,6 +36,8 @@ InstallDirRegKey HKCU "Software\${APPNAME}" "InstallDir"   ; an upgrade lands wh
 SetCompressor /SOLID lzma
 
 !define MUI_ABORTWARNING
+!define MUI_ICON "${ICON}"
+!define MUI_UNICON "${ICON}"
 !define MUI_FINISHPAGE_RUN "$INSTDIR\FreeToken.exe"
 !define MUI_FINISHPAGE_RUN_TEXT "Start FreeToken"
 !insertmacro MUI_PAGE_WELCOME
@@ -46,10 +52,13 @@ SetCompressor /SOLID lzma
 
 Function .onInit
   ; Warn, never block: without an NVIDIA driver FreeToken runs models on the CPU only.
+  ; The installer is 32-bit: look in the real System32, not SysWOW64 (nvml.dll is 64-bit only).
+  ${DisableX64FSRedirection}
   ${IfNot} ${FileExists} "$SYSDIR\nvml.dll"
   ${AndIfNot} ${FileExists} "$SYSDIR\nvcuda.dll"
     MessageBox MB_ICONINFORMATION|MB_OK "No NVIDIA driver was found. FreeToken will install and run models on the CPU only (slowly). Install the NVIDIA driver to use your GPU." /SD IDOK
   ${EndIf}
+  ${EnableX64FSRedirection}
   ; A running copy would hold files open during an upgrade.
   FindWindow $0 "" "FreeToken"
   ${If} $0 <> 0
@@ -94,7 +103,7 @@ Section "un.FreeToken (program files)" UnSecMain
   SectionIn RO
   RMDir /r "$INSTDIR\_internal"
   Delete "$INSTDIR\FreeToken.exe"
-  Delete "$INSTDIR\freetoken.exe"
+  Delete "$INSTDIR\freetoken-cli.exe"
   Delete "$INSTDIR\Uninstall.exe"
   RMDir "$INSTDIR"
   Delete "$SMPROGRAMS\${APPNAME}\${APPNAME}.lnk"
