@@ -22,6 +22,7 @@ from runtime.service import (ContextTooLong, Failed, Finished, GenerateJob, Load
 log = logging.getLogger(__name__)
 
 MIN_STATS_INTERVAL_S = 0.1
+DEFAULT_PORT = 1919
 EXIT_OK, EXIT_NO_CONNECTION, EXIT_PROTOCOL = 0, 2, 3
 
 
@@ -190,8 +191,10 @@ class WorkerCore:
             self.send(protocol.event("server_state", id=rid, running=False, url=None, message="stopped"))
             return
         try:
+            port = message.get("port")
             self.server = self.server_factory(self.service, host=message.get("host") or "127.0.0.1",
-                                              port=message.get("port") or 1919, api_key=message.get("api_key"))
+                                              port=DEFAULT_PORT if port is None else port,   # 0: any free port
+                                              api_key=message.get("api_key"))
         except Exception as exc:   # port in use, unsafe bind, ...: the UI shows the reason
             self.send(protocol.event("server_state", id=rid, running=False, url=None, message=str(exc)))
             return

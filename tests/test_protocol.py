@@ -195,6 +195,15 @@ def test_worker_core_speaks_the_protocol(core_env):
     core.handle(protocol.request("generate", id="badsampling", prompt="hi", sampling={"top_p": 7}))
     assert wait_for(sent, lambda m: m.get("id") == "badsampling")["code"] == "bad_request"
 
+    core.handle(protocol.request("server", id="pub", enable=True, host="0.0.0.0", port=0))
+    refused = wait_for(sent, lambda m: m.get("id") == "pub")
+    assert refused["running"] is False and "API key" in refused["message"]
+    core.handle(protocol.request("server", id="on", enable=True, host="127.0.0.1", port=0))
+    on = wait_for(sent, lambda m: m.get("id") == "on")
+    assert on["running"] and on["url"].startswith("http://127.0.0.1:") and not on["url"].endswith(":1919")
+    core.handle(protocol.request("server", id="off", enable=False))
+    assert wait_for(sent, lambda m: m.get("id") == "off")["running"] is False and core.server is None
+
     core.handle(protocol.request("unload", id="U"))
     wait_for(sent, lambda m: m["type"] == "unloaded" and m["id"] == "U")
     assert exits == []

@@ -76,6 +76,7 @@ def test_worker_serves_ipc_and_http_then_survives_a_kill(qtbot, package):
         qtbot.waitUntil(lambda: bool(events_of(client, sid, "server_state")), timeout=10_000)
         state = events_of(client, sid, "server_state")[0]
         assert state["running"], state
+        assert not state["url"].endswith(":1919")          # port 0 asked for any free port
         r = httpx.post(state["url"] + "/v1/chat/completions", timeout=30, json={
             "model": "x", "messages": [{"role": "user", "content": "Hello there"}], "max_tokens": 16,
             "temperature": 0})
