@@ -57,13 +57,15 @@ class HybridOptions:
     top_k: int = 8
     split: str = "auto"                         # "auto" | "cpu" | "fetch": force a pure strategy (benchmarks)
     stream_on_cpu: bool = False                 # run the streaming path on a CPU device too (tests)
+    prefetch_bytes_per_call: int = 16 << 20     # copy budget for next-layer predictions (with a prefetcher)
 
 
 class HybridExperts:
     backend = "hybrid"
 
     def __init__(self, store: HostExpertStore, spec: ExpertSpec, *, device: torch.device | str,
-                 dtype: torch.dtype, options: HybridOptions, routing_stats: RoutingStats | None = None):
+                 dtype: torch.dtype, options: HybridOptions, routing_stats: RoutingStats | None = None,
+                 prefetcher=None):
         self.store, self.spec, self.options = store, spec, options
         self.device = torch.device(device)
         self.dtype = dtype
@@ -77,6 +79,7 @@ class HybridExperts:
         self.split = SplitController(cpu_gbps=options.cpu_gbps, pcie_gbps=options.h2d_gbps if options.slots else 0.0)
         self.counters = ExpertStats()
         self.routing = routing_stats if routing_stats is not None else RoutingStats()
+        self.prefetcher = prefetcher            # prefetch.NextLayerPrefetcher, or None
         self.stream_threshold = options.stream_threshold or \
             STREAM_TOKENS_PER_ACTIVE_SHARE * store.num_experts // max(1, options.top_k)
         self._stage = None                      # two device buffers [E, nbytes] for prefill streaming
@@ -118,6 +121,8 @@ class HybridExperts:
         ids_h = topk_ids.to("cpu", torch.int64).numpy()                     # [T, K]; the one sync
         uniq = [int(e) for e in np.unique(ids_h)]
         self.routing.add(layer, uniq)
+        if self.prefetcher is not None:
+            self.prefetcher.observe(layer, uniq)
         keys = [(layer, e) for e in uniq]
         dirc = self.cache.directory
         hits, misses = dirc.lookup(keys)
@@ -176,6 +181,11 @@ class HybridExperts:
                        fetched_experts=len(fetch), gpu_experts=len(hits) + len(fetch),
                        bytes_h2d=len(fetch) * nb, bytes_cpu_read=len(cpu_keys) * nb, cpu_seconds=cpu_s)
         self._promote(cpu_keys)
+        if self.prefetcher is not None and self.options.slots:
+            nxt, predicted = self.prefetcher.predict(layer, hidden)
+            if nxt is not None:
+                self._promote([(nxt, e) for e in predicted], budget_bytes=self.options.prefetch_bytes_per_call,
+                              admit_all=True)
         if self.options.split == "auto":
             # wall time of this call, no device sync: the GPU part overlaps the CPU part and the next
             # call's id transfer waits for it anyway, so a slow GPU shows up in the next call's time
@@ -241,13 +251,15 @@ class HybridExperts:
         return self.store.layers[i] if i < len(self.store.layers) else self.store.layers[0]
 
     # ------------------------------------------------------------------ promotion (off the critical path)
-    def _promote(self, candidates: list[Key]) -> None:
-        """Copy the CPU-computed experts most worth caching into the pool on the copy stream; they are
-        published (become hits) only once their bytes have landed (`_finish_promotions`)."""
+    def _promote(self, candidates: list[Key], *, budget_bytes: int | None = None, admit_all: bool = False) -> None:
+        """Copy the candidates most worth caching into the pool on the copy stream; they are published
+        (become hits) only once their bytes have landed (`_finish_promotions`). `admit_all` (prefetch) skips
+        the rule that a newcomer must have been used more than the expert it replaces."""
         if not self.options.slots or not candidates:
             return
         dirc = self.cache.directory
-        budget = self.options.promote_bytes_per_call // max(1, self.store.block_nbytes)
+        budget = (self.options.promote_bytes_per_call if budget_bytes is None else budget_bytes) // \
+            max(1, self.store.block_nbytes)
         copies, started = [], []
         for key in sorted(candidates, key=dirc.policy.score, reverse=True)[:budget]:
             if key in dirc.slot_of:
@@ -255,7 +267,7 @@ class HybridExperts:
             if not dirc.free:
                 # admission: replace a cached expert only with one used more than it
                 victim = dirc.policy.victim(dirc.slot_of.keys(), dirc.pinned | self.cache.pending)
-                if victim is None or dirc.policy.score(victim) >= dirc.policy.score(key):
+                if victim is None or (not admit_all and dirc.policy.score(victim) >= dirc.policy.score(key)):
                     continue
             got = dirc.allocate(key, protected=self.cache.pending)
             if got is None:
@@ -322,6 +334,9 @@ class HybridExperts:
                                       "stream_buffers": 0 if self._stage is None else self._stage.numel()})
         d["split"] = {"mode": self.split.mode, "cpu_gbps": round(self.split.cpu_gbps, 2),
                       "pcie_gbps": round(self.split.pcie_gbps, 2)}
+        if self.prefetcher is not None:
+            c = self.prefetcher.counters
+            d["prefetch"] = {"predicted": c.predicted, "precision": round(c.precision, 4), "recall": round(c.recall, 4)}
         return d
 
     def stats(self) -> dict:
@@ -335,7 +350,7 @@ class HybridExperts:
 def hybrid_experts_factory(package, spec: ExpertSpec, *, device, dtype, vram_budget: int | None = None,
                            cpu_experts_per_layer: int | None = None, progress=None, context_length: int = 8192,
                            max_sequences: int = 1, hardware=None, slots: int | None = None, policy: str = "lru",
-                           routing_stats_path: Path | None = None, **_unused):
+                           routing_stats_path: Path | None = None, prefetch: bool = False, **_unused):
     """The engine's seam (runtime/engine.py `experts_factory`): plan, then build the tier the plan asks for.
 
     "gpu" -> every expert resident on the device (resident.py); "hybrid"/"cpu" -> HybridExperts with the
@@ -367,20 +382,28 @@ def hybrid_experts_factory(package, spec: ExpertSpec, *, device, dtype, vram_bud
     hot = tuple(stats.hot_set(min(n_slots, len(stats.counts)) // 2))     # half the pool warm, half adaptive
     options = HybridOptions(slots=n_slots, policy=policy, hot_set=hot, cpu_gbps=hw.cpu_gbps or 20.0,
                             h2d_gbps=hw.h2d_gbps or 20.0, top_k=shape.top_k)
-    experts = _build_hybrid(store, spec, device=device, dtype=dtype, options=options, routing=stats)
+    prefetcher = None
+    if prefetch:
+        from runtime.experts.prefetch import NextLayerPrefetcher
+        prefetcher = NextLayerPrefetcher.from_package(package, store.layers, top_k=shape.top_k, device=device)
+        if prefetcher is None:
+            log.warning("next-layer prefetch is off: this package's router weights were not found")
+    experts = _build_hybrid(store, spec, device=device, dtype=dtype, options=options, routing=stats,
+                            prefetcher=prefetcher)
     experts.planned = plan.to_dict()
     if progress:
         progress(1, 1)
     return experts
 
 
-def _build_hybrid(store, spec, *, device, dtype, options, routing):
+def _build_hybrid(store, spec, *, device, dtype, options, routing, prefetcher=None):
     """Build, shrinking the pool when the device runs out of memory (and saying so) instead of failing."""
     slots = options.slots
     while True:
         try:
             return HybridExperts(store, spec, device=device, dtype=dtype,
-                                 options=HybridOptions(**{**options.__dict__, "slots": slots}), routing_stats=routing)
+                                 options=HybridOptions(**{**options.__dict__, "slots": slots}), routing_stats=routing,
+                                 prefetcher=prefetcher)
         except torch.OutOfMemoryError:
             if slots == 0:
                 raise
