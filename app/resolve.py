@@ -86,7 +86,12 @@ def resolve_model(model: str, *, models_dir: Path | None = None, cache_dir: Path
     if not model or not str(model).strip():
         raise ResolveError("no model given: name an FTW package folder, a Hugging Face model folder, "
                            "or a model from the library")
-    paths = user_paths()
+    if models_dir is None:
+        from app.settings import Settings
+
+        paths = user_paths(Settings().get("models_dir") or None)   # the setting, unless the environment wins
+    else:
+        paths = user_paths()
     models = Path(models_dir) if models_dir is not None else paths.models
     cache = Path(cache_dir) if cache_dir is not None else paths.cache
 

@@ -65,3 +65,14 @@ def test_errors_name_the_cause(tmp_path):
         resolve_model("./does/not/exist")
     with pytest.raises(ResolveError, match="no model given"):
         resolve_model("  ")
+
+
+def test_the_models_dir_setting_is_honoured(ftw_packages, tmp_path):
+    from app.settings import Settings
+
+    elsewhere = tmp_path / "big-disk"
+    shutil.copytree(ftw_packages("mixtral", "f32"), elsewhere / "mixtral-tiny")
+    settings = Settings()
+    settings.set("models_dir", str(elsewhere))
+    settings.save()
+    assert resolve_model("mixtral-tiny") == elsewhere / "mixtral-tiny"
