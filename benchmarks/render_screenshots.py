@@ -19,6 +19,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 SIZE = (1280, 800)
 TELEMETRY_SECONDS = 6
+ANSWER_TOKENS = 48
 QUESTION = "Write a Python function that adds two numbers, in a fenced code block."
 
 
@@ -65,7 +66,10 @@ def main(argv: list[str] | None = None) -> int:
             return 1
         window.show_page("chat")
         chat = window.views["chat"]
-        chat.new_chat()
+        from app.chats import ChatSampling
+
+        # random weights ramble to the token limit: keep the answer short
+        window.services.chats.update(chat.new_chat(), sampling=ChatSampling(max_tokens=ANSWER_TOKENS))
         chat.input.setPlainText(QUESTION)
         chat.send()
         pump(args.timeout, lambda: chat.streaming is None)

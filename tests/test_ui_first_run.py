@@ -4,7 +4,9 @@ then the worker is killed mid-answer -> banner -> Restart -> the model is back -
 """
 from __future__ import annotations
 
+import socket
 import time
+import urllib.request
 
 from PySide6.QtCore import QElapsedTimer, QObject, Qt, QTimer
 
@@ -17,6 +19,12 @@ from ui.models.library import LOADED, STATUS_ROLE
 
 PING_MS = 10
 MAX_LATENCY_MS = 100
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 class LatencyProbe(QObject):
@@ -75,6 +83,7 @@ def test_first_run_then_worker_crash_and_restart(qtbot, tmp_path):
     settings = Settings()
     settings.set("device", "cpu")
     settings.set("context_length", 2048)
+    settings.set("server_port", free_port())
     settings.save()
     window = make_window(qtbot, tmp_path)
     window.show()
@@ -104,6 +113,12 @@ def test_first_run_then_worker_crash_and_restart(qtbot, tmp_path):
     assert library.load_label.text().startswith("Loaded") and library.plan_label.text()
     assert progress, "the worker reported no load progress"
     assert session.plan and window.views["console"].plan_label.text().startswith(session.model_id)
+
+    # Apps: the worker serves the API on the configured port, the page says so, and it answers
+    apps = window.views["apps"]
+    qtbot.waitUntil(lambda: apps.server_badge.text() == "running", timeout=30000)
+    with urllib.request.urlopen(apps.anthropic_url.text() + "/health", timeout=10) as response:
+        assert response.status == 200
 
     # Chat: a streamed answer with its stats
     window.show_page("chat")

@@ -102,6 +102,7 @@ class MainWindow(QMainWindow):
         s.session.model_changed.connect(self._update_model_status)
         s.session.stats.connect(self._update_speed)
         s.session.crashed.connect(self._on_crash)
+        s.session.worker_started.connect(self.apply_server_settings)
         s.session.load_failed.connect(lambda why: self.banner.show_message(f"The model did not load: {why}",
                                                                            action_text=""))
         s.telemetry.sampled.connect(self._update_memory)
@@ -145,6 +146,13 @@ class MainWindow(QMainWindow):
     def restart_worker(self) -> None:
         self.banner.hide()
         self.services.session.restart()
+
+    def apply_server_settings(self) -> None:
+        """Each new worker serves the API as the settings say (it answers 503 until a model is loaded)."""
+        settings = self.services.settings
+        if settings.get("server_enabled"):
+            self.services.session.set_server(enable=True, host=settings.get("server_host"),
+                                             port=settings.get("server_port"), api_key=settings.get("api_key"))
 
     def _on_crash(self, reason: str) -> None:
         self._crash_shown = True

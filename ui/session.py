@@ -38,6 +38,7 @@ class SessionError(RuntimeError):
 class EngineSession(QObject):
     # worker lifecycle: "stopped" | "starting" | "idle" (no model) | "loading" | "ready" | "crashed"
     state_changed = Signal(str)
+    worker_started = Signal()                # a (new) worker said hello: per-worker setup goes here
     crashed = Signal(str)
     model_changed = Signal()                 # loaded / unloaded / crashed: model_id and plan changed
     load_progress = Signal(float, float, str)   # done, total, stage
@@ -189,6 +190,7 @@ class EngineSession(QObject):
             if self.state == "starting":
                 self._set_state("idle")
             self.client.request("subscribe_stats", interval_s=STATS_INTERVAL_S)
+            self.worker_started.emit()
         elif kind == "load_progress":
             self.load_progress.emit(float(message["done"]), float(message["total"]), message["stage"])
         elif kind == "loaded":
