@@ -5,6 +5,7 @@ import json
 import re
 from pathlib import Path
 
+import pytest
 import torch
 from safetensors import safe_open
 
@@ -73,8 +74,6 @@ class _Experts:
 
 
 # ------------------------------------------------------------------------------------------- fixtures
-
-import pytest  # noqa: E402
 
 OWN_FAMILIES = ("qwen3_moe", "mixtral", "gpt_oss")
 
