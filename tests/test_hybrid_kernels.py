@@ -13,7 +13,7 @@ from runtime.kernels.expert_pool import pool_forward, pool_forward_grouped
 GRID = [  # codec, group, fp4 format, hidden, width, activation, bias
     ("int4", 32, "", 64, 32, "silu", False),
     ("int4", 64, "", 128, 96, "silu", False),
-    ("int4", 128, "", 256, 128, "gpt_oss", True),
+    ("int4", 128, "", 128, 128, "gpt_oss", True),
     ("int4", 64, "", 96, 40, "silu", False),            # short last groups
     ("fp4", 32, "mxfp4", 128, 64, "silu", False),
     ("fp4", 32, "mxfp4", 64, 64, "gpt_oss", True),
