@@ -384,7 +384,7 @@ class Service:
             job.parser = (self._parser_factory(self._model.model_type, job.prompt_text, job.tools)
                           if job.parse else None)
             job.request_id = self._engine.add_request(
-                job.prompt_ids, job.sampling, on_prefill=lambda done, total: job.sink(PrefillProgress(done, total)))
+                job.prompt_ids, job.sampling, on_prefill=lambda done, total: self._deliver(job, PrefillProgress(done, total)))
         except Exception as exc:
             # the engine refuses bad requests with EngineError (a ValueError): the caller's fault, not ours
             code = ("context_length" if "context" in str(exc).lower() else
@@ -448,6 +448,16 @@ class Service:
         found = [(text.find(s), s) for s in stops if s and s in text]
         return min(found)[1] if found else None
 
+    def _deliver(self, job: GenerateJob, event) -> None:
+        """Hand `event` to the job's owner. A sink that fails (its client or event loop is gone) must not
+        take the engine thread down: the job is cancelled before the next step instead."""
+        try:
+            job.sink(event)
+        except Exception:
+            log.exception("the receiver of a request failed; cancelling the request")
+            if not job.done:
+                self._inbox.put(("cancel", job))
+
     def _forget(self, job: GenerateJob) -> None:
         """Drop the engine's kept result of a finished request (it keeps them until read)."""
         pop = getattr(self._engine, "result", None)
@@ -456,7 +466,7 @@ class Service:
 
     def _emit_text(self, job: GenerateJob, text: str) -> None:
         if job.parser is None:
-            job.sink(Piece("text", text))
+            self._deliver(job, Piece("text", text))
             return
         for delta in job.parser.feed(text):
             self._emit_delta(job, delta)
@@ -469,10 +479,10 @@ class Service:
     def _emit_delta(self, job: GenerateJob, delta) -> None:
         if delta.kind == "tool_call":
             job.saw_tool_call = True
-            job.sink(Piece("tool_call", index=delta.index, call_id=getattr(delta, "id", None) or None,
-                           name=delta.name, arguments=delta.arguments or ""))
+            self._deliver(job, Piece("tool_call", index=delta.index, call_id=getattr(delta, "id", None) or None,
+                                     name=delta.name, arguments=delta.arguments or ""))
         elif delta.text:
-            job.sink(Piece(delta.kind, delta.text))
+            self._deliver(job, Piece(delta.kind, delta.text))
 
     def _finish(self, job: GenerateJob, reason: str, *, stop_sequence: str | None) -> None:
         end = time.perf_counter()
@@ -484,7 +494,7 @@ class Service:
         with self._lock:
             self._jobs.pop(job.key, None)
             self._served += 1
-        job.sink(Finished(finish_reason=reason, prompt_tokens=prompt, completion_tokens=job.completion_tokens,
+        self._deliver(job, Finished(finish_reason=reason, prompt_tokens=prompt, completion_tokens=job.completion_tokens,
                           ttft_s=ttft, prefill_tps=prompt / ttft if ttft > 0 else 0.0,
                           decode_tps=(job.completion_tokens - 1) / decode_s if decode_s > 0 and
                           job.completion_tokens > 1 else 0.0,
@@ -494,7 +504,7 @@ class Service:
         job.done = True
         with self._lock:
             self._jobs.pop(job.key, None)
-        job.sink(Failed(code, message))
+        self._deliver(job, Failed(code, message))
 
     def _fail_all(self, code: str, message: str) -> None:
         with self._lock:

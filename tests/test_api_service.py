@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import threading
+import time
 
 import pytest
 import torch
@@ -101,3 +102,19 @@ def test_unload_fails_running_jobs_and_refuses_new_ones(tiny_checkpoints):
             svc.submit(GenerateJob(prompt_ids=[1, 2], prompt_text="x", sampling=None, sink=lambda e: None))
     finally:
         svc.close()
+
+
+def test_a_failing_receiver_cancels_its_request_not_the_engine_thread(service):
+    def broken_sink(event):
+        raise RuntimeError("the client's event loop is gone")
+
+    service.submit(job_for(service, "The quick brown fox", broken_sink, max_tokens=1900))
+    deadline = time.monotonic() + 10
+    while service.pending() and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert service.pending() == 0
+    done = threading.Event()
+    result: list = []
+    service.submit(job_for(service, "hi", lambda e: (result.append(e), done.set()) if isinstance(e, Finished)
+                           else None, max_tokens=3))
+    assert done.wait(30) and result[0].completion_tokens == 3
