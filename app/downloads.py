@@ -632,6 +632,7 @@ class DownloadManager:
             try:
                 digest = self._stream(job, task, part, stop)
                 self._verify_part(digest, task)
+                final.parent.mkdir(parents=True, exist_ok=True)     # repo files may sit in subfolders
                 os.replace(part, final)
                 with self._lock:
                     task.state, task.done, task.error = DONE, task.size, ""

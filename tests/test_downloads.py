@@ -465,3 +465,17 @@ def test_library_matches_conversions_by_exact_name(tmp_path):
     lib = Library(models, catalog=[])
     assert {m.key: m.status for m in lib.models()} == {"Org/Model": NEEDS_CONVERSION,
                                                       "Org/Model-Instruct": CONVERTING}
+
+
+def test_files_in_repo_subfolders_land_in_the_same_subfolders(hub, models):
+    hub.add_config_only("org/nested", {"model_type": "qwen3_moe"},
+                        extra_files={"original/params.json": b'{"dim": 8}', "metal/model.safetensors": b"x" * 1000})
+    mgr = manager(hub, models)
+    job = mgr.add("org/nested", allow_patterns=["*.json", "original/*"])
+    assert sorted(f.path for f in job.files) == ["config.json", "original/params.json"]
+    mgr.start()
+    done = mgr.wait(job.id, timeout=20)
+    mgr.shutdown()
+    assert done.state == DONE, done.error
+    assert (done.dest_path / "original" / "params.json").read_bytes() == b'{"dim": 8}'
+    assert not (done.dest_path / "metal").exists()
