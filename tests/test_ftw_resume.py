@@ -119,3 +119,16 @@ def test_source_repo_and_revision_are_recorded(tiny_checkpoints, tmp_path):
     assert (source["repo_id"], source["revision"], source["quantization"]) == ("acme/Other", "v1", "none")
     with pytest.raises(FTWError, match="already exists"):
         convert(snap, tmp_path / "b", codec="bf16")
+
+
+def test_killed_between_manifest_and_rename_only_renames(tiny_checkpoints, tmp_path):
+    src = tiny_checkpoints("mixtral")
+    out = convert(src, tmp_path / "pkg", codec="int4")
+    before = files_of(out)
+    out.rename(tmp_path / "pkg.partial")                    # as if killed just before the final rename
+    with pytest.raises(FTWError, match="did not finish"):
+        FTWPackage.open(out)
+    events: list[ProgressEvent] = []
+    convert(src, out, codec="int4", progress=events.append)
+    assert not any(e.stage in ("dense", "experts") for e in events)    # nothing converted again
+    assert files_of(out) == before and verify(out).ok

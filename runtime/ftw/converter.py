@@ -592,6 +592,8 @@ def convert(src: str | Path, out: str | Path, *, codec: str = "auto", group_size
         writer = PackageWriter(out, fingerprint=_fingerprint(plan, skeleton),
                                file_sizes={DENSE_FILE: plan.dense_nbytes, EXPERTS_FILE: plan.experts_nbytes})
         try:
+            if writer.complete:
+                return writer.finish(None, overwrite=overwrite)
             return _run(plan, writer, skeleton, progress=progress, chunk_bytes=chunk_bytes, overwrite=overwrite)
         finally:
             writer.close()

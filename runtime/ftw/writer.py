@@ -124,6 +124,7 @@ class PackageWriter:
         self.file_sizes = file_sizes
         self.done: dict[str, dict] = {}
         self.resumed = False
+        self.complete = False             # a previous run wrote everything; only the final rename is missing
         self._units_committed = 0
         self._exit_after = int(os.environ.get(EXIT_AFTER_UNITS_ENV, "0") or 0)
         try:
@@ -140,6 +141,16 @@ class PackageWriter:
                 raise _os_error(e, path, "(opening)") from e
 
     def _load_journal(self) -> None:
+        manifest = self.partial / MANIFEST
+        if manifest.exists():
+            # Killed after the manifest was written but before the rename: only the rename is left.
+            try:
+                self.complete = json.loads(manifest.read_text(encoding="utf-8")).get(
+                    "conversion_fingerprint") == self.fingerprint
+            except ValueError:
+                self.complete = False
+            if self.complete:
+                return
         journal = self.partial / JOURNAL
         lines = journal.read_text(encoding="utf-8").splitlines() if journal.exists() else []
         records = []
@@ -197,24 +208,12 @@ class PackageWriter:
         if self._exit_after and self._units_committed >= self._exit_after:
             os._exit(75)      # test hook: simulate a kill right after a committed unit
 
-    def finish(self, manifest: dict, *, overwrite: bool) -> Path:
-        for name, fh in self._files.items():
-            try:
-                fh.truncate(self.file_sizes[name])
-                os.fsync(fh.fileno())
-            except OSError as e:
-                raise _os_error(e, self.partial / name, "(final size)") from e
+    def finish(self, manifest: dict | None, *, overwrite: bool) -> Path:
+        """Write the manifest (None: already there, see `complete`) and move the package into place."""
+        if manifest is not None:
+            self._write_manifest(manifest)
+        for fh in self._files.values():
             fh.close()
-        tmp = self.partial / (MANIFEST + ".tmp")
-        try:
-            with open(tmp, "w", encoding="utf-8") as fh:
-                json.dump(manifest, fh, indent=1, sort_keys=True)
-                fh.flush()
-                os.fsync(fh.fileno())
-            (self.partial / JOURNAL).unlink(missing_ok=True)
-            os.replace(tmp, self.partial / MANIFEST)
-        except OSError as e:
-            raise _os_error(e, self.partial / MANIFEST, "(manifest)") from e
         old = None
         if self.out.exists():
             if not overwrite:
@@ -227,6 +226,25 @@ class PackageWriter:
         if old is not None:
             shutil.rmtree(old, ignore_errors=True)
         return self.out
+
+    def _write_manifest(self, manifest: dict) -> None:
+        manifest = {**manifest, "conversion_fingerprint": self.fingerprint}
+        for name, fh in self._files.items():
+            try:
+                fh.truncate(self.file_sizes[name])
+                os.fsync(fh.fileno())
+            except OSError as e:
+                raise _os_error(e, self.partial / name, "(final size)") from e
+        tmp = self.partial / (MANIFEST + ".tmp")
+        try:
+            with open(tmp, "w", encoding="utf-8") as fh:
+                json.dump(manifest, fh, indent=1, sort_keys=True)
+                fh.flush()
+                os.fsync(fh.fileno())
+            os.replace(tmp, self.partial / MANIFEST)
+            (self.partial / JOURNAL).unlink(missing_ok=True)
+        except OSError as e:
+            raise _os_error(e, self.partial / MANIFEST, "(manifest)") from e
 
     def close(self) -> None:
         for fh in self._files.values():
