@@ -82,6 +82,21 @@ def test_spec_ships_resources_metadata_numba_source_and_no_test_packages():
     assert '(str(ROOT / "resources"), "resources")' in source
     for package in ("app", "runtime", "ui"):             # commands and model families import by name
         assert f'collect_submodules("{package}")' in source
+    assert 'collect_submodules("huggingface_hub"' in source  # its lazy `from huggingface_hub import HfApi`
+
+
+def test_frozen_app_starts_the_worker_and_jobs_with_its_own_executable(monkeypatch):
+    from app.jobs import ProcessJob
+    from app.worker_client import worker_command
+
+    monkeypatch.setattr(sys, "frozen", True, raising=False)
+    monkeypatch.setattr(sys, "executable", "/opt/FreeToken/FreeToken")
+    assert worker_command("ipc-1") == ("/opt/FreeToken/FreeToken", ["worker", "--ipc", "ipc-1"])
+    job = ProcessJob.freetoken("models", "list", "--json")
+    assert (job.program, job.arguments) == ("/opt/FreeToken/FreeToken", ["models", "list", "--json"])
+    monkeypatch.delattr(sys, "frozen")
+    job = ProcessJob.freetoken("models", "list")           # from source: this interpreter runs the package
+    assert job.program == "/opt/FreeToken/FreeToken" and job.arguments[:2] == ["-m", "ui.entry"]
 
 
 def test_cli_modules_named_in_the_command_table_are_inside_the_collected_packages():
