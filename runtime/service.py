@@ -59,9 +59,11 @@ class Finished:
     decode_tps: float
     total_s: float
     stop_sequence: str | None = None   # the stop string that ended generation, when known
+    cached_tokens: int = 0             # prompt tokens the engine's prefix cache supplied (not recomputed)
 
     def usage(self) -> dict:
-        return {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens}
+        return {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,
+                "cached_tokens": self.cached_tokens}
 
     def timings(self) -> dict:
         return {"ttft_s": self.ttft_s, "prefill_tps": self.prefill_tps, "decode_tps": self.decode_tps,
@@ -122,6 +124,7 @@ class GenerateJob:
     t_first: float | None = None
     completion_tokens: int = 0
     tokens: list = field(default_factory=list)    # generated ids, to tell which stop string matched
+    cached_tokens: int = 0
     saw_tool_call: bool = False
     done: bool = False
 
@@ -462,7 +465,8 @@ class Service:
         """Drop the engine's kept result of a finished request (it keeps them until read)."""
         pop = getattr(self._engine, "result", None)
         if pop is not None and job.request_id is not None:
-            pop(job.request_id)
+            result = pop(job.request_id)
+            job.cached_tokens = int(getattr(result, "cached_tokens", 0) or 0)
 
     def _emit_text(self, job: GenerateJob, text: str) -> None:
         if job.parser is None:
@@ -498,7 +502,8 @@ class Service:
                           ttft_s=ttft, prefill_tps=prompt / ttft if ttft > 0 else 0.0,
                           decode_tps=(job.completion_tokens - 1) / decode_s if decode_s > 0 and
                           job.completion_tokens > 1 else 0.0,
-                          total_s=end - job.t_submit, stop_sequence=stop_sequence))
+                          total_s=end - job.t_submit, stop_sequence=stop_sequence,
+                          cached_tokens=job.cached_tokens))
 
     def _finish_failed(self, job: GenerateJob, code: str, message: str) -> None:
         job.done = True

@@ -252,3 +252,15 @@ def test_responses_stream_helper_accumulates_text_and_reasoning(client):
     assert [i.type for i in final.output] == ["reasoning", "message"]
     assert final.output[0].content[0].text == "Let me think about this carefully."
     assert final.output[1].status == "completed" and final.output[1].content[0].annotations == []
+
+
+def test_a_resent_conversation_reports_prefix_cache_reads(client):
+    messages = [{"role": "system", "content": "You are a coding agent with a long system prompt. " * 8},
+                {"role": "user", "content": "First question"}]
+    first = client.chat.completions.create(model="m", messages=messages, max_tokens=4, temperature=0)
+    turn2 = messages + [{"role": "assistant", "content": first.choices[0].message.content or "ok"},
+                        {"role": "user", "content": "Second question"}]
+    second = client.chat.completions.create(model="m", messages=turn2, max_tokens=4, temperature=0)
+    cached = second.usage.prompt_tokens_details.cached_tokens
+    assert cached >= first.usage.prompt_tokens - 1        # the whole first prompt came from the cache
+    assert cached < second.usage.prompt_tokens

@@ -207,8 +207,10 @@ def stop_reason(finished: Finished) -> tuple[str, str | None]:
 
 
 def usage(finished: Finished | None, prompt_tokens: int) -> dict:
-    return {"input_tokens": prompt_tokens, "output_tokens": finished.completion_tokens if finished else 0,
-            "cache_creation_input_tokens": 0, "cache_read_input_tokens": 0}
+    """Anthropic counts prompt tokens read from the cache apart from input_tokens (the rest)."""
+    cached = finished.cached_tokens if finished else 0
+    return {"input_tokens": prompt_tokens - cached, "output_tokens": finished.completion_tokens if finished else 0,
+            "cache_creation_input_tokens": 0, "cache_read_input_tokens": cached}
 
 
 @router.post("/v1/messages", summary="Anthropic Messages (Claude Code): streaming and not, tools, thinking")
@@ -252,8 +254,10 @@ async def _message_frames(stream: JobStream, builder: MessageBuilder, prompt_tok
                 for frame in builder.finish():
                     yield frame
                 reason, sequence = stop_reason(event)
+                final = usage(event, prompt_tokens)
                 yield builder.event("message_delta", delta={"stop_reason": reason, "stop_sequence": sequence},
-                                    usage={"output_tokens": event.completion_tokens})
+                                    usage={k: final[k] for k in ("input_tokens", "cache_read_input_tokens",
+                                                                 "output_tokens")})
                 yield builder.event("message_stop")
     except APIError as exc:
         yield sse(error_body(True, exc.kind, exc.message), event="error")

@@ -159,7 +159,8 @@ class ChatBuilder:
 
 def usage_of(finished: Finished) -> dict:
     return {"prompt_tokens": finished.prompt_tokens, "completion_tokens": finished.completion_tokens,
-            "total_tokens": finished.prompt_tokens + finished.completion_tokens}
+            "total_tokens": finished.prompt_tokens + finished.completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": finished.cached_tokens}}
 
 
 def template_kwargs_for_chat(body: ChatCompletionRequest) -> dict:

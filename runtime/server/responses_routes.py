@@ -126,7 +126,8 @@ class ResponseBuilder:
     def response(self, status: str, finished: Finished | None = None, error: dict | None = None) -> dict:
         usage = None
         if finished is not None:
-            usage = {"input_tokens": finished.prompt_tokens, "input_tokens_details": {"cached_tokens": 0},
+            usage = {"input_tokens": finished.prompt_tokens,
+                     "input_tokens_details": {"cached_tokens": finished.cached_tokens},
                      "output_tokens": finished.completion_tokens,
                      "output_tokens_details": {"reasoning_tokens": 0},
                      "total_tokens": finished.prompt_tokens + finished.completion_tokens}
