@@ -87,7 +87,8 @@ class SecurityMiddleware:
             await error_response(anthropic, kind, message, headers=extra_headers)(scope, receive, send)
 
         host = _host_name(headers.get("host", "")).lower()
-        if not self._any_host and host not in self._hosts:
+        # no Host at all (HTTP/1.0 tools) cannot come from a browser, so it cannot be a rebinding attack
+        if host and not self._any_host and host not in self._hosts:
             return await refuse("permission", f"Host header {headers.get('host', '')!r} is not this server's "
                                               f"address; refused to protect against DNS rebinding")
         origin = headers.get("origin")
