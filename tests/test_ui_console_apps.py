@@ -57,11 +57,12 @@ def test_console_with_gpu_sensors_plan_and_stats(qtbot, tmp_path):
                                     "state_bytes": 1.44 * 1024**3, "cpu_experts_per_layer": 3.5}))
     text = view.plan_label.text()
     assert "freetoken-demo-random — context 4,096 tokens" in text
-    assert "expert slots 916 of 10,240 — 1.5 GiB" in text and "KV 8,192 tokens — 0.2 GiB" in text
+    assert "expert slots 916 of 10,240 — 1.5 GiB" in text and "KV 8,192 tokens — 164 MiB" in text
     assert "24 state slots — 1.4 GiB" in text and "experts per layer on the CPU: 3.5" in text
     session._on_event({"type": "stats", "id": None,
-                       "stats": {"queue": 0, "engine": {"decode_tps": 23.41, "cache": {"hits": 3, "misses": 1},
-                                                        "cpu_share": 0.25}}})
+                       "stats": {"queue": 0, "engine": {"decode_tokens_per_s": 23.41,
+                                                        "prefix_cache": {"hits": 0, "misses": 4},
+                                                        "experts": {"hit_rate": 0.75, "cpu_share": 0.25}}}})
     assert view.metrics["tokens_per_s"].value.text() == "23.4 tok/s"
     assert view.metrics["hit_rate"].value.text() == "75%"
     assert view.metrics["cpu_share"].value.text() == "25%"
@@ -73,7 +74,9 @@ def test_plan_and_figures_helpers():
         "backend: gpu", "KV 8K tokens — 0.16 GiB"]
     assert engine_figures({}) == {"tokens_per_s": NOT_AVAILABLE, "hit_rate": NOT_AVAILABLE,
                                   "cpu_share": NOT_AVAILABLE}
-    assert engine_figures({"engine": {"hit_rate": 0.5}})["hit_rate"] == "50%"
+    assert engine_figures({"engine": {"experts": {"hit_rate": 0.5}}})["hit_rate"] == "50%"
+    # the prefix cache's hits are not the expert cache's
+    assert engine_figures({"engine": {"prefix_cache": {"hit_rate": 0.9}}})["hit_rate"] == NOT_AVAILABLE
 
 
 def test_apps_endpoints_and_api_key(qtbot, tmp_path):

@@ -35,7 +35,7 @@ def test_status_bar_shows_model_speed_and_memory(qtbot, tmp_path):
     assert window.model_status.text() == "No model loaded"
     assert "VRAM n/a" in window.memory_status.text()          # no NVIDIA GPU on this machine
     assert "GiB /" in window.memory_status.text()
-    window.services.session.stats.emit({"engine": {"decode_tps": 12.345}})
+    window.services.session.stats.emit({"engine": {"decode_tokens_per_s": 12.345}})
     assert window.speed_status.text() == "12.3 tok/s"
 
 

@@ -13,7 +13,7 @@ from typing import Any
 from PySide6.QtCore import QItemSelectionModel, Qt, QTimer, Signal
 from PySide6.QtGui import QKeySequence, QShortcut
 from PySide6.QtWidgets import (QDoubleSpinBox, QFormLayout, QFrame, QHBoxLayout, QLabel, QListView, QPlainTextEdit,
-                               QPushButton, QScrollArea, QSpinBox, QSplitter, QVBoxLayout, QWidget)
+                               QPushButton, QScrollArea, QSizePolicy, QSpinBox, QSplitter, QVBoxLayout, QWidget)
 
 from app.chats import ChatSampling, ChatStore, Message
 from ui import theme
@@ -156,6 +156,8 @@ class ChatView(QWidget):
         # right: header, messages, input
         self.title = QLabel("New chat")
         self.title.setObjectName("PageTitle")
+        # a long title is clipped instead of widening the page
+        self.title.setSizePolicy(QSizePolicy.Policy.Ignored, QSizePolicy.Policy.Preferred)
         self.model_label = QLabel()
         self.model_label.setProperty("muted", True)
         self.settings_button = QPushButton("Chat settings")

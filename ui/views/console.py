@@ -22,7 +22,10 @@ METRIC_COLUMNS = 4
 
 
 def gib(value: float | None) -> str:
-    return NOT_AVAILABLE if value is None else f"{value / GIB:.1f} GiB"
+    """Bytes for people: GiB with one decimal, MiB below a GiB (a small model's plan is not "0.0 GiB")."""
+    if value is None:
+        return NOT_AVAILABLE
+    return f"{value / GIB:.1f} GiB" if value >= GIB else f"{value / 1024**2:.0f} MiB"
 
 
 def find(stats: dict[str, Any], *names: str) -> Any:
@@ -39,13 +42,13 @@ def find(stats: dict[str, Any], *names: str) -> Any:
 
 def engine_figures(stats: dict[str, Any]) -> dict[str, str]:
     """The three numbers the console shows big, as text ('not available' until the engine reports them)."""
-    tps = find(stats, "decode_tps", "decode_tok_s", "tokens_per_s", "tok_s")
-    hit = find(stats, "hit_rate", "cache_hit_rate", "expert_hit_rate")
-    if hit is None:
-        hits, misses = find(stats, "hits", "cache_hits"), find(stats, "misses", "cache_misses")
-        if hits is not None and misses is not None and hits + misses:
-            hit = hits / (hits + misses)
-    cpu = find(stats, "cpu_share", "cpu_expert_share", "experts_on_cpu_share")
+    # the engine's stats(): decode_tokens_per_s at its top, the expert tier's hit_rate and cpu_share under
+    # "experts" (the resident backend has neither: every expert is on the device)
+    tps = find(stats, "decode_tokens_per_s", "decode_tps")
+    experts = find(stats, "experts")
+    experts = experts if isinstance(experts, dict) else {}
+    hit = find(experts, "hit_rate")
+    cpu = find(experts, "cpu_share")
     return {
         "tokens_per_s": NOT_AVAILABLE if tps is None else f"{float(tps):.1f} tok/s",
         "hit_rate": NOT_AVAILABLE if hit is None else f"{float(hit):.0%}",
