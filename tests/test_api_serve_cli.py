@@ -56,3 +56,9 @@ def test_serve_refuses_a_public_bind_without_a_key(freetoken_home):
     assert run.returncode == 2
     assert "API key" in run.stderr and "0.0.0.0" in run.stderr
     assert not (freetoken_home / "models").exists() or not any((freetoken_home / "models").iterdir())
+
+
+def test_serve_names_a_missing_model(freetoken_home, tmp_path):
+    run = subprocess.run([*CLI, "serve", str(tmp_path / "nowhere"), "--port", str(free_port())],
+                         env=cli_env(freetoken_home), capture_output=True, text=True, timeout=60)
+    assert run.returncode == 2 and "nowhere" in run.stderr and "no such folder" in run.stderr
