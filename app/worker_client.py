@@ -184,7 +184,9 @@ class WorkerClient(QObject):
         self.jobs[request_id] = job
         job.finished.connect(lambda: self.jobs.pop(request_id, None))
         if not self.is_ready:
-            job._on_event(protocol.error(request_id, "worker_crashed", "the worker is not running"))
+            # finished on the next turn of the event loop, so the caller has connected to `finished` by then
+            failure = protocol.error(request_id, "worker_crashed", "the worker is not running")
+            QTimer.singleShot(0, job, lambda: job._on_event(failure))
             return job
         fields = {k: v for k, v in dict(messages=messages, prompt=prompt, tools=tools, sampling=sampling,
                                         template_kwargs=template_kwargs).items() if v is not None}

@@ -99,6 +99,8 @@ def test_worker_serves_ipc_and_http_then_survives_a_kill(qtbot, package):
         assert crashes and "crashed" in crashes[0]
         assert not client.is_ready
         late = client.generate(prompt="hi")          # a request with no worker fails at once, never hangs
+        with qtbot.waitSignal(late.finished, timeout=1000):
+            pass
         assert late.outcome == "error" and late.error_code == "worker_crashed"
 
         # a new worker serves again
