@@ -249,10 +249,6 @@ class SourceWeight:
     def source_bytes(self) -> int:
         return sum(p.nbytes for p in self.parts.values())
 
-    @property
-    def tensor_names(self) -> list[str]:
-        return [p.name for p in self.parts.values()]
-
 
 def group_logical_weights(tensors: dict[str, TensorInfo]) -> dict[str, SourceWeight]:
     """Group raw tensors into logical weights; companions (scales) never appear on their own."""
