@@ -266,3 +266,16 @@ def test_sinks_attention_in_query_blocks_equals_one_block(window, monkeypatch):
     monkeypatch.setattr(blocks, "SCORE_BUDGET_BYTES", 4 * 14 * 4 * 2)      # two queries per block
     assert torch.allclose(attend(q, k, v, scale=8 ** -0.5, sliding_window=window, sinks=sinks), whole, atol=1e-6)
     assert torch.allclose(whole, naive_attention(q, k, v, window=window, sinks=sinks), atol=1e-5)
+
+
+def test_sliding_window_configs_bound_the_kv_cache():
+    mixtral = build_model({"model_type": "mixtral", "vocab_size": 32, "hidden_size": 16, "num_hidden_layers": 2,
+                           "num_attention_heads": 2, "num_key_value_heads": 1, "intermediate_size": 8,
+                           "num_local_experts": 2, "num_experts_per_tok": 1, "sliding_window": 4}, experts=None)
+    cache = mixtral.new_cache(device="cpu", dtype=torch.float32)
+    assert [layer.window for layer in cache.layers] == [4, 4] and not cache.trimmable
+    qwen = dict(model_type="qwen3_moe", vocab_size=32, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
+                num_key_value_heads=1, moe_intermediate_size=8, num_experts=2, num_experts_per_tok=1,
+                sliding_window=4096)
+    assert build_model(qwen, experts=None).kv_window(0) is None          # use_sliding_window is off
+    assert build_model(dict(qwen, use_sliding_window=True), experts=None).kv_window(0) == 4096

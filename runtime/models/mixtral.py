@@ -49,5 +49,8 @@ class Model(CausalLM):
         if c.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 
+    def kv_window(self, layer: int) -> int | None:
+        return self.config.sliding_window
+
     def forward_hidden(self, batch: Batch):
         return self.model(batch, self.rope, self.experts)
