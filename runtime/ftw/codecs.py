@@ -108,9 +108,12 @@ def int4_quantize_into(w: torch.Tensor, group_size: int, *, q: torch.Tensor, sca
     step = (hi - mins16.astype(np.float32)) / np.float32(15.0)
     scales16 = _round_fp16(step.astype(np.float32), np.inf)
     # A zero step means an fp16-exact constant group: every code is 0 and min is the value.
-    inv = torch.from_numpy((np.float32(1.0) / np.where(scales16 == 0, np.float16(1.0), scales16)
-                            .astype(np.float32))).unsqueeze(2)
-    wg.sub_(torch.from_numpy(mins16.astype(np.float32)).unsqueeze(2)).mul_(inv).round_().clamp_(0, 15)
+    inv = np.float32(1.0) / np.where(scales16 == 0, np.float16(1.0), scales16).astype(np.float32)
+    # x = (w − min)/step lies in [0, 15] up to rounding; code = trunc(x + 0.5) rounds it (ties up) in
+    # the float -> uint8 conversion, so one fused pass w·inv + (0.5 − min·inv) does sub, mul and round.
+    offset = np.float32(0.5) - mins16.astype(np.float32) * inv
+    torch.addcmul(torch.from_numpy(offset).unsqueeze(2), wg, torch.from_numpy(inv).unsqueeze(2), out=wg)
+    wf.clamp_(0.0, 15.5)                                                # belt and braces: never a 16
     codes = _work(scratch, "int4.u8", (out_f, groups * group_size), torch.uint8)
     codes.copy_(wf)
     codes = codes[:, :in_f]
