@@ -196,3 +196,36 @@ def test_fully_resident_layer_skips_the_host():
     hybrid.cache.directory.release((1, 3))
     torch.testing.assert_close(hybrid(1, x, ids, w), reference(store, ExpertSpec(), 1, x, ids, w), rtol=1e-4, atol=1e-5)
     assert sum(hybrid.routing.counts.values()) == len(torch.unique(ids))
+
+
+def test_pinned_copy_never_holds_the_mapped_file_and_the_copy_at_once(tmp_path):
+    """The host side counts a page once: copying a mapped store hands each layer's mapped pages back."""
+    import types
+
+    from runtime.experts.host_store import BlockLayout
+    from runtime.experts.stats import host_rss
+
+    layout = BlockLayout.build("int4", 512, 256, group=64)
+    layers, experts = 4, 48                                    # 4 x 48 x 200 KiB blocks = ~38 MB
+    path = tmp_path / "experts.bin"
+    data = np.random.default_rng(0).integers(0, 256, size=layers * experts * layout.nbytes, dtype=np.uint8)
+    data.tofile(path)
+    nbytes = data.nbytes
+    del data
+    fake = types.SimpleNamespace(
+        codec="int4", hidden_size=512, intermediate_size=256, group_size=64, block_size=None, fp4_format=None,
+        scale_format=None, global_scale_op=None, block_nbytes=layout.nbytes, layers=list(range(layers)),
+        num_experts=experts, parts={n: types.SimpleNamespace(offset=p.offset, shape=p.shape, dtype=p.dtype,
+                                                             nbytes=p.nbytes) for n, p in layout.parts.items()},
+        mm=np.memmap(path, dtype=np.uint8, mode="c", shape=(nbytes,)),
+        layer_offset=lambda layer: layer * experts * layout.nbytes)
+    store = HostExpertStore.from_ftw(fake)
+    before = host_rss()
+    checksum = sum(int(store.layer_buffer(layer).sum(dtype=np.uint64)) for layer in store.layers)   # map it all
+    mapped = host_rss() - before
+    assert mapped > 0.8 * nbytes
+    copy = store.pinned_copy(pin=False)
+    grown = host_rss() - before
+    assert grown < mapped + 0.3 * nbytes                       # the copy replaced the mapping, not added to it
+    assert sum(int(copy.layer_buffer(layer).sum(dtype=np.uint64)) for layer in copy.layers) == checksum
+    assert np.array_equal(copy.block(3, 47), store.block(3, 47))   # the released mapping reads back from the file

@@ -12,6 +12,7 @@ Shapes: L layers with experts, E experts, D hidden, I expert width, G groups per
 """
 from __future__ import annotations
 
+import mmap
 from dataclasses import dataclass
 
 import numpy as np
@@ -177,13 +178,29 @@ class HostExpertStore:
             bufs[layer] = mm[off:off + experts.num_experts * layout.nbytes].reshape(experts.num_experts, layout.nbytes)
         return cls(bufs, layout, num_experts=experts.num_experts, owner=experts)
 
-    def pinned_copy(self) -> "HostExpertStore":
-        """The same experts copied once into page-locked memory (the GPU then DMAs blocks directly); the
-        mapping's pages are released by the OS as they are no longer touched, so they are not counted twice."""
-        store = HostExpertStore.allocate(self.layout, self.layers, self.num_experts, pin=True)
+    def pinned_copy(self, *, pin: bool = True) -> "HostExpertStore":
+        """The same experts copied once into page-locked memory (the GPU then DMAs blocks directly). Each
+        layer's pages of the mapped file are handed back right after its copy (`release_pages`), so the
+        process never holds the file's pages and the pinned copy at once (peak: the copy + one layer)."""
+        store = HostExpertStore.allocate(self.layout, self.layers, self.num_experts, pin=pin)
         for layer in self.layers:
             np.copyto(store.layer_buffer(layer), self.layer_buffer(layer))
+            self.release_pages(layer)
         return store
+
+    def release_pages(self, layer: int) -> bool:
+        """Drop this process's mapping of `layer`'s blocks (madvise DONTNEED on the FTW file's private
+        mapping: the data stays in the OS page cache and is read again if touched). False when the store is
+        not a mapped file or the OS has no madvise (Windows)."""
+        mm = getattr(getattr(self._owner, "mm", None), "_mmap", None)
+        if mm is None or not hasattr(mm, "madvise") or not hasattr(mmap, "MADV_DONTNEED"):
+            return False
+        try:
+            start = self._owner.layer_offset(layer)
+            mm.madvise(mmap.MADV_DONTNEED, start, self.num_experts * self.layout.nbytes)
+        except (OSError, ValueError, KeyError):
+            return False
+        return True
 
     @classmethod
     def allocate(cls, layout: BlockLayout, layers: list[int], num_experts: int, *, pin: bool = False) -> "HostExpertStore":
