@@ -479,3 +479,32 @@ def test_files_in_repo_subfolders_land_in_the_same_subfolders(hub, models):
     assert done.state == DONE, done.error
     assert (done.dest_path / "original" / "params.json").read_bytes() == b'{"dim": 8}'
     assert not (done.dest_path / "metal").exists()
+
+
+def test_ctrl_c_pauses_the_download_command_and_the_same_command_resumes(hub, freetoken_home, tiny_checkpoints,
+                                                                         capsys):
+    from app.cli import main
+
+    hub.throttle_bps = 150_000
+    env = {**os.environ, "HF_HUB_OFFLINE": "0", "PYTHONPATH": str(ROOT), "FREETOKEN_HOME": str(freetoken_home)}
+    argv = ["download", REPO, "--endpoint", hub.url, "--no-convert", "--include", "*.safetensors"]
+    proc = subprocess.Popen([sys.executable, "-m", "ui.entry", *argv], env=env, cwd=ROOT,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    partial = freetoken_home / "models" / REPO.replace("/", "--") / PARTIAL_DIR
+    try:
+        wait_for(lambda: partial.exists() and any(p.stat().st_size > 0 for p in partial.glob("*.part")), 60)
+    finally:
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=30)
+    assert proc.returncode == 130 and "paused" in err and "same command" in err
+    [saved] = json.loads((freetoken_home / "data" / "downloads.json").read_text())["jobs"]
+    assert saved["state"] == PAUSED
+    sizes = {p.name[:-len(".part")]: p.stat().st_size for p in partial.glob("*.part")}
+    hub.throttle_bps = 0
+    assert main(argv) == 0                                  # the same command, again: it resumes
+    assert "resuming" in capsys.readouterr().err
+    for name, size in sizes.items():
+        if size:
+            assert f"bytes={size}-" in hub.file_requests(name)
+    assert_identical(tiny_checkpoints("qwen3_moe"), freetoken_home / "models" / REPO.replace("/", "--"),
+                     shards(tiny_checkpoints("qwen3_moe")))
