@@ -152,3 +152,14 @@ def test_an_nvidia_card_without_its_driver_is_named(tmp_path, monkeypatch):
     report = probe(tmp_path, nvml=nvml, sys_root=tmp_path)
     assert report.cpu_only and report.other_gpus == []
     assert "NVIDIA GPU is installed but not usable" in report.gpu_status and "driver" in report.gpu_status
+
+
+def test_apple_silicon_is_named_and_has_no_x86_flags(tmp_path, monkeypatch):
+    monkeypatch.setattr("platform.system", lambda: "Darwin")
+    monkeypatch.setattr("platform.machine", lambda: "arm64")
+    nvml, _ = fake_nvml(fail_init=True)
+    report = probe(tmp_path, nvml=nvml, cpuinfo=tmp_path / "no-cpuinfo", sys_root=tmp_path)
+    assert report.other_gpus == ["Apple GPU (Metal)"] and report.cpu_only
+    assert "Apple GPU (Metal) found but not supported" in report.gpu_status
+    assert (report.cpu.avx2, report.cpu.avx512, report.cpu.amx) == (False, False, False)
+    assert report.memory.pinnable == report.memory.total - 2 * 1024 ** 3
