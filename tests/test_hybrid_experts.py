@@ -229,3 +229,20 @@ def test_pinned_copy_never_holds_the_mapped_file_and_the_copy_at_once(tmp_path):
     assert grown < mapped + 0.3 * nbytes                       # the copy replaced the mapping, not added to it
     assert sum(int(copy.layer_buffer(layer).sum(dtype=np.uint64)) for layer in copy.layers) == checksum
     assert np.array_equal(copy.block(3, 47), store.block(3, 47))   # the released mapping reads back from the file
+
+
+def test_prefill_streaming_double_buffers_across_layers():
+    """Streaming through three layers in turn (and back): each call computes with its own layer's experts
+    although the next layer's copy went into the other buffer before it ran."""
+    gen = torch.Generator().manual_seed(8)
+    store = HostExpertStore.synthetic(layers=3, num_experts=4, hidden=64, intermediate=32, codec="int4", group=32,
+                                      weight_std=0.2, seed=3)
+    hybrid = HybridExperts(store, ExpertSpec(), device=CPU, dtype=torch.float32,
+                           options=HybridOptions(slots=2, top_k=2, stream_threshold=8, stream_on_cpu=True))
+    for layer in (0, 1, 2, 0, 2, 1, 1, 0):                   # in order, wrapping, skipping and repeating
+        x = torch.randn(10, 64, generator=gen)
+        ids, w = random_routing(gen, 10, 4, 2)
+        torch.testing.assert_close(hybrid(layer, x, ids, w), reference(store, ExpertSpec(), layer, x, ids, w),
+                                   rtol=1e-4, atol=1e-5)
+    c = hybrid.counters.total
+    assert c.stream_calls == 8 and c.bytes_streamed >= 8 * 4 * store.block_nbytes

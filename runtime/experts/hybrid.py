@@ -239,6 +239,9 @@ class HybridExperts:
         return out.to(hidden.dtype)
 
     def _copy_layer(self, layer: int, buf_idx: int):
+        # whatever was staged in this buffer is about to be overwritten: forget it
+        for staged in [k for k, (i, _) in self._staged.items() if i == buf_idx]:
+            del self._staged[staged]
         return self.transport.submit_range(self.store.layer_buffer(layer), self._stage[buf_idx],
                                            after=self._stage_free[buf_idx])
 
