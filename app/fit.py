@@ -134,7 +134,13 @@ def estimate(config: dict, *, codec: str, machine: Machine, context_length: int,
     if plan.backend == NO_FIT:
         fit.badge = f"Does not fit: needs {_gb(plan.shortfall_bytes)} more {plan.short_of.upper() or 'memory'}"
         return fit
-    counts = count_parameters(config)
+    try:
+        counts = count_parameters(config)
+    except (ValueError, KeyError) as exc:      # a family the catalog cannot count: placement only, no speed
+        fit.notes.append(f"no speed estimate: {exc}")
+        fit.badge = {GPU: "Runs fully on the GPU", HYBRID: f"Hybrid: {cached:.0f}% of experts in VRAM"}.get(
+            plan.backend, "CPU only")
+        return fit
     active = counts.active
     # dense weights a token reads: all but the input embedding table (one row of it) and the vision tower/MTP
     dense_read = max(0, (counts.active - shape.moe_layers * shape.top_k * counts.per_expert)) * shape.dense_bytes_per_param

@@ -121,3 +121,10 @@ def test_prefill_on_a_narrow_pcie_link_is_bound_by_streaming_experts():
     streamed = slow.plan["experts_bytes"] - slow.plan["pool_bytes"]
     chunk = min(4096, slow.context_length)
     assert slow.prefill_tok_s[1] == pytest.approx(chunk / (streamed / (3.2e9 * CostModel().h2d_efficiency[1])))
+
+
+def test_a_family_the_catalog_cannot_count_gets_placement_without_speed():
+    config = {**find_entry("qwen3-30b-a3b-instruct-2507").config(), "model_type": "olmoe"}
+    result = estimate(config, codec="int4", machine=machine(), context_length=4096)
+    assert result.verdict == HYBRID and result.badge.startswith("Hybrid")
+    assert result.decode_tok_s is None and "no speed estimate" in result.notes[-1]
