@@ -132,3 +132,10 @@ def test_killed_between_manifest_and_rename_only_renames(tiny_checkpoints, tmp_p
     convert(src, out, codec="int4", progress=events.append)
     assert not any(e.stage in ("dense", "experts") for e in events)    # nothing converted again
     assert files_of(out) == before and verify(out).ok
+
+
+def test_parallel_expert_workers_write_the_same_bytes(tiny_checkpoints, tmp_path):
+    src = tiny_checkpoints("qwen3_moe")
+    one = convert(src, tmp_path / "one", codec="int4", workers=1)
+    three = convert(src, tmp_path / "three", codec="int4", workers=3)
+    assert files_of(one) == files_of(three) and verify(three).ok

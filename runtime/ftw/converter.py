@@ -18,9 +18,11 @@ import hashlib
 import json
 import logging
 import math
+import os
 import re
 import shutil
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
@@ -31,7 +33,7 @@ import torch
 from runtime.ftw import architectures as archs
 from runtime.ftw.codecs import CODECS, FP4_FORMATS, INT4_GROUP_SIZES, int4_quantize_into
 from runtime.ftw.errors import FTWError
-from runtime.ftw.sources import FLOAT_DTYPES, Checkpoint, Fp4Parts, Scratch, SourceWeight
+from runtime.ftw.sources import FLOAT_DTYPES, Checkpoint, Fp4Parts, SourceWeight
 from runtime.ftw.writer import (CHECKSUM, DENSE_FILE, EXPERTS_FILE, FORMAT_VERSION, PART_ALIGN, TORCH_DTYPES, Part,
                                 BlockDigests, PackageWriter, WritePipeline, align, dtype_name, expert_block_parts)
 
@@ -455,16 +457,25 @@ def _encode_expert(plan: Plan, weights: dict, buf: np.ndarray, where: str) -> No
         buf[start:end] = 0
 
 
-def _write_experts(plan: Plan, pipe: WritePipeline, src: ExpertLayerSource, progress: _Progress) -> BlockDigests:
+def _write_experts(plan: Plan, pipe: WritePipeline, src: ExpertLayerSource, progress: _Progress,
+                   workers: ThreadPoolExecutor | None) -> BlockDigests:
+    """Read, pack and queue every expert of a layer; with `workers`, several experts at once (int4
+    quantization is compute-bound and torch releases the GIL). Blocks land at fixed offsets and hash
+    into fixed slots, so the result does not depend on the order they finish in."""
     digests = BlockDigests(plan.num_experts)
     per_expert_src = src.source_bytes() // plan.num_experts
-    for e in range(plan.num_experts):
+
+    def one(e: int) -> str:
         where = f"layer {src.layer} expert {e}"
         weights = _read_expert(plan, src, e)
         slot = pipe.acquire()
         _encode_expert(plan, weights, slot.ensure(plan.block_nbytes), where)
         pipe.submit(slot, EXPERTS_FILE, src.offset + e * plan.block_nbytes, plan.block_nbytes, None, tensor=where,
                     block=(digests, e))
+        return where
+
+    results = workers.map(one, range(plan.num_experts)) if workers else map(one, range(plan.num_experts))
+    for where in results:                       # progress from this thread only: callbacks may touch a UI
         progress.advance(per_expert_src, "experts", where)
     return digests
 
@@ -571,8 +582,11 @@ def default_output_name(src: Path, codec: str) -> str:
 
 
 def convert(src: str | Path, out: str | Path, *, codec: str = "auto", group_size: int = 64, overwrite: bool = False,
-            progress: ProgressCallback | None = None, chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> Path:
+            progress: ProgressCallback | None = None, chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+            workers: int = 0) -> Path:
     """Convert the checkpoint folder `src` into the FTW package `out`; returns `out`.
+
+    `workers`: experts packed at once (0: up to 4 when quantizing or dequantizing, else 1).
 
     Raises FTWError for any bad input; on failure `out` is untouched and `<out>.partial` holds
     what was done (running the same call again resumes from it).
@@ -594,7 +608,8 @@ def convert(src: str | Path, out: str | Path, *, codec: str = "auto", group_size
         try:
             if writer.complete:
                 return writer.finish(None, overwrite=overwrite)
-            return _run(plan, writer, skeleton, progress=progress, chunk_bytes=chunk_bytes, overwrite=overwrite)
+            return _run(plan, writer, skeleton, progress=progress, chunk_bytes=chunk_bytes, overwrite=overwrite,
+                        workers=workers)
         finally:
             writer.close()
     finally:
@@ -614,8 +629,16 @@ def _check_free_space(out: Path, need: int) -> None:
                        f"{free / 2**30:.2f} GiB are free")
 
 
+def _compute_bound(plan: Plan) -> bool:
+    """Whether packing experts costs more than moving their bytes (quantizing or dequantizing)."""
+    if plan.codec == "int4":
+        return True
+    kinds = {sw.kind for src in plan.experts.values() for sw in src.weights.values()}
+    return plan.codec != "fp4" and bool(kinds - {"float"})
+
+
 def _run(plan: Plan, writer: PackageWriter, skeleton: dict, *, progress: ProgressCallback | None,
-         chunk_bytes: int, overwrite: bool) -> Path:
+         chunk_bytes: int, overwrite: bool, workers: int = 0) -> Path:
     tracker = _Progress(plan.source_bytes, progress)
     dense_sums: dict[str, str] = {}
     layer_sums: dict[str, str] = {}
@@ -624,8 +647,10 @@ def _run(plan: Plan, writer: PackageWriter, skeleton: dict, *, progress: Progres
             tracker.done += plan.unit_source_bytes(unit)
         tracker.start_done = tracker.done
         tracker.advance(0, "resuming", f"{len(writer.done)} of {len(plan.units)} units already converted", force=True)
-    plan.ckpt.scratch = Scratch()
-    pipe = WritePipeline(writer)
+    plan.ckpt.use_scratch = True
+    n_workers = workers or (max(1, min(4, os.cpu_count() or 1)) if _compute_bound(plan) else 1)
+    pool = ThreadPoolExecutor(max_workers=n_workers, thread_name_prefix="ftw-expert") if n_workers > 1 else None
+    pipe = WritePipeline(writer, extra_slots=n_workers - 1)
     try:
         for unit in plan.units:
             if unit in writer.done:
@@ -635,7 +660,8 @@ def _run(plan: Plan, writer: PackageWriter, skeleton: dict, *, progress: Progres
                 continue
             digests = {("dense", e.name): _write_dense(plan, pipe, e, tracker, chunk_bytes) for e in plan.dense[unit]}
             if unit in plan.experts:
-                digests[("experts", unit.split(".")[1])] = _write_experts(plan, pipe, plan.experts[unit], tracker)
+                digests[("experts", unit.split(".")[1])] = _write_experts(plan, pipe, plan.experts[unit], tracker,
+                                                                          pool)
             pipe.drain()
             record = {"dense": {}, "experts": {}}
             for (kind, name), digest in digests.items():
@@ -644,6 +670,8 @@ def _run(plan: Plan, writer: PackageWriter, skeleton: dict, *, progress: Progres
             dense_sums.update(record["dense"])
             layer_sums.update(record["experts"])
     finally:
+        if pool is not None:
+            pool.shutdown(wait=True)
         pipe.close()
     tracker.advance(0, "finishing", "", force=True)
     manifest = json.loads(json.dumps(skeleton))

@@ -334,7 +334,18 @@ class Checkpoint:
     tensors: dict[str, TensorInfo]
     weights: dict[str, SourceWeight]
     shards: dict[Path, Shard]
-    scratch: Scratch | None = None     # set by the converter: reads then reuse buffers by key
+    use_scratch: bool = False          # set by the converter: reads then reuse buffers by key, per thread
+    _local: threading.local = field(default_factory=threading.local, repr=False)
+
+    @property
+    def scratch(self) -> Scratch | None:
+        """This thread's reusable buffers (each converter worker thread has its own)."""
+        if not self.use_scratch:
+            return None
+        scratch = getattr(self._local, "scratch", None)
+        if scratch is None:
+            scratch = self._local.scratch = Scratch()
+        return scratch
 
     @classmethod
     def open(cls, folder: str | os.PathLike) -> "Checkpoint":

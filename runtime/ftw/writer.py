@@ -295,11 +295,11 @@ class WritePipeline:
 
     _BARRIER = object()
 
-    def __init__(self, writer: PackageWriter, *, hash_threads: int = 0):
+    def __init__(self, writer: PackageWriter, *, hash_threads: int = 0, extra_slots: int = 0):
         self.writer = writer
         hash_threads = hash_threads or max(1, min(4, os.cpu_count() or 1))
         self._free: queue.Queue = queue.Queue()
-        for _ in range(hash_threads + 2):
+        for _ in range(hash_threads + 2 + extra_slots):     # extra: one per producer thread beyond the first
             self._free.put(Slot())
         self._pending: dict[int, int] = {}           # id(slot) -> stages still to finish
         self._lock = threading.Lock()
@@ -347,10 +347,11 @@ class WritePipeline:
     def _raise(self) -> None:
         if self._error is not None:
             raise self._error
-        done = [f for f in self._futures if f.done()]
+        with self._lock:
+            done = [f for f in self._futures if f.done()]
+            self._futures = [f for f in self._futures if not f.done()]
         for f in done:
             f.result()                          # raises a hash worker's error
-        self._futures = [f for f in self._futures if not f.done()]
 
     def acquire(self) -> Slot:
         slot = self._free.get()
@@ -363,18 +364,19 @@ class WritePipeline:
         updated in order) or, with `block=(collector, index)`, as one block on the hash pool."""
         with self._lock:
             self._pending[id(slot)] = 2 if block else 1
-        self._jobs.put((slot, file, offset, nbytes, digest, tensor))
-        if block:
-            self._futures.append(self._pool.submit(self._hash_block, slot, nbytes, *block))
+            self._jobs.put((slot, file, offset, nbytes, digest, tensor))
+            if block:
+                self._futures.append(self._pool.submit(self._hash_block, slot, nbytes, *block))
 
     def drain(self) -> None:
         """Wait until every submitted job is written and hashed; raise the first error."""
         done = threading.Event()
         self._jobs.put((self._BARRIER, done))
         done.wait()
-        for f in self._futures:
+        with self._lock:
+            futures, self._futures = self._futures, []
+        for f in futures:
             f.result()
-        self._futures = []
         self._raise()
 
     def close(self) -> None:
