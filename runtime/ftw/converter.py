@@ -9,8 +9,8 @@ its experts), each made durable and journaled before the next (see writer.py).
 
 Memory bound: at any time the converter holds one expert's source tensors and their packed block,
 or one band of at most `chunk_bytes` source bytes of a dense tensor, plus their fp32 working copies.
-Peak anonymous memory growth stays under 8 × max(one expert's source bytes, chunk_bytes) plus the
-interpreter's baseline (tests/test_ftw_stream.py measures it).
+Peak anonymous memory growth stays under 8 × max(one expert's source bytes, chunk_bytes) + 16 MiB,
+plus 8 × one expert for each extra worker thread (tests/test_ftw_stream.py measures it).
 """
 from __future__ import annotations
 
