@@ -237,6 +237,7 @@ class DownloadManager:
         self._shutdown = threading.Event()
         self._jobs: dict[str, DownloadJob] = {}
         self._active: dict[tuple[str, str], threading.Event] = {}   # (job, file) -> stop flag of its worker
+        self._finishing: set[str] = set()                            # jobs whose completion a worker claimed
         self._listeners: list[Callable[[DownloadEvent], None]] = []
         self._completion_hooks: list[Callable[[DownloadJob], None]] = []
         self._meters: dict[str, _RateMeter] = {}
@@ -567,13 +568,16 @@ class DownloadManager:
                 with self._lock:
                     if task.state == DOWNLOADING:
                         task.state = QUEUED     # paused, cancelled or shut down: picks up from the .part
-            except DownloadError as exc:
+            except (DownloadError, OSError, ValueError) as exc:
+                # OSError/ValueError: the file system or a server answer we did not foresee; the job fails
+                # with the cause instead of the worker thread dying and the job hanging
+                message = str(exc) if isinstance(exc, DownloadError) else f"{job.repo}: {task.path}: {exc}"
                 with self._lock:
-                    task.state, task.error = FAILED, str(exc)
+                    task.state, task.error = FAILED, message
                     if job.state in ACTIVE_STATES:
-                        job.state, job.error = FAILED, str(exc)
+                        job.state, job.error = FAILED, message
                         self._stop_job(job)
-                log.error("%s", exc)
+                log.error("%s", message, exc_info=not isinstance(exc, DownloadError))
             finally:
                 with self._lock:
                     self._active.pop((job.id, task.path), None)
@@ -584,16 +588,23 @@ class DownloadManager:
 
     def _after_file(self, job: DownloadJob, task: FileTask) -> None:
         with self._lock:
-            finished = job.state in ACTIVE_STATES and all(f.state == DONE for f in job.files)
             busy = any(jid == job.id for jid, _ in self._active)
+            # the last two files may finish together: exactly one worker claims the job's completion
+            finished = (job.state in ACTIVE_STATES and not busy and job.id not in self._finishing
+                        and all(f.state == DONE for f in job.files))
+            if finished:
+                self._finishing.add(job.id)
         if task.state == DONE:
             self._emit("file_done", job, task.path)
-        if finished and not busy:
+        if finished:
             try:
                 self._finish(job)
             except OSError as exc:
                 with self._lock:
                     job.state, job.error = FAILED, f"{job.repo}: cannot write {SOURCE_FILE} ({exc})"
+            finally:
+                with self._lock:
+                    self._finishing.discard(job.id)
         self._save()
         self._progress(job, force=True)
         self._emit("state", job, task.path)

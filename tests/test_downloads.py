@@ -508,3 +508,16 @@ def test_ctrl_c_pauses_the_download_command_and_the_same_command_resumes(hub, fr
             assert f"bytes={size}-" in hub.file_requests(name)
     assert_identical(tiny_checkpoints("qwen3_moe"), freetoken_home / "models" / REPO.replace("/", "--"),
                      shards(tiny_checkpoints("qwen3_moe")))
+
+
+def test_an_unforeseen_file_system_error_fails_the_job_instead_of_hanging_it(hub, models):
+    hub.add_config_only("org/nested", {"model_type": "qwen3_moe"}, extra_files={"original/params.json": b"{}"})
+    mgr = manager(hub, models, concurrency=1)
+    job = mgr.add("org/nested")
+    job.dest_path.mkdir(parents=True)
+    (job.dest_path / "original").write_text("a file where the subfolder should go")
+    mgr.start()
+    failed = mgr.wait(job.id, timeout=20)
+    mgr.shutdown()
+    assert failed.state == FAILED and "original/params.json" in failed.error
+    assert not (job.dest_path / SOURCE_FILE).exists()
