@@ -2,8 +2,6 @@
 its stated bound; quantized dense weights dequantized to bf16; excluded modules untouched."""
 from __future__ import annotations
 
-import json
-
 import pytest
 import torch
 
