@@ -246,3 +246,37 @@ def test_prefill_streaming_double_buffers_across_layers():
                                    rtol=1e-4, atol=1e-5)
     c = hybrid.counters.total
     assert c.stream_calls == 8 and c.bytes_streamed >= 8 * 4 * store.block_nbytes
+
+
+def test_bookkeeping_stays_consistent_under_churn():
+    """Many calls over a small pool with fetches, promotions and prefetch competing for slots: every output
+    matches the reference, the device table equals the host's map, and nothing stays 'in flight' forever."""
+    from runtime.experts.prefetch import NextLayerPrefetcher
+
+    gen = torch.Generator().manual_seed(9)
+    store = HostExpertStore.synthetic(layers=3, num_experts=6, hidden=64, intermediate=32, codec="int4", group=32,
+                                      weight_std=0.2, seed=5)
+    pf = NextLayerPrefetcher({layer: torch.randn(6, 64, generator=gen) for layer in range(3)}, top_k=2)
+    for policy in ("lru", "frequency"):
+        hybrid = HybridExperts(store, ExpertSpec(), device=CPU, dtype=torch.float32, prefetcher=pf,
+                               options=HybridOptions(slots=5, top_k=2, policy=policy, hot_set=((0, 0),),
+                                                     prefetch_bytes_per_call=2 * store.block_nbytes))
+        for step in range(15):
+            layer = step % 3
+            x = torch.randn(2, 64, generator=gen)
+            ids, w = random_routing(gen, 2, 6, 2, hot=3 if step % 4 else 0)
+            torch.testing.assert_close(hybrid(layer, x, ids, w), reference(store, ExpertSpec(), layer, x, ids, w),
+                                       rtol=1e-4, atol=1e-5)
+            d, cache = hybrid.cache.directory, hybrid.cache
+            assert len(d) <= 5 and (0, 0) in d                          # capacity kept, pinned key never evicted
+            assert cache.pending <= set(d.slot_of)
+            for li, lay in enumerate(store.layers):
+                for e in range(6):
+                    key = (lay, e)
+                    want = d.slot_of[key] if key in cache.published else -1
+                    assert int(cache.table[li, e]) == want, (step, key)
+            assert cache.published <= set(d.slot_of)
+        hybrid._finish_promotions()
+        assert not hybrid.cache.pending                                  # CPU copies land at once
+        c = hybrid.counters.total
+        assert c.hits > 0 and c.cpu_experts + c.fetched_experts > 0 and c.promoted_experts > 0

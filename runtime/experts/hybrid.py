@@ -142,7 +142,7 @@ class HybridExperts:
         # fetch the misses most worth keeping; the rest run on the CPU
         pending_misses.sort(key=dirc.policy.score, reverse=True)
         fetch, cpu_keys = [], [k for k in misses if k in self.cache.pending]
-        protected = set(hits)
+        protected = set(hits) | self.cache.pending      # in-flight promotions keep their slots
         copies = []
         for key in pending_misses:
             got = dirc.allocate(key, protected=protected) if len(fetch) < n_fetch else None
@@ -292,6 +292,7 @@ class HybridExperts:
             if done is None or done.query():
                 if self.cache.directory.slot_of.get(key) == slot:
                     self.cache.publish(key, slot)
+                self.cache.pending.discard(key)
             else:
                 still.append((key, slot, done))
         self._promotions = still
