@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import socket
+from pathlib import Path
 
 import pytest
 
@@ -138,3 +139,21 @@ def test_models_search_and_show_commands_use_the_endpoint_setting(hub, capsys):
     assert "qwen3_moe" in out and "runs it" in out and "apache-2.0" in out
     assert main(["models", "show", "nobody/nothing"]) == 1
     assert "not found" in capsys.readouterr().err
+
+
+def test_the_stock_hf_hub_download_reads_the_servers_headers_as_the_hubs(hub, tiny_checkpoints, tmp_path):
+    """huggingface_hub's own download path (HEAD for ETag/X-Linked-*/X-Repo-Commit, then GET) against the server:
+    its cache names blobs by the etag, so an LFS file must land under its sha256 and a git file under its sha1."""
+    import hashlib
+
+    from huggingface_hub import hf_hub_download
+
+    src = tiny_checkpoints("qwen3_moe")
+    shard = sorted(p.name for p in src.glob("*.safetensors"))[0]
+    path = Path(hf_hub_download("tiny/qwen3-moe", shard, endpoint=hub.url, cache_dir=tmp_path))
+    assert path.read_bytes() == (src / shard).read_bytes()
+    assert path.resolve().name == hashlib.sha256((src / shard).read_bytes()).hexdigest()
+    assert path.parent.name == hub.repos["tiny/qwen3-moe"].sha            # snapshots/<X-Repo-Commit>/
+    cfg = Path(hf_hub_download("tiny/qwen3-moe", "config.json", endpoint=hub.url, cache_dir=tmp_path))
+    data = (src / "config.json").read_bytes()
+    assert cfg.resolve().name == hashlib.sha1(b"blob %d\0" % len(data) + data).hexdigest()
