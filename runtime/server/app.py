@@ -15,6 +15,7 @@ import time
 from fastapi import FastAPI, Request, Response
 
 from runtime.server import anthropic_routes, openai_routes, responses_routes
+from runtime.server.access_log import AccessLogMiddleware
 from runtime.server.context import ServerConfig
 from runtime.server.errors import install_handlers
 from runtime.server.security import SecurityMiddleware
@@ -57,6 +58,7 @@ def create_app(service: Service, config: ServerConfig | None = None) -> FastAPI:
         from starlette.middleware.cors import CORSMiddleware
 
         app.add_middleware(CORSMiddleware, allow_origins=list(origins), allow_methods=["*"], allow_headers=["*"])
+    app.add_middleware(AccessLogMiddleware)   # outermost: refused requests are logged too
     return app
 
 
