@@ -152,6 +152,7 @@ def test_first_run_then_worker_crash_and_restart(qtbot, tmp_path):
     broken = services.chats.messages(chat.conversation_id)[-1]
     assert broken.stats.get("error_code") == "worker_crashed"
     assert window.model_status.text() == "Worker stopped"
+    assert library.model.index(row, 0).data(STATUS_ROLE) == READY      # nothing is loaded any more
     window.show_page("settings")          # the window keeps working
     assert window.current_page == "settings"
 
@@ -159,6 +160,7 @@ def test_first_run_then_worker_crash_and_restart(qtbot, tmp_path):
     qtbot.mouseClick(window.banner.button, Qt.MouseButton.LeftButton)
     assert not window.banner.isVisible()
     qtbot.waitUntil(lambda: session.model_ready, timeout=120000)
+    assert library.model.index(row, 0).data(STATUS_ROLE) == LOADED
     window.show_page("chat")
     chat.input.setPlainText("Are you back?")
     assert chat.send()

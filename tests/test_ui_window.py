@@ -68,6 +68,17 @@ def test_themes_follow_the_setting(qtbot):
     assert not icon.isNull() and icon.availableSizes()
 
 
+def test_theme_setting_applies_at_once(qtbot, tmp_path):
+    window = make_window(qtbot, tmp_path)
+    app = QApplication.instance()
+    page = window.views["settings"]
+    page.editors["theme"].editor.setCurrentIndex(2)          # dark
+    assert page.save() == ["theme"]
+    assert window.theme.choice == "dark" and window.theme.mode == "dark"
+    assert app.palette().color(QPalette.ColorRole.Window).name() == theme.DARK.window
+    window.theme.apply(app, "light")                          # leave the app as other tests expect it
+
+
 def test_every_control_has_an_accessible_name(qtbot, tmp_path):
     window = make_window(qtbot, tmp_path)
     window.show()

@@ -26,7 +26,7 @@ def run_gui(argv: list[str]) -> int:
     theme = Theme()
     theme.apply(qapp, Settings().get("theme"))
     theme.follow_os(qapp)
-    window = MainWindow()
+    window = MainWindow(app_theme=theme)
     window.show()
     quit_after_ms = os.environ.get("FREETOKEN_QUIT_AFTER_MS")
     if quit_after_ms:

@@ -29,9 +29,10 @@ DEFAULT_SIZE = QSize(1180, 760)
 
 
 class MainWindow(QMainWindow):
-    def __init__(self, services: Services | None = None) -> None:
+    def __init__(self, services: Services | None = None, *, app_theme: theme.Theme | None = None) -> None:
         super().__init__()
         self.services = services or Services.create(parent=self)
+        self.theme = app_theme or theme.Theme()   # the one that follows the OS (ui/app_main.py)
         s = self.services
         self.setWindowTitle("FreeToken")
         self.setWindowIcon(theme.icon("logo"))
@@ -190,7 +191,7 @@ class MainWindow(QMainWindow):
         if "theme" in keys:
             app = QApplication.instance()
             if app is not None:
-                theme.Theme().apply(app, settings.get("theme"))
+                self.theme.apply(app, settings.get("theme"))
         self.views["apps"].load()
         from app.settings import BY_KEY
 

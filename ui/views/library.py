@@ -529,7 +529,8 @@ class LibraryView(QWidget):
     def _on_model_changed(self) -> None:
         session = self.session
         loading = session.state == "loading"
-        self.model.set_loaded(session.model_path, loading=loading)
+        # after a crash the session keeps the path (Restart loads it again), but nothing is loaded
+        self.model.set_loaded(session.model_path if session.state in ("ready", "loading") else "", loading=loading)
         if session.state == "ready":
             self.load_bar.hide()
             self.load_label.setText(f"Loaded {session.model_id}. Memory plan:")
