@@ -67,6 +67,13 @@ def test_streaming_keeps_finished_blocks(qtbot):
     view.set_markdown("Intro text\n\n```python\nx = 1\ny = 2\n```\nDone.")
     assert view.widgets[0] is first and view.widgets[1] is code   # reused, not rebuilt
     assert code.code == "x = 1\ny = 2" and view.widgets[2].source == "Done."
+    # paragraphs are separate blocks: streaming more text re-renders only the last one
+    long = "\n\n".join(f"Paragraph {i} with some words." for i in range(50))
+    view.set_markdown(long)
+    paragraphs = list(view.widgets)
+    assert len(paragraphs) == 50 and paragraphs[-1].source == "Paragraph 49 with some words."
+    view.set_markdown(long + " More")
+    assert view.widgets[:49] == paragraphs[:49] and view.widgets[-1].source.endswith("words. More")
 
 
 def test_thought_block_folds_reasoning(qtbot):

@@ -30,7 +30,10 @@ class Block:
 
 
 def split_blocks(markdown: str) -> list[Block]:
-    """Prose and fenced code blocks, in order. An unclosed fence (mid-stream) runs to the end."""
+    """Prose paragraphs and fenced code blocks, in order. An unclosed fence (mid-stream) runs to the end.
+
+    Prose is cut at blank lines so that while an answer streams only its last paragraph is laid out
+    again, not the whole answer (a long answer would otherwise cost more per redraw than the loop has)."""
     blocks: list[Block] = []
     prose: list[str] = []
     code: list[str] = []
@@ -44,6 +47,9 @@ def split_blocks(markdown: str) -> list[Block]:
                     blocks.append(Block("text", "\n".join(prose).strip("\n")))
                 prose = []
                 fence, lang, code = m.group(1), m.group(2), []
+            elif not line.strip() and any(p.strip() for p in prose):
+                blocks.append(Block("text", "\n".join(prose).strip("\n")))
+                prose = []
             else:
                 prose.append(line)
         elif line.strip().startswith(fence[0] * len(fence)) and not line.strip().strip(fence[0]):
