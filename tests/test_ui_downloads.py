@@ -91,3 +91,28 @@ def test_unknown_repo_is_explained(qtbot, hub, services):
 def test_texts():
     assert size_text(3 * 1024**3) == "3.00 GiB" and size_text(5 * 1024**2) == "5.0 MiB"
     assert duration_text(None) == "—" and duration_text(75) == "1 min 15 s" and duration_text(7300) == "2 h 01 min"
+
+
+def test_failure_is_explained_and_retry_completes(qtbot, hub, services, tiny_checkpoints):
+    from app.downloads import FAILED, DownloadManager, RetryPolicy
+
+    services.downloads.shutdown(wait=True, timeout=5)
+    services.downloads = DownloadManager(services.paths.models, services.paths.data / "downloads.json",
+                                         endpoint=hub.url, concurrency=1,
+                                         retry=RetryPolicy(attempts=2, base_delay_s=0.01, max_delay_s=0.02,
+                                                           stall_timeout_s=1.0, connect_timeout_s=2.0)).start()
+    shard = sorted(p.name for p in tiny_checkpoints("qwen3_moe").glob("*.safetensors"))[0]
+    hub.inject(shard, "500", times=-1)            # the hub keeps failing this file
+    view = DownloadsView(services)
+    qtbot.addWidget(view)
+    with qtbot.waitSignal(view.queued, timeout=10000) as queued:
+        view.add(REPO)
+    job_id = queued.args[0]
+    qtbot.waitUntil(lambda: state_of(view, job_id) == FAILED, timeout=20000)
+    status = view.model.index(0, 4).data()
+    assert status.startswith("Failed: ") and shard in status            # which file, in words
+    assert view.resume_button.isEnabled() and view.resume_button.text() == "Retry"
+    hub.clear_faults()
+    qtbot.mouseClick(view.resume_button, Qt.MouseButton.LeftButton)
+    qtbot.waitUntil(lambda: state_of(view, job_id) == DONE, timeout=20000)
+    assert view.model.index(0, 4).data() == "Complete"
