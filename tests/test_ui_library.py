@@ -112,3 +112,27 @@ def test_download_then_convert_from_the_library(qtbot, hub, tmp_path):
     view.select(QWEN3)
     assert view.buttons["load"].isEnabled() and not view.buttons["convert"].isEnabled()
     services.close()
+
+
+def test_hub_search_lists_moe_models_and_downloads_one(qtbot, hub, tmp_path):
+    settings = Settings()
+    settings.set("hf_endpoint", hub.url)
+    settings.set("auto_convert", False)
+    settings.save()
+    services = make_services(tmp_path)
+    view = make_view(qtbot, services)
+    view.tabs.setCurrentIndex(1)
+    view.search_field.setText("qwen3")
+    qtbot.mouseClick(view.search_button, Qt.MouseButton.LeftButton)
+    qtbot.waitUntil(lambda: view.search_button.isEnabled() and view.results.rowCount() > 0, timeout=20000)
+    repos = [view.results.item(r, 0).text() for r in range(view.results.rowCount())]
+    assert QWEN3 in repos, view.search_message.text()
+    row = repos.index(QWEN3)
+    assert view.results.item(row, 1).text() == "qwen3_moe" and view.results.item(row, 4).text() == "yes"
+    assert "Mixture-of-Experts models found" in view.search_message.text()
+    view.results.selectRow(row)
+    with qtbot.waitSignal(view.downloads_requested, timeout=15000):
+        qtbot.mouseClick(view.hub_download, Qt.MouseButton.LeftButton)
+    assert view.tabs.currentIndex() == 0
+    assert [j.repo for j in services.downloads.jobs()] == [QWEN3]
+    services.close()
