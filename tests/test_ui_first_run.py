@@ -168,6 +168,14 @@ def test_first_run_then_worker_crash_and_restart(qtbot, tmp_path):
     again = services.chats.messages(chat.conversation_id)[-1]
     assert "error" not in again.stats and again.stats["completion_tokens"] >= 1
 
+    # Unload frees the model; the worker stays up
+    window.show_page("library")
+    library.select(DEMO_MODEL_NAME)
+    qtbot.mouseClick(library.buttons["unload"], Qt.MouseButton.LeftButton)
+    qtbot.waitUntil(lambda: session.state == "idle", timeout=30000)
+    assert library.model.index(row, 0).data(STATUS_ROLE) == READY and window.model_status.text() == "No model loaded"
+    assert library.buttons["load"].isEnabled()
+
     # Quitting stops the worker cleanly
     process = session.client.client.process
     window.close()
