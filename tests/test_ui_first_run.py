@@ -73,6 +73,9 @@ class LatencyProbe(QObject):
         return self
 
     def check(self, what: str) -> None:
+        # shown with `pytest -s`: the figures docs/benchmarks.md records
+        print(f"\nevent loop while {what}: {self.ticks} pings, UI-thread work at most {self.busy_ms:.0f} ms, "
+              f"lateness p99 {self.p99_ms} ms, worst {max(self.late_ms, default=0)} ms")
         assert self.ticks > 10, f"the event loop hardly ran while {what}"
         assert self.busy_ms < MAX_LATENCY_MS, f"the UI thread worked {self.busy_ms:.0f} ms at a stretch while {what}"
         assert self.p99_ms < MAX_LATENCY_MS, (f"the event loop ran {self.p99_ms} ms late (p99; worst "
