@@ -219,3 +219,24 @@ def test_conversations_list_select_delete(chat, qtbot, qtmodeltester):
     view.delete_current()
     assert view.model.rowCount() == 1 and view.title.text() == "beta"
     qtmodeltester.check(view.model)
+
+
+def test_switching_conversations_mid_answer_keeps_the_answer(chat, qtbot):
+    view = chat
+    view.input.setPlainText("first chat")
+    view.send()
+    streaming_conv = view.conversation_id
+    worker = view.workers[-1]
+    rid = worker.last("generate")["id"]
+    worker.send("delta", id=rid, kind="text", text="half an ")
+    other = view.store.create(title="other")
+    view.select(other.id)                                  # look elsewhere while it streams
+    assert view.conversation_id == other.id and not view.widgets
+    worker.send("delta", id=rid, kind="text", text="answer")
+    view.select(streaming_conv)                            # and come back before it ends
+    qtbot.waitUntil(lambda: view.widgets and list(view.widgets.values())[-1].content == "half an answer",
+                    timeout=2000)
+    view.select(other.id)
+    answer(view, qtbot, text="")                           # it ends while another chat is open
+    assert view.store.messages(streaming_conv)[-1].content == "half an answer"
+    assert view.store.messages(streaming_conv)[-1].stats["completion_tokens"] == 5

@@ -15,7 +15,7 @@ from PySide6.QtGui import QKeySequence, QShortcut
 from PySide6.QtWidgets import (QDoubleSpinBox, QFormLayout, QFrame, QHBoxLayout, QLabel, QListView, QPlainTextEdit,
                                QPushButton, QScrollArea, QSizePolicy, QSpinBox, QSplitter, QVBoxLayout, QWidget)
 
-from app.chats import ChatSampling, ChatStore, Message
+from app.chats import ChatSampling, ChatStore, ChatStoreError, Message
 from ui import theme
 from ui.models.conversations import ID_ROLE, ConversationListModel
 from ui.session import EngineSession, SessionError
@@ -426,9 +426,12 @@ class ChatView(QWidget):
         stats = {k: v for k, v in stats.items() if v is not None}
         if s.thought_s is None and s.reasoning_started is not None:
             stats["thought_s"] = time.monotonic() - s.reasoning_started
-        if s.message_id in self.widgets:
+        try:   # persisted even when another conversation is open now
             self.store.update_message(s.message_id, content=s.text, reasoning=s.reasoning, tool_calls=s.tool_calls,
                                       stats=stats)
+        except ChatStoreError:
+            pass   # the conversation was deleted while it streamed
+        if s.message_id in self.widgets:
             widget = self.widgets[s.message_id]
             widget.show_content(s.text, reasoning=s.reasoning, tool_calls=s.tool_calls,
                                 thought_s=stats.get("thought_s"))
