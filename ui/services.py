@@ -48,7 +48,7 @@ class Services:
         settings = Settings()
         paths = user_paths(settings.get("models_dir") or None).ensure()
         if worker_factory is None:
-            worker_factory, reason = default_worker_factory(paths, settings)
+            worker_factory, reason = default_worker_factory()
         else:
             reason = ""
         return cls(settings=settings, paths=paths, chats=ChatStore(paths.data / "chats.sqlite3"),
@@ -81,11 +81,11 @@ def make_download_manager(paths: Paths, settings: Settings):
     return manager.start()
 
 
-def default_worker_factory(paths: Paths, settings: Settings):
+def default_worker_factory():
     """A callable that makes a fresh worker client, or (None, why) when the worker is not in this build."""
     module, reason = optional_module("app.worker_client")
     if module is None:
         return None, reason
     from ui.worker_adapter import make_worker_factory
 
-    return make_worker_factory(module, paths, settings), ""
+    return make_worker_factory(module), ""

@@ -74,8 +74,9 @@ class QueuedWorker(QObject):
             self.client.request(kind, **fields)
 
 
-def make_worker_factory(module, paths, settings):
-    """A callable returning a fresh QueuedWorker over module.WorkerClient (one per worker start)."""
+def make_worker_factory(module):
+    """A callable returning a fresh QueuedWorker over module.WorkerClient (one per worker start). The
+    worker inherits this process's environment, so it finds the same FreeToken home and settings."""
 
     def factory() -> QueuedWorker:
         return QueuedWorker(module.WorkerClient())
