@@ -139,3 +139,18 @@ def test_parallel_expert_workers_write_the_same_bytes(tiny_checkpoints, tmp_path
     one = convert(src, tmp_path / "one", codec="int4", workers=1)
     three = convert(src, tmp_path / "three", codec="int4", workers=3)
     assert files_of(one) == files_of(three) and verify(three).ok
+
+
+def test_cli_convert_honours_the_models_dir_setting_and_reports_bad_settings(tiny_checkpoints, tmp_path, capsys,
+                                                                              freetoken_home):
+    from app.settings import Settings
+
+    settings = Settings()
+    settings.set("models_dir", str(tmp_path / "elsewhere"))
+    settings.save()
+    src = tiny_checkpoints("gpt_oss")
+    assert cli_main(["convert", str(src), "--codec", "bf16", "--group-size", "32"]) == 0
+    assert FTWPackage.open(tmp_path / "elsewhere" / f"{src.name}-bf16").experts.codec == "bf16"
+    settings.path.write_text("{not json")
+    assert cli_main(["convert", str(src)]) == 1
+    assert "settings.json" in capsys.readouterr().err

@@ -21,6 +21,7 @@ def register(sub) -> None:
 def run(args) -> int:
     from pathlib import Path
 
+    from app.settings import SettingsError
     from runtime.ftw.converter import convert, default_output_name, resolve_codec
     from runtime.ftw.errors import FTWError
 
@@ -43,7 +44,7 @@ def run(args) -> int:
             progress = _TerminalProgress()
         path = convert(src, out, codec=args.codec, group_size=args.group_size, overwrite=args.force,
                        progress=progress)
-    except FTWError as e:
+    except (FTWError, SettingsError) as e:
         if args.progress_json:
             emit({"event": "error", "message": str(e)})
         print(f"convert: {e}", file=sys.stderr)
