@@ -109,6 +109,7 @@ class Library:
         if self.downloads is not None:
             for job in self.downloads.jobs():
                 jobs[str(Path(job.dest).resolve())] = job
+        jobs_by_repo = {job.repo: job for job in jobs.values()}     # jobs downloading to a folder of their own
         packages, partials = self._packages()
         keys: list[str] = []
         sources: dict[str, Path] = {}
@@ -131,7 +132,7 @@ class Library:
         for key in keys:
             entry = by_repo.get(key)
             src = sources.get(key) or (repo_folder(self.models_dir, key) if "/" in key else None)
-            job = jobs.get(str(src.resolve())) if src is not None else None
+            job = (jobs.get(str(src.resolve())) if src is not None else None) or jobs_by_repo.get(key)
             pkgs = tuple(dict.fromkeys(packages.get(key, []) + ([] if src is None else packages.get(src.name, []))))
             base = key.split("/")[-1]
             # `freetoken convert` writes <name>-<codec>.partial; match the name exactly, not as a prefix
