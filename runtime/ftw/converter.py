@@ -457,6 +457,23 @@ def _encode_expert(plan: Plan, weights: dict, buf: np.ndarray, where: str) -> No
         buf[start:end] = 0
 
 
+def _read_fp4_expert_into(plan: Plan, src: ExpertLayerSource, e: int, buf: np.ndarray) -> None:
+    """Per-expert FP4 sources are already laid out as our parts (packed [O, N/2], scales [O, N/block],
+    the fp32 global): read each straight into its place in the block, no copy in between."""
+    for proj in PROJS:
+        sw = src.weights[(proj, e)]
+        for role, part in (("main", proj), ("scale", f"{proj}_scales"), ("scale2", f"{proj}_global")):
+            if role not in sw.parts:
+                continue
+            p, info = plan.part_by_name[part], sw.parts[role]
+            if info.nbytes != p.nbytes:
+                raise FTWError(f"{info.file.name}: tensor {info.name} {list(info.shape)} holds {info.nbytes} bytes, "
+                               f"expected {p.nbytes} for {part} {list(p.shape)}")
+            plan.ckpt.read(info, out=buf[p.offset: p.offset + p.nbytes])
+    for start, end in plan.gaps:
+        buf[start:end] = 0
+
+
 def _write_experts(plan: Plan, pipe: WritePipeline, src: ExpertLayerSource, progress: _Progress,
                    workers: ThreadPoolExecutor | None) -> BlockDigests:
     """Read, pack and queue every expert of a layer; with `workers`, several experts at once (int4
@@ -465,11 +482,17 @@ def _write_experts(plan: Plan, pipe: WritePipeline, src: ExpertLayerSource, prog
     digests = BlockDigests(plan.num_experts)
     per_expert_src = src.source_bytes() // plan.num_experts
 
+    direct = plan.codec == "fp4" and src.layout.kind == "per_expert"
+
     def one(e: int) -> str:
         where = f"layer {src.layer} expert {e}"
-        weights = _read_expert(plan, src, e)
-        slot = pipe.acquire()
-        _encode_expert(plan, weights, slot.ensure(plan.block_nbytes), where)
+        if direct:
+            slot = pipe.acquire()
+            _read_fp4_expert_into(plan, src, e, slot.ensure(plan.block_nbytes))
+        else:
+            weights = _read_expert(plan, src, e)
+            slot = pipe.acquire()
+            _encode_expert(plan, weights, slot.ensure(plan.block_nbytes), where)
         pipe.submit(slot, EXPERTS_FILE, src.offset + e * plan.block_nbytes, plan.block_nbytes, None, tensor=where,
                     block=(digests, e))
         return where
