@@ -15,7 +15,9 @@ from runtime.models.gated_deltanet import (GatedDeltaNet, GatedDeltaNetConfig, G
                                            chunked_gated_delta_rule, fla_gated_delta_rule,
                                            recurrent_gated_delta_rule)
 from runtime.models.linear_state import LinearStateSpec, StatePool, StatePoolFull
-from tests.fixtures.checkpoints import FAMILIES
+from tests.fixtures.checkpoints import FAMILIES, oracle_torch_only
+
+oracle_torch_only()   # transformers stays the torch reference even where fla-core is installed
 
 TOL = 1e-4
 SPELLINGS = {  # our fixture family -> (transformers config class, transformers GDN layer, packed projection)
