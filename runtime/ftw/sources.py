@@ -367,7 +367,8 @@ class Checkpoint:
         shards: dict[Path, Shard] = {}
         tensors: dict[str, TensorInfo] = {}
         for path, expected in shard_of.items():
-            shard = Shard(path, expected_tensor=expected[0])
+            # Without an index (one model.safetensors) nothing is expected in advance: name no tensor.
+            shard = Shard(path, expected_tensor=expected[0] if expected else "?")
             shards[path] = shard
             for name in expected:
                 if name not in shard.tensors:
