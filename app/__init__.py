@@ -1,1 +1,1 @@
-"""Application services: settings, library, downloads, worker client, CLI. No QtWidgets here."""
+"""Application services: settings, library, downloads, worker client, CLI. Qt only through QtCore/QtNetwork."""
