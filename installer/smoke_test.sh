@@ -68,7 +68,7 @@ echo "gui start to clean exit (incl. ${QUIT_AFTER_MS:-4000} ms shown): $(secs "$
 if command -v makensis >/dev/null 2>&1; then
   step "windows installer script (this bundle as a stand-in payload)"
   out_exe="$FREETOKEN_HOME/FreeToken-setup.exe"
-  (cd "$HERE/windows" && makensis -V2 -DVERSION=0.0.0-smoke -DBUNDLE="$BUNDLE" -DOUTFILE="$out_exe" freetoken.nsi)
+  (cd "$HERE/windows" && makensis -V2 -DFAST_COMPRESSION -DVERSION=0.0.0-smoke -DBUNDLE="$BUNDLE" -DOUTFILE="$out_exe" freetoken.nsi)
   [ -s "$out_exe" ] || { echo "makensis wrote no installer"; exit 1; }
   echo "installer compiled: $(du -h "$out_exe" | cut -f1)"
 fi

@@ -33,7 +33,11 @@ OutFile "${OUTFILE}"
 RequestExecutionLevel user                      ; no UAC prompt: everything goes under the user's profile
 InstallDir "$LOCALAPPDATA\Programs\${APPNAME}"
 InstallDirRegKey HKCU "Software\${APPNAME}" "InstallDir"   ; an upgrade lands where the last install did
-SetCompressor /SOLID lzma
+!ifdef FAST_COMPRESSION
+  SetCompressor zlib            ; a quick compile that only proves the script (the smoke test on Linux)
+!else
+  SetCompressor /SOLID lzma     ; the release: smallest download
+!endif
 
 !define MUI_ABORTWARNING
 !define MUI_ICON "${ICON}"
