@@ -103,6 +103,15 @@ class Shard:
         buf = np.empty(nbytes, dtype=np.uint8) if out is None else out[:nbytes]
         view = memoryview(buf)
         got = 0
+        if hasattr(os, "preadv"):               # positioned: worker threads read one shard at once
+            fd = self._fh.fileno()
+            while got < nbytes:
+                n = os.preadv(fd, [view[got:]], info.start + offset + got)
+                if not n:
+                    raise FTWError(f"{self.path.name}: tensor {info.name} ends early (file truncated while "
+                                   f"converting?); download it again")
+                got += n
+            return buf
         with self._lock:
             self._fh.seek(info.start + offset)
             while got < nbytes:
