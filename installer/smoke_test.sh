@@ -34,6 +34,15 @@ step "demo"
 t0=$(now); "$CLI" demo; t1=$(now)
 echo "demo: $(secs "$t0" "$t1") s"
 
+# The worker the app starts (`FreeToken worker --ipc NAME`), driven by the app's own WorkerClient from the
+# source checkout's Python: load the demo model, generate, shut down. Skipped where that Python is missing.
+PYTHON=${PYTHON:-python}
+if "$PYTHON" -c "import app.worker_client" >/dev/null 2>&1; then
+  step "worker (started as the app starts it)"
+  model=$("$CLI" demo --json | "$PYTHON" -c "import json,sys; print(json.load(sys.stdin)['path'])")
+  "$PYTHON" "$HERE/bundle_worker_check.py" "$APP" "$model"
+fi
+
 step "serve"
 t0=$(now)
 "$CLI" serve --port "$PORT" > "$FREETOKEN_HOME/serve.log" 2>&1 & SERVER=$!
