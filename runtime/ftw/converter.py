@@ -477,9 +477,9 @@ def _read_fp4_expert_into(plan: Plan, src: ExpertLayerSource, e: int, buf: np.nd
 
 def _write_experts(plan: Plan, pipe: WritePipeline, src: ExpertLayerSource, progress: _Progress,
                    workers: ThreadPoolExecutor | None) -> BlockDigests:
-    """Read, pack and queue every expert of a layer; with `workers`, several experts at once (int4
-    quantization is compute-bound and torch releases the GIL). Blocks land at fixed offsets and hash
-    into fixed slots, so the result does not depend on the order they finish in."""
+    """Read, pack and queue every expert of a layer; with `workers`, several experts at once (file reads
+    and torch ops release the GIL). Blocks land at fixed offsets and hash into fixed slots, so the
+    result does not depend on the order they finish in."""
     digests = BlockDigests(plan.num_experts)
     per_expert_src = src.source_bytes() // plan.num_experts
 
