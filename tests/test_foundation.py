@@ -65,3 +65,49 @@ def test_cli_version_and_info(freetoken_home):
     # headless commands never load the GUI toolkit
     probe = "import sys, ui.entry; ui.entry.main(['info']); assert 'PySide6.QtWidgets' not in sys.modules"
     subprocess.run([sys.executable, "-c", probe], check=True, capture_output=True)
+
+
+def test_no_display_means_serve_instead_of_a_window():
+    from ui.entry import has_display
+
+    assert has_display("win32", {}) and has_display("darwin", {})
+    assert not has_display("linux", {})
+    assert has_display("linux", {"DISPLAY": ":0"}) and has_display("linux", {"WAYLAND_DISPLAY": "wayland-0"})
+    assert has_display("linux", {"QT_QPA_PLATFORM": "offscreen"})
+
+
+def test_bare_freetoken_without_display_serves_the_demo(freetoken_home, tmp_path):
+    import os
+    import signal
+    import time
+    import urllib.request
+
+    env = {k: v for k, v in os.environ.items() if k not in ("DISPLAY", "WAYLAND_DISPLAY", "QT_QPA_PLATFORM")}
+    env["FREETOKEN_HOME"] = str(freetoken_home)
+    settings = freetoken_home / "config"
+    settings.mkdir(parents=True)
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    (settings / "settings.json").write_text(json.dumps({"server_port": port}))
+    proc = subprocess.Popen([sys.executable, "-m", "ui.entry"], env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            assert proc.poll() is None, proc.stderr.read()
+            try:
+                health = json.load(urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=1))
+                if health.get("model"):
+                    break
+            except OSError:
+                pass
+            assert time.monotonic() < deadline, "the API did not come up"
+            time.sleep(0.5)
+        assert health["model"] == "freetoken-demo-random"
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=30)
+    assert "No display found: serving the API" in err
