@@ -117,10 +117,10 @@ def test_prefill_on_a_narrow_pcie_link_is_bound_by_streaming_experts():
     slow = fit("qwen3-next-80b-a3b-instruct", narrow)
     assert fast.verdict == slow.verdict == HYBRID
     assert slow.prefill_tok_s[1] < fast.prefill_tok_s[1]
-    # the stream of uncached experts per 4K-token chunk over 3.2 GB/s x efficiency is the bound
+    # the stream of uncached experts per 4K-token chunk over 3.2 GB/s x streaming efficiency is the bound
     streamed = slow.plan["experts_bytes"] - slow.plan["pool_bytes"]
     chunk = min(4096, slow.context_length)
-    assert slow.prefill_tok_s[1] == pytest.approx(chunk / (streamed / (3.2e9 * CostModel().h2d_efficiency[1])))
+    assert slow.prefill_tok_s[1] == pytest.approx(chunk / (streamed / (3.2e9 * CostModel().prefill_stream_efficiency[1])))
 
 
 def test_a_family_the_catalog_cannot_count_gets_placement_without_speed():
