@@ -44,8 +44,8 @@ if "$PYTHON" -c "import app.worker_client" >/dev/null 2>&1; then
 fi
 
 step "numba CPU expert kernels (compiled and cached inside the bundle)"
-t0=$(now); "$CLI" bench probe --layers 1 --only-numba --out "$FREETOKEN_HOME/probe.json" > /dev/null; t1=$(now)
-grep -q '"us_per_layer"' "$FREETOKEN_HOME/probe.json" || { echo "the kernel probe measured nothing"; exit 1; }
+t0=$(now); "$CLI" bench probe --layers 1 --only-numba --out "$FREETOKEN_HOME/probe" > /dev/null; t1=$(now)
+grep -q "\"us_per_layer\"" "$FREETOKEN_HOME/probe/probe.json" || { echo "the kernel probe measured nothing"; exit 1; }
 echo "kernel probe (1 layer, first compile): $(secs "$t0" "$t1") s"
 
 step "serve"
