@@ -46,7 +46,7 @@ fi
 step "numba CPU expert kernels (compiled and cached inside the bundle)"
 t0=$(now); "$CLI" bench probe --layers 1 --only-numba --out "$FREETOKEN_HOME/probe" > /dev/null; t1=$(now)
 grep -q "\"us_per_layer\"" "$FREETOKEN_HOME/probe/probe.json" || { echo "the kernel probe measured nothing"; exit 1; }
-echo "kernel probe (1 layer, first compile): $(secs "$t0" "$t1") s"
+echo "kernel probe (1 layer; compiles on the first run of a bundle, then numba's cache): $(secs "$t0" "$t1") s"
 
 step "serve"
 t0=$(now)
