@@ -41,6 +41,8 @@ if "$PYTHON" -c "import app.worker_client" >/dev/null 2>&1; then
   step "worker (started as the app starts it)"
   model=$("$CLI" demo --json | "$PYTHON" -c "import json,sys; print(json.load(sys.stdin)['path'])")
   "$PYTHON" "$HERE/bundle_worker_check.py" "$APP" "$model"
+else
+  step "worker: SKIPPED ($PYTHON cannot import the checkout's app package; set PYTHON=.venv/bin/python)"
 fi
 
 step "numba CPU expert kernels (compiled and cached inside the bundle)"
