@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import sys
+import threading
 import time
 
 
@@ -86,14 +87,17 @@ def run(args) -> int:
 
     tty = sys.stderr.isatty()
     last = [0.0]
+    # Download workers report from their own threads: one line at a time, or JSON lines interleave.
+    printing = threading.Lock()
 
     def on_event(event) -> None:
         if event.job.id != job.id or event.kind != "progress":
             return
-        now = time.monotonic()
-        if args.progress_json or tty or now - last[0] >= 2.0:
-            last[0] = now
-            _print_progress(event.job, as_json=args.progress_json, tty=tty)
+        with printing:
+            now = time.monotonic()
+            if args.progress_json or tty or now - last[0] >= 2.0:
+                last[0] = now
+                _print_progress(event.job, as_json=args.progress_json, tty=tty)
 
     manager.add_listener(on_event)
     manager.start()
