@@ -134,6 +134,17 @@ def kv_bytes_per_sequence(model: CausalLM, tokens: int, dtype: torch.dtype) -> i
     return total
 
 
+def default_experts_factory(device: torch.device) -> "ExpertsFactory":
+    """Where experts live unless the caller says: on a GPU the planner decides (every expert resident when
+    they fit, the hybrid tier — VRAM slot cache, CPU misses — when they do not); on the CPU they all are
+    in host memory already."""
+    if torch.device(device).type == "cuda":
+        from runtime.experts.hybrid import hybrid_experts_factory
+
+        return hybrid_experts_factory
+    return resident_experts_factory
+
+
 def resident_experts_factory(package, spec: ExpertSpec, *, device, dtype, progress=None, **_unused) -> Experts:
     """The default expert tier: every expert dequantized once onto the compute device."""
     from runtime.experts.resident import ResidentExperts
@@ -222,7 +233,7 @@ class Engine:
             raise EngineError(str(exc)) from exc
         stage = lambda name: (lambda done, total: progress(done, total, name)) if progress else None  # noqa: E731
         report = load_dense_weights(model, package, progress=stage("dense weights"))
-        factory = experts_factory or resident_experts_factory
+        factory = experts_factory or default_experts_factory(dev)
         try:
             experts = factory(package, model.expert_spec(), device=dev, dtype=dtype, vram_budget=vram_budget,
                               cpu_experts_per_layer=cpu_experts_per_layer, progress=stage("experts"),
