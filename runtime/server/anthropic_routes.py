@@ -225,13 +225,7 @@ async def messages(body: MessagesRequest, request: Request):
     builder = MessageBuilder(message_id=new_id("msg_"), model=body.model or advertised_id(request, model))
     if body.stream:
         return sse_response(_message_frames(stream, builder, len(ids)), stream)
-    try:
-        async for event in stream.events(request):
-            if isinstance(event, Piece):
-                builder.add(event)
-    finally:
-        stream.close()
-    if stream.finished is None:
+    if not await stream.collect(request, builder.add):
         return JSONResponse({}, status_code=499)
     builder.finish()
     reason, sequence = stop_reason(stream.finished)

@@ -191,13 +191,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         return sse_response(_chat_frames(stream, builder, include_usage), stream)
-    try:
-        async for event in stream.events(request):
-            if isinstance(event, Piece):
-                builder.add(event)
-    finally:
-        stream.close()
-    if stream.finished is None:      # the client went away
+    if not await stream.collect(request, builder.add):      # the client went away
         return JSONResponse({}, status_code=499)
     return {"id": builder.id, "object": "chat.completion", "created": builder.created, "model": builder.model,
             "system_fingerprint": "freetoken",
@@ -288,13 +282,7 @@ async def completions(body: CompletionRequest, request: Request):
 
         return sse_response(frames(), stream)
     pieces = [text] if body.echo else []
-    try:
-        async for event in stream.events(request):
-            if isinstance(event, Piece):
-                pieces.append(event.text)
-    finally:
-        stream.close()
-    if stream.finished is None:
+    if not await stream.collect(request, lambda piece: pieces.append(piece.text)):
         return JSONResponse({}, status_code=499)
     out = chunk("".join(pieces), OPENAI_FINISH.get(stream.finished.finish_reason, "stop"),
                 usage=usage_of(stream.finished))

@@ -277,13 +277,7 @@ async def responses(body: ResponsesRequest, request: Request):
                               body=body, custom=custom)
     if body.stream:
         return sse_response(_response_frames(stream, builder), stream)
-    try:
-        async for event in stream.events(request):
-            if isinstance(event, Piece):
-                builder.add(event)
-    finally:
-        stream.close()
-    if stream.finished is None:
+    if not await stream.collect(request, builder.add):
         return JSONResponse({}, status_code=499)
     builder.finish()
     status = "incomplete" if stream.finished.finish_reason == "length" else "completed"

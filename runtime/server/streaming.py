@@ -15,8 +15,8 @@ from fastapi import Request
 from fastapi.responses import StreamingResponse
 
 from runtime.server.errors import SERVICE_CODE_KINDS, APIError
-from runtime.service import (ContextTooLong, Failed, Finished, GenerateJob, NoModel, Overloaded, Service,
-                             ServiceError, StillLoading)
+from runtime.service import (ContextTooLong, Failed, Finished, GenerateJob, NoModel, Overloaded, Piece,
+                             Service, ServiceError, StillLoading)
 
 DISCONNECT_POLL_S = 0.25        # how often a non-streaming request checks that its client is still there
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
@@ -80,6 +80,17 @@ class JobStream:
             if isinstance(event, Finished):
                 self.finished = event
                 return
+
+    async def collect(self, request: Request, add) -> bool:
+        """Non-streaming routes: hand every text/reasoning/tool piece to `add` until the job finishes.
+        False when the client went away first (the job is then cancelled)."""
+        try:
+            async for event in self.events(request):
+                if isinstance(event, Piece):
+                    add(event)
+        finally:
+            self.close()
+        return self.finished is not None
 
     def close(self) -> None:
         """Cancel the job unless it already finished (idempotent)."""
