@@ -5,9 +5,35 @@ import torch
 
 from runtime.engine import default_experts_factory, resident_experts_factory
 from runtime.experts.hybrid import hybrid_experts_factory
+from tests.engine_fixtures import ftw_packages  # noqa: F401  (session fixture)
 
 
 def test_gpu_loads_go_through_the_planner_and_cpu_loads_stay_resident():
     assert default_experts_factory(torch.device("cuda")) is hybrid_experts_factory
     assert default_experts_factory(torch.device("cuda:0")) is hybrid_experts_factory
     assert default_experts_factory(torch.device("cpu")) is resident_experts_factory
+
+
+def test_a_gpu_plan_keeps_quantized_experts_packed_in_a_pool_that_holds_them_all(ftw_packages):
+    """When every expert fits, int4 experts stay packed (the plan reserved packed bytes, bf16 would need ~4x):
+    the pool holds all of them, every layer is resident (sync-free), and greedy decoding matches the
+    engine with every expert dequantized."""
+    import functools
+
+    from runtime.engine import Engine, SamplingParams
+    from runtime.experts.hybrid import HybridExperts
+    from runtime.experts.planner import GiB, Hardware
+
+    path = ftw_packages("qwen3_moe", "int4")
+    prompt = [3, 17, 42, 5, 99, 7, 64, 12]
+    sampling = SamplingParams(temperature=0.0, max_tokens=6, stop_token_ids=[])
+    want = Engine.load(path, device="cpu").generate(prompt, sampling).tokens
+    hw = Hardware(vram_free=8 * GiB, vram_total=8 * GiB, ram_total=16 * GiB, ram_available=16 * GiB,
+                  pinnable=8 * GiB, h2d_gbps=20.0, cpu_gbps=10.0, has_cuda=True)
+    eng = Engine.load(path, device="cpu", experts_factory=functools.partial(hybrid_experts_factory, hardware=hw))
+    experts = eng.model.experts
+    assert isinstance(experts, HybridExperts) and experts.planned["backend"] == "gpu"
+    assert experts.options.slots == len(experts.store.layers) * experts.store.num_experts
+    assert all(experts.cache.layer_resident(layer) for layer in experts.store.layers)
+    assert eng.generate(prompt, sampling).tokens == want
+    assert experts.counters.total.cpu_experts == 0 and experts.counters.total.misses == 0

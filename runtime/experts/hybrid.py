@@ -375,15 +375,23 @@ def hybrid_experts_factory(package, spec: ExpertSpec, *, device, dtype, vram_bud
         log.info("plan: %s", line)
     if plan.backend == "does_not_fit":
         raise MemoryError("; ".join(plan.summary_lines()))
-    if plan.backend == "gpu" and slots is None:
+    hot_all: tuple[Key, ...] = ()
+    if plan.backend == "gpu" and slots is None and not store.layout.quantized:
         experts = ResidentExperts.from_store(package.experts, spec, device=device, dtype=dtype, progress=progress)
         experts.plan = plan.to_dict()
         return experts
-    if plan.experts_pinned and device.type == "cuda":
+    if plan.backend == "gpu" and slots is None:
+        # quantized experts stay packed in a pool that holds them all (the plan counted packed bytes;
+        # dequantizing to bf16 would need ~4x the VRAM it reserved): every layer is resident, sync-free
+        slots = len(store.layers) * store.num_experts
+        hot_all = tuple((layer, e) for layer in store.layers for e in range(store.num_experts))
+    if plan.experts_pinned and device.type == "cuda" and not hot_all:   # all in VRAM: no pinned host copy
         store = store.pinned_copy()
     n_slots = plan.expert_slots if slots is None else slots
     stats = RoutingStats.load(routing_stats_path) if routing_stats_path else RoutingStats()
     hot = tuple(stats.hot_set(min(n_slots, len(stats.counts)) // 2))     # half the pool warm, half adaptive
+    if hot_all:
+        hot = hot_all
     options = HybridOptions(slots=n_slots, policy=policy, hot_set=hot, cpu_gbps=hw.cpu_gbps or 20.0,
                             h2d_gbps=hw.h2d_gbps or 20.0, top_k=shape.top_k)
     prefetcher = None
