@@ -134,6 +134,19 @@ def kv_bytes_per_sequence(model: CausalLM, tokens: int, dtype: torch.dtype) -> i
     return total
 
 
+def _decode_graphs(model: CausalLM, device: torch.device, wanted: bool | None):
+    """The batch-1 decode-graph runner when asked for (or by default on CUDA) and the model is covered."""
+    from runtime.decode_graph import DecodeGraphs, supports
+
+    if wanted is False or (wanted is None and device.type != "cuda"):
+        return None
+    why_not = supports(model)
+    if why_not is not None:
+        log.info("decode steps run without CUDA graphs: %s", why_not)
+        return None
+    return DecodeGraphs(model, device=device)
+
+
 def default_experts_factory(device: torch.device) -> "ExpertsFactory":
     """Where experts live unless the caller says: on a GPU the planner decides (every expert resident when
     they fit, the hybrid tier — VRAM slot cache, CPU misses — when they do not); on the CPU they all are
@@ -155,8 +168,10 @@ def resident_experts_factory(package, spec: ExpertSpec, *, device, dtype, progre
 class Engine:
     def __init__(self, *, model: CausalLM, package, tokenizer, chat_template, device: torch.device,
                  dtype: torch.dtype, context_length: int, max_batch: int, prefix_cache_bytes: int,
-                 prefill_chunk: int, plan: dict, prefix_cache_device: torch.device | None = None):
+                 prefill_chunk: int, plan: dict, prefix_cache_device: torch.device | None = None,
+                 decode_graphs=None):
         self.model, self.package = model, package
+        self.graphs = decode_graphs          # runtime.decode_graph.DecodeGraphs, or None: batch-1 decode steps
         self.tokenizer, self.chat_template = tokenizer, chat_template
         self.device, self.dtype = device, dtype
         self.context_length = context_length
@@ -183,7 +198,8 @@ class Engine:
              context_length: int | None = None, max_batch: int = 8, vram_budget: int | None = None,
              cpu_experts_per_layer: int | None = None, progress: ProgressFn | None = None,
              experts_factory: ExpertsFactory | None = None, prefix_cache_bytes: int | None = None,
-             prefix_cache_device: str | None = None, prefill_chunk: int = 512) -> "Engine":
+             prefix_cache_device: str | None = None, prefill_chunk: int = 512,
+             cuda_graphs: bool | None = None) -> "Engine":
         """Open an FTW package and build an engine over it (see `from_package`)."""
         from runtime.ftw.reader import FTWError, FTWPackage
 
@@ -195,16 +211,22 @@ class Engine:
                                 max_batch=max_batch, vram_budget=vram_budget,
                                 cpu_experts_per_layer=cpu_experts_per_layer, progress=progress,
                                 experts_factory=experts_factory, prefix_cache_bytes=prefix_cache_bytes,
-                                prefix_cache_device=prefix_cache_device, prefill_chunk=prefill_chunk)
+                                prefix_cache_device=prefix_cache_device, prefill_chunk=prefill_chunk,
+                                cuda_graphs=cuda_graphs)
 
     @classmethod
     def from_package(cls, package, *, device: str = "auto", dtype: torch.dtype | None = None,
                      context_length: int | None = None, max_batch: int = 8, vram_budget: int | None = None,
                      cpu_experts_per_layer: int | None = None, progress: ProgressFn | None = None,
                      experts_factory: ExpertsFactory | None = None, prefix_cache_bytes: int | None = None,
-                     prefix_cache_device: str | None = None, prefill_chunk: int = 512) -> "Engine":
+                     prefix_cache_device: str | None = None, prefill_chunk: int = 512,
+                     cuda_graphs: bool | None = None) -> "Engine":
         """Build from anything FTWPackage-shaped: config, model_type, generation_config, tokenizer_dir,
-        dense_names()/dense(name), experts (an ExpertStore), path."""
+        dense_names()/dense(name), experts (an ExpertStore), path.
+
+        `cuda_graphs`: batch-1 decode steps replayed from CUDA graphs (runtime/decode_graph.py). None: on
+        for a CUDA device when the model is covered; True on a CPU device runs the same static path eagerly
+        (what the tests compare with the ordinary forward); False: always the ordinary forward."""
         from runtime.text.chat_template import ChatTemplate, ChatTemplateError
         from runtime.text.tokenizer import Tokenizer
 
@@ -267,10 +289,12 @@ class Engine:
                 "load_seconds": round(time.perf_counter() - t0, 3)}
         if experts_plan:
             plan["experts"] = experts_plan
+        graphs = _decode_graphs(model, dev, cuda_graphs)
+        plan["decode_graphs"] = graphs is not None and graphs.capture
         return cls(model=model, package=package, tokenizer=tokenizer, chat_template=chat_template, device=dev,
                    dtype=dtype, context_length=context_length, max_batch=max_batch,
                    prefix_cache_bytes=prefix_cache_bytes, prefix_cache_device=prefix_dev, prefill_chunk=prefill_chunk,
-                   plan=plan)
+                   plan=plan, decode_graphs=graphs)
 
     # -------------------------------------------------------------------------------------- requests
 
@@ -340,10 +364,8 @@ class Engine:
         for seq, _ in work:
             if seq.payload.t_prefill_start is None:
                 seq.payload.t_prefill_start = t0
-        batch = Batch.build([(seq.tokens[seq.computed:seq.computed + n], seq.payload.cache) for seq, n in work],
-                            device=self.device)
         try:
-            logits = self.model(batch)                                   # [B, V] fp32
+            logits = self._forward(work)                                 # [B, V] fp32
         except (RuntimeError, ValueError) as exc:   # e.g. out of memory: fail these requests, keep the engine
             return events + self._fail(work, exc)
         self._counters["steps"] += 1
@@ -370,6 +392,25 @@ class Engine:
         phase = "prefill" if any(seq.computed - n < seq.prompt_len for seq, n in work) else "decode"
         self._counters[f"{phase}_step_seconds"] += elapsed
         return events
+
+    def _forward(self, work: list[tuple[Sequence, int]]) -> torch.Tensor:
+        """The model over this step's tokens: one sequence's single token through the recorded decode graphs
+        when they cover it, else the ordinary ragged-batch forward."""
+        if self.graphs is not None and len(work) == 1 and work[0][1] == 1:
+            from runtime.decode_graph import GraphCaptureError
+
+            seq = work[0][0]
+            try:
+                return self.graphs.decode(seq.tokens[seq.computed], seq.payload.cache)
+            except GraphCaptureError as exc:
+                # this step already ran (eagerly, before the recording): keep its result, stop recording
+                log.warning("%s; decoding without CUDA graphs from now on", exc)
+                self.graphs.disabled = str(exc)
+                logits, self.graphs = exc.logits, None
+                return logits
+        batch = Batch.build([(seq.tokens[seq.computed:seq.computed + n], seq.payload.cache) for seq, n in work],
+                            device=self.device)
+        return self.model(batch)
 
     def _fail(self, work: list[tuple[Sequence, int]], exc: Exception) -> list[TokenEvent]:
         """The model raised on this batch: end its requests with finish_reason "error"; the engine lives on."""
@@ -497,4 +538,5 @@ class Engine:
             "kv_bytes": sum(s.payload.cache.nbytes for s in running if s.payload.cache is not None),
             "prefix_cache": self.prefix_cache.stats(),
             "experts": self.model.experts.stats() if hasattr(self.model.experts, "stats") else {},
+            "decode_graphs": self.graphs.stats() if self.graphs is not None else None,
         }

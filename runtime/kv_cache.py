@@ -30,8 +30,8 @@ class KVCache:
         self.window = window
         self.offset = 0          # tokens seen
         self.start = 0           # absolute position of buffer row 0 (> 0 once a windowed cache dropped tokens)
-        self.keys = torch.empty(num_kv_heads, capacity, head_dim, device=self.device, dtype=dtype)    # [Hkv, cap, hd]
-        self.values = torch.empty(num_kv_heads, capacity, head_dim, device=self.device, dtype=dtype)  # [Hkv, cap, hd]
+        self.keys = torch.zeros(num_kv_heads, capacity, head_dim, device=self.device, dtype=dtype)    # [Hkv, cap, hd]
+        self.values = torch.zeros(num_kv_heads, capacity, head_dim, device=self.device, dtype=dtype)  # [Hkv, cap, hd]
 
     @property
     def trimmable(self) -> bool:
@@ -46,6 +46,10 @@ class KVCache:
     def capacity(self) -> int:
         return int(self.keys.shape[1])
 
+    def reserve(self, needed: int) -> None:
+        """Room for `needed` stored tokens without moving later (the static decode path writes in place)."""
+        self._reserve(needed)
+
     def _reserve(self, needed: int) -> None:
         if needed <= self.capacity:
             return
@@ -53,7 +57,9 @@ class KVCache:
         new_cap = -(-new_cap // GROWTH_STEP) * GROWTH_STEP
         for name in ("keys", "values"):
             old = getattr(self, name)
-            grown = torch.empty(self.num_kv_heads, new_cap, self.head_dim, device=self.device, dtype=self.dtype)
+            # zeros, not empty: the static decode path attends over a masked tail of the buffer, and a NaN
+            # left there by the allocator would survive the mask (0 x NaN = NaN)
+            grown = torch.zeros(self.num_kv_heads, new_cap, self.head_dim, device=self.device, dtype=self.dtype)
             grown[:, :self.stored] = old[:, :self.stored]
             setattr(self, name, grown)
 

@@ -113,6 +113,12 @@ class HybridExperts:
                 return self._streamed(layer, hidden, topk_ids, topk_weights)
         return self._decode(layer, hidden, topk_ids, topk_weights)
 
+    def graph_safe(self, layer: int) -> bool:
+        """Every expert lives in the pool for good (nothing can be evicted): a decode call is a device lookup and
+        the pool kernels, so runtime/decode_graph.py may record it. (Its counters then count the recording,
+        not each replay.) A partly cached model needs the host at every call: never graph-safe."""
+        return self.cuda and self._all_resident
+
     # ------------------------------------------------------------------ few tokens
     def _decode(self, layer, hidden, topk_ids, topk_weights) -> torch.Tensor:
         if self.cache.layer_resident(layer):

@@ -44,6 +44,14 @@ class Experts(Protocol):
         ...
 
 
+class GraphSafeExperts(Experts, Protocol):
+    """Optional: `graph_safe(layer)` is True when a call for that layer never needs the host (no sync, no
+    host decision, no allocation that depends on the routing), so runtime/decode_graph.py may record it inside
+    a CUDA graph. Otherwise the recorded decode step is cut around the call and the call runs eagerly."""
+
+    def graph_safe(self, layer: int) -> bool: ...
+
+
 def expert_forward(spec: ExpertSpec, w: ExpertWeights, x: torch.Tensor) -> torch.Tensor:
     """Plain-torch reference for one expert on x [T, D] -> [T, D]; every fast path is tested against it."""
     g = torch.nn.functional.linear(x, w.gate, w.gate_bias)

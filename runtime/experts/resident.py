@@ -104,6 +104,10 @@ class ResidentExperts:
     def stats(self) -> dict:
         return {"backend": "resident", "grouped_gemm": self.grouped, "bytes": self.nbytes}
 
+    def graph_safe(self, layer: int) -> bool:
+        """The grouped path never needs the host, so a CUDA graph may record it (the looped one reads counts)."""
+        return self.grouped
+
     def __call__(self, layer: int, hidden: torch.Tensor, topk_ids: torch.Tensor,
                  topk_weights: torch.Tensor) -> torch.Tensor:
         stacked = self.layers.get(layer)
@@ -115,7 +119,9 @@ class ResidentExperts:
         token_of = order // k                                                # [A] token of each sorted assignment
         x = hidden.index_select(0, token_of)                                 # [A, D]
         w = topk_weights.reshape(-1).index_select(0, order).to(hidden.dtype)  # [A]
-        counts = torch.bincount(flat_ids, minlength=stacked.gate_up.shape[0])  # [E]
+        # counts by scatter, not bincount: bincount reads the max id back to the host, which a CUDA graph forbids
+        counts = torch.zeros(stacked.gate_up.shape[0], dtype=torch.long, device=flat_ids.device).index_add_(
+            0, flat_ids, torch.ones_like(flat_ids))                          # [E]
         out = None
         if self.grouped:
             try:

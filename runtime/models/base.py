@@ -192,6 +192,9 @@ class Batch:
     lengths: list[int]                   # [B] new tokens per sequence
     caches: list[Any]                    # [B] SequenceCache (runtime.kv_cache), updated in place
     starts: list[int] = field(default_factory=list)
+    # set by runtime/decode_graph.py: attention writes and reads the KV buffers at device-side positions
+    # (a fixed-length view, masked) instead of host integers, so the step can be recorded as a CUDA graph
+    static_kv: Any = None
 
     @classmethod
     def build(cls, chunks: list[tuple[list[int], Any]], *, device: torch.device | str) -> "Batch":

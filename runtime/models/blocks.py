@@ -194,12 +194,28 @@ def attend_batch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: Batch
                  scale: float, sliding_window: int | None = None,
                  sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Store k, v in each sequence's cache and attend: q [N, H, hd], k/v [N, Hkv, hd] -> [N, H, hd]."""
+    if batch.static_kv is not None:
+        return attend_static(q, k, v, batch.caches[0].layers[layer], batch.static_kv, scale=scale)
     out = torch.empty_like(q)
     for rows, cache in batch.segments(layer):
         keys, values = cache.update_and_fetch(k[rows].transpose(0, 1), v[rows].transpose(0, 1))  # [Hkv, S, hd]
         o = attend(q[rows].transpose(0, 1), keys, values, scale=scale, sliding_window=sliding_window, sinks=sinks)
         out[rows] = o.transpose(0, 1)                                                          # [T, H, hd]
     return out
+
+
+def attend_static(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache, static, *, scale: float) -> torch.Tensor:
+    """One sequence, one new token, no host integers (runtime/decode_graph.py records this in a CUDA graph):
+    k, v go to row `static.write_at` of the cache's buffers and the query attends over the first
+    `static.bucket` rows, masked past its own position. q [1, H, hd], k/v [1, Hkv, hd] -> [1, H, hd].
+    The cache's offset is advanced by the caller."""
+    keys, values = cache.keys[:, :static.bucket], cache.values[:, :static.bucket]      # [Hkv, bucket, hd]
+    keys.index_copy_(1, static.write_at, k.transpose(0, 1))
+    values.index_copy_(1, static.write_at, v.transpose(0, 1))
+    h, hkv = q.shape[1], keys.shape[0]
+    o = F.scaled_dot_product_attention(q.transpose(0, 1)[None], keys[None], values[None], attn_mask=static.mask,
+                                       scale=scale, enable_gqa=h != hkv)[0]             # [H, 1, hd]
+    return o.transpose(0, 1)
 
 
 class Attention(nn.Module):

@@ -1,0 +1,62 @@
+"""The static decode path (what runtime/decode_graph.py records as CUDA graphs) against the ordinary forward.
+
+On this machine the static path runs eagerly (`capture=False`); on the GPU machine `--device cuda` records
+and replays it, and the same assertions hold."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from runtime.decode_graph import DecodeGraphs, supports
+from runtime.engine import Engine, SamplingParams
+from runtime.models.base import Batch
+from tests.engine_fixtures import ftw_packages, random_prompt  # noqa: F401  (session fixture)
+
+
+def _engine(path, device, **kw):
+    return Engine.load(path, device=device, dtype=torch.float32, **kw)
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral"])
+def test_static_steps_match_the_ordinary_forward_across_buckets(family, ftw_packages, device):
+    """Logits of 12 decode steps through the static path equal the ordinary forward's, while the KV length
+    crosses two 8-token buckets (a new graph each) and the cache offsets advance the same way."""
+    eng = _engine(ftw_packages(family), device, cuda_graphs=False)
+    model = eng.model
+    prompt = random_prompt(7, seed=1)
+    graphs = DecodeGraphs(model, device=eng.device, bucket=8)
+    ordinary = model.new_cache(device=eng.device, dtype=eng.dtype)
+    static = model.new_cache(device=eng.device, dtype=eng.dtype)
+    with torch.inference_mode():
+        for cache in (ordinary, static):
+            model(Batch.build([(prompt, cache)], device=eng.device))
+        token = prompt[-1]
+        for _ in range(12):
+            want = model(Batch.build([([token], ordinary)], device=eng.device))            # [1, V]
+            got = graphs.decode(token, static)
+            torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+            assert static.offset == ordinary.offset
+            token = int(want.argmax())
+    assert ordinary.offset == 7 + 12
+    if graphs.capture:            # 3 buckets seen (8, 16, 24): each recorded once, then replayed
+        assert graphs.counters["captures"] == 3
+
+
+def test_engine_decodes_the_same_tokens_with_and_without_the_static_path(ftw_packages, device):
+    path = ftw_packages("qwen3_moe")
+    prompt = random_prompt(10, seed=3)
+    sampling = SamplingParams(temperature=0.0, max_tokens=10, stop_token_ids=[])
+    want = _engine(path, device, cuda_graphs=False).generate(prompt, sampling).tokens
+    eng = _engine(path, device, cuda_graphs=True)
+    assert eng.graphs is not None
+    # twice: the second request decodes over the prefix cache's restored KV, through the same path
+    assert eng.generate(prompt, sampling).tokens == want
+    assert eng.generate(prompt, sampling).tokens == want
+    assert eng.stats()["decode_graphs"]["steps"] >= 18
+
+
+def test_models_the_static_path_does_not_cover_decode_as_before(ftw_packages, device):
+    for family, reason in (("gpt_oss", "sliding-window"), ("qwen3_next", "linear-attention")):
+        eng = _engine(ftw_packages(family), device, cuda_graphs=True)
+        assert reason in supports(eng.model) and eng.graphs is None
+        assert eng.plan["decode_graphs"] is False
