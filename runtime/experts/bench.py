@@ -452,10 +452,30 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     h.add_argument("--split", default="auto", choices=["auto", "cpu", "fetch"])
     h.add_argument("--cpu-gbps", type=float, default=0.0, help="CPU kernel bandwidth for the ceiling (0: measure reads)")
     h.add_argument("--out", type=Path, default=None)
+    m = sub.add_parser("model", help="the real model code at a full shape (runtime/experts/bench_model.py): "
+                                     "decode (CUDA graphs vs eager), prefill and an agent turn's TTFT at VRAM budgets")
+    m.add_argument("--models", nargs="+", default=["qwen3-30b-a3b"], choices=list(SHAPES))
+    m.add_argument("--layers", type=int, default=0, help="fewer layers than the real model (quick runs)")
+    m.add_argument("--budgets", nargs="+", type=float, default=[4, 8, 12, 24, 0], help="GiB, 0 = unlimited")
+    m.add_argument("--routings", nargs="+", default=["uniform", "skewed"], choices=list(ROUTINGS))
+    m.add_argument("--tokens", type=int, default=32, help="measured decode steps per row")
+    m.add_argument("--warmup", type=int, default=16)
+    m.add_argument("--context", type=int, default=512, help="tokens in the KV cache before decode is timed")
+    m.add_argument("--chunk", type=int, default=8192, help="prefill chunk (tokens)")
+    m.add_argument("--prefill", nargs="+", type=int, default=[1024, 8192, 16384])
+    m.add_argument("--prefill-budgets", nargs="+", type=float, default=[8, 0])
+    m.add_argument("--ttft-context", type=int, default=20000, help="the agent turn's conversation (0: skip)")
+    m.add_argument("--ttft-new", type=int, default=200, help="new tokens of the resent turn")
+    m.add_argument("--cpu-gbps", type=float, default=0.0, help="CPU bandwidth for the ceiling (0: measure reads)")
+    m.add_argument("--out", type=Path, default=None)
 
 
 def run(args) -> int:
-    report = cmd_probe(args) if args.cmd == "probe" else cmd_hybrid(args)
+    if args.cmd == "model":
+        from runtime.experts.bench_model import cmd_model
+        report = cmd_model(args)
+    else:
+        report = cmd_probe(args) if args.cmd == "probe" else cmd_hybrid(args)
     if args.out:
         args.out.mkdir(parents=True, exist_ok=True)
         (args.out / f"{args.cmd}.json").write_text(json.dumps(report, indent=1))

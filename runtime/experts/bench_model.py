@@ -1,0 +1,255 @@
+"""`freetoken bench model`: the engine's own model code at a real shape, experts in the hybrid tier.
+
+Where `freetoken bench hybrid` times the expert tier under a stand-in for the dense work, this runs the family's
+real model (attention over a real KV cache, norms, routers, LM head; random bf16 weights) through the same paths
+the engine takes: prefill in chunks, batch-1 decode through runtime/decode_graph.py (CUDA graphs) or eagerly,
+the warm turn of an agent (a long conversation resent with a few new tokens: the KV comes back from host RAM as
+the engine's prefix cache brings it). Experts live in `HybridExperts` over a synthetic store at each VRAM budget;
+routing is the benchmark's (uniform: the worst case; skewed: Zipf popularity with temporal locality), because a
+random model routes nearly every token to the same few experts.
+
+Ceiling (decode) = miss bytes per token / (PCIe + CPU read bandwidth) + the dense time, where the dense time is
+the recorded step with experts that cost nothing. Rows print as they are measured and go to JSON.
+Options: runtime/experts/bench.py (`freetoken bench model --help`).
+"""
+from __future__ import annotations
+
+import json
+import time
+
+import torch
+
+from runtime.decode_graph import DecodeGraphs, _graph_safe
+from runtime.experts.bench import CONFIGS, SHAPES, Router
+from runtime.models.base import Batch
+
+GiB = 1 << 30
+
+
+class RoutedExperts:
+    """The benchmark's routing instead of the router's: decode ids come from a device table indexed by a device
+    step counter (so a recorded graph reads the right row at every replay); prefill ids from a per-layer table."""
+
+    def __init__(self, inner, layers: list[int], decode_ids: torch.Tensor, prefill_ids: torch.Tensor):
+        self.inner = inner
+        self.index = {layer: i for i, layer in enumerate(layers)}
+        self.decode_ids = decode_ids            # [S, L, 1, K] int64 on the device
+        self.prefill_ids = prefill_ids          # [L, Tmax, K] int64 on the device
+        self.step = torch.zeros(1, dtype=torch.long, device=decode_ids.device)
+
+    def __call__(self, layer, hidden, topk_ids, topk_weights):
+        i = self.index[layer]
+        t = hidden.shape[0]
+        if t == 1:
+            ids = self.decode_ids.index_select(0, self.step)[0, i]                          # [1, K]
+        else:
+            ids = self.prefill_ids[i, :t]                                                    # [T, K]
+        return self.inner(layer, hidden, ids, topk_weights)
+
+    def graph_safe(self, layer: int) -> bool:
+        return _graph_safe(self.inner, layer)
+
+
+class NoExperts:
+    """Experts that cost nothing (graph-safe): what the dense time of the ceiling is measured with."""
+
+    def __call__(self, layer, hidden, topk_ids, topk_weights):
+        return torch.zeros_like(hidden)
+
+    def graph_safe(self, layer: int) -> bool:
+        return True
+
+
+def random_model(config: dict, *, device, dtype):
+    """The family's model at this config with random weights (std 0.02; norms 1)."""
+    from runtime.loading import build_empty_model
+
+    model = build_empty_model(config, experts=NoExperts(), device=device, dtype=dtype)
+    gen = torch.Generator(device=device).manual_seed(0)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.fill_(1.0)
+            elif p.dtype.is_floating_point:
+                p.normal_(0.0, 0.02, generator=gen)
+    return model
+
+
+def decode_rate(model, graphs, cache, *, steps: int, warmup: int, experts=None, use_graphs: bool,
+                device) -> float:
+    """Decode tok/s at batch 1 over `steps` tokens after `warmup` (each step samples: one sync per token)."""
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    token = 100
+    t0 = None
+    for s in range(warmup + steps):
+        if s == warmup:
+            sync()
+            t0 = time.perf_counter()
+        if experts is not None:
+            experts.step.fill_(s)
+        if use_graphs:
+            logits = graphs.decode(token, cache)
+        else:
+            logits = model(Batch.build([([token], cache)], device=device))
+        token = int(logits.argmax()) % 1000
+    sync()
+    return steps / (time.perf_counter() - t0)
+
+
+def prefill(model, cache, n: int, *, chunk: int, device) -> float:
+    """Seconds to prefill n tokens in chunks (the engine's way), to the first token's logits."""
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    sync()
+    t0 = time.perf_counter()
+    done = 0
+    while done < n:
+        t = min(chunk, n - done)
+        logits = model(Batch.build([([7] * t, cache)], device=device))
+        done += t
+    int(logits.argmax())
+    return time.perf_counter() - t0
+
+
+def run_model(name: str, args, hw, report: dict) -> None:
+    from runtime.experts.host_store import HostExpertStore
+    from runtime.experts.hybrid import HybridExperts, HybridOptions
+    from runtime.experts.interface import ExpertSpec
+    from runtime.experts.planner import ModelShape, plan_memory
+    from runtime.experts.stats import host_rss
+
+    layers, e, k, d, i, codec, group = SHAPES[name]
+    layers = args.layers or layers
+    cfg = dict(CONFIGS[name], num_hidden_layers=layers, max_position_embeddings=65536)
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    store = HostExpertStore.synthetic(layers=layers, num_experts=e, hidden=d, intermediate=i, codec=codec,
+                                      group=group, pin=device.type == "cuda")
+    shape = ModelShape.from_config(cfg, codec=codec, group_size=group, block_size=group,
+                                   block_nbytes=store.block_nbytes)
+    model = random_model(cfg, device=device, dtype=dtype)
+    moe_layers = store.layers
+    graphs = DecodeGraphs(model, device=device)
+    steps = args.warmup + args.tokens
+
+    # the dense floor: the recorded step with experts that cost nothing
+    cache = model.new_cache(device=device, dtype=dtype)
+    prefill(model, cache, args.context, chunk=args.chunk, device=device)
+    dense_tok_s = decode_rate(model, graphs, cache, steps=args.tokens, warmup=args.warmup, use_graphs=graphs.capture,
+                              device=device)
+    dense_s = 1.0 / dense_tok_s
+    print(json.dumps({"model": name, "dense_ms_per_token": dense_s * 1e3, "graphs": graphs.capture}), flush=True)
+    del cache
+    rows = []
+    for budget_gib in args.budgets:
+        budget = None if budget_gib == 0 else int(budget_gib * GiB)
+        plan = plan_memory(shape, hw, context_length=max(8192, args.ttft_context + 1024), max_sequences=1,
+                           vram_budget=budget)
+        slots = plan.expert_slots if plan.backend != "cpu" else 0
+        if plan.backend == "gpu":
+            slots = layers * e
+        label = "unlimited" if budget is None else f"{budget_gib:g} GiB"
+        for routing in args.routings:
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+                torch.cuda.reset_peak_memory_stats()
+            hybrid = HybridExperts(store, ExpertSpec(), device=device, dtype=dtype, options=HybridOptions(
+                slots=slots, top_k=k, cpu_gbps=hw.cpu_gbps, h2d_gbps=hw.h2d_gbps,
+                hot_set=tuple((lay, x) for lay in moe_layers for x in range(e)) if slots >= layers * e else ()))
+            router = Router(routing, layers=layers, experts=e, k=k, seed=1)
+            import numpy as np
+            dec = np.stack([np.stack([router.route(lay, 1) for lay in range(layers)]) for _ in range(steps)])
+            pre = np.stack([router.route(lay, args.chunk) for lay in range(layers)])
+            experts = RoutedExperts(hybrid, moe_layers, torch.from_numpy(dec).to(device),
+                                    torch.from_numpy(pre).to(device))
+            model.set_experts(experts)
+            for use_graphs in ([True, False] if graphs.capture else [False]):
+                cache = model.new_cache(device=device, dtype=dtype)
+                prefill(model, cache, args.context, chunk=args.chunk, device=device)
+                hybrid.counters.end_step()
+                tok_s = decode_rate(model, graphs, cache, steps=args.tokens, warmup=args.warmup, experts=experts,
+                                    use_graphs=use_graphs, device=device)
+                c = hybrid.counters.end_step()
+                miss_bytes = (c["cpu_experts"] + c["fetched_experts"]) * store.block_nbytes / (steps)
+                ceiling = 1.0 / (miss_bytes / ((hw.h2d_gbps + hw.cpu_gbps) * 1e9) + dense_s)
+                rows.append({"model": name, "budget": label, "routing": routing,
+                             "kind": "decode b1 " + ("graphs" if use_graphs else "eager"), "slots": slots,
+                             "tok_s": tok_s, "ceiling_tok_s": ceiling, "of_ceiling": tok_s / ceiling,
+                             "hit_rate": c["hit_rate"], "cpu_share": c["cpu_share"], "split": hybrid.split.mode,
+                             "peak_vram_gib": torch.cuda.max_memory_allocated() / GiB if device.type == "cuda" else 0,
+                             "host_rss_gib": host_rss() / GiB})
+                print(_fmt(rows[-1]), flush=True)
+                del cache
+            if routing == args.routings[0] and budget_gib in args.prefill_budgets:
+                for n in args.prefill:
+                    cache = model.new_cache(device=device, dtype=dtype)
+                    hybrid.counters.end_step()
+                    s = prefill(model, cache, n, chunk=args.chunk, device=device)
+                    c = hybrid.counters.end_step()
+                    rows.append({"model": name, "budget": label, "routing": routing, "kind": f"prefill {n}",
+                                 "slots": slots, "tok_s": n / s, "ceiling_tok_s": 0, "of_ceiling": 0,
+                                 "hit_rate": c["hit_rate"], "cpu_share": c["cpu_share"],
+                                 "split": "stream" if c["stream_calls"] else hybrid.split.mode,
+                                 "peak_vram_gib": torch.cuda.max_memory_allocated() / GiB if device.type == "cuda" else 0,
+                                 "host_rss_gib": host_rss() / GiB})
+                    print(_fmt(rows[-1]), flush=True)
+                    del cache
+                if args.ttft_context:
+                    rows.extend(ttft_rows(model, graphs, experts, hybrid, args, name=name, label=label, slots=slots,
+                                          device=device, dtype=dtype))
+            model.set_experts(NoExperts())
+            del experts, hybrid
+    report.setdefault("rows", []).extend(rows)
+    report.setdefault("models", {})[name] = {"dense_ms_per_token": dense_s * 1e3, "store_gib": store.nbytes / GiB}
+
+
+def ttft_rows(model, graphs, experts, hybrid, args, *, name, label, slots, device, dtype) -> list[dict]:
+    """An agent's turn: a `ttft_context`-token conversation, then the same resent with `ttft_new` new tokens.
+    Cold = prefilling everything; warm = the KV restored from host RAM (the engine's prefix cache keeps a GPU
+    engine's caches there) plus prefilling only the new tokens, to the first token."""
+    rows = []
+    cache = model.new_cache(device=device, dtype=dtype)
+    cold = prefill(model, cache, args.ttft_context + args.ttft_new, chunk=args.chunk, device=device)
+    cache = model.new_cache(device=device, dtype=dtype)
+    prefill(model, cache, args.ttft_context, chunk=args.chunk, device=device)
+    stored = cache.to("cpu")                                    # what the prefix cache holds after the turn
+    del cache
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    sync()
+    t0 = time.perf_counter()
+    cache = model.new_cache(device=device, dtype=dtype)
+    cache.load(stored.to(device))
+    restore = time.perf_counter() - t0
+    warm = restore + prefill(model, cache, args.ttft_new, chunk=args.chunk, device=device)
+    for kind, s in (("TTFT cold", cold), ("TTFT warm", warm)):
+        rows.append({"model": name, "budget": label, "routing": "uniform", "kind": kind, "slots": slots,
+                     "tok_s": 0, "seconds": s, "restore_seconds": restore, "ceiling_tok_s": 0, "of_ceiling": 0,
+                     "hit_rate": 0, "cpu_share": 0, "split": "", "peak_vram_gib": 0, "host_rss_gib": 0})
+        print(f"{name:<16} {label:>9} {kind:<12} {s:8.3f} s  (KV restore {restore:.3f} s; "
+              f"{args.ttft_context} + {args.ttft_new} tokens)", flush=True)
+    return rows
+
+
+def _fmt(r: dict) -> str:
+    return (f"{r['model']:<16} {r['budget']:>9} {r['routing']:<7} {r['kind']:<18} slots {r['slots']:>5}  "
+            f"{r['tok_s']:>9.1f} tok/s  ceiling {r['ceiling_tok_s']:>8.1f}  {100 * r['of_ceiling']:>5.1f}%  "
+            f"hit {100 * r['hit_rate']:>5.1f}%  cpu {100 * r['cpu_share']:>5.1f}%  split {r['split']:<8} "
+            f"VRAM {r['peak_vram_gib']:>6.2f} GiB  RSS {r['host_rss_gib']:>6.2f} GiB")
+
+
+def cmd_model(args) -> dict:
+    import os
+    import platform
+
+    from runtime.experts.planner import Hardware, measure_cpu_gbps, measure_h2d_gbps
+
+    hw = Hardware.probe(measure=False)
+    h2d = measure_h2d_gbps() if hw.has_cuda else 0.0
+    cpu = args.cpu_gbps or measure_cpu_gbps(nbytes=1 << 30)
+    hw = Hardware(**{**hw.__dict__, "h2d_gbps": h2d, "cpu_gbps": cpu})
+    report = {"machine": platform.node(), "cpus": os.cpu_count(), "gpu": hw.gpu_name, "h2d_gbps": h2d,
+              "cpu_gbps": cpu, "torch": torch.__version__}
+    print(json.dumps(report), flush=True)
+    with torch.inference_mode():
+        for name in args.models:
+            run_model(name, args, hw, report)
+    return report
