@@ -86,6 +86,14 @@ class HybridExperts:
         self._staged: dict[int, tuple[int, object]] = {}   # layer -> (buffer index, copy event)
         self._stage_free: list[object] = [None, None]       # event after which each buffer may be overwritten
         self._promotions: list[tuple[Key, int, object]] = []
+        self._promote_blocks = options.promote_bytes_per_call // max(1, store.block_nbytes)
+        self._seen = np.zeros(store.num_experts, dtype=bool)   # scratch for a call's distinct experts
+        # decode staging: page-locked host buffers and device buffers reused by every call (grown, never
+        # shrunk), and the two events of the one device->host and the one host->device transfer per call
+        self._pinned: dict[str, torch.Tensor] = {}
+        self._on_device: dict[str, torch.Tensor] = {}
+        self._d2h_done = torch.cuda.Event() if self.cuda else None
+        self._h2d_done = torch.cuda.Event() if self.cuda else None
         # decode compute over the pool: the fused Triton kernels where they cover the codec, else torch
         self._pool_forward = int4_pool_triton.pool_forward_triton if (
             self.cuda and int4_pool_triton.supports(self.layout, spec)) else pool_forward
@@ -99,105 +107,124 @@ class HybridExperts:
                  topk_weights: torch.Tensor) -> torch.Tensor:
         if layer not in self.cache.layer_index:
             raise KeyError(f"layer {layer} has no routed experts in this model")
-        self._finish_promotions()
+        if self._promotions:
+            self._finish_promotions()
         t = hidden.shape[0]
-        self.counters.add(tokens=t)
         if t >= self.stream_threshold:
             if self._all_resident:
                 # every expert lives in the pool: group over it directly, nothing to stream
                 slots = self.cache.device_slots(layer, topk_ids)
-                self.counters.add(stream_calls=1, gpu_experts=self.store.num_experts)
+                self.counters.add(tokens=t, stream_calls=1, gpu_experts=self.store.num_experts)
                 return pool_forward_grouped(self.cache.pool, self.layout, self.spec, hidden.to(self.dtype), slots,
                                             topk_weights).to(hidden.dtype)
             if self.cuda or self.options.stream_on_cpu:
+                self.counters.add(tokens=t)
                 return self._streamed(layer, hidden, topk_ids, topk_weights)
         return self._decode(layer, hidden, topk_ids, topk_weights)
 
-    def graph_safe(self, layer: int) -> bool:
-        """Every expert lives in the pool for good (nothing can be evicted): a decode call is a device lookup and
-        the pool kernels, so runtime/decode_graph.py may record it. (Its counters then count the recording,
-        not each replay.) A partly cached model needs the host at every call: never graph-safe."""
-        return self.cuda and self._all_resident
-
     # ------------------------------------------------------------------ few tokens
     def _decode(self, layer, hidden, topk_ids, topk_weights) -> torch.Tensor:
-        if self.cache.layer_resident(layer):
+        """Host work per call, in order: the one device->host transfer (ids, weights, hidden), hits and
+        misses from the host mirror of the slot table (numpy over the call's distinct experts, no per-key
+        Python), the split, fetches (allocate, withdraw, copy, publish: a constant number of launches), the
+        GPU's lookup and compute enqueued, then the CPU's share computed while the GPU runs, its result
+        back through page-locked memory without a sync, promotions, the split controller."""
+        cache = self.cache
+        li = cache.layer_index[layer]
+        if cache.resident[li] == cache.num_experts:
             return self._resident(layer, hidden, topk_ids, topk_weights)
         t0 = time.perf_counter()
-        ids_h = topk_ids.to("cpu", torch.int64).numpy()                     # [T, K]; the one sync
-        uniq = [int(e) for e in np.unique(ids_h)]
-        self.routing.add(layer, uniq)
+        ids_h, w_h, x_h = self._to_host(hidden, topk_ids, topk_weights)    # [T, K], [T, K], [T, D]: one sync
+        seen = self._seen                                                    # [E] bool scratch, all False
+        seen[ids_h] = True
+        uniq = np.flatnonzero(seen)                                         # [U] sorted distinct experts
+        seen[uniq] = False
+        published = cache.host_table[li]                                    # [E] slot or -1
+        ready = published[uniq] >= 0                                        # [U] hits
+        n_hits = int(np.count_nonzero(ready))
+        dirc = cache.directory
+        dirc.record(layer, uniq, n_hits)
+        self.routing.add_distinct(layer, uniq)
         if self.prefetcher is not None:
-            self.prefetcher.observe(layer, uniq)
-        keys = [(layer, e) for e in uniq]
-        dirc = self.cache.directory
-        hits, misses = dirc.lookup(keys)
-        # a promotion still in flight is not a hit yet: its expert runs on the CPU this time
-        in_flight = [k for k in hits if k in self.cache.pending]
-        if in_flight:
-            hits = [k for k in hits if k not in self.cache.pending]
-            misses += in_flight
-            dirc.counters.hits -= len(in_flight)
-            dirc.counters.misses += len(in_flight)
-        if self.options.split == "auto":
-            self.split.choose()
-        else:
-            self.split.mode = self.options.split
-        pending_misses = [k for k in misses if k not in self.cache.pending]
-        n_fetch = self.split.split(len(pending_misses)) if self.options.slots else 0
-        # fetch the misses most worth keeping; the rest run on the CPU
-        pending_misses.sort(key=dirc.policy.score, reverse=True)
-        fetch, cpu_keys = [], [k for k in misses if k in self.cache.pending]
-        protected = set(hits) | self.cache.pending      # in-flight promotions keep their slots
-        copies = []
-        for key in pending_misses:
-            got = dirc.allocate(key, protected=protected) if len(fetch) < n_fetch else None
-            if got is None:
-                cpu_keys.append(key)
-                continue
-            slot, evicted = got
-            if evicted is not None:
-                self.cache.withdraw(evicted)
-            protected.add(key)
-            fetch.append((key, slot))
-            copies.append((self.store.block(*key), self.cache.slot_view(slot)))
-        t_pcie = time.perf_counter()
-        if copies:
-            done = self.transport.submit(copies, after=self._record())
-            self._wait(done)
-            for key, slot in fetch:
-                self.cache.publish(key, slot)
-        # GPU: every resident expert of this call, looked up on the device
-        slots = self.cache.device_slots(layer, topk_ids)
-        out = self._gpu_forward(hidden, slots, topk_weights) if (hits or fetch) else \
-            torch.zeros_like(hidden, dtype=self.dtype)
-        # CPU: the rest, while the GPU works
+            self.prefetcher.observe(layer, uniq.tolist())
+        missed = uniq[~ready] if n_hits < len(uniq) else uniq[:0]            # [M]
+        fetch_keys: list[Key] = []
+        auto = False
+        if len(missed) and self.options.slots:
+            # a promotion still in flight is a miss that runs on the CPU this time (never fetched twice)
+            candidates = missed if not cache.pending else \
+                np.array([e for e in missed.tolist() if (layer, e) not in cache.pending], dtype=np.int64)
+            auto = self.options.split == "auto"
+            if auto:
+                self.split.choose()
+            else:
+                self.split.mode = self.options.split
+            n_fetch = self.split.split(len(candidates))
+            if n_fetch:
+                if n_fetch < len(candidates):      # fetch the misses most worth keeping; the rest run on the CPU
+                    order = np.argsort(-dirc.policy.scores(layer, candidates), kind="stable")
+                    candidates = candidates[order]
+                fetch_keys = self._fetch(layer, li, uniq, candidates[:n_fetch].tolist())
+        n_fetch = len(fetch_keys)
+        n_cpu = len(missed) - n_fetch
+        out = None
+        if n_hits or n_fetch:
+            # GPU: every resident expert of this call, looked up on the device, enqueued before the CPU starts
+            out = self._gpu_forward(hidden, cache.device_slots(layer, topk_ids), topk_weights)
         cpu_s = 0.0
-        if cpu_keys:
-            cpu_set = np.array(sorted(e for _, e in cpu_keys))
-            mask = np.isin(ids_h, cpu_set)                                   # [T, K]
-            tok, kk = np.nonzero(mask)
-            w_h = topk_weights.to("cpu", torch.float32).numpy()
+        if n_cpu:
+            # CPU: the assignments whose expert is still unpublished (misses not fetched, in-flight promotions)
+            tok, kk = np.nonzero(published[ids_h] < 0)                          # [A]
+            cpu_ids = ids_h[tok, kk]
             c0 = time.perf_counter()
-            cpu_out = self.cpu.run(layer, hidden.to("cpu", torch.float32), tok, ids_h[tok, kk], w_h[tok, kk])
+            cpu_out = self.cpu.run(layer, x_h, tok, cpu_ids, w_h[tok, kk])      # [T, D] float32, host
             cpu_s = time.perf_counter() - c0
-            out = out + cpu_out.to(self.device, self.dtype, non_blocking=True)
+            back = self._upload(cpu_out) if self.cuda else cpu_out.to(self.dtype)
+            out = back.to(hidden.dtype, copy=True) if out is None else out + back
+            if self._promote_blocks and self.options.slots:
+                self._promote(layer, missed[published[missed] < 0] if n_fetch else missed)   # [n_cpu] sorted
+        if out is None:                          # no tokens
+            out = torch.zeros_like(hidden, dtype=self.dtype)
         nb = self.store.block_nbytes
-        self.counters.add(decode_calls=1, hits=len(hits), misses=len(misses), cpu_experts=len(cpu_keys),
-                       fetched_experts=len(fetch), gpu_experts=len(hits) + len(fetch),
-                       bytes_h2d=len(fetch) * nb, bytes_cpu_read=len(cpu_keys) * nb, cpu_seconds=cpu_s)
-        self._promote(cpu_keys)
+        self.counters.add_decode(hidden.shape[0], n_hits, len(missed), n_cpu, n_fetch, nb, cpu_s)
         if self.prefetcher is not None and self.options.slots:
             nxt, predicted = self.prefetcher.predict(layer, hidden)
-            if nxt is not None:
-                self._promote([(nxt, e) for e in predicted], budget_bytes=self.options.prefetch_bytes_per_call,
-                              admit_all=True)
-        if self.options.split == "auto":
+            if nxt is not None and predicted:
+                self._promote(nxt, np.asarray(predicted, dtype=np.int64),
+                              budget_bytes=self.options.prefetch_bytes_per_call, admit_all=True)
+        if auto:
             # wall time of this call, no device sync: the GPU part overlaps the CPU part and the next
             # call's id transfer waits for it anyway, so a slow GPU shows up in the next call's time
-            self.split.observe(step_seconds=time.perf_counter() - t0, cpu_bytes=len(cpu_keys) * nb, cpu_seconds=cpu_s,
-                               pcie_bytes=len(fetch) * nb, pcie_seconds=(time.perf_counter() - t_pcie) if fetch and not cpu_keys else 0.0)
-        return out.to(hidden.dtype)
+            now = time.perf_counter()
+            self.split.observe(step_seconds=now - t0, cpu_bytes=n_cpu * nb, cpu_seconds=cpu_s,
+                               pcie_bytes=n_fetch * nb,
+                               pcie_seconds=(now - t0 - cpu_s) if n_fetch and not n_cpu else 0.0)
+        return out if out.dtype == hidden.dtype else out.to(hidden.dtype)
+
+    def _fetch(self, layer: int, li: int, uniq: np.ndarray, experts: list[int]) -> list[Key]:
+        """Allocate slots for `experts` (evicting by policy; never this call's experts nor an in-flight
+        promotion), copy their blocks on the copy stream and publish them once landed. Returns what was
+        fetched (fewer when every slot is pinned or protected)."""
+        cache, dirc = self.cache, self.cache.directory
+        protected = _CallExperts(layer, uniq, cache.num_experts, cache.pending)
+        keys, slots, evicted = [], [], []
+        for e in experts:
+            key = (layer, e)
+            got = dirc.allocate(key, protected=protected)
+            if got is None:                      # every slot pinned or protected: the rest run on the CPU
+                break
+            keys.append(key)
+            slots.append(got[0])
+            if got[1] is not None:
+                evicted.append(got[1])
+        if keys:
+            cache.withdraw_many(evicted)         # before the copy may overwrite their slots
+            layer_blocks = self.store.layer_buffer(layer)
+            done = self.transport.submit([(layer_blocks[k[1]], cache.pool[s]) for k, s in zip(keys, slots)],
+                                         after=self._record())
+            self._wait(done)
+            cache.publish_many(keys, slots)
+        return keys
 
     def _resident(self, layer, hidden, topk_ids, topk_weights) -> torch.Tensor:
         """A layer whose experts are all in the pool: device lookup and compute, no host sync at all (so the
@@ -205,14 +232,68 @@ class HybridExperts:
         are K distinct hits; for several tokens the T*K assignments are counted (an upper bound on distinct)."""
         slots = self.cache.device_slots(layer, topk_ids)
         n = topk_ids.numel()
-        self.counters.add(decode_calls=1, hits=n, gpu_experts=n)
+        self.counters.add_decode(hidden.shape[0], n, 0, 0, 0, 0, 0.0)
         self.cache.directory.counters.hits += n
-        return self._gpu_forward(hidden, slots, topk_weights).to(hidden.dtype)
+        out = self._gpu_forward(hidden, slots, topk_weights)
+        return out if out.dtype == hidden.dtype else out.to(hidden.dtype)
+
+    # ------------------------------------------------------------------ host <-> device staging (decode)
+    def _to_host(self, hidden, topk_ids, topk_weights) -> tuple[np.ndarray, np.ndarray, torch.Tensor]:
+        """ids [T, K] int64 and weights [T, K] float32 as numpy, hidden [T, D] as a host tensor (its dtype).
+
+        On CUDA: three non-blocking copies into reusable page-locked buffers and ONE event synchronize (the
+        only host sync of a decode call); hidden and weights come along although only misses need them,
+        because a second transfer would be a second sync. The buffers are overwritten by the next call's
+        copies, which the stream orders after this call's host work has been enqueued."""
+        if not self.cuda:
+            ids = topk_ids if topk_ids.dtype == torch.int64 else topk_ids.to(torch.int64)
+            w = topk_weights if topk_weights.dtype == torch.float32 else topk_weights.float()
+            return ids.numpy(), w.numpy(), hidden
+        ids_b = self._host_buffer("ids", topk_ids.shape, topk_ids.dtype)
+        w_b = self._host_buffer("weights", topk_weights.shape, topk_weights.dtype)
+        x_b = self._host_buffer("hidden", hidden.shape, hidden.dtype)
+        ids_b.copy_(topk_ids, non_blocking=True)
+        w_b.copy_(topk_weights, non_blocking=True)
+        x_b.copy_(hidden, non_blocking=True)
+        self._d2h_done.record()
+        self._d2h_done.synchronize()
+        ids = ids_b.numpy() if ids_b.dtype == torch.int64 else ids_b.to(torch.int64).numpy()
+        w = w_b.numpy() if w_b.dtype == torch.float32 else w_b.float().numpy()
+        return ids, w, x_b
+
+    def _upload(self, cpu_out: torch.Tensor) -> torch.Tensor:
+        """The CPU's result [T, D] float32 -> a device tensor [T, D] (self.dtype), through a reusable
+        page-locked buffer and a non-blocking copy (a pageable source would make the copy synchronous). The
+        returned view lives in a reusable device buffer: the caller consumes it in this call."""
+        # the last upload out of this buffer: already done (this call's id transfer came after it on the
+        # stream), so this returns at once; it only guards a caller that switched streams between calls
+        self._h2d_done.synchronize()
+        pin = self._host_buffer("result", cpu_out.shape, self.dtype)
+        pin.copy_(cpu_out)                       # float32 -> compute dtype on the CPU
+        dev = self._device_buffer("result", cpu_out.shape, self.dtype)
+        dev.copy_(pin, non_blocking=True)
+        self._h2d_done.record()
+        return dev
+
+    def _host_buffer(self, name: str, shape, dtype: torch.dtype) -> torch.Tensor:
+        """A page-locked [rows, ...] buffer reused across calls, viewed at `shape` (grown when rows exceed)."""
+        buf = self._pinned.get(name)
+        if buf is None or buf.dtype != dtype or buf.shape[1:] != shape[1:] or buf.shape[0] < shape[0]:
+            rows = max(shape[0], 8 if buf is None else 2 * buf.shape[0])
+            buf = self._pinned[name] = torch.empty((rows, *shape[1:]), dtype=dtype, pin_memory=True)
+        return buf[:shape[0]]
+
+    def _device_buffer(self, name: str, shape, dtype: torch.dtype) -> torch.Tensor:
+        buf = self._on_device.get(name)
+        if buf is None or buf.dtype != dtype or buf.shape[1:] != shape[1:] or buf.shape[0] < shape[0]:
+            rows = max(shape[0], 8 if buf is None else 2 * buf.shape[0])
+            buf = self._on_device[name] = torch.empty((rows, *shape[1:]), dtype=dtype, device=self.device)
+        return buf[:shape[0]]
 
     def _gpu_forward(self, hidden, slots, topk_weights) -> torch.Tensor:
         try:
-            return self._pool_forward(self.cache.pool, self.layout, self.spec, hidden.to(self.dtype), slots,
-                                      topk_weights)
+            return self._pool_forward(self.cache.pool, self.layout, self.spec,
+                                      hidden if hidden.dtype == self.dtype else hidden.to(self.dtype), slots, topk_weights)
         except Exception as exc:     # noqa: BLE001  (a Triton compile/launch failure: say so, keep serving)
             if self._pool_forward is pool_forward:
                 raise
@@ -260,52 +341,59 @@ class HybridExperts:
         return self.store.layers[i] if i < len(self.store.layers) else self.store.layers[0]
 
     # ------------------------------------------------------------------ promotion (off the critical path)
-    def _promote(self, candidates: list[Key], *, budget_bytes: int | None = None, admit_all: bool = False) -> None:
-        """Copy the candidates most worth caching into the pool on the copy stream; they are published
+    def _promote(self, layer: int, experts: np.ndarray, *, budget_bytes: int | None = None,
+                 admit_all: bool = False) -> None:
+        """Copy `layer`'s experts most worth caching into the pool on the copy stream; they are published
         (become hits) only once their bytes have landed (`_finish_promotions`). `admit_all` (prefetch) skips
         the rule that a newcomer must have been used more than the expert it replaces."""
-        if not self.options.slots or not candidates:
+        budget = self._promote_blocks if budget_bytes is None else budget_bytes // max(1, self.store.block_nbytes)
+        if not self.options.slots or not len(experts) or budget <= 0:
             return
-        dirc = self.cache.directory
-        budget = (self.options.promote_bytes_per_call if budget_bytes is None else budget_bytes) // \
-            max(1, self.store.block_nbytes)
-        copies, started = [], []
-        for key in sorted(candidates, key=dirc.policy.score, reverse=True)[:budget]:
+        cache, dirc = self.cache, self.cache.directory
+        policy = dirc.policy
+        scores = policy.scores(layer, experts)
+        picked = experts[np.argsort(-scores, kind="stable")[:budget]] if len(experts) > 1 else experts
+        started, evicted = [], []
+        for e in picked.tolist():
+            key = (layer, e)
             if key in dirc.slot_of:
                 continue
             if not dirc.free:
                 # admission: replace a cached expert only with one used more than it
-                victim = dirc.policy.victim(dirc.slot_of.keys(), dirc.pinned | self.cache.pending)
-                if victim is None or (not admit_all and dirc.policy.score(victim) >= dirc.policy.score(key)):
+                victim = policy.victim(dirc.slot_of.keys(), cache.pending)
+                if victim is None or (not admit_all and policy.score(victim) >= policy.score(key)):
                     continue
-            got = dirc.allocate(key, protected=self.cache.pending)
+            got = dirc.allocate(key, protected=cache.pending)
             if got is None:
                 continue
-            slot, evicted = got
-            if evicted is not None:
-                self.cache.withdraw(evicted)
-            self.cache.pending.add(key)
-            copies.append((self.store.block(*key), self.cache.slot_view(slot)))
-            started.append((key, slot))
-        if copies:
-            done = self.transport.submit(copies, after=self._record())
+            if got[1] is not None:
+                evicted.append(got[1])
+            cache.pending.add(key)
+            started.append((key, got[0]))
+        if started:
+            cache.withdraw_many(evicted)
+            blocks = self.store.layer_buffer(layer)
+            done = self.transport.submit([(blocks[k[1]], cache.pool[s]) for k, s in started], after=self._record())
             self._promotions += [(key, slot, done) for key, slot in started]
-            self.counters.add(promoted_experts=len(copies), bytes_h2d=len(copies) * self.store.block_nbytes)
+            self.counters.add(promoted_experts=len(started), bytes_h2d=len(started) * self.store.block_nbytes)
 
     def _finish_promotions(self) -> None:
-        still = []
+        still, landed, slots = [], [], []
+        slot_of = self.cache.directory.slot_of
         for key, slot, done in self._promotions:
             if done is None or done.query():
-                if self.cache.directory.slot_of.get(key) == slot:
-                    self.cache.publish(key, slot)
+                if slot_of.get(key) == slot:
+                    landed.append(key)
+                    slots.append(slot)
                 self.cache.pending.discard(key)
             else:
                 still.append((key, slot, done))
+        self.cache.publish_many(landed, slots)
         self._promotions = still
 
     def _warm_hot_set(self) -> None:
         """Load the pinned hot set (from earlier runs' routing statistics) so the cache starts warm."""
-        copies, keys = [], []
+        copies, keys, slots = [], [], []
         for key in self.cache.directory.pinned:
             if key[0] not in self.cache.layer_index or not 0 <= key[1] < self.store.num_experts:
                 continue
@@ -313,11 +401,11 @@ class HybridExperts:
             if got is None:
                 break
             copies.append((self.store.block(*key), self.cache.slot_view(got[0])))
-            keys.append((key, got[0]))
+            keys.append(key)
+            slots.append(got[0])
         if copies:
             self._wait(self.transport.submit(copies))
-            for key, slot in keys:
-                self.cache.publish(key, slot)
+            self.cache.publish_many(keys, slots)
 
     # ------------------------------------------------------------------ streams
     def _record(self):
@@ -430,3 +518,18 @@ def _build_hybrid(store, spec, *, device, dtype, options, routing, prefetcher=No
             slots = smaller
             if device.type == "cuda":
                 torch.cuda.empty_cache()
+
+
+class _CallExperts:
+    """`key in protected` for one decode call without building a set: this call's experts of `layer` (hits
+    and fetches in progress) and every in-flight promotion keep their slots."""
+
+    __slots__ = ("layer", "mask", "pending")
+
+    def __init__(self, layer: int, experts: np.ndarray, num_experts: int, pending: set[Key]):
+        self.layer, self.pending = layer, pending
+        self.mask = np.zeros(num_experts, dtype=bool)
+        self.mask[experts] = True
+
+    def __contains__(self, key: Key) -> bool:
+        return (key[0] == self.layer and bool(self.mask[key[1]])) or key in self.pending

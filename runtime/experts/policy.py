@@ -13,54 +13,142 @@ Keys are (layer, expert) tuples.
 """
 from __future__ import annotations
 
+import heapq
 import json
 import math
 import os
-from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterable, Protocol
+from typing import Container, Iterable, Protocol
+
+import numpy as np
 
 Key = tuple[int, int]
 
 
 class Policy(Protocol):
-    """Eviction order over the keys currently cached."""
+    """Eviction order over the keys currently cached (and evictable: a directory never inserts pinned keys).
+
+    Scores only grow between evictions (a use raises a key's score; nothing lowers it), which is what lets
+    both policies find a victim with a lazy heap in O(log S) instead of scanning every cached key."""
 
     def on_access(self, key: Key) -> None: ...            # a token was routed to `key` (cached or not)
+    def on_access_many(self, layer: int, experts: np.ndarray) -> None: ...   # distinct experts, one call
     def on_insert(self, key: Key) -> None: ...
     def on_evict(self, key: Key) -> None: ...
-    def victim(self, cached: Iterable[Key], protected: set[Key]) -> Key | None: ...
+    def victim(self, cached: Iterable[Key], protected: Container[Key]) -> Key | None: ...
     def score(self, key: Key) -> float: ...               # higher = more worth caching
+    def scores(self, layer: int, experts: np.ndarray) -> np.ndarray: ...     # vectorised `score`
+
+
+_RAMP = np.arange(1, 1025, dtype=np.float64)     # 1, 2, ... : a call's clock offsets without an arange
+
+
+class _LayerTable:
+    """A float64 value per (layer, expert), one growable numpy row per layer (0 where never set)."""
+
+    def __init__(self) -> None:
+        self.rows: dict[int, np.ndarray] = {}
+
+    def row(self, layer: int, size: int) -> np.ndarray:
+        row = self.rows.get(layer)
+        if row is None or len(row) < size:
+            grown = np.zeros(max(size, 64 if row is None else 2 * len(row)), dtype=np.float64)
+            if row is not None:
+                grown[:len(row)] = row
+            row = self.rows[layer] = grown
+        return row
+
+    def get(self, key: Key) -> float:
+        row = self.rows.get(key[0])
+        return float(row[key[1]]) if row is not None and key[1] < len(row) else 0.0
+
+    def get_many(self, layer: int, experts: np.ndarray) -> np.ndarray:
+        row = self.rows.get(layer)
+        if row is None:
+            return np.zeros(len(experts))
+        if len(experts) and int(experts.max()) >= len(row):
+            row = self.row(layer, int(experts.max()) + 1)
+        return row[experts]
+
+
+class _LazyHeap:
+    """Min-heap of (score when pushed, key) over the cached keys. Scores only grow, so an entry whose stored
+    score is below the key's current one is re-pushed when it reaches the top, and the first entry that is
+    current, cached and not protected is the true minimum."""
+
+    def __init__(self) -> None:
+        self.heap: list[tuple[float, Key]] = []
+        self.cached: set[Key] = set()
+
+    def push(self, key: Key, score: float) -> None:
+        self.cached.add(key)
+        heapq.heappush(self.heap, (score, key))
+
+    def discard(self, key: Key) -> None:
+        self.cached.discard(key)          # its entries die when they reach the top
+
+    def rebuild(self, score) -> None:
+        self.heap = [(score(k), k) for k in self.cached]
+        heapq.heapify(self.heap)
+
+    def minimum(self, score, protected: Container[Key]) -> Key | None:
+        heap, aside, found = self.heap, [], None
+        while heap:
+            stored, key = heap[0]
+            if key not in self.cached:
+                heapq.heappop(heap)
+                continue
+            now = score(key)
+            if now != stored:
+                heapq.heapreplace(heap, (now, key))
+                continue
+            if key in protected:
+                aside.append(heapq.heappop(heap))
+                continue
+            found = key
+            break
+        for entry in aside:
+            heapq.heappush(heap, entry)
+        if len(heap) > 2 * len(self.cached) + 64:           # dead entries of evicted keys pile up: compact
+            self.rebuild(score)
+        return found
 
 
 class LRUPolicy:
+    """Evict the least recently used: a key's score is the clock of its last access."""
+
     def __init__(self) -> None:
-        self._order: OrderedDict[Key, None] = OrderedDict()
         self._clock = 0
-        self._seen: dict[Key, int] = {}
+        self._seen = _LayerTable()
+        self._heap = _LazyHeap()
 
     def on_access(self, key: Key) -> None:
         self._clock += 1
-        self._seen[key] = self._clock
-        if key in self._order:
-            self._order.move_to_end(key)
+        self._seen.row(key[0], key[1] + 1)[key[1]] = self._clock
+
+    def on_access_many(self, layer: int, experts: np.ndarray) -> None:
+        """Distinct, sorted experts [U] (np.unique / flatnonzero order): each one access, in that order."""
+        n = len(experts)
+        if n:
+            self._seen.row(layer, int(experts[-1]) + 1)[experts] = _RAMP[:n] + self._clock if n <= len(_RAMP) else \
+                np.arange(self._clock + 1, self._clock + n + 1, dtype=np.float64)
+            self._clock += n
 
     def on_insert(self, key: Key) -> None:
-        self._order[key] = None
-        self._order.move_to_end(key)
+        self._heap.push(key, self.score(key))
 
     def on_evict(self, key: Key) -> None:
-        self._order.pop(key, None)
+        self._heap.discard(key)
 
-    def victim(self, cached: Iterable[Key], protected: set[Key]) -> Key | None:
-        for key in self._order:                 # oldest first
-            if key not in protected:
-                return key
-        return None
+    def victim(self, cached: Iterable[Key], protected: Container[Key]) -> Key | None:
+        return self._heap.minimum(self.score, protected)
 
     def score(self, key: Key) -> float:
-        return float(self._seen.get(key, 0))
+        return self._seen.get(key)
+
+    def scores(self, layer: int, experts: np.ndarray) -> np.ndarray:
+        return self._seen.get_many(layer, experts)
 
 
 class FrequencyPolicy:
@@ -71,39 +159,47 @@ class FrequencyPolicy:
             raise ValueError(f"half_life must be positive, got {half_life}")
         self._growth = math.log(2.0) / half_life
         self._t = 0
-        self._raw: dict[Key, float] = {}        # count * exp(growth * t_added): no decay pass ever needed
-        self._cached: set[Key] = set()
+        self._raw = _LayerTable()               # count * exp(growth * t_added): no decay pass ever needed
+        self._heap = _LazyHeap()
 
     def _renormalise(self) -> None:
-        # keep exp() finite: fold the clock into the stored values every so often
+        # keep exp() finite: fold the clock into the stored values every so often (order is unchanged)
         factor = math.exp(-self._growth * self._t)
-        self._raw = {k: v * factor for k, v in self._raw.items() if v * factor > 1e-6}
+        for row in self._raw.rows.values():
+            row *= factor
         self._t = 0
+        self._heap.rebuild(self._raw.get)
 
     def on_access(self, key: Key) -> None:
         self._t += 1
         if self._growth * self._t > 50:
             self._renormalise()
-        self._raw[key] = self._raw.get(key, 0.0) + math.exp(self._growth * self._t)
+        self._raw.row(key[0], key[1] + 1)[key[1]] += math.exp(self._growth * self._t)
+
+    def on_access_many(self, layer: int, experts: np.ndarray) -> None:
+        n = len(experts)
+        if not n:
+            return
+        if self._growth * (self._t + n) > 50:
+            self._renormalise()
+        # the same values as n single accesses at clocks t+1 .. t+n (experts are distinct)
+        self._raw.row(layer, int(experts[-1]) + 1)[experts] += np.exp(self._growth * np.arange(self._t + 1, self._t + n + 1))
+        self._t += n
 
     def on_insert(self, key: Key) -> None:
-        self._cached.add(key)
+        self._heap.push(key, self._raw.get(key))
 
     def on_evict(self, key: Key) -> None:
-        self._cached.discard(key)
+        self._heap.discard(key)
 
     def score(self, key: Key) -> float:
-        return self._raw.get(key, 0.0) * math.exp(-self._growth * self._t)
+        return self._raw.get(key) * math.exp(-self._growth * self._t)
 
-    def victim(self, cached: Iterable[Key], protected: set[Key]) -> Key | None:
-        best, best_score = None, math.inf
-        for key in self._cached:
-            if key in protected:
-                continue
-            s = self._raw.get(key, 0.0)
-            if s < best_score:
-                best, best_score = key, s
-        return best
+    def scores(self, layer: int, experts: np.ndarray) -> np.ndarray:
+        return self._raw.get_many(layer, experts) * math.exp(-self._growth * self._t)
+
+    def victim(self, cached: Iterable[Key], protected: Container[Key]) -> Key | None:
+        return self._heap.minimum(self._raw.get, protected)
 
 
 def make_policy(name: str) -> Policy:
@@ -115,15 +211,39 @@ def make_policy(name: str) -> Policy:
 
 
 class RoutingStats:
-    """How often each (layer, expert) was chosen, summed over runs and saved per model."""
+    """How often each (layer, expert) was chosen, summed over runs and saved per model.
+
+    Counted in one growable numpy row per layer (a decode call adds its distinct experts in one vectorised
+    step); `counts` is the {(layer, expert): count} view of the non-zero entries."""
 
     def __init__(self, counts: dict[Key, int] | None = None):
-        self.counts: dict[Key, int] = dict(counts or {})
+        self._rows: dict[int, np.ndarray] = {}
+        for (layer, e), c in (counts or {}).items():
+            self._row(layer, e + 1)[e] += int(c)
+
+    def _row(self, layer: int, size: int) -> np.ndarray:
+        row = self._rows.get(layer)
+        if row is None or len(row) < size:
+            grown = np.zeros(max(size, 64 if row is None else 2 * len(row)), dtype=np.int64)
+            if row is not None:
+                grown[:len(row)] = row
+            row = self._rows[layer] = grown
+        return row
+
+    @property
+    def counts(self) -> dict[Key, int]:
+        return {(layer, int(e)): int(row[e]) for layer, row in sorted(self._rows.items()) for e in np.flatnonzero(row)}
 
     def add(self, layer: int, experts: Iterable[int]) -> None:
-        for e in experts:
-            key = (layer, int(e))
-            self.counts[key] = self.counts.get(key, 0) + 1
+        """One use of each listed expert (repeats count again)."""
+        ids = np.asarray(list(experts) if not isinstance(experts, np.ndarray) else experts, dtype=np.int64)
+        if len(ids):
+            np.add.at(self._row(layer, int(ids.max()) + 1), ids, 1)
+
+    def add_distinct(self, layer: int, experts: np.ndarray) -> None:
+        """`add` for sorted distinct ids [U] int64 (np.unique's output): one fancy-indexed increment."""
+        if len(experts):
+            self._row(layer, int(experts[-1]) + 1)[experts] += 1
 
     def hot_set(self, n: int) -> list[Key]:
         """The n most used keys, most used first (ties: lower layer, lower expert)."""
@@ -187,6 +307,13 @@ class SlotDirectory:
     def __len__(self) -> int:
         return len(self.slot_of)
 
+    def record(self, layer: int, experts: np.ndarray, hits: int) -> None:
+        """The vectorised `lookup`, for a caller that split hits from misses itself (hybrid.py reads its host
+        mirror of the slot table): one access per distinct expert [U] of `layer`, `hits` of them hits."""
+        self.policy.on_access_many(layer, experts)
+        self.counters.hits += hits
+        self.counters.misses += len(experts) - hits
+
     def lookup(self, keys: Iterable[Key]) -> tuple[list[Key], list[Key]]:
         """Count and split routed keys into (hits, misses); every key counts as one access."""
         hits, misses = [], []
@@ -197,22 +324,25 @@ class SlotDirectory:
         self.counters.misses += len(misses)
         return hits, misses
 
-    def allocate(self, key: Key, *, protected: set[Key] = frozenset()) -> tuple[int, Key | None] | None:
-        """A slot for `key`: (slot, evicted key or None), or None when every slot is pinned or protected."""
+    def allocate(self, key: Key, *, protected: Container[Key] = frozenset()) -> tuple[int, Key | None] | None:
+        """A slot for `key`: (slot, evicted key or None), or None when every slot is pinned or protected.
+        Pinned keys never enter the policy's eviction order, so `protected` is only what the caller adds (any
+        container: hybrid.py passes a view over the current call's experts instead of building a set)."""
         if key in self.slot_of:
             return self.slot_of[key], None
         evicted = None
         if self.free:
             slot = self.free.pop()
         else:
-            evicted = self.policy.victim(self.slot_of.keys(), self.pinned | set(protected))
+            evicted = self.policy.victim(self.slot_of.keys(), protected)
             if evicted is None:
                 return None
             slot = self.slot_of.pop(evicted)
             self.policy.on_evict(evicted)
             self.counters.evictions += 1
         self.slot_of[key] = slot
-        self.policy.on_insert(key)
+        if key not in self.pinned:
+            self.policy.on_insert(key)
         self.counters.insertions += 1
         return slot, evicted
 
@@ -255,8 +385,14 @@ class SplitController:
             return 0
         if self.mode == "fetch":
             return n_misses
-        # the whole number that finishes both paths soonest: never worse than 0 or n_misses at these rates
-        return min(range(n_misses + 1), key=lambda k: (max(k / self.pcie_gbps, (n_misses - k) / self.cpu_gbps), k))
+        # the whole number that finishes both paths soonest: never worse than 0 or n_misses at these rates.
+        # max(k / pcie, (n - k) / cpu) falls then rises in k, so the best whole k is a neighbour of the real
+        # crossing point n * pcie / (pcie + cpu); ties go to the smaller k (fewer copies on the critical path)
+        if n_misses <= 0:
+            return 0
+        cost = lambda k: max(k / self.pcie_gbps, (n_misses - k) / self.cpu_gbps)     # noqa: E731
+        lo = min(n_misses, int(n_misses * self.pcie_gbps / (self.pcie_gbps + self.cpu_gbps)))
+        return lo if lo == n_misses or cost(lo) <= cost(lo + 1) else lo + 1
 
     def choose(self) -> str:
         """Pick the mode for the next step: an untried or stale mode first, else the fastest seen."""

@@ -42,6 +42,22 @@ class ExpertStats:
             setattr(self.total, name, getattr(self.total, name) + value)
             setattr(self.step, name, getattr(self.step, name) + value)
 
+    def add_decode(self, tokens: int, hits: int, misses: int, cpu_experts: int, fetched: int, block_nbytes: int,
+                   cpu_seconds: float) -> None:
+        """One decode-layer call's counts: `add` with the names spelled out (this runs once per MoE layer per
+        token, so it skips `add`'s keyword dict and getattr/setattr round trips)."""
+        for c in (self.total, self.step):
+            c.decode_calls += 1
+            c.tokens += tokens
+            c.hits += hits
+            c.misses += misses
+            c.cpu_experts += cpu_experts
+            c.fetched_experts += fetched
+            c.gpu_experts += hits + fetched
+            c.bytes_h2d += fetched * block_nbytes
+            c.bytes_cpu_read += cpu_experts * block_nbytes
+            c.cpu_seconds += cpu_seconds
+
     def end_step(self) -> dict:
         """The step's counters as a dict, and a fresh step."""
         out = _with_rates(self.step)
