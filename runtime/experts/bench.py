@@ -127,45 +127,87 @@ def probe_torch_cpu_kernels(report: dict, *, d: int, i: int, threads: int) -> No
     report[f"torch_cpu_kernels_{threads}threads"] = res
 
 
+def _numba_read_gbps(store, threads: int) -> float:
+    """Memory read bandwidth at `threads` numba threads: a parallel sum over every layer of the store (the
+    bar the expert kernels are held to: the same bytes, the same thread pool)."""
+    import numba
+    import numpy as np
+
+    @numba.njit(parallel=True)
+    def total(words):
+        acc = np.uint64(0)
+        for c in numba.prange(words.shape[0] // 4096):
+            s = np.uint64(0)
+            for j in range(c * 4096, (c + 1) * 4096):
+                s += words[j]
+            acc += s
+        return acc
+
+    numba.set_num_threads(threads)
+    views = [store.layer_buffer(layer).reshape(-1).view(np.uint64) for layer in store.layers]
+    total(views[0][:4096])
+
+    def sweep():
+        for v in views:
+            total(v)
+    return store.nbytes / _median_time(sweep, repeats=3, warmup=1) / GB
+
+
 def probe_numba_kernels(report: dict, *, name: str, layers: int, thread_counts: list[int]) -> None:
-    """Our kernels over all of a layer's misses in one call, cycling layers of a store bigger than the caches."""
+    """Our kernels over all of a layer's misses in one call, cycling layers of a store bigger than the caches:
+    the int8-activation kernels (the default) and the exact float ones, beside the read bandwidth at the same
+    thread count. int4 shapes also run at group 64 (the converter's default) when SHAPES says otherwise."""
+    _, e, k, d, i, codec, group = SHAPES[name]
+    for g in ([group, 64] if codec == "int4" and group != 64 else [group]):
+        key = f"numba_{name}" if g == group else f"numba_{name}_g{g}"
+        report[key] = _probe_numba_shape(name=name, group=g, layers=layers, thread_counts=thread_counts)
+
+
+def _probe_numba_shape(*, name: str, group: int, layers: int, thread_counts: list[int]) -> dict:
     import numpy as np
     import torch
 
     from runtime.experts import cpu_kernels as ck
+    from runtime.experts import cpu_kernels_int8 as ck8
     from runtime.experts.cpu_executor import CpuExecutor
     from runtime.experts.host_store import HostExpertStore
     from runtime.experts.interface import ExpertSpec
 
-    _, e, k, d, i, codec, group = SHAPES[name]
+    _, e, k, d, i, codec, _ = SHAPES[name]
     t0 = time.perf_counter()
     store = HostExpertStore.synthetic(layers=layers, num_experts=e, hidden=d, intermediate=i, codec=codec, group=group)
     build_s = time.perf_counter() - t0
-    ex = CpuExecutor(store, ExpertSpec())
+    kernels = {"int8": CpuExecutor(store, ExpertSpec(), int8=True), "exact": CpuExecutor(store, ExpertSpec(), int8=False)}
+    out = {"store_gb": store.nbytes / GB, "build_s": build_s, "codec": codec, "group": group, "dot_isa": ck8.ISA}
     rng = np.random.default_rng(0)
-    out = {"store_gb": store.nbytes / GB, "build_s": build_s, "codec": codec}
-    for batch in (1, 4):
-        for threads in thread_counts:
-            ck.numba.set_num_threads(threads)
+    steps = 60
+    # routing drawn up front: uniform, K distinct experts per token (what the timed loop must not pay for)
+    routes = {batch: [(s % layers, np.repeat(np.arange(batch), k),
+                       np.stack([rng.choice(e, k, replace=False) for _ in range(batch)]).reshape(-1))
+                      for s in range(steps + 1)] for batch in (1, 4)}
+    for threads in thread_counts:
+        read = _numba_read_gbps(store, threads)
+        out[f"read_gbps_threads{threads}"] = read
+        ck.numba.set_num_threads(threads)
+        for batch in (1, 4):
             x = torch.randn(batch, d)
-            state = {"layer": 0, "bytes": 0}
-
-            def step():
-                layer = state["layer"] % layers
-                state["layer"] += 1
-                ids = np.stack([rng.choice(e, k, replace=False) for _ in range(batch)]).reshape(-1)
-                tokens = np.repeat(np.arange(batch), k)
-                ex.run(layer, x, tokens, ids, np.full(len(ids), 1 / k, dtype=np.float32))
-                state["bytes"] += len(np.unique(ids)) * store.block_nbytes
-            step()
-            state["bytes"] = 0
-            n = 60
-            t0 = time.perf_counter()
-            for _ in range(n):
-                step()
-            dt = time.perf_counter() - t0
-            out[f"batch{batch}_threads{threads}"] = {"us_per_layer": dt / n * 1e6, "gbps": state["bytes"] / dt / GB}
-    report[f"numba_{name}"] = out
+            w = np.full(batch * k, 1 / k, dtype=np.float32)
+            for label, ex in kernels.items():
+                layer, tokens, ids = routes[batch][-1]
+                ex.run(layer, x, tokens, ids, w)                       # compile / warm up
+                nbytes = 0
+                t0 = time.perf_counter()
+                for layer, tokens, ids in routes[batch][:steps]:
+                    ex.run(layer, x, tokens, ids, w)
+                dt = time.perf_counter() - t0
+                nbytes = sum(len(np.unique(ids)) for _, _, ids in routes[batch][:steps]) * store.block_nbytes
+                gbps = nbytes / dt / GB
+                out[f"{label}_batch{batch}_threads{threads}"] = {
+                    "us_per_layer": dt / steps * 1e6, "gbps": gbps, "gbps_per_thread": gbps / threads,
+                    "of_read_bandwidth": gbps / read}
+                print(f"{name} {codec} g{group} {label:5s} b{batch} {threads:3d} thr: {dt / steps * 1e6:8.0f} us/layer "
+                      f"{gbps:6.1f} GB/s = {gbps / read:4.0%} of {read:.1f} GB/s read", flush=True)
+    return out
 
 
 ROUTINGS = {

@@ -1,10 +1,18 @@
 """Missed experts computed on the CPU, over the packed weights in host memory, all of a layer's in one call.
 
 `CpuExecutor.run(layer, x, tokens, experts, weights)` takes the layer's missed (token, expert) assignments
-with their routing weights and returns their weighted sum per token. The fast path is the numba kernels in
-`cpu_kernels.py` (one parallel call for gate/up and one for down over every missed expert); the reference
-path dequantizes each expert with the FTW codecs and runs `expert_forward`, and is what the fast path is
-tested against. bf16 stores run torch's own matmuls on zero-copy bf16 views.
+with their routing weights and returns their weighted sum per token. Paths, for int4/fp4 stores:
+
+- int8 activations (`cpu_kernels_int8.py`, one parallel call per layer, byte dot-product instructions):
+  the default for real layer sizes (hidden and expert width >= INT8_MIN_WIDTH); bandwidth-bound, and off
+  the exact result by the activations' rounding (~1 % relative on a whole expert, bound in that module);
+- exact float (`cpu_kernels.py`, one call for gate/up and one for down): small layers (tiny test models,
+  where a call is overhead-bound anyway and results must match the reference to float rounding), or
+  `int8=False`;
+- reference (dequantize each expert with the FTW codecs, `expert_forward`): without numba, odd shapes
+  (a width not a multiple of the group), `fast=False`; what the others are tested against.
+
+bf16/f32 stores run torch's own matmuls on zero-copy views.
 
 Shapes: T tokens, A assignments, U distinct experts, D hidden, I expert width.
 """
@@ -23,6 +31,7 @@ def ck_scatter_add(out: np.ndarray, tokens: np.ndarray, y: np.ndarray, w: np.nda
 
 
 _ACTIVATIONS = {"silu": 0, "gpt_oss": 1}
+INT8_MIN_WIDTH = 512         # int8 activations from this hidden size and expert width up (real MoE layers)
 
 
 def group_by_expert(experts: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -35,10 +44,11 @@ def group_by_expert(experts: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.nda
 
 
 class CpuExecutor:
-    """Runs missed experts on the CPU. `threads` bounds the kernel's threads (None: numba's default, all cores)."""
+    """Runs missed experts on the CPU. `threads` bounds the kernel's threads (None: numba's default, all cores);
+    `int8` picks the int8-activation kernels (None: by layer size, see the module docstring)."""
 
     def __init__(self, store: HostExpertStore, spec: ExpertSpec, *, threads: int | None = None,
-                 fast: bool | None = None):
+                 fast: bool | None = None, int8: bool | None = None):
         self.store = store
         self.spec = spec
         self.fast = ck.HAVE_NUMBA if fast is None else fast
@@ -51,12 +61,19 @@ class CpuExecutor:
         lay = store.layout
         if lay.quantized and (lay.hidden % lay.group or lay.intermediate % lay.group):
             self.fast = False          # the kernels view rows as whole groups; odd shapes take the reference path
+        if int8 is None:
+            int8 = min(lay.hidden, lay.intermediate) >= INT8_MIN_WIDTH
+        self.int8 = bool(int8 and self.fast and lay.quantized)
+        if self.int8:
+            from runtime.experts import cpu_kernels_int8      # compiles its intrinsics' module on import
+            self._k8 = cpu_kernels_int8
         if lay.codec == "int4":
             self._scale_table = ck.fp16_table()
         elif lay.codec == "fp4":
             self._scale_table = ck.e8m0_table() if lay.scale_format == "e8m0" else ck.e4m3_table()
         self._globals: dict[int, tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
         self._empty = np.zeros((0, 0), dtype=np.float32)
+        self._offsets: dict[str, np.ndarray] = {}
 
     # ------------------------------------------------------------------ public
     def run(self, layer: int, x: torch.Tensor, tokens: np.ndarray, experts: np.ndarray,
@@ -74,6 +91,9 @@ class CpuExecutor:
             y = self._reference(layer, x, tok, uniq, starts)
         elif not self.store.layout.quantized:
             y = self._dense(layer, x, tok, uniq, starts)
+        elif self.int8:
+            self._kernel_int8(layer, x.numpy(), tok, uniq, starts, w.numpy(), out.numpy())
+            return out
         else:
             y = self._kernel(layer, x.numpy(), tok, uniq, starts)
         # a serial scatter: torch's threaded index_add_ would fight numba's thread pool for the cores
@@ -131,6 +151,21 @@ class CpuExecutor:
         ck.down(codec, buf, d_offs, lay.hidden, self._scale_table, he, ho, hsum,
                 uniq, starts, d_scale, bias["down"], y)
         return torch.from_numpy(y)
+
+    def _kernel_int8(self, layer, x: np.ndarray, tok, uniq, starts, w: np.ndarray, out: np.ndarray) -> None:
+        lay = self.store.layout
+        offs = self._offsets.get(lay.codec)
+        if offs is None:
+            off = lambda name: lay.parts[name].offset if name in lay.parts else 0     # noqa: E731
+            names = [f"{m}{k}" for m in ("gate", "up", "down") for k in ("", "_scales", "_mins")]
+            offs = self._offsets[lay.codec] = np.array(
+                [off(n) for n in names + ["gate_bias", "up_bias", "down_bias"]], dtype=np.int64)
+        flat = self.store.layer_buffer(layer).reshape(-1)              # [E * nbytes], zero-copy
+        g_scale, u_scale, d_scale = self._global_scales(layer, self.store.layer_parts(layer))
+        self._k8.moe_layer_int8(0 if lay.codec == "int4" else 1, flat, flat.view(np.uint16), flat.view(np.float32),
+                                lay.nbytes, offs, lay.has_bias, lay.intermediate, lay.group, self._scale_table,
+                                x, tok, uniq, starts, w, g_scale, u_scale, d_scale, _ACTIVATIONS[self.spec.activation],
+                                np.float32(self.spec.swiglu_alpha), np.float32(self.spec.swiglu_limit), out)
 
     def _global_scales(self, layer: int, parts: dict[str, np.ndarray]):
         """Per-matrix scales [E] of gate, up, down (NVFP4's global scale; ones otherwise), cached per layer."""

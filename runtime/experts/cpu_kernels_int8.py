@@ -1,0 +1,337 @@
+"""The CPU expert kernels with int8 activations: integer dot products over the packed int4/fp4 groups.
+
+`moe_layer_int8` runs all of a layer's missed (token, expert) assignments in one call: it quantizes the
+activations to int8 once per token and group (scale = amax / 127), multiplies them against the weight codes
+with byte dot-product instructions (4 byte-products per 32-bit lane: AVX-512 VNNI `vpdpbusd`, AVX-VNNI, or
+AVX2 `vpmaddubsw`), applies the group's weight scale (and the int4 min through the group's activation sum),
+does the same for the down projection's input, and adds the weighted results into the output. The exact
+float kernels (cpu_kernels.py) stay for small layers; cpu_executor.py says when each runs.
+
+Accuracy: only the activations are rounded, so for one projection, per output row,
+    |y - y_exact| <= sum_g (s_g / 2) * sum_{k in g} |W_k|      (s_g the group's activation scale, W dequantized)
+plus float rounding; tests/test_cpu_kernels_int8.py checks that bound and the whole expert's relative error.
+
+Why hand-written IR for the dot: numba widens every integer expression to int64, so a plain loop over nibbles
+and int8 activations vectorizes into 8-lane int64 multiplies; and LLVM does not form the byte dot-product
+instructions from a reduction by itself. The intrinsics below load a group's packed weights and its int8
+activations as vectors and multiply-accumulate unsigned-byte x signed-byte pairs into int32 with the best
+instruction the host has, chosen once at import:
+
+- `vnni512` (AVX-512 VNNI: Xeon since Cascade Lake, Zen 4+): `vpdpbusd`, 64 byte-products per instruction;
+- `avxvnni` (AVX-VNNI: Core 12th gen+): the same instruction at 256 bits;
+- `avx2`: `vpmaddubsw` + `vpmaddwd` (llama.cpp's AVX2 path; pair sums stay under 2 x 15 x 127, no saturation);
+- `generic` (ARM, old x86, NUMBA_CPU_NAME set): zext/sext multiply + reduce, which LLVM lowers per target.
+
+Layout contract (`_quantize_row` writes it): a group of 2n activations is stored as its n even elements then
+its n odd elements, so `concat(low nibbles, high nibbles)` of the group's n packed bytes lines up element for
+element with the 2n activation bytes (byte j holds element 2j low, 2j+1 high).
+
+- int4: u = nibble codes 0..15; dot = sum u * xq; W x = scale * dot * s_x + min * s_x * sum xq per group.
+- fp4 (e2m1): u = |2 * e2m1(code)| in 0..12 (an integer: m + (m-4)+ + 2 (m-6)+ of the magnitude bits m), and
+  the code's sign bit moves onto the activation (xq -> -xq), as llama.cpp does with `vpsignb`.
+
+numba's cache watches only this file: after editing `cpu_kernels._act` (imported below), touch this one.
+
+Shapes: A assignments, U distinct experts, T tokens, D hidden, I expert width, G groups per row.
+"""
+from __future__ import annotations
+
+import math
+
+import llvmlite.binding as llvm
+import llvmlite.ir as ir
+import numpy as np
+from numba import njit, prange, types
+from numba.core import cgutils, config
+from numba.extending import intrinsic
+
+from runtime.experts.cpu_kernels import _act
+
+I8, I16, I32, I64 = ir.IntType(8), ir.IntType(16), ir.IntType(32), ir.IntType(64)
+GROUP_BYTES = (8, 16, 32, 64)       # packed bytes per group: fp4 blocks of 16, 32; int4 groups of 32, 64, 128
+
+
+ISAS = ("vnni512", "avxvnni", "avx2", "generic")
+
+
+def host_isas() -> list[str]:
+    """Every flavour this CPU can run, best first (tests check each against the generic one)."""
+    return [isa for isa in ISAS if isa == "generic" or _host_has(isa)]
+
+
+def _host_has(isa: str) -> bool:
+    try:
+        feats = llvm.get_host_cpu_features()
+    except RuntimeError:                           # not every platform reports features
+        return False
+    has = lambda name: name in feats and bool(feats[name])    # noqa: E731
+    need = {"vnni512": ("avx512vnni", "avx512vl", "avx512bw"), "avxvnni": ("avxvnni",),
+            "avx2": ("avx2",)}[isa]
+    return all(has(f) for f in need)
+
+
+def detect_isa() -> str:
+    """The dot-product flavour for the CPU numba compiles for. It is baked into the cached machine code, which
+    numba keys by CPU name and features, so a cache from another machine is never reused here."""
+    if config.CPU_NAME not in (None, "host"):      # compiling for another CPU (portable cache): no host features
+        return "generic"
+    return host_isas()[0]
+
+
+ISA = detect_isa()
+
+
+# ------------------------------------------------------------------ IR helpers
+def _vec(elt, n):
+    return ir.VectorType(elt, n)
+
+
+def _call(builder, name, ret, args):
+    fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(ret, [a.type for a in args]), name)
+    return builder.call(fn, args)
+
+
+def _load(builder, context, aryty, ary, offset, vty):
+    """vty loaded (unaligned) from &ary.data[offset] (offset counted in elements of a 1-byte array)."""
+    data = context.make_array(aryty)(context, builder, ary).data
+    ptr = builder.gep(data, [offset], inbounds=True)
+    if getattr(ptr.type, "is_opaque", False):
+        return builder.load(ptr, typ=vty, align=1)
+    return builder.load(builder.bitcast(ptr, vty.as_pointer()), align=1)
+
+
+def _slice(builder, v, start, n):
+    return builder.shuffle_vector(v, v, ir.Constant(_vec(I32, n), list(range(start, start + n))))
+
+
+def _concat(builder, a, b):
+    n = a.type.count
+    return builder.shuffle_vector(a, b, ir.Constant(_vec(I32, 2 * n), list(range(2 * n))))
+
+
+def _dot_u8s8(builder, u, s, isa: str):
+    """sum_j u[j] * s[j] as i32, for <m x i8> vectors u (unsigned, < 16) and s (signed); m in 16..128."""
+    m = u.type.count
+    if isa in ("vnni512", "avxvnni"):
+        width = 64 if isa == "vnni512" and m >= 64 else min(m, 32)
+        lanes = _vec(I32, width // 4)
+        acc = ir.Constant(lanes, [0] * (width // 4))
+        name = f"llvm.x86.avx512.vpdpbusd.{width * 8}"
+        for c in range(0, m, width):
+            uc = builder.bitcast(_slice(builder, u, c, width) if m > width else u, lanes)
+            sc = builder.bitcast(_slice(builder, s, c, width) if m > width else s, lanes)
+            acc = _call(builder, name, lanes, [acc, uc, sc])
+        return _call(builder, f"llvm.vector.reduce.add.v{width // 4}i32", I32, [acc])
+    if isa == "avx2":
+        width = min(m, 32)
+        pairs, quads = _vec(I16, width // 2), _vec(I32, width // 4)
+        ones = ir.Constant(pairs, [1] * (width // 2))
+        mub, mwd = (("llvm.x86.avx2.pmadd.ub.sw", "llvm.x86.avx2.pmadd.wd") if width == 32 else
+                    ("llvm.x86.ssse3.pmadd.ub.sw.128", "llvm.x86.sse2.pmadd.wd"))
+        acc = ir.Constant(quads, [0] * (width // 4))
+        for c in range(0, m, width):
+            uc = _slice(builder, u, c, width) if m > width else u
+            sc = _slice(builder, s, c, width) if m > width else s
+            acc = builder.add(acc, _call(builder, mwd, quads, [_call(builder, mub, pairs, [uc, sc]), ones]))
+        return _call(builder, f"llvm.vector.reduce.add.v{width // 4}i32", I32, [acc])
+    wide = _vec(I32, m)
+    prod = builder.mul(builder.zext(u, wide), builder.sext(s, wide))
+    return _call(builder, f"llvm.vector.reduce.add.v{m}i32", I32, [prod])
+
+
+def _nibbles(builder, w):
+    """<n x i8> packed bytes -> <2n x i8> codes: the n low nibbles, then the n high nibbles."""
+    n = w.type.count
+    lo = builder.and_(w, ir.Constant(w.type, [15] * n))
+    hi = builder.lshr(w, ir.Constant(w.type, [4] * n))
+    return _concat(builder, lo, hi)
+
+
+def _e2m1_twice(builder, codes):
+    """e2m1 codes <m x i8> -> (|2 * value| <m x i8> in 0..12, sign mask <m x i1>)."""
+    m = codes.type.count
+    c = lambda v: ir.Constant(codes.type, [v] * m)                 # noqa: E731
+    mag = builder.and_(codes, c(7))
+    usub = f"llvm.usub.sat.v{m}i8"
+    twice = builder.add(builder.add(mag, _call(builder, usub, codes.type, [mag, c(4)])),
+                        builder.shl(_call(builder, usub, codes.type, [mag, c(6)]), c(1)))
+    neg = builder.icmp_unsigned("!=", builder.and_(codes, c(8)), c(0))
+    return twice, neg
+
+
+def make_dot(n: int, codec: str, isa: str):
+    """The intrinsic for groups of n packed bytes of `codec` ("int4" | "fp4") with the `isa` flavour."""
+    @intrinsic
+    def dot(typingctx, buf, boff, xq, xoff):
+        """int32 dot of the n packed bytes at buf[boff:] with the 2n int8 activations at xq[xoff:]."""
+        if not (isinstance(buf, types.Array) and buf.dtype == types.uint8 and isinstance(xq, types.Array)
+                and xq.dtype == types.int8):
+            return None
+        sig = types.int32(buf, boff, xq, xoff)
+
+        def codegen(context, builder, signature, args):
+            w = _load(builder, context, signature.args[0], args[0], args[1], _vec(I8, n))
+            s = _load(builder, context, signature.args[2], args[2], args[3], _vec(I8, 2 * n))
+            codes = _nibbles(builder, w)
+            if codec == "int4":
+                return _dot_u8s8(builder, codes, s, isa)
+            twice, neg = _e2m1_twice(builder, codes)
+            s = builder.select(neg, builder.sub(ir.Constant(s.type, [0] * (2 * n)), s), s)
+            return _dot_u8s8(builder, twice, s, isa)
+        return sig, codegen
+    return dot
+
+
+_dot_int4_8, _dot_int4_16, _dot_int4_32, _dot_int4_64 = (make_dot(n, "int4", ISA) for n in GROUP_BYTES)
+_dot_fp4_8, _dot_fp4_16, _dot_fp4_32, _dot_fp4_64 = (make_dot(n, "fp4", ISA) for n in GROUP_BYTES)
+
+ROWS_PER_TASK = 16       # rows of one expert matrix per parallel task (numba splits the tasks statically)
+
+
+# ------------------------------------------------------------------ kernels
+# Indices are unsigned and no array view is made inside a parallel loop (cpu_kernels.py says why).
+
+@njit(cache=True, fastmath=True, inline="always")
+def _dot(codec, hg, buf, boff, xq, xoff):
+    """The group's integer dot: int4 codes, or 2 * e2m1 values for fp4 (hg packed bytes per group)."""
+    if codec == 0:
+        if hg == 32:
+            return _dot_int4_32(buf, boff, xq, xoff)
+        if hg == 64:
+            return _dot_int4_64(buf, boff, xq, xoff)
+        if hg == 16:
+            return _dot_int4_16(buf, boff, xq, xoff)
+        return _dot_int4_8(buf, boff, xq, xoff)
+    if hg == 16:
+        return _dot_fp4_16(buf, boff, xq, xoff)
+    if hg == 8:
+        return _dot_fp4_8(buf, boff, xq, xoff)
+    if hg == 32:
+        return _dot_fp4_32(buf, boff, xq, xoff)
+    return _dot_fp4_64(buf, boff, xq, xoff)
+
+
+@njit(cache=True, fastmath=True, inline="always")
+def _row(codec, buf, buf16, base, q_off, s_off, m_off, r, n_groups, hg, table, xq, xs, xm, t):
+    """sum_k W[r, k] v_t[k] over one row of a packed matrix (its block part starts at base + q_off)."""
+    one = np.uint64(1)
+    row = base + q_off + r * n_groups * hg
+    xrow = t * n_groups * hg * np.uint64(2)
+    total = np.float32(0.0)
+    if codec == 0:
+        si = ((base + s_off) >> one) + r * n_groups          # fp16 scales and mins, as uint16 indices
+        mi = ((base + m_off) >> one) + r * n_groups
+        for g in range(n_groups):
+            gu = np.uint64(g)
+            acc = _dot(codec, hg, buf, row + gu * hg, xq, xrow + gu * hg * np.uint64(2))
+            total += table[buf16[si + gu]] * xs[t, gu] * np.float32(acc) + table[buf16[mi + gu]] * xm[t, gu]
+        return total
+    si = base + s_off + r * n_groups                         # one scale byte per block
+    for g in range(n_groups):
+        gu = np.uint64(g)
+        acc = _dot(codec, hg, buf, row + gu * hg, xq, xrow + gu * hg * np.uint64(2))
+        total += table[buf[si + gu]] * xs[t, gu] * np.float32(acc)
+    return total * np.float32(0.5)
+
+
+@njit(cache=True, fastmath=True, inline="always")
+def _quantize_row(v, n, group, vq, vs, vm):
+    """Row n of v [N, K] float32 -> int8 per group into vq [N * K] (even elements, then odd: the layout the
+    dot expects), the group scales vs [N, G] and scale * sum of the group's int8 values vm [N, G]."""
+    k = v.shape[1]
+    hg = group // 2
+    for g in range(k // group):
+        b = g * group
+        amax = np.float32(0.0)
+        for j in range(group):
+            amax = max(amax, abs(v[n, b + j]))
+        scale = amax / np.float32(127.0)
+        inv = np.float32(127.0) / amax if amax > np.float32(0.0) else np.float32(0.0)
+        total = 0
+        out = n * k + b
+        for j in range(hg):
+            qe = np.int32(math.floor(v[n, b + 2 * j] * inv + np.float32(0.5)))
+            qo = np.int32(math.floor(v[n, b + 2 * j + 1] * inv + np.float32(0.5)))
+            vq[out + j] = qe
+            vq[out + hg + j] = qo
+            total += qe + qo
+        vs[n, g] = scale
+        vm[n, g] = scale * np.float32(total)
+
+
+@njit(parallel=True, cache=True, fastmath=True)
+def moe_layer_int8(codec, buf, buf16, buf32, nbytes, offs, has_bias, i, group, table, x, tokens, experts, starts,
+                   weights, gate_scale, up_scale, down_scale, activation, alpha, limit, out):
+    """out[t] += sum over assignments a of t of weights[a] * expert_{experts}(x[t]), int8 activations.
+
+    buf: the layer's blocks as one flat uint8 array [E * nbytes] (buf16, buf32: the same bytes as uint16 and
+    float32); offs [12]: byte offsets inside a block of gate, gate_scales, gate_mins, up, up_scales, up_mins,
+    down, down_scales, down_mins (mins unused by fp4, codec 1), gate_bias, up_bias, down_bias (read when
+    has_bias); i the expert width; x [T, D] float32; assignments sorted by expert: tokens [A], weights [A],
+    experts [U] with their runs starts [U + 1]; *_scale [E] per-matrix scales; out [T, D] float32, added to."""
+    n_tok, d = x.shape
+    n_a, n_u = tokens.shape[0], experts.shape[0]
+    o = offs.astype(np.uint64)
+    nb = np.uint64(nbytes)
+    two = np.uint64(2)
+    hg = np.uint64(group // 2)
+    gd, gi = np.uint64(d // group), np.uint64(i // group)
+
+    # 1. the tokens' activations to int8, once per token
+    xq = np.empty(n_tok * d, dtype=np.int8)
+    xs = np.empty((n_tok, d // group), dtype=np.float32)
+    xm = np.empty((n_tok, d // group), dtype=np.float32)
+    for t in prange(n_tok):
+        _quantize_row(x, t, group, xq, xs, xm)
+
+    # 2. gate and up rows of every distinct expert, applied to each of its tokens
+    h = np.empty((n_a, i), dtype=np.float32)
+    blocks = (i + ROWS_PER_TASK - 1) // ROWS_PER_TASK
+    for task in prange(n_u * blocks):
+        u = task // blocks
+        e = np.uint64(experts[u])
+        base = e * nb
+        r0 = (task % blocks) * ROWS_PER_TASK
+        for r in range(r0, min(r0 + ROWS_PER_TASK, i)):
+            ru = np.uint64(r)
+            for a in range(starts[u], starts[u + 1]):
+                t = np.uint64(tokens[a])
+                g = _row(codec, buf, buf16, base, o[0], o[1], o[2], ru, gd, hg, table, xq, xs, xm, t)
+                v = _row(codec, buf, buf16, base, o[3], o[4], o[5], ru, gd, hg, table, xq, xs, xm, t)
+                g *= gate_scale[e]
+                v *= up_scale[e]
+                if has_bias:
+                    g += buf32[((base + o[9]) >> two) + ru]
+                    v += buf32[((base + o[10]) >> two) + ru]
+                h[a, r] = _act(g, v, activation, alpha, limit)
+
+    # 3. the down projection's inputs to int8, once per assignment
+    hq = np.empty(n_a * i, dtype=np.int8)
+    hs = np.empty((n_a, i // group), dtype=np.float32)
+    hm = np.empty((n_a, i // group), dtype=np.float32)
+    for a in prange(n_a):
+        _quantize_row(h, a, group, hq, hs, hm)
+
+    # 4. down rows
+    y = np.empty((n_a, d), dtype=np.float32)
+    blocks = (d + ROWS_PER_TASK - 1) // ROWS_PER_TASK
+    for task in prange(n_u * blocks):
+        u = task // blocks
+        e = np.uint64(experts[u])
+        base = e * nb
+        r0 = (task % blocks) * ROWS_PER_TASK
+        for r in range(r0, min(r0 + ROWS_PER_TASK, d)):
+            ru = np.uint64(r)
+            for a in range(starts[u], starts[u + 1]):
+                v = _row(codec, buf, buf16, base, o[6], o[7], o[8], ru, gi, hg, table, hq, hs, hm, np.uint64(a))
+                v *= down_scale[e]
+                if has_bias:
+                    v += buf32[((base + o[11]) >> two) + ru]
+                y[a, r] = v
+
+    # 5. weighted sum per token (serial: a few thousand multiply-adds)
+    for a in range(n_a):
+        t = tokens[a]
+        w = weights[a]
+        for r in range(d):
+            out[t, r] += w * y[a, r]
