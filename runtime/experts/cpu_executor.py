@@ -84,6 +84,11 @@ class CpuExecutor:
         out = torch.zeros_like(x)
         if len(experts) == 0:
             return out
+        if self.int8:                  # the kernel groups the assignments itself (no numpy calls per layer)
+            self._kernel_int8(layer, x.numpy(), np.ascontiguousarray(tokens, dtype=np.int64),
+                              np.ascontiguousarray(experts, dtype=np.int64),
+                              np.ascontiguousarray(weights, dtype=np.float32), out.numpy())
+            return out
         order, uniq, starts = group_by_expert(np.asarray(experts, dtype=np.int64))
         tok = np.ascontiguousarray(np.asarray(tokens, dtype=np.int64)[order])
         w = torch.from_numpy(np.ascontiguousarray(np.asarray(weights, dtype=np.float32)[order]))
@@ -91,9 +96,6 @@ class CpuExecutor:
             y = self._reference(layer, x, tok, uniq, starts)
         elif not self.store.layout.quantized:
             y = self._dense(layer, x, tok, uniq, starts)
-        elif self.int8:
-            self._kernel_int8(layer, x.numpy(), tok, uniq, starts, w.numpy(), out.numpy())
-            return out
         else:
             y = self._kernel(layer, x.numpy(), tok, uniq, starts)
         # a serial scatter: torch's threaded index_add_ would fight numba's thread pool for the cores
@@ -152,7 +154,7 @@ class CpuExecutor:
                 uniq, starts, d_scale, bias["down"], y)
         return torch.from_numpy(y)
 
-    def _kernel_int8(self, layer, x: np.ndarray, tok, uniq, starts, w: np.ndarray, out: np.ndarray) -> None:
+    def _kernel_int8(self, layer, x: np.ndarray, tokens, experts, weights, out: np.ndarray) -> None:
         lay = self.store.layout
         offs = self._offsets.get(lay.codec)
         if offs is None:
@@ -164,7 +166,7 @@ class CpuExecutor:
         g_scale, u_scale, d_scale = self._global_scales(layer, self.store.layer_parts(layer))
         self._k8.moe_layer_int8(0 if lay.codec == "int4" else 1, flat, flat.view(np.uint16), flat.view(np.float32),
                                 lay.nbytes, offs, lay.has_bias, lay.intermediate, lay.group, self._scale_table,
-                                x, tok, uniq, starts, w, g_scale, u_scale, d_scale, _ACTIVATIONS[self.spec.activation],
+                                x, tokens, experts, weights, g_scale, u_scale, d_scale, _ACTIVATIONS[self.spec.activation],
                                 np.float32(self.spec.swiglu_alpha), np.float32(self.spec.swiglu_limit), out)
 
     def _global_scales(self, layer: int, parts: dict[str, np.ndarray]):

@@ -259,17 +259,53 @@ def _quantize_row(v, n, group, vq, vs, vm):
         vm[n, g] = scale * np.float32(total)
 
 
+@njit(cache=True)
+def group_by_expert(tokens, experts, weights, n_experts, n_tokens):
+    """Assignments sorted by expert (a counting sort, stable): (tokens [A], weights [A], distinct experts [U],
+    their runs' starts [U + 1]). Ids out of range raise: the kernels index the mapped file without checks."""
+    counts = np.zeros(n_experts + 1, dtype=np.int64)
+    for a in range(experts.shape[0]):
+        if experts[a] < 0 or experts[a] >= n_experts:
+            raise ValueError("CPU expert kernel: an expert id is out of range for the layer's experts")
+        if tokens[a] < 0 or tokens[a] >= n_tokens:
+            raise ValueError("CPU expert kernel: a token index is out of range for x")
+        counts[experts[a] + 1] += 1
+    n_u = 0
+    for e in range(n_experts):
+        n_u += counts[e + 1] > 0
+        counts[e + 1] += counts[e]                       # counts[e] is now expert e's first slot
+    uniq = np.empty(n_u, dtype=np.int64)
+    starts = np.empty(n_u + 1, dtype=np.int64)
+    u = 0
+    for e in range(n_experts):
+        if counts[e + 1] > counts[e]:
+            uniq[u] = e
+            starts[u] = counts[e]
+            u += 1
+    starts[n_u] = experts.shape[0]
+    tok = np.empty_like(tokens)
+    w = np.empty_like(weights)
+    for a in range(experts.shape[0]):
+        slot = counts[experts[a]]
+        counts[experts[a]] += 1
+        tok[slot] = tokens[a]
+        w[slot] = weights[a]
+    return tok, w, uniq, starts
+
+
 @njit(parallel=True, cache=True, fastmath=True)
-def moe_layer_int8(codec, buf, buf16, buf32, nbytes, offs, has_bias, i, group, table, x, tokens, experts, starts,
-                   weights, gate_scale, up_scale, down_scale, activation, alpha, limit, out):
+def moe_layer_int8(codec, buf, buf16, buf32, nbytes, offs, has_bias, i, group, table, x, tokens_in, experts_in,
+                   weights_in, gate_scale, up_scale, down_scale, activation, alpha, limit, out):
     """out[t] += sum over assignments a of t of weights[a] * expert_{experts}(x[t]), int8 activations.
 
     buf: the layer's blocks as one flat uint8 array [E * nbytes] (buf16, buf32: the same bytes as uint16 and
     float32); offs [12]: byte offsets inside a block of gate, gate_scales, gate_mins, up, up_scales, up_mins,
     down, down_scales, down_mins (mins unused by fp4, codec 1), gate_bias, up_bias, down_bias (read when
-    has_bias); i the expert width; x [T, D] float32; assignments sorted by expert: tokens [A], weights [A],
-    experts [U] with their runs starts [U + 1]; *_scale [E] per-matrix scales; out [T, D] float32, added to."""
+    has_bias); i the expert width; x [T, D] float32; the assignments in any order: tokens_in, experts_in [A]
+    int64, weights_in [A] float32; *_scale [E] per-matrix scales; out [T, D] float32, added to."""
     n_tok, d = x.shape
+    tokens, weights, experts, starts = group_by_expert(tokens_in, experts_in, weights_in, buf.shape[0] // nbytes,
+                                                       n_tok)
     n_a, n_u = tokens.shape[0], experts.shape[0]
     o = offs.astype(np.uint64)
     nb = np.uint64(nbytes)
