@@ -12,7 +12,13 @@ Shapes: L layers with experts, E experts, D hidden, I expert width, G groups per
 """
 from __future__ import annotations
 
+import logging
 import mmap
+import os
+import threading
+import time
+import weakref
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import numpy as np
@@ -20,12 +26,78 @@ import torch
 
 from runtime.experts.interface import ExpertWeights
 
+log = logging.getLogger(__name__)
+
 _NUMPY_OF = {"float32": np.float32, "float16": np.float16, "bfloat16": np.uint16, "uint8": np.uint8,
              "float8_e4m3fn": np.uint8}
 
 
 class ExpertStoreError(ValueError):
     """A store or its layout does not match what the hybrid tier needs; the message names what."""
+
+
+class HostBuffer:
+    """Host memory for a store: an anonymous mapping of exactly `nbytes` (transparent huge pages where the
+    OS offers them: 512x fewer page faults while it fills), page-locked in place on request.
+
+    Why not `torch.empty(..., pin_memory=True)`: torch's caching host allocator rounds every allocation up
+    to a power of two (pytorch/pytorch#150517), so a 14.3 GiB store locked 16 GiB and a 20 GB one would
+    lock 32 GiB. `pin()` registers our own pages with the driver instead (cudaHostRegister, what SGLang
+    does for the same reason) and unregisters them when the last view is gone."""
+
+    def __init__(self, nbytes: int):
+        self.nbytes = nbytes
+        self._map = mmap.mmap(-1, max(1, nbytes))
+        if hasattr(mmap, "MADV_HUGEPAGE") and nbytes >= (64 << 20):
+            try:
+                self._map.madvise(mmap.MADV_HUGEPAGE)
+            except OSError:
+                pass
+        self.array = np.frombuffer(self._map, dtype=np.uint8, count=nbytes)     # [nbytes]
+        self.pinned = False
+
+    def pin(self) -> bool:
+        """Page-lock the buffer for direct DMA. False (and a warning) without CUDA or when the driver
+        refuses (e.g. the pinnable limit): the store still works, staged through transport's pinned ring."""
+        if not torch.cuda.is_available():
+            log.warning("cannot page-lock %.2f GiB of experts: CUDA is not available", self.nbytes / 2**30)
+            return False
+        ptr = self.array.ctypes.data
+        err = torch.cuda.cudart().cudaHostRegister(ptr, self.nbytes, 0)
+        if int(err) != 0:
+            log.warning("cudaHostRegister of %.2f GiB failed (error %s): experts stay pageable",
+                        self.nbytes / 2**30, int(err))
+            return False
+        # unregister before the pages go back to the OS: the finaliser keeps the mapping alive until then
+        weakref.finalize(self.array, _unregister, ptr, self._map)
+        self.pinned = True
+        return True
+
+    def tensor(self) -> torch.Tensor:
+        return torch.from_numpy(self.array)
+
+
+def _unregister(ptr: int, _mapping) -> None:
+    try:
+        torch.cuda.cudart().cudaHostUnregister(ptr)
+    except RuntimeError:         # the CUDA context is already gone at interpreter exit
+        pass
+
+
+def _default_threads() -> int:
+    return max(1, min(8, os.cpu_count() or 1))
+
+
+def _read_exactly(f, offset: int, out: memoryview, path: str) -> None:
+    """Fill `out` from file offset `offset` (short reads continue; the end of the file is an error)."""
+    f.seek(offset)
+    done = 0
+    while done < len(out):
+        n = f.readinto(out[done:])
+        if not n:
+            raise ExpertStoreError(f"{path}: the expert file ends at byte {offset + done}, but the package's "
+                                   f"layout needs {len(out) - done} more bytes there (truncated download?)")
+        done += n
 
 
 @dataclass(frozen=True)
@@ -178,26 +250,99 @@ class HostExpertStore:
             bufs[layer] = mm[off:off + experts.num_experts * layout.nbytes].reshape(experts.num_experts, layout.nbytes)
         return cls(bufs, layout, num_experts=experts.num_experts, owner=experts)
 
-    def pinned_copy(self, *, pin: bool = True) -> "HostExpertStore":
-        """The same experts copied once into page-locked memory (the GPU then DMAs blocks directly). Each
-        layer's pages of the mapped file are handed back right after its copy (`release_pages`), so the
-        process never holds the file's pages and the pinned copy at once (peak: the copy + one layer)."""
-        store = HostExpertStore.allocate(self.layout, self.layers, self.num_experts, pin=pin)
-        for layer in self.layers:
-            np.copyto(store.layer_buffer(layer), self.layer_buffer(layer))
-            self.release_pages(layer)
+    def pinned_copy(self, *, pin: bool = True, method: str = "auto", threads: int | None = None,
+                    chunk_bytes: int = 64 << 20) -> "HostExpertStore":
+        """The same experts copied once into host memory of our own, page-locked when `pin` (the GPU then
+        DMAs blocks directly); `pin=False` is the same path in ordinary memory (tests, machines without CUDA).
+
+        The process must never hold the file's pages and the copy at once (issue 10: RSS <= package +
+        2 GiB), and the copy is the cold load, so it is done in large chunks by several threads:
+          - "read": `readinto` from the FTW file straight into the destination (no mapping is touched, so
+            no file page ever counts in this process's RSS); the default for a store over a file;
+          - "map": copy out of the mapped file, handing each chunk's mapped pages back right after
+            (`madvise(MADV_DONTNEED)`: the data stays in the OS page cache); also any in-memory store.
+        The destination is exactly the store's size (torch's own pinned allocator rounds up to the next
+        power of two: 32 GiB of locked RAM for a 20 GB package) and is page-locked in place
+        (`HostBuffer.pin`). Timings of each phase land in `load_seconds` (benchmarks/bench_load.py)."""
+        source = self._file_source()
+        if method == "auto":
+            method = "read" if source is not None else "map"
+        if method not in ("read", "map"):
+            raise ExpertStoreError(f"unknown copy method {method!r} (expected 'read', 'map' or 'auto')")
+        if method == "read" and source is None:
+            raise ExpertStoreError("copy method 'read' needs a store over an FTW file (this one is in memory)")
+        t0 = time.perf_counter()
+        buf = HostBuffer(self.nbytes)
+        layer_bytes = self.num_experts * self.layout.nbytes
+        dst = buf.array.reshape(len(self.layers), layer_bytes)                 # [L, E * nbytes]
+        chunks = [(i, layer, start, min(start + chunk_bytes, layer_bytes))
+                  for i, layer in enumerate(self.layers) for start in range(0, layer_bytes, chunk_bytes)]
+        t1 = time.perf_counter()
+        if method == "read":
+            path, offsets = source
+            files = threading.local()
+
+            def work(chunk):
+                i, layer, a, b = chunk
+                f = getattr(files, "f", None)
+                if f is None:
+                    f = files.f = open(path, "rb", buffering=0)          # noqa: SIM115  (one per thread)
+                    opened.append(f)
+                _read_exactly(f, offsets[layer] + a, memoryview(dst[i, a:b]), path)
+                self.release_pages(layer, a, b - a)      # pages someone mapped earlier go too (no-op if none)
+            opened: list = []
+        else:
+            def work(chunk):
+                i, layer, a, b = chunk
+                np.copyto(dst[i, a:b], self.layer_buffer(layer).reshape(-1)[a:b])
+                self.release_pages(layer, a, b - a)
+        n_threads = max(1, min(threads or _default_threads(), len(chunks)))
+        try:
+            if n_threads == 1:
+                for chunk in chunks:
+                    work(chunk)
+            else:
+                with ThreadPoolExecutor(n_threads, thread_name_prefix="ftw-load") as pool:
+                    for _ in pool.map(work, chunks):      # re-raises the first worker error here
+                        pass
+        finally:
+            if method == "read":
+                for f in opened:
+                    f.close()
+        t2 = time.perf_counter()
+        pinned = buf.pin() if pin else False
+        t3 = time.perf_counter()
+        store = HostExpertStore({layer: dst[i].reshape(self.num_experts, self.layout.nbytes)
+                                 for i, layer in enumerate(self.layers)}, self.layout, num_experts=self.num_experts,
+                                owner=buf)
+        store.load_seconds = {"allocate": t1 - t0, "copy": t2 - t1, "pin": t3 - t2, "threads": n_threads,
+                              "method": method, "pinned": pinned}
         return store
 
-    def release_pages(self, layer: int) -> bool:
-        """Drop this process's mapping of `layer`'s blocks (madvise DONTNEED on the FTW file's private
-        mapping: the data stays in the OS page cache and is read again if touched). False when the store is
-        not a mapped file or the OS has no madvise (Windows)."""
+    def _file_source(self) -> tuple[str, dict[int, int]] | None:
+        """(path, file offset of each layer's first block) when this store reads an FTW file, else None."""
+        mm = getattr(self._owner, "mm", None)
+        path = getattr(mm, "filename", None)
+        if path is None or not hasattr(self._owner, "layer_offset"):
+            return None
+        base = int(getattr(mm, "offset", 0) or 0)
+        return str(path), {layer: base + int(self._owner.layer_offset(layer)) for layer in self.layers}
+
+    def release_pages(self, layer: int, start: int = 0, length: int | None = None) -> bool:
+        """Drop this process's mapping of `layer`'s blocks (or of bytes [start, start + length) of them):
+        madvise DONTNEED on the FTW file's private mapping; the data stays in the OS page cache and is read
+        again if touched. False when the store is not a mapped file or the OS has no madvise (Windows)."""
         mm = getattr(getattr(self._owner, "mm", None), "_mmap", None)
         if mm is None or not hasattr(mm, "madvise") or not hasattr(mmap, "MADV_DONTNEED"):
             return False
+        layer_bytes = self.num_experts * self.layout.nbytes
+        length = layer_bytes - start if length is None else length
         try:
-            start = self._owner.layer_offset(layer)
-            mm.madvise(mmap.MADV_DONTNEED, start, self.num_experts * self.layout.nbytes)
+            begin = self._owner.layer_offset(layer) + start
+            # madvise wants a page-aligned start: widen to the page below (those bytes were copied already
+            # or are re-read on demand: DONTNEED on a clean private page loses nothing)
+            aligned = begin - begin % mmap.PAGESIZE
+            mm.madvise(mmap.MADV_DONTNEED, aligned, length + begin - aligned)
         except (OSError, ValueError, KeyError):
             return False
         return True
@@ -205,10 +350,11 @@ class HostExpertStore:
     @classmethod
     def allocate(cls, layout: BlockLayout, layers: list[int], num_experts: int, *, pin: bool = False) -> "HostExpertStore":
         """An empty in-memory store (page-locked when `pin`, so the GPU can DMA from it directly)."""
-        shape = (len(layers), num_experts, layout.nbytes)
-        owner = torch.empty(shape, dtype=torch.uint8, pin_memory=pin)
-        buf = owner.numpy()
-        return cls({layer: buf[i] for i, layer in enumerate(layers)}, layout, num_experts=num_experts, owner=owner)
+        buf = HostBuffer(len(layers) * num_experts * layout.nbytes)
+        if pin:
+            buf.pin()
+        arr = buf.array.reshape(len(layers), num_experts, layout.nbytes)
+        return cls({layer: arr[i] for i, layer in enumerate(layers)}, layout, num_experts=num_experts, owner=buf)
 
     @classmethod
     def from_weights(cls, weights: dict[tuple[int, int], ExpertWeights], *, codec: str, group: int = 64,
@@ -310,3 +456,38 @@ def _fp4_quantize(w: torch.Tensor, block: int, scale_format: str) -> tuple[np.nd
     vals = (wp / scale.unsqueeze(2)).reshape(o, g * block)[:, :n]
     q = (vals.unsqueeze(-1) - lut).abs().argmin(dim=-1)               # nearest code
     return pack_nibbles(q).numpy(), codes.numpy()
+
+
+def write_synthetic_ftw_experts(folder, *, layers: int, num_experts: int, hidden: int, intermediate: int,
+                                codec: str = "int4", group: int = 64, seed: int = 0, chunk_bytes: int = 64 << 20,
+                                reuse: bool = False):
+    """An FTW expert file of random blocks (`experts.bin` in `folder`) and the reader's `ExpertStore` over it:
+    the package side of a load benchmark or test at any size, written in large chunks (a 64 MiB random
+    pool, rotated per chunk, so no two chunks are identical and nothing compresses or dedups). `reuse`
+    keeps a file of the right size written by an earlier run."""
+    from pathlib import Path
+
+    from runtime.ftw.reader import ExpertStore
+
+    layout = BlockLayout.build(codec, hidden, intermediate, group=group)
+    layer_bytes = num_experts * layout.nbytes
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / "experts.bin"
+    total = layers * layer_bytes
+    pool = np.random.default_rng(seed).integers(0, 256, size=min(chunk_bytes, total), dtype=np.uint8)
+    if not (reuse and path.exists() and path.stat().st_size == total):
+        tmp = path.with_name(path.name + ".partial")
+        with open(tmp, "wb") as f:
+            for n, start in enumerate(range(0, total, len(pool))):
+                f.write(np.roll(pool, n * 4099)[:min(len(pool), total - start)].tobytes())
+        os.replace(tmp, path)            # never a half-written file under the real name
+    meta = {"file": path.name, "nbytes": total, "layers": list(range(layers)), "num_experts": num_experts,
+            "hidden_size": hidden, "intermediate_size": intermediate, "codec": codec,
+            "group_size": group if codec == "int4" else None, "block_size": layout.group if codec == "fp4" else None,
+            "fp4_format": "mxfp4" if codec == "fp4" else None, "scale_format": layout.scale_format or None,
+            "global_scale_op": None, "has_bias": False, "block_nbytes": layout.nbytes,
+            "parts": [{"name": n, "dtype": p.dtype, "shape": list(p.shape), "offset": p.offset, "nbytes": p.nbytes}
+                      for n, p in layout.parts.items()],
+            "layer_offsets": {str(i): i * layer_bytes for i in range(layers)}}
+    return ExpertStore(folder, meta)

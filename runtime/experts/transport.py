@@ -78,4 +78,6 @@ class Transport:
 
 def _is_pinned(store: HostExpertStore) -> bool:
     owner = getattr(store, "_owner", None)
+    if getattr(owner, "pinned", False):               # a HostBuffer registered with the driver
+        return True
     return isinstance(owner, torch.Tensor) and owner.is_pinned()
