@@ -38,6 +38,7 @@ log = logging.getLogger(__name__)
 
 DEFAULT_PREFIX_CACHE_BYTES = 1 << 30        # prefix cache on the compute device (CPU engines)
 HOST_PREFIX_CACHE_BYTES = 4 << 30           # prefix cache of a GPU engine, kept in host RAM
+CPU_PREFILL_CHUNK = 512        # prompt tokens per step on a CPU device (GPU: the planner's chunk)
 MAX_KEPT_RESULTS = 1024          # finished requests whose GenerationResult waits for result()
 
 ProgressFn = Callable[[int, int, str], None]      # (done, total, stage)
@@ -198,7 +199,7 @@ class Engine:
              context_length: int | None = None, max_batch: int = 8, vram_budget: int | None = None,
              cpu_experts_per_layer: int | None = None, progress: ProgressFn | None = None,
              experts_factory: ExpertsFactory | None = None, prefix_cache_bytes: int | None = None,
-             prefix_cache_device: str | None = None, prefill_chunk: int = 512,
+             prefix_cache_device: str | None = None, prefill_chunk: int | None = None,
              cuda_graphs: bool | None = None) -> "Engine":
         """Open an FTW package and build an engine over it (see `from_package`)."""
         from runtime.ftw.reader import FTWError, FTWPackage
@@ -219,7 +220,7 @@ class Engine:
                      context_length: int | None = None, max_batch: int = 8, vram_budget: int | None = None,
                      cpu_experts_per_layer: int | None = None, progress: ProgressFn | None = None,
                      experts_factory: ExpertsFactory | None = None, prefix_cache_bytes: int | None = None,
-                     prefix_cache_device: str | None = None, prefill_chunk: int = 512,
+                     prefix_cache_device: str | None = None, prefill_chunk: int | None = None,
                      cuda_graphs: bool | None = None) -> "Engine":
         """Build from anything FTWPackage-shaped: config, model_type, generation_config, tokenizer_dir,
         dense_names()/dense(name), experts (an ExpertStore), path.
@@ -238,6 +239,11 @@ class Engine:
                 else DEFAULT_PREFIX_CACHE_BYTES
         if dtype is None:
             dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
+        if prefill_chunk is None:
+            # a GPU prefills in the chunk the planner reserved activations for: every expert byte streamed over
+            # PCIe (hybrid) then serves thousands of tokens; a CPU keeps chunks short (steps stay responsive)
+            from runtime.experts.planner import PREFILL_CHUNK_TOKENS
+            prefill_chunk = PREFILL_CHUNK_TOKENS if dev.type == "cuda" else CPU_PREFILL_CHUNK
         if max_batch < 1 or prefill_chunk < 1:
             raise EngineError(f"max_batch and prefill_chunk must be at least 1, got {max_batch} and {prefill_chunk}")
         config = dict(package.config)

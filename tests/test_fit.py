@@ -117,9 +117,10 @@ def test_prefill_on_a_narrow_pcie_link_is_bound_by_streaming_experts():
     slow = fit("qwen3-next-80b-a3b-instruct", narrow)
     assert fast.verdict == slow.verdict == HYBRID
     assert slow.prefill_tok_s[1] < fast.prefill_tok_s[1]
-    # the stream of uncached experts per 4K-token chunk over 3.2 GB/s x streaming efficiency is the bound
+    # the stream of uncached experts per prefill chunk over 3.2 GB/s x streaming efficiency is the bound
+    from runtime.experts.planner import PREFILL_CHUNK_TOKENS
     streamed = slow.plan["experts_bytes"] - slow.plan["pool_bytes"]
-    chunk = min(4096, slow.context_length)
+    chunk = min(PREFILL_CHUNK_TOKENS, slow.context_length)
     assert slow.prefill_tok_s[1] == pytest.approx(chunk / (streamed / (3.2e9 * CostModel().prefill_stream_efficiency[1])))
 
 
