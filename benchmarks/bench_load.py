@@ -26,7 +26,6 @@ import gc
 import json
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 
@@ -37,32 +36,10 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from runtime.experts.host_store import HostExpertStore, write_synthetic_ftw_experts  # noqa: E402
-from runtime.experts.stats import host_rss  # noqa: E402
+from runtime.experts.stats import PeakRSS, host_rss  # noqa: E402
 
 GB, GiB = 1e9, 2 ** 30
 HIDDEN, WIDTH, EXPERTS = 2048, 768, 128
-
-
-class PeakRSS:
-    """The process's largest RSS while the `with` block runs (sampled every `every_s`)."""
-
-    def __init__(self, every_s: float = 0.002):
-        self.every_s, self.peak, self._stop = every_s, 0, threading.Event()
-
-    def __enter__(self):
-        self.peak = host_rss()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-        self._thread.start()
-        return self
-
-    def _run(self):
-        while not self._stop.wait(self.every_s):
-            self.peak = max(self.peak, host_rss())
-
-    def __exit__(self, *exc):
-        self._stop.set()
-        self._thread.join()
-        self.peak = max(self.peak, host_rss())
 
 
 def copy_before(store: HostExpertStore, *, pin: bool) -> HostExpertStore:
@@ -97,18 +74,21 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--methods", nargs="+", default=["before", "read", "map"], choices=["before", "read", "map"])
     ap.add_argument("--threads", nargs="+", type=int, default=[1, 4, 8, 16])
     ap.add_argument("--no-pin", action="store_true", help="ordinary memory (machines without CUDA)")
+    ap.add_argument("--experts", type=int, default=EXPERTS, help="experts per layer (fewer: tiny smoke runs)")
     ap.add_argument("--json", type=Path)
     args = ap.parse_args(argv)
     pin = not args.no_pin
     block = _block_nbytes()
-    layers = max(1, round(args.gib * GiB / (EXPERTS * block)))
+    experts_per_layer = args.experts
+    layers = max(1, round(args.gib * GiB / (experts_per_layer * block)))
     path = args.folder / "experts.bin"
     t0 = time.perf_counter()
-    experts = write_synthetic_ftw_experts(args.folder, layers=layers, num_experts=EXPERTS, hidden=HIDDEN,
+    experts = write_synthetic_ftw_experts(args.folder, layers=layers, num_experts=experts_per_layer, hidden=HIDDEN,
                                           intermediate=WIDTH, codec="int4", reuse=args.keep)
-    print(f"{path}: {layers} layers x {EXPERTS} experts x {block} B = {layers * EXPERTS * block / GB:.2f} GB "
+    print(f"{path}: {layers} layers x {experts_per_layer} experts x {block} B = "
+          f"{layers * experts_per_layer * block / GB:.2f} GB "
           f"(written or reused in {time.perf_counter() - t0:.1f} s)")
-    nbytes = layers * EXPERTS * block
+    nbytes = layers * experts_per_layer * block
     print(f"page cache warm-up read: {nbytes / warm_page_cache(path) / GB:.2f} GB/s")
     print(f"{'method':<7} {'threads':>7} {'alloc s':>8} {'copy s':>7} {'pin s':>6} {'total s':>8} {'GB/s':>6} "
           f"{'RSS GiB':>8} {'peak-before GiB':>16} {'after-before GiB':>17} {'package GiB':>12} pinned")

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+import threading
 from dataclasses import asdict, dataclass, field
 
 
@@ -85,3 +86,31 @@ def host_rss() -> int:
         return int(psutil.Process(os.getpid()).memory_info().rss)
     except (ImportError, OSError):
         return 0
+
+
+class PeakRSS:
+    """The process's largest RSS while a `with` block runs, sampled every `every_s` by a thread (the
+    kernel's own high-water mark, ru_maxrss, covers the whole process lifetime, not one phase)."""
+
+    def __init__(self, every_s: float = 0.002):
+        self.every_s = every_s
+        self.start = self.peak = self.end = 0
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def __enter__(self) -> "PeakRSS":
+        self.start = self.peak = host_rss()
+        self._stop.clear()
+        self._thread = threading.Thread(target=self._sample, name="rss-sampler", daemon=True)
+        self._thread.start()
+        return self
+
+    def _sample(self) -> None:
+        while not self._stop.wait(self.every_s):
+            self.peak = max(self.peak, host_rss())
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+        self.end = host_rss()
+        self.peak = max(self.peak, self.end)

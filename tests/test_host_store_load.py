@@ -1,0 +1,116 @@
+"""Loading the experts into host memory of our own (issue 10: peak RSS <= package + 2 GiB, fast cold load).
+
+`pinned_copy(pin=False)` is the same code path as the GPU machine's page-locked copy, in ordinary memory: the
+bytes must be identical to the FTW file, the process must never hold the file's pages beside the copy
+(RSS sampled during the copy of a ~1 GiB package), and bad input must fail naming the file."""
+from __future__ import annotations
+
+import json
+import os
+
+import numpy as np
+import pytest
+
+from runtime.experts.host_store import ExpertStoreError, HostExpertStore, write_synthetic_ftw_experts
+from runtime.experts.stats import PeakRSS, host_rss
+
+MiB = 1 << 20
+
+
+@pytest.fixture(scope="module")
+def package_1gib(tmp_path_factory):
+    """6 layers x 64 experts of the qwen3-30b-a3b int4 block (2.53 MiB): 1.02 GB on disk."""
+    folder = tmp_path_factory.mktemp("ftw_1gib")
+    experts = write_synthetic_ftw_experts(folder, layers=6, num_experts=64, hidden=2048, intermediate=768)
+    yield experts
+    os.remove(folder / "experts.bin")
+
+
+def _equals_file(copy: HostExpertStore, experts) -> bool:
+    """Every layer of the copy against the file, read without mapping it (so RSS is not disturbed)."""
+    path = experts._path
+    for layer in copy.layers:
+        want = np.fromfile(path, dtype=np.uint8, count=experts.num_experts * experts.block_nbytes,
+                           offset=experts.layer_offset(layer))
+        if not np.array_equal(copy.layer_buffer(layer).reshape(-1), want):
+            return False
+    return True
+
+
+@pytest.mark.parametrize("method", ["read", "map"])
+def test_copy_of_a_1gib_package_is_exact_and_counts_its_bytes_once(package_1gib, method):
+    store = HostExpertStore.from_ftw(package_1gib)
+    nbytes = store.nbytes
+    assert nbytes > 0.9e9
+    base = host_rss()
+    if method == "map":           # the worst case for the mapped route: someone already faulted the file in
+        for layer in store.layers[:2]:
+            assert int(store.layer_buffer(layer)[:, ::4096].sum()) > 0
+        assert host_rss() - base > 0.2 * nbytes
+    with PeakRSS(every_s=0.001) as rss:
+        copy = store.pinned_copy(pin=False, method=method, threads=2, chunk_bytes=32 * MiB)
+    assert copy.load_seconds["method"] == method and copy.load_seconds["pinned"] is False
+    # the copy itself is resident (so the measurement sees memory at all) ...
+    assert rss.end - base > 0.85 * nbytes
+    # ... and nothing else is: no file page beside it, at the end or at any moment in between
+    margin = 96 * MiB
+    assert rss.end - base < nbytes + margin, (rss.end - base) / MiB
+    assert rss.peak - base < nbytes + margin, (rss.peak - base) / MiB
+    assert copy._owner.nbytes == nbytes                      # exactly the store's size: no rounding up
+    assert _equals_file(copy, package_1gib)
+
+
+def test_chunks_threads_and_odd_sizes_give_the_same_bytes(tmp_path):
+    """Chunk boundaries that cut blocks and pages, more threads than chunks, every method: identical."""
+    experts = write_synthetic_ftw_experts(tmp_path, layers=3, num_experts=5, hidden=256, intermediate=128, seed=4)
+    store = HostExpertStore.from_ftw(experts)
+    want = [store.layer_buffer(layer).copy() for layer in store.layers]
+    for method, threads, chunk in [("read", 1, 1 << 30), ("read", 3, 12345), ("map", 4, 7777), ("auto", 8, 4096)]:
+        copy = store.pinned_copy(pin=False, method=method, threads=threads, chunk_bytes=chunk)
+        assert copy.layers == store.layers and copy.layout == store.layout
+        for layer, w in zip(store.layers, want):
+            assert np.array_equal(copy.layer_buffer(layer), w), (method, threads, chunk, layer)
+        assert copy.load_seconds["method"] == ("read" if method == "auto" else method)
+    # an in-memory store has no file to read: "auto" copies it, "read" says why it cannot
+    mem = HostExpertStore.synthetic(layers=2, num_experts=3, hidden=64, intermediate=64, codec="int4")
+    again = mem.pinned_copy(pin=False, threads=2, chunk_bytes=5000)
+    assert np.array_equal(again.layer_buffer(1), mem.layer_buffer(1)) and again.load_seconds["method"] == "map"
+    with pytest.raises(ExpertStoreError, match="needs a store over an FTW file"):
+        mem.pinned_copy(pin=False, method="read")
+    with pytest.raises(ExpertStoreError, match="unknown copy method 'fast'"):
+        mem.pinned_copy(pin=False, method="fast")
+
+
+def test_a_truncated_expert_file_fails_naming_it(tmp_path):
+    experts = write_synthetic_ftw_experts(tmp_path, layers=2, num_experts=4, hidden=256, intermediate=128)
+    store = HostExpertStore.from_ftw(experts)
+    os.truncate(experts._path, store.nbytes - 5000)          # e.g. an interrupted download
+    with pytest.raises(ExpertStoreError, match=r"experts\.bin: the expert file ends at byte \d+"):
+        store.pinned_copy(pin=False, method="read", threads=2, chunk_bytes=8192)
+
+
+def test_pinning_without_cuda_keeps_the_copy_and_says_so(tmp_path, caplog):
+    experts = write_synthetic_ftw_experts(tmp_path, layers=1, num_experts=3, hidden=256, intermediate=128)
+    store = HostExpertStore.from_ftw(experts)
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA: the pinned path runs for real (benchmarks/bench_load.py)")
+    with caplog.at_level("WARNING"):
+        copy = store.pinned_copy(pin=True)
+    assert "cannot page-lock" in caplog.text and copy.load_seconds["pinned"] is False
+    assert np.array_equal(copy.layer_buffer(0), store.layer_buffer(0))
+
+
+def test_bench_load_runs_and_reports_rss(tmp_path, capsys):
+    """The GPU machine's load benchmark, tiny: every method runs, GB/s and RSS rows come out sane."""
+    from benchmarks.bench_load import main
+
+    out = tmp_path / "rows.json"
+    assert main(["--gib", "0.02", "--experts", "8", "--folder", str(tmp_path / "pkg"), "--no-pin", "--threads", "1", "2",
+                 "--json", str(out)]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["method"], r["threads"]) for r in rows] == [("before", 1), ("read", 1), ("read", 2), ("map", 1), ("map", 2)]
+    for r in rows:
+        assert r["gbps"] > 0 and r["after_minus_before"] < r["package"] + 64 * MiB
+    assert "GB/s" in capsys.readouterr().out
