@@ -261,6 +261,8 @@ class Engine:
             raise EngineError(str(exc)) from exc
         stage = lambda name: (lambda done, total: progress(done, total, name)) if progress else None  # noqa: E731
         report = load_dense_weights(model, package, progress=stage("dense weights"))
+        if dev.type == "cuda":
+            model.fuse_projections()          # fewer, larger GEMMs: a GPU's decode step is bound by launches
         factory = experts_factory or default_experts_factory(dev)
         try:
             experts = factory(package, model.expert_spec(), device=dev, dtype=dtype, vram_budget=vram_budget,

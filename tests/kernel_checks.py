@@ -42,7 +42,8 @@ def check_norm_rope(device: str = "cpu") -> list[str]:
                 with torch.no_grad():
                     norm.weight.copy_(torch.randn(hd, generator=gen) * 0.1 + 1.0)
                 norm = norm.to(device, dtype)
-            x = torch.randn(n, h, hd, generator=gen).to(device, dtype)
+            # q as a view of a fused q/k/v projection's output: rows strided past the heads
+            x = torch.randn(n, h * hd + 3 * hd, generator=gen).to(device, dtype)[:, :h * hd].view(n, h, hd)
             want = rope.apply(norm.reference(x) if norm is not None else x, cos, sin)
             got = k.norm_rope(x, cos, sin, weight=None if norm is None else norm.weight, eps=1e-6,
                               rotary_dim=rope.rotary_dim)

@@ -60,3 +60,23 @@ def test_models_the_static_path_does_not_cover_decode_as_before(ftw_packages, de
         eng = _engine(ftw_packages(family), device, cuda_graphs=True)
         assert reason in supports(eng.model) and eng.graphs is None
         assert eng.plan["decode_graphs"] is False
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "gpt_oss"])
+def test_fused_qkv_projection_gives_the_same_logits(family, ftw_packages, device):
+    """One GEMM over q/k/v weights laid end to end (what a GPU engine does after loading) computes what the
+    three projections do; the parameters become views, so the state dict is unchanged."""
+    plain = _engine(ftw_packages(family), device, cuda_graphs=False)
+    fused = _engine(ftw_packages(family), device, cuda_graphs=False)
+    fused.model.fuse_projections()
+    attn = fused.model.model.layers[0].self_attn
+    assert attn.qkv is not None and attn.k_proj.weight.data_ptr() == attn.qkv[0][attn.q_proj.weight.shape[0]:].data_ptr()
+    for name, p in plain.model.state_dict().items():
+        torch.testing.assert_close(fused.model.state_dict()[name], p, rtol=0, atol=0)
+    prompt = random_prompt(9, seed=4)
+    with torch.inference_mode():
+        want = plain.model(Batch.build([(prompt, plain.model.new_cache(device=plain.device, dtype=plain.dtype))],
+                                       device=plain.device), all_logits=True)
+        got = fused.model(Batch.build([(prompt, fused.model.new_cache(device=fused.device, dtype=fused.dtype))],
+                                      device=fused.device), all_logits=True)
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)

@@ -72,6 +72,8 @@ def random_model(config: dict, *, device, dtype):
                 p.fill_(1.0)
             elif p.dtype.is_floating_point:
                 p.normal_(0.0, 0.02, generator=gen)
+    if torch.device(device).type == "cuda":
+        model.fuse_projections()                       # as the engine does after loading
     return model
 
 

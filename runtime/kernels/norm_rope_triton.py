@@ -55,21 +55,23 @@ if HAVE_TRITON:
         return v.to(DT).to(tl.float32)
 
     @triton.jit
-    def _norm_rope_kernel(x_ptr, w_ptr, cos_ptr, sin_ptr, out_ptr, H, HD, RD2, eps,
+    def _norm_rope_kernel(x_ptr, w_ptr, cos_ptr, sin_ptr, out_ptr, H, HD, RD2, x_stride, eps,
                           NORM: tl.constexpr, FLAVOUR: tl.constexpr, BLOCK_R: tl.constexpr,
                           BLOCK_REST: tl.constexpr):
-        """One (token, head) row: optional RMSNorm over hd, then rotate the first 2*RD2 dims (NeoX halves)."""
+        """One (token, head) row: optional RMSNorm over hd, then rotate the first 2*RD2 dims (NeoX halves).
+        x rows may be strided (q and k are views of one fused projection's output); out is contiguous."""
         pid = tl.program_id(0).to(tl.int64)
         n = pid // H
         dt = out_ptr.dtype.element_ty
+        src = n * x_stride + (pid % H) * HD
         base = pid * HD
         r = tl.arange(0, BLOCK_R)
         rmask = r < RD2
         rest = 2 * RD2 + tl.arange(0, BLOCK_REST)
         restmask = rest < HD
-        a = tl.load(x_ptr + base + r, mask=rmask, other=0.0).to(tl.float32)
-        b = tl.load(x_ptr + base + RD2 + r, mask=rmask, other=0.0).to(tl.float32)
-        c = tl.load(x_ptr + base + rest, mask=restmask, other=0.0).to(tl.float32)
+        a = tl.load(x_ptr + src + r, mask=rmask, other=0.0).to(tl.float32)
+        b = tl.load(x_ptr + src + RD2 + r, mask=rmask, other=0.0).to(tl.float32)
+        c = tl.load(x_ptr + src + rest, mask=restmask, other=0.0).to(tl.float32)
         if NORM:
             rstd = 1.0 / tl.sqrt((tl.sum(a * a, axis=0) + tl.sum(b * b, axis=0) + tl.sum(c * c, axis=0)) / HD + eps)
             a = _normed(a, tl.load(w_ptr + r, mask=rmask, other=0.0).to(tl.float32), rstd, FLAVOUR, dt)
@@ -108,12 +110,13 @@ def norm_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *, weight: 
     x [N, H, hd]; cos, sin [N, 1, rd/2] (already scaled by the attention factor, as Rotary.cos_sin gives them)."""
     n, h, hd = x.shape
     rd = hd if rotary_dim is None else rotary_dim
-    xc = x.contiguous()
-    out = torch.empty_like(xc)
+    xc = x if x.stride(2) == 1 and x.stride(1) == hd else x.contiguous()     # rows may be strided, heads not
+    out = torch.empty((n, h, hd), dtype=x.dtype, device=x.device)
     if n:
         rd2 = rd // 2
         _norm_rope_kernel[(n * h,)](xc, weight if weight is not None else xc, cos.contiguous(), sin.contiguous(), out,
-                                    h, hd, rd2, float(eps), NORM=weight is not None, FLAVOUR=FLAVOURS[flavour],
+                                    h, hd, rd2, xc.stride(0), float(eps), NORM=weight is not None,
+                                    FLAVOUR=FLAVOURS[flavour],
                                     BLOCK_R=triton.next_power_of_2(max(rd2, 1)),
                                     BLOCK_REST=triton.next_power_of_2(max(hd - rd, 1)))
     return out

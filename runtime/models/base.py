@@ -252,6 +252,13 @@ class CausalLM(nn.Module, abc.ABC):
     def expert_spec(self) -> ExpertSpec:
         return ExpertSpec()
 
+    def fuse_projections(self) -> None:
+        """After loading: let modules that can merge their projections do so (attention's q/k/v into one GEMM)."""
+        for module in self.modules():
+            fuse = getattr(module, "fuse_projections", None)
+            if module is not self and callable(fuse):
+                fuse()
+
     def new_cache(self, *, device: torch.device | str, dtype: torch.dtype):
         """A fresh SequenceCache with one slot per layer of the kind that layer needs."""
         from runtime.kv_cache import KVCache, SequenceCache, StateCache

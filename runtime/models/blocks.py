@@ -258,13 +258,36 @@ class Attention(nn.Module):
         else:
             self.q_norm = self.k_norm = None
         self.sinks = nn.Parameter(torch.zeros(num_heads)) if sinks else None
+        self.qkv: tuple[torch.Tensor, torch.Tensor | None] | None = None    # set by fuse_projections()
+
+    def fuse_projections(self) -> None:
+        """Lay the q, k and v weights end to end in one tensor (the three parameters become views of it, so no
+        memory is added): one GEMM per step instead of three. Called once after the weights are loaded."""
+        if self.qkv is not None:
+            return
+        linears = (self.q_proj, self.k_proj, self.v_proj)
+        weight = torch.cat([lin.weight.data for lin in linears])                 # [(H + 2 Hkv) hd, D]
+        bias = torch.cat([lin.bias.data for lin in linears]) if self.q_proj.bias is not None else None
+        start = 0
+        for lin in linears:
+            rows = lin.weight.shape[0]
+            lin.weight.data = weight[start:start + rows]
+            if bias is not None:
+                lin.bias.data = bias[start:start + rows]
+            start += rows
+        self.qkv = (weight, bias)
 
     def forward(self, x: torch.Tensor, batch: Batch, layer: int, rope: Rotary,
                 cos_sin: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         n = x.shape[0]
-        q = self.q_proj(x).view(n, self.num_heads, self.head_dim)        # [N, H, hd]
-        k = self.k_proj(x).view(n, self.num_kv_heads, self.head_dim)     # [N, Hkv, hd]
-        v = self.v_proj(x).view(n, self.num_kv_heads, self.head_dim)     # [N, Hkv, hd]
+        hq, hkv = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        if self.qkv is not None:
+            q, k, v = F.linear(x, *self.qkv).split([hq, hkv, hkv], dim=-1)     # views of one [N, hq + 2 hkv]
+        else:
+            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        q = q.view(n, self.num_heads, self.head_dim)                         # [N, H, hd]
+        k = k.view(n, self.num_kv_heads, self.head_dim)                      # [N, Hkv, hd]
+        v = v.view(n, self.num_kv_heads, self.head_dim)                      # [N, Hkv, hd]
         q, k = norm_and_rotate(q, self.q_norm, rope, cos_sin), norm_and_rotate(k, self.k_norm, rope, cos_sin)
         o = attend_batch(q, k, v, batch, layer, scale=self.scale, sliding_window=self.sliding_window,
                          sinks=self.sinks)
