@@ -121,3 +121,15 @@ def test_balanced_split_shares_by_bandwidth():
     assert ctrl.balanced_share() == pytest.approx(0.25)
     assert ctrl.split(8) == 2 and ctrl.split(4) == 1 and ctrl.split(3) == 0 and ctrl.split(0) == 0
     assert SplitController(cpu_gbps=60, pcie_gbps=0).split(8) == 0       # no GPU link: everything on the CPU
+
+
+def test_split_closed_form_equals_the_exhaustive_search():
+    """The split picks, in O(1), the whole number of fetches the definition picks by trying every one:
+    minimal max(k / PCIe, (n - k) / CPU), ties to the smaller k."""
+    rnd = random.Random(7)
+    for _ in range(5000):
+        c = SplitController(cpu_gbps=rnd.choice([rnd.uniform(0.01, 100), 7.0, 10.0]),
+                            pcie_gbps=rnd.choice([rnd.uniform(0.01, 100), 7.0, 10.0, 3.5]))
+        n = rnd.randint(0, 40)
+        want = min(range(n + 1), key=lambda k: (max(k / c.pcie_gbps, (n - k) / c.cpu_gbps), k))
+        assert c.split(n) == want, (n, c.cpu_gbps, c.pcie_gbps)
