@@ -209,3 +209,26 @@ def test_bench_hybrid_host_runs(capsys, tmp_path):
     for r in rows:
         assert r["hit_rate"] == pytest.approx(r["hit"], abs=0.06), r
     assert "_resident" in capsys.readouterr().out
+
+
+def test_staged_decode_io_reuses_its_buffers_without_clobbering_results():
+    """The CUDA path's staging (reusable host buffers for ids/weights/hidden, a reusable device buffer for
+    the CPU's result), run on a CPU device: batch sizes that grow and shrink, int32 ids, and every call's
+    output still right after later calls have reused the buffers."""
+    gen = torch.Generator().manual_seed(12)
+    store = HostExpertStore.synthetic(layers=2, num_experts=6, hidden=64, intermediate=64, codec="int4",
+                                      weight_std=0.2, seed=6)
+    hybrid = HybridExperts(store, ExpertSpec(), device=CPU, dtype=torch.float32,
+                           options=HybridOptions(slots=3, top_k=2, split="cpu", hot_set=((0, 0), (1, 1))))
+    hybrid._staged_io = True
+    kept = []
+    for t in (1, 4, 2, 9, 1, 3):
+        layer = t % 2
+        x = torch.randn(t, 64, generator=gen)
+        ids = torch.stack([torch.randperm(6, generator=gen)[:2] for _ in range(t)]).to(torch.int32)
+        w = torch.softmax(torch.randn(t, 2, generator=gen), dim=-1)
+        kept.append((hybrid(layer, x, ids, w), layer, x, ids.long(), w))
+    for got, layer, x, ids, w in kept:
+        torch.testing.assert_close(got, _reference(store, layer, x, ids, w), rtol=1e-4, atol=1e-5)
+    assert hybrid._pinned["ids"].shape[0] >= 9 and hybrid._on_device["result"].shape[0] >= 9
+    assert hybrid.counters.total.cpu_experts > 0 and hybrid.counters.total.hits > 0

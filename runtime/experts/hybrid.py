@@ -92,8 +92,9 @@ class HybridExperts:
         # shrunk), and the two events of the one device->host and the one host->device transfer per call
         self._pinned: dict[str, torch.Tensor] = {}
         self._on_device: dict[str, torch.Tensor] = {}
-        self._d2h_done = torch.cuda.Event() if self.cuda else None
-        self._h2d_done = torch.cuda.Event() if self.cuda else None
+        self._staged_io = self.cuda             # decode I/O through those buffers (a test turns it on on CPU)
+        self._d2h_done = torch.cuda.Event() if self.cuda else _NoEvent()
+        self._h2d_done = torch.cuda.Event() if self.cuda else _NoEvent()
         # decode compute over the pool: the fused Triton kernels where they cover the codec, else torch
         self._pool_forward = int4_pool_triton.pool_forward_triton if (
             self.cuda and int4_pool_triton.supports(self.layout, spec)) else pool_forward
@@ -179,7 +180,7 @@ class HybridExperts:
             c0 = time.perf_counter()
             cpu_out = self.cpu.run(layer, x_h, tok, cpu_ids, w_h[tok, kk])      # [T, D] float32, host
             cpu_s = time.perf_counter() - c0
-            back = self._upload(cpu_out) if self.cuda else cpu_out.to(self.dtype)
+            back = self._upload(cpu_out) if self._staged_io else cpu_out.to(self.dtype)
             out = back.to(hidden.dtype, copy=True) if out is None else out + back
             if self._promote_blocks and self.options.slots:
                 self._promote(layer, missed[published[missed] < 0] if n_fetch else missed)   # [n_cpu] sorted
@@ -245,7 +246,7 @@ class HybridExperts:
         only host sync of a decode call); hidden and weights come along although only misses need them,
         because a second transfer would be a second sync. The buffers are overwritten by the next call's
         copies, which the stream orders after this call's host work has been enqueued."""
-        if not self.cuda:
+        if not self._staged_io:
             ids = topk_ids if topk_ids.dtype == torch.int64 else topk_ids.to(torch.int64)
             w = topk_weights if topk_weights.dtype == torch.float32 else topk_weights.float()
             return ids.numpy(), w.numpy(), hidden
@@ -280,7 +281,7 @@ class HybridExperts:
         buf = self._pinned.get(name)
         if buf is None or buf.dtype != dtype or buf.shape[1:] != shape[1:] or buf.shape[0] < shape[0]:
             rows = max(shape[0], 8 if buf is None else 2 * buf.shape[0])
-            buf = self._pinned[name] = torch.empty((rows, *shape[1:]), dtype=dtype, pin_memory=True)
+            buf = self._pinned[name] = torch.empty((rows, *shape[1:]), dtype=dtype, pin_memory=self.cuda)
         return buf[:shape[0]]
 
     def _device_buffer(self, name: str, shape, dtype: torch.dtype) -> torch.Tensor:
@@ -518,6 +519,16 @@ def _build_hybrid(store, spec, *, device, dtype, options, routing, prefetcher=No
             slots = smaller
             if device.type == "cuda":
                 torch.cuda.empty_cache()
+
+
+class _NoEvent:
+    """A CUDA event's record/synchronize on a CPU device, where every copy is synchronous anyway."""
+
+    def record(self) -> None:
+        pass
+
+    def synchronize(self) -> None:
+        pass
 
 
 class _CallExperts:
