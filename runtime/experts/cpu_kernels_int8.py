@@ -91,13 +91,23 @@ def _call(builder, name, ret, args):
     return builder.call(fn, args)
 
 
-def _load(builder, context, aryty, ary, offset, vty):
-    """vty loaded (unaligned) from &ary.data[offset] (offset counted in elements of a 1-byte array)."""
+def _elem_ptr(builder, context, aryty, ary, index):
+    """&ary.data[index] (index in elements), for typed or opaque LLVM pointers."""
     data = context.make_array(aryty)(context, builder, ary).data
-    ptr = builder.gep(data, [offset], inbounds=True)
+    if getattr(data.type, "is_opaque", False):
+        return builder.gep(data, [index], inbounds=True, source_etype=context.get_data_type(aryty.dtype))
+    return builder.gep(data, [index], inbounds=True)
+
+
+def _load_at(builder, ptr, vty):
     if getattr(ptr.type, "is_opaque", False):
         return builder.load(ptr, typ=vty, align=1)
     return builder.load(builder.bitcast(ptr, vty.as_pointer()), align=1)
+
+
+def _load(builder, context, aryty, ary, offset, vty):
+    """vty loaded (unaligned) from &ary.data[offset] (offset counted in elements of a 1-byte array)."""
+    return _load_at(builder, _elem_ptr(builder, context, aryty, ary, offset), vty)
 
 
 def _slice(builder, v, start, n):
@@ -147,15 +157,27 @@ def _nibbles(builder, w):
     return _concat(builder, lo, hi)
 
 
-def _e2m1_twice(builder, codes):
-    """e2m1 codes <m x i8> -> (|2 * value| <m x i8> in 0..12, sign mask <m x i1>)."""
+_E2M1_TWICE = [0, 1, 2, 3, 4, 6, 8, 12] * 2          # |2 * e2m1(code)| by code (the sign bit is dropped)
+
+
+def _e2m1_twice(builder, codes, isa: str = "generic"):
+    """e2m1 codes <m x i8> -> (|2 * value| <m x i8> in 0..12, sign mask <m x i1>): a byte shuffle through a
+    16-entry table on x86 (pshufb looks up within each 16-byte lane), integer arithmetic elsewhere."""
     m = codes.type.count
     c = lambda v: ir.Constant(codes.type, [v] * m)                 # noqa: E731
+    neg = builder.icmp_unsigned("!=", builder.and_(codes, c(8)), c(0))
+    if isa != "generic" and m in (32, 64):
+        if isa == "vnni512" and m == 64:
+            lut = ir.Constant(codes.type, _E2M1_TWICE * 4)
+            return _call(builder, "llvm.x86.avx512.pshuf.b.512", codes.type, [lut, codes]), neg
+        lut = ir.Constant(_vec(I8, 32), _E2M1_TWICE * 2)
+        halves = [_call(builder, "llvm.x86.avx2.pshuf.b", lut.type, [lut, _slice(builder, codes, h, 32)])
+                  for h in range(0, m, 32)]
+        return (halves[0] if m == 32 else _concat(builder, halves[0], halves[1])), neg
     mag = builder.and_(codes, c(7))
     usub = f"llvm.usub.sat.v{m}i8"
     twice = builder.add(builder.add(mag, _call(builder, usub, codes.type, [mag, c(4)])),
                         builder.shl(_call(builder, usub, codes.type, [mag, c(6)]), c(1)))
-    neg = builder.icmp_unsigned("!=", builder.and_(codes, c(8)), c(0))
     return twice, neg
 
 
@@ -181,6 +203,134 @@ def make_dot(n: int, codec: str, isa: str):
         return sig, codegen
     return dot
 
+
+def _lanes16(builder, u, s, isa: str):
+    """<64 x i8> u (unsigned) and s (signed) -> <16 x i32>, lane q = sum of the products of bytes 4q..4q+3 (what
+    vpdpbusd computes; the AVX2 and generic flavours produce the same lanes)."""
+    v16 = _vec(I32, 16)
+    if isa == "vnni512":
+        return _call(builder, "llvm.x86.avx512.vpdpbusd.512", v16,
+                     [ir.Constant(v16, [0] * 16), builder.bitcast(u, v16), builder.bitcast(s, v16)])
+    halves = []
+    for c in (0, 32):
+        uc, sc = _slice(builder, u, c, 32), _slice(builder, s, c, 32)
+        v8 = _vec(I32, 8)
+        if isa == "avxvnni":
+            halves.append(_call(builder, "llvm.x86.avx512.vpdpbusd.256", v8,
+                                [ir.Constant(v8, [0] * 8), builder.bitcast(uc, v8), builder.bitcast(sc, v8)]))
+        elif isa == "avx2":
+            pairs = _call(builder, "llvm.x86.avx2.pmadd.ub.sw", _vec(I16, 16), [uc, sc])
+            halves.append(_call(builder, "llvm.x86.avx2.pmadd.wd", v8, [pairs, ir.Constant(_vec(I16, 16), [1] * 16)]))
+        else:
+            prod = builder.mul(builder.zext(uc, _vec(I32, 32)), builder.sext(sc, _vec(I32, 32)))
+            quad = None
+            for k in range(4):
+                part = builder.shuffle_vector(prod, prod, ir.Constant(v8, list(range(k, 32, 4))))
+                quad = part if quad is None else builder.add(quad, part)
+            halves.append(quad)
+    return _concat(builder, halves[0], halves[1])
+
+
+def _hsum(builder, v):
+    """Horizontal sum of a float vector (a halving tree: one per row, so its cost does not matter)."""
+    n = v.type.count
+    while n > 1:
+        n //= 2
+        v = builder.fadd(_slice(builder, v, 0, n), _slice(builder, v, n, n))
+    return builder.extract_element(v, ir.Constant(I32, 0))
+
+
+def make_row(n: int, codec: str, isa: str):
+    """The intrinsic for a whole row: sum_g coef_g * dot_g (+ sum_g min_g * xm_g for int4), groups of n packed
+    bytes, with the partial dots kept in 16 float lanes and reduced once per row (a horizontal reduction per
+    group costs as much as the dot itself). Needs the row's packed bytes to be a multiple of 32."""
+    per_step = max(1, 32 // n)                 # groups covered by one 32-byte step (n = 64: two steps per group)
+
+    @intrinsic
+    def row(typingctx, buf, q_off, s_off, m_off, n_groups, table, xq, x_off, xs, xm, xs_off):
+        """row(buf, q_off, s_off, m_off, n_groups, table, xq, x_off, xs, xm, xs_off) -> float32.
+
+        buf uint8 [bytes]: packed codes from byte q_off, scale codes from byte s_off (int4: fp16 bits; fp4: one
+        byte), int4 mins from byte m_off; table float32: scale code -> value; xq int8 [..]: the activations from
+        x_off (even/odd per group); xs, xm float32 [..]: the activation scales and scale * sums from xs_off."""
+        sig = types.float32(buf, q_off, s_off, m_off, n_groups, table, xq, x_off, xs, xm, xs_off)
+
+        def codegen(context, builder, signature, args):
+            (buf_t, _, _, _, _, tab_t, xq_t, _, xs_t, xm_t, _) = signature.args
+            buf_v, q0, s0, m0, ng, tab_v, xq_v, x0, xs_v, xm_v, xs0 = args
+            f32, v16f = ir.FloatType(), _vec(ir.FloatType(), 16)
+            facc = cgutils.alloca_once_value(builder, ir.Constant(v16f, [0.0] * 16))
+            macc = cgutils.alloca_once_value(builder, ir.Constant(f32, 0.0))
+            code_t = I16 if codec == "int4" else I8
+            code_bytes = 2 if codec == "int4" else 1
+
+            def scale_of(off_bytes, g):
+                """table[code of group g] for the codes from byte off_bytes."""
+                at = builder.add(off_bytes, builder.mul(g, ir.Constant(I64, code_bytes)))
+                code = _load(builder, context, buf_t, buf_v, at, code_t)
+                return builder.load(_elem_ptr(builder, context, tab_t, tab_v, builder.zext(code, I64)))
+
+            def act_of(ary_t, ary_v, g):
+                return builder.load(_elem_ptr(builder, context, ary_t, ary_v, builder.add(xs0, g)))
+
+            def codes_of(w):
+                lo = builder.and_(w, ir.Constant(w.type, [15] * 32))
+                hi = builder.lshr(w, ir.Constant(w.type, [4] * 32))
+                if n >= 32:                    # one group (or half of one): lows then highs
+                    return _concat(builder, lo, hi)
+                # k groups of n bytes: [lo(g0), hi(g0), lo(g1), hi(g1), ...] to match the activations' layout
+                mask = []
+                for j in range(32 // n):
+                    mask += list(range(j * n, j * n + n)) + list(range(32 + j * n, 32 + j * n + n))
+                return builder.shuffle_vector(lo, hi, ir.Constant(_vec(I32, 64), mask))
+
+            def lanes_of(codes, sv):
+                if codec == "fp4":
+                    twice, neg = _e2m1_twice(builder, codes, isa)
+                    sv = builder.select(neg, builder.sub(ir.Constant(sv.type, [0] * 64), sv), sv)
+                    codes = twice
+                return builder.sitofp(_lanes16(builder, codes, sv, isa), v16f)
+
+            n_steps = builder.udiv(ng, ir.Constant(I64, per_step)) if n < 64 else ng
+            with cgutils.for_range(builder, n_steps) as loop:
+                j = loop.index
+                if n < 64:
+                    w = _load(builder, context, buf_t, buf_v, builder.add(q0, builder.mul(j, ir.Constant(I64, 32))),
+                              _vec(I8, 32))
+                    sv = _load(builder, context, xq_t, xq_v, builder.add(x0, builder.mul(j, ir.Constant(I64, 64))),
+                               _vec(I8, 64))
+                    lanes = lanes_of(codes_of(w), sv)
+                else:                          # a group of 64 bytes: two 32-byte halves, each lows/highs
+                    lanes = None
+                    for h in (0, 32):
+                        wb = builder.add(q0, builder.add(builder.mul(j, ir.Constant(I64, 64)), ir.Constant(I64, h)))
+                        xb = builder.add(x0, builder.add(builder.mul(j, ir.Constant(I64, 128)), ir.Constant(I64, h)))
+                        w = _load(builder, context, buf_t, buf_v, wb, _vec(I8, 32))
+                        xe = _load(builder, context, xq_t, xq_v, xb, _vec(I8, 32))
+                        xo = _load(builder, context, xq_t, xq_v, builder.add(xb, ir.Constant(I64, 64)), _vec(I8, 32))
+                        part = lanes_of(codes_of(w), _concat(builder, xe, xo))
+                        lanes = part if lanes is None else builder.fadd(lanes, part)
+                k = per_step if n < 64 else 1
+                coef = ir.Constant(_vec(f32, k), [0.0] * k)
+                msum = builder.load(macc)
+                for q in range(k):
+                    g = builder.add(builder.mul(j, ir.Constant(I64, k)), ir.Constant(I64, q))
+                    c = builder.fmul(scale_of(s0, g), act_of(xs_t, xs_v, g))
+                    coef = builder.insert_element(coef, c, ir.Constant(I32, q))
+                    if codec == "int4":
+                        msum = builder.fadd(msum, builder.fmul(scale_of(m0, g), act_of(xm_t, xm_v, g)))
+                builder.store(msum, macc)
+                lanes_per_group = 16 // k
+                spread = builder.shuffle_vector(coef, coef, ir.Constant(_vec(I32, 16),
+                                                                        [q // lanes_per_group for q in range(16)]))
+                builder.store(builder.fadd(builder.load(facc), builder.fmul(lanes, spread)), facc)
+            return builder.fadd(_hsum(builder, builder.load(facc)), builder.load(macc))
+        return sig, codegen
+    return row
+
+
+_row_int4_16, _row_int4_32, _row_int4_64 = (make_row(n, "int4", ISA) for n in (16, 32, 64))
+_row_fp4_8, _row_fp4_16 = (make_row(n, "fp4", ISA) for n in (8, 16))
 
 _dot_int4_8, _dot_int4_16, _dot_int4_32, _dot_int4_64 = (make_dot(n, "int4", ISA) for n in GROUP_BYTES)
 _dot_fp4_8, _dot_fp4_16, _dot_fp4_32, _dot_fp4_64 = (make_dot(n, "fp4", ISA) for n in GROUP_BYTES)
@@ -213,10 +363,25 @@ def _dot(codec, hg, buf, boff, xq, xoff):
 
 @njit(cache=True, fastmath=True, inline="always")
 def _row(codec, buf, buf16, base, q_off, s_off, m_off, r, n_groups, hg, table, xq, xs, xm, t):
-    """sum_k W[r, k] v_t[k] over one row of a packed matrix (its block part starts at base + q_off)."""
+    """sum_k W[r, k] v_t[k] over one row of a packed matrix (its block part starts at base + q_off): the
+    whole-row intrinsic when the row is a multiple of 32 bytes (every real shape), else group by group."""
     one = np.uint64(1)
     row = base + q_off + r * n_groups * hg
     xrow = t * n_groups * hg * np.uint64(2)
+    xg = t * n_groups
+    if (n_groups * hg) % np.uint64(32) == 0:
+        if codec == 0:
+            sb = base + s_off + r * n_groups * np.uint64(2)
+            mb = base + m_off + r * n_groups * np.uint64(2)
+            if hg == 32:
+                return _row_int4_32(buf, row, sb, mb, n_groups, table, xq, xrow, xs, xm, xg)
+            if hg == 64:
+                return _row_int4_64(buf, row, sb, mb, n_groups, table, xq, xrow, xs, xm, xg)
+            return _row_int4_16(buf, row, sb, mb, n_groups, table, xq, xrow, xs, xm, xg)
+        sb = base + s_off + r * n_groups
+        if hg == 16:
+            return _row_fp4_16(buf, row, sb, sb, n_groups, table, xq, xrow, xs, xm, xg) * np.float32(0.5)
+        return _row_fp4_8(buf, row, sb, sb, n_groups, table, xq, xrow, xs, xm, xg) * np.float32(0.5)
     total = np.float32(0.0)
     if codec == 0:
         si = ((base + s_off) >> one) + r * n_groups          # fp16 scales and mins, as uint16 indices
@@ -224,20 +389,20 @@ def _row(codec, buf, buf16, base, q_off, s_off, m_off, r, n_groups, hg, table, x
         for g in range(n_groups):
             gu = np.uint64(g)
             acc = _dot(codec, hg, buf, row + gu * hg, xq, xrow + gu * hg * np.uint64(2))
-            total += table[buf16[si + gu]] * xs[t, gu] * np.float32(acc) + table[buf16[mi + gu]] * xm[t, gu]
+            total += table[buf16[si + gu]] * xs[xg + gu] * np.float32(acc) + table[buf16[mi + gu]] * xm[xg + gu]
         return total
     si = base + s_off + r * n_groups                         # one scale byte per block
     for g in range(n_groups):
         gu = np.uint64(g)
         acc = _dot(codec, hg, buf, row + gu * hg, xq, xrow + gu * hg * np.uint64(2))
-        total += table[buf[si + gu]] * xs[t, gu] * np.float32(acc)
+        total += table[buf[si + gu]] * xs[xg + gu] * np.float32(acc)
     return total * np.float32(0.5)
 
 
 @njit(cache=True, fastmath=True, inline="always")
 def _quantize_row(v, n, group, vq, vs, vm):
     """Row n of v [N, K] float32 -> int8 per group into vq [N * K] (even elements, then odd: the layout the
-    dot expects), the group scales vs [N, G] and scale * sum of the group's int8 values vm [N, G]."""
+    dot expects), the group scales vs [N * G] and scale * sum of the group's int8 values vm [N * G]."""
     k = v.shape[1]
     hg = group // 2
     for g in range(k // group):
@@ -255,8 +420,8 @@ def _quantize_row(v, n, group, vq, vs, vm):
             vq[out + j] = qe
             vq[out + hg + j] = qo
             total += qe + qo
-        vs[n, g] = scale
-        vm[n, g] = scale * np.float32(total)
+        vs[n * (k // group) + g] = scale
+        vm[n * (k // group) + g] = scale * np.float32(total)
 
 
 @njit(cache=True)
@@ -315,9 +480,9 @@ def moe_layer_int8(codec, buf, buf16, buf32, nbytes, offs, has_bias, i, group, t
 
     # 1. the tokens' activations to int8, once per token
     xq = np.empty(n_tok * d, dtype=np.int8)
-    xs = np.empty((n_tok, d // group), dtype=np.float32)
-    xm = np.empty((n_tok, d // group), dtype=np.float32)
-    for t in prange(n_tok):
+    xs = np.empty(n_tok * (d // group), dtype=np.float32)
+    xm = np.empty(n_tok * (d // group), dtype=np.float32)
+    for t in range(n_tok):                 # serial: a parallel region costs a barrier, this costs ~1 us a token
         _quantize_row(x, t, group, xq, xs, xm)
 
     # 2. gate and up rows of every distinct expert, applied to each of its tokens
@@ -343,8 +508,8 @@ def moe_layer_int8(codec, buf, buf16, buf32, nbytes, offs, has_bias, i, group, t
 
     # 3. the down projection's inputs to int8, once per assignment
     hq = np.empty(n_a * i, dtype=np.int8)
-    hs = np.empty((n_a, i // group), dtype=np.float32)
-    hm = np.empty((n_a, i // group), dtype=np.float32)
+    hs = np.empty(n_a * (i // group), dtype=np.float32)
+    hm = np.empty(n_a * (i // group), dtype=np.float32)
     for a in prange(n_a):
         _quantize_row(h, a, group, hq, hs, hm)
 
