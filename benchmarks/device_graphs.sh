@@ -1,10 +1,12 @@
 #!/usr/bin/env bash
 # The lead's GPU-machine run for CUDA-graph decode and the real-model benchmark (device tool; carry .whl with
-# the numba + llvmlite wheels). Results under $OUT.
+# the numba + llvmlite wheels, or .site/site.tar.xz). Results under $OUT.
 #   (device) bash benchmarks/device_graphs.sh [quick]
 set -uo pipefail
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
-if ls .whl/*.whl >/dev/null 2>&1; then
+if [ -f .site/site.tar.xz ]; then     # the same wheels unpacked and xz-compressed (fits the 64 MiB carry limit)
+  mkdir -p /tmp/site && tar xJf .site/site.tar.xz -C /tmp/site && export PYTHONPATH=/tmp/site:$PWD
+elif ls .whl/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
     && export PYTHONPATH=/tmp/site:$PWD
 fi
