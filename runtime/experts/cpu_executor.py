@@ -74,6 +74,7 @@ class CpuExecutor:
         self._globals: dict[int, tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
         self._empty = np.zeros((0, 0), dtype=np.float32)
         self._offsets: dict[str, np.ndarray] = {}
+        self._flat: dict[int, np.ndarray] = {}
 
     # ------------------------------------------------------------------ public
     def run(self, layer: int, x: torch.Tensor, tokens: np.ndarray, experts: np.ndarray,
@@ -162,7 +163,9 @@ class CpuExecutor:
             names = [f"{m}{k}" for m in ("gate", "up", "down") for k in ("", "_scales", "_mins")]
             offs = self._offsets[lay.codec] = np.array(
                 [off(n) for n in names + ["gate_bias", "up_bias", "down_bias"]], dtype=np.int64)
-        flat = self.store.layer_buffer(layer).reshape(-1)              # [E * nbytes], zero-copy
+        flat = self._flat.get(layer)
+        if flat is None:
+            flat = self._flat[layer] = _writable_alias(self.store.layer_buffer(layer).reshape(-1))  # [E * nbytes]
         g_scale, u_scale, d_scale = self._global_scales(layer, self.store.layer_parts(layer))
         self._k8.moe_layer_int8(0 if lay.codec == "int4" else 1, flat, flat.view(np.uint16), flat.view(np.float32),
                                 lay.nbytes, offs, lay.has_bias, lay.intermediate, lay.group, self._scale_table,
@@ -184,6 +187,16 @@ class CpuExecutor:
                     scales.append(1.0 / g if self.store.layout.global_op == "div" else g)
             cached = self._globals[layer] = tuple(scales)
         return cached
+
+
+def _writable_alias(a: np.ndarray) -> np.ndarray:
+    """The same bytes (zero-copy) typed writable. numba compiles a separate specialization for read-only arrays
+    (a mapped FTW file) -- another ~15 s compile of the whole kernel -- and the kernels only read the weights.
+    The caller keeps `a`'s owner (the store) alive as long as the alias."""
+    if a.flags.writeable:
+        return a
+    import ctypes
+    return np.ctypeslib.as_array((ctypes.c_uint8 * a.size).from_address(a.ctypes.data))
 
 
 def _torch_act(spec: ExpertSpec, g: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
