@@ -123,6 +123,12 @@ class HybridExperts:
                 return self._streamed(layer, hidden, topk_ids, topk_weights)
         return self._decode(layer, hidden, topk_ids, topk_weights)
 
+    def graph_safe(self, layer: int) -> bool:
+        """Every expert lives in the pool for good (nothing can be evicted): a decode call is a device lookup and
+        the pool kernels, so runtime/decode_graph.py may record it. (Its counters then count the recording,
+        not each replay.) A partly cached model needs the host at every call: never graph-safe."""
+        return self.cuda and self._all_resident
+
     # ------------------------------------------------------------------ few tokens
     def _decode(self, layer, hidden, topk_ids, topk_weights) -> torch.Tensor:
         """Host work per call, in order: the one device->host transfer (ids, weights, hidden), hits and
@@ -482,6 +488,10 @@ def hybrid_experts_factory(package, spec: ExpertSpec, *, device, dtype, vram_bud
         hot_all = tuple((layer, e) for layer in store.layers for e in range(store.num_experts))
     if plan.experts_pinned and device.type == "cuda" and not hot_all:   # all in VRAM: no pinned host copy
         store = store.pinned_copy()
+        ls = store.load_seconds
+        log.info("experts: %.2f GB copied into %s host memory in %.2f s (%s, %d threads; pinning %.2f s)",
+                 store.nbytes / 1e9, "page-locked" if ls["pinned"] else "pageable (pinning refused)",
+                 ls["allocate"] + ls["copy"] + ls["pin"], ls["method"], ls["threads"], ls["pin"])
     n_slots = plan.expert_slots if slots is None else slots
     stats = RoutingStats.load(routing_stats_path) if routing_stats_path else RoutingStats()
     hot = tuple(stats.hot_set(min(n_slots, len(stats.counts)) // 2))     # half the pool warm, half adaptive
