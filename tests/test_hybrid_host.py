@@ -232,3 +232,17 @@ def test_staged_decode_io_reuses_its_buffers_without_clobbering_results():
         torch.testing.assert_close(got, _reference(store, layer, x, ids, w), rtol=1e-4, atol=1e-5)
     assert hybrid._pinned["ids"].shape[0] >= 9 and hybrid._on_device["result"].shape[0] >= 9
     assert hybrid.counters.total.cpu_experts > 0 and hybrid.counters.total.hits > 0
+
+
+def test_graph_safe_only_when_every_expert_stays_in_the_pool_on_cuda():
+    """decode_graph.py records a layer's expert call inside the graph only when it can never need the host."""
+    store = HostExpertStore.synthetic(layers=2, num_experts=4, hidden=64, intermediate=64, codec="int4")
+    every = tuple((layer, e) for layer in range(2) for e in range(4))
+    full = HybridExperts(store, ExpertSpec(), device=CPU, dtype=torch.float32,
+                         options=HybridOptions(slots=8, top_k=2, hot_set=every))
+    part = HybridExperts(store, ExpertSpec(), device=CPU, dtype=torch.float32,
+                         options=HybridOptions(slots=8, top_k=2, hot_set=every[:4]))
+    assert not full.graph_safe(0)                    # a CPU device never records graphs
+    full.cuda = part.cuda = True
+    assert full.graph_safe(0) and full.graph_safe(1)
+    assert not part.graph_safe(0) and not part.graph_safe(1)
