@@ -262,7 +262,7 @@ class HybridExperts:
         ids_b.copy_(topk_ids, non_blocking=True)
         w_b.copy_(topk_weights, non_blocking=True)
         x_b.copy_(hidden, non_blocking=True)
-        self._d2h_done.record()
+        self._d2h_done.record(torch.cuda.current_stream(self.device) if self.cuda else None)
         self._d2h_done.synchronize()
         ids = ids_b.numpy() if ids_b.dtype == torch.int64 else ids_b.to(torch.int64).numpy()
         w = w_b.numpy() if w_b.dtype == torch.float32 else w_b.float().numpy()
@@ -279,7 +279,7 @@ class HybridExperts:
         pin.copy_(cpu_out)                       # float32 -> compute dtype on the CPU
         dev = self._device_buffer("result", cpu_out.shape, self.dtype)
         dev.copy_(pin, non_blocking=True)
-        self._h2d_done.record()
+        self._h2d_done.record(torch.cuda.current_stream(self.device) if self.cuda else None)
         return dev
 
     def _host_buffer(self, name: str, shape, dtype: torch.dtype) -> torch.Tensor:
@@ -534,7 +534,7 @@ def _build_hybrid(store, spec, *, device, dtype, options, routing, prefetcher=No
 class _NoEvent:
     """A CUDA event's record/synchronize on a CPU device, where every copy is synchronous anyway."""
 
-    def record(self) -> None:
+    def record(self, stream=None) -> None:
         pass
 
     def synchronize(self) -> None:
