@@ -12,7 +12,7 @@ elif ls .whl/*.whl >/dev/null 2>&1; then
 fi
 export PYTHONPATH=${PYTHONPATH:-$PWD} PYTHONUNBUFFERED=1 FREETOKEN_HOME=/tmp/ft-home
 git rev-parse --short HEAD > "$OUT/commit.txt" 2>/dev/null
-timeout 240 python3 -m pytest -q -p no:cacheprovider --device cuda tests/test_decode_graph.py tests/test_engine_default_tier.py tests/test_kernels_norm_rope.py tests/test_models_parity.py \
+timeout 240 python3 -m pytest -q -p no:cacheprovider --device cuda tests/test_decode_graph.py tests/test_engine_default_tier.py tests/test_kernels_fused.py tests/test_models_parity.py \
   tests/test_engine_generation.py tests/test_engine_experts.py tests/test_hybrid_experts.py > "$OUT/cuda_tests.log" 2>&1
 echo "pytest rc=$?" >> "$OUT/cuda_tests.log"; tail -15 "$OUT/cuda_tests.log"
 if [ "${1:-}" = quick ]; then

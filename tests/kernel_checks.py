@@ -54,7 +54,49 @@ def check_norm_rope(device: str = "cpu") -> list[str]:
     return failures
 
 
-CHECKS = {"norm_rope": check_norm_rope}
+def check_dequant(device: str = "cpu") -> list[str]:
+    """The Triton dequantizer against the torch reference (within one bf16 rounding step: the kernel may fuse
+    q*s+m into one FMA where torch rounds twice), and the grouped-GEMM prefill path against the padded-bmm
+    reference, with -1 slots and several dequantize-and-GEMM rounds per call."""
+    from runtime.experts.host_store import HostExpertStore
+    from runtime.experts.interface import ExpertSpec, ExpertWeights
+    from runtime.kernels.dequant_triton import dequantize_experts
+    from runtime.kernels.expert_pool import dequantize_blocks, pool_forward_grouped
+
+    failures = []
+    gen = torch.Generator().manual_seed(1)
+    for codec, group, d, i in (("int4", 32, 64, 32), ("int4", 128, 128, 128), ("fp4", 32, 64, 32)):
+        experts = 4
+        weights = {(0, e): ExpertWeights(torch.randn(i, d, generator=gen) * 0.3, torch.randn(i, d, generator=gen) * 0.3,
+                                         torch.randn(d, i, generator=gen) * 0.3) for e in range(experts)}
+        store = HostExpertStore.from_weights(weights, codec=codec, group=group, fp4_format="mxfp4")
+        pool = torch.from_numpy(store.layer_buffer(0).copy()).to(device)
+        slots = torch.tensor([3, 0], device=device)
+        gate_up, down = dequantize_experts(pool, store.layout, slots, dtype=torch.bfloat16)
+        blocks = pool.index_select(0, slots)
+        want_gu = torch.cat([dequantize_blocks(blocks, store.layout, "gate", torch.bfloat16),
+                             dequantize_blocks(blocks, store.layout, "up", torch.bfloat16)], dim=1)
+        want_down = dequantize_blocks(blocks, store.layout, "down", torch.bfloat16)
+        err = max((gate_up.float() - want_gu.float()).abs().max().item(),
+                  (down.float() - want_down.float()).abs().max().item())
+        if err > 1.01 * 2 ** -7 * max(want_gu.float().abs().max().item(), want_down.float().abs().max().item()):
+            failures.append(f"dequant {codec} g{group}: max error "
+                            f"{(gate_up.float() - want_gu.float()).abs().max().item():.3g}")
+        for t in (24,):
+            x = torch.randn(t, d, generator=gen).to(device, torch.bfloat16)
+            sl = torch.randint(-1, experts, (t, 3), generator=gen).to(device)
+            w = torch.rand(t, 3, generator=gen).to(device)
+            ref = pool_forward_grouped(pool, store.layout, ExpertSpec(), x.float(), sl, w, fast=False)
+            # a workspace of 2 experts: several dequantize-and-GEMM rounds per call
+            got = pool_forward_grouped(pool, store.layout, ExpertSpec(), x, sl, w, fast=True,
+                                       workspace_bytes=2 * 3 * d * i * 2)
+            rel = ((got.float() - ref).norm() / ref.norm().clamp(min=1e-6)).item()
+            if got.dtype != torch.bfloat16 or rel > 2e-2:
+                failures.append(f"grouped {codec} g{group} T{t}: relative error {rel:.3g}")
+    return failures
+
+
+CHECKS = {"norm_rope": check_norm_rope, "dequant": check_dequant}
 
 if __name__ == "__main__":
     device = sys.argv[2] if len(sys.argv) > 2 else "cpu"

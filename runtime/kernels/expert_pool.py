@@ -112,9 +112,18 @@ def pool_forward(pool: torch.Tensor, layout, spec: ExpertSpec, x: torch.Tensor, 
 
 
 def pool_forward_grouped(pool: torch.Tensor, layout, spec: ExpertSpec, x: torch.Tensor, slots: torch.Tensor,
-                         weights: torch.Tensor, *, workspace_bytes: int = 256 << 20) -> torch.Tensor:
+                         weights: torch.Tensor, *, workspace_bytes: int = 256 << 20,
+                         fast: bool | None = None) -> torch.Tensor:
     """The same function for many tokens: used slots dequantized a batch at a time (as many as fit in
-    `workspace_bytes` of bf16 weights) and run as padded batched matmuls over each slot's tokens."""
+    `workspace_bytes` of bf16 weights) and run over each slot's tokens. `fast` (default: on a GPU with bf16
+    activations and a codec the Triton dequantizer covers): one-pass Triton dequantization and torch's grouped
+    GEMM over the tokens sorted by slot; else padded batched matmuls (the reference)."""
+    from runtime.kernels import dequant_triton
+
+    if fast is None:
+        fast = x.is_cuda and x.dtype == torch.bfloat16
+    if fast and dequant_triton.supports(layout) and hasattr(torch.nn.functional, "grouped_mm"):
+        return _grouped_mm_forward(pool, layout, spec, x, slots, weights, workspace_bytes=workspace_bytes)
     t, k = slots.shape
     flat = slots.reshape(-1)
     order = torch.argsort(flat, stable=True)                                      # [A] grouped by slot
@@ -158,6 +167,41 @@ def pool_forward_grouped(pool: torch.Tensor, layout, spec: ExpertSpec, x: torch.
             y = y + db[:, None, :]
         out.index_add_(0, idx.reshape(-1), (y * wpad[..., None]).reshape(-1, y.shape[-1]))
     return out
+
+
+def _grouped_mm_forward(pool: torch.Tensor, layout, spec: ExpertSpec, x: torch.Tensor, slots: torch.Tensor,
+                        weights: torch.Tensor, *, workspace_bytes: int) -> torch.Tensor:
+    """Assignments sorted by slot; used slots dequantized a batch at a time (Triton, one pass) into the layout
+    `F.grouped_mm` takes; gate+up as one grouped GEMM, the activation, down as another; weighted scatter-add."""
+    from runtime.kernels.dequant_triton import dequantize_experts
+
+    t, k = slots.shape
+    flat = slots.reshape(-1)                                                      # [A]
+    order = torch.argsort(flat, stable=True)                                      # [A] grouped by slot
+    sorted_slots = flat.index_select(0, order)
+    uniq, counts = torch.unique_consecutive(sorted_slots, return_counts=True)    # [U]
+    uniq_h, counts_h = uniq.tolist(), counts.tolist()                             # host: one sync per call
+    token_of = order // k                                                         # [A]
+    xs = x.index_select(0, token_of)                                              # [A, D] in slot order
+    ws = weights.reshape(-1).index_select(0, order).to(torch.float32)             # [A]
+    out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)              # fp32 accumulation
+    i = layout.intermediate
+    per_expert = 3 * layout.hidden * i * x.element_size()
+    batch = max(1, workspace_bytes // per_expert)
+    starts = [0]
+    for c in counts_h:
+        starts.append(starts[-1] + c)
+    first = next((j for j, sl in enumerate(uniq_h) if sl >= 0), len(uniq_h))     # -1 slots sort first: skipped
+    for j0 in range(first, len(uniq_h), batch):
+        j1 = min(j0 + batch, len(uniq_h))
+        a0, a1 = starts[j0], starts[j1]
+        gate_up, down = dequantize_experts(pool, layout, uniq[j0:j1], dtype=x.dtype)  # [B, 2I, D], [B, D, I]
+        offs = torch.cumsum(counts[j0:j1], 0).to(torch.int32)                     # [B] end row of each slot
+        gu = torch.nn.functional.grouped_mm(xs[a0:a1], gate_up.transpose(1, 2), offs=offs)   # [n, 2I]
+        h = _act(spec, gu[:, :i], gu[:, i:])                                      # [n, I]
+        y = torch.nn.functional.grouped_mm(h, down.transpose(1, 2), offs=offs)    # [n, D]
+        out.index_add_(0, token_of[a0:a1], y.float() * ws[a0:a1, None])
+    return out.to(x.dtype)
 
 
 def _first(t: torch.Tensor | None) -> torch.Tensor | None:
