@@ -164,7 +164,7 @@ def probe_numba_kernels(report: dict, *, name: str, layers: int, thread_counts: 
         report[key] = _probe_numba_shape(name=name, group=g, layers=layers, thread_counts=thread_counts)
 
 
-def _probe_numba_shape(*, name: str, group: int, layers: int, thread_counts: list[int]) -> dict:
+def _probe_numba_shape(*, name: str, group: int, layers: int, thread_counts: list[int], rounds: int = 3) -> dict:
     import numpy as np
     import torch
 
@@ -187,20 +187,23 @@ def _probe_numba_shape(*, name: str, group: int, layers: int, thread_counts: lis
                        np.stack([rng.choice(e, k, replace=False) for _ in range(batch)]).reshape(-1))
                       for s in range(steps + 1)] for batch in (1, 4)}
     for threads in thread_counts:
-        read = _numba_read_gbps(store, threads)
+        read = max(_numba_read_gbps(store, threads) for _ in range(rounds))
         out[f"read_gbps_threads{threads}"] = read
         ck.numba.set_num_threads(threads)
         for batch in (1, 4):
             x = torch.randn(batch, d)
             w = np.full(batch * k, 1 / k, dtype=np.float32)
-            for label, ex in kernels.items():
-                layer, tokens, ids = routes[batch][-1]
-                ex.run(layer, x, tokens, ids, w)                       # compile / warm up
-                t0 = time.perf_counter()
-                for layer, tokens, ids in routes[batch][:steps]:
-                    ex.run(layer, x, tokens, ids, w)
-                dt = time.perf_counter() - t0
-                nbytes = sum(len(np.unique(ids)) for _, _, ids in routes[batch][:steps]) * store.block_nbytes
+            nbytes = sum(len(np.unique(ids)) for _, _, ids in routes[batch][:steps]) * store.block_nbytes
+            best = {label: float("inf") for label in kernels}
+            for _ in range(rounds):                # interleaved rounds, best kept: a shared machine's noise
+                for label, ex in kernels.items():
+                    layer, tokens, ids = routes[batch][-1]
+                    ex.run(layer, x, tokens, ids, w)                   # compile / warm up
+                    t0 = time.perf_counter()
+                    for layer, tokens, ids in routes[batch][:steps]:
+                        ex.run(layer, x, tokens, ids, w)
+                    best[label] = min(best[label], time.perf_counter() - t0)
+            for label, dt in best.items():
                 gbps = nbytes / dt / GB
                 out[f"{label}_batch{batch}_threads{threads}"] = {
                     "us_per_layer": dt / steps * 1e6, "gbps": gbps, "gbps_per_thread": gbps / threads,

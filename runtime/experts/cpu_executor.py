@@ -54,8 +54,7 @@ class CpuExecutor:
         self.fast = ck.HAVE_NUMBA if fast is None else fast
         if self.fast and not ck.HAVE_NUMBA and store.layout.quantized:
             raise RuntimeError("the fast CPU expert kernels need numba (pip install numba)")
-        if threads and ck.HAVE_NUMBA:
-            ck.numba.set_num_threads(min(threads, ck.numba.config.NUMBA_NUM_THREADS))
+        self.threads = min(threads, ck.numba.config.NUMBA_NUM_THREADS) if threads and ck.HAVE_NUMBA else 0
         if spec.activation not in _ACTIVATIONS:
             raise ValueError(f"unknown expert activation {spec.activation!r}")
         lay = store.layout
@@ -85,6 +84,8 @@ class CpuExecutor:
         out = torch.zeros_like(x)
         if len(experts) == 0:
             return out
+        if self.threads:               # numba's thread count is per calling thread: set it where the work runs
+            ck.numba.set_num_threads(self.threads)
         if self.int8:                  # the kernel groups the assignments itself (no numpy calls per layer)
             self._kernel_int8(layer, x.numpy(), np.ascontiguousarray(tokens, dtype=np.int64),
                               np.ascontiguousarray(experts, dtype=np.int64),

@@ -510,8 +510,12 @@ def moe_layer_int8(codec, buf, buf16, buf32, nbytes, offs, has_bias, i, group, t
     hq = np.empty(n_a * i, dtype=np.int8)
     hs = np.empty(n_a * (i // group), dtype=np.float32)
     hm = np.empty(n_a * (i // group), dtype=np.float32)
-    for a in prange(n_a):
-        _quantize_row(h, a, group, hq, hs, hm)
+    if n_a >= 32:                          # a parallel region is a barrier: worth it only for many rows
+        for a in prange(n_a):
+            _quantize_row(h, a, group, hq, hs, hm)
+    else:
+        for a in range(n_a):
+            _quantize_row(h, a, group, hq, hs, hm)
 
     # 4. down rows
     y = np.empty((n_a, d), dtype=np.float32)
