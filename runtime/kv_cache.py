@@ -115,14 +115,25 @@ class KVCache:
         """A compact copy on `device` (the prefix cache may keep GPU caches in host RAM)."""
         out = KVCache(self.num_kv_heads, self.head_dim, device=device, dtype=self.dtype, capacity=0,
                       window=self.window)
-        out.keys = self.keys[:, :self.stored].to(out.device, copy=True)
-        out.values = self.values[:, :self.stored].to(out.device, copy=True)
+        out.keys = _moved(self.keys[:, :self.stored], out.device)
+        out.values = _moved(self.values[:, :self.stored], out.device)
         out.offset, out.start = self.offset, self.start
         return out
 
     @property
     def nbytes(self) -> int:
         return (self.keys.numel() + self.values.numel()) * self.keys.element_size()
+
+
+def _moved(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A copy on `device`. GPU -> host copies land in page-locked memory: the prefix cache keeps a GPU engine's
+    caches in host RAM, and bringing a 20K-token conversation back (~2 GB) then runs at the pinned rate
+    (~50 GB/s on the H200's link) instead of the pageable one (~8 GB/s), which is most of a warm agent turn."""
+    if device.type == "cpu" and t.is_cuda:
+        out = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+        out.copy_(t)
+        return out
+    return t.to(device, copy=True)
 
 
 class StateCache:
@@ -147,7 +158,7 @@ class StateCache:
         return StateCache({k: v.clone() for k, v in self.states.items()}, self.offset)
 
     def to(self, device: torch.device | str) -> "StateCache":
-        return StateCache({k: v.to(device, copy=True) for k, v in self.states.items()}, self.offset)
+        return StateCache({k: _moved(v, torch.device(device)) for k, v in self.states.items()}, self.offset)
 
     def load(self, other: "StateCache", length: int | None = None) -> None:
         """Take another state's tensors (a prefix-cache hit); a recurrent state restores only whole."""
