@@ -187,7 +187,9 @@ class HybridExperts:
             cpu_out = self.cpu.run(layer, x_h, tok, cpu_ids, w_h[tok, kk])      # [T, D] float32, host
             cpu_s = time.perf_counter() - c0
             back = self._upload(cpu_out) if self._staged_io else cpu_out.to(self.dtype)
-            out = back.to(hidden.dtype, copy=True) if out is None else out + back
+            # `back` lives in a reusable buffer: a CPU-only call returns a copy; otherwise the pool kernels'
+            # fresh output takes the sum in place (no further allocation)
+            out = back.to(hidden.dtype, copy=True) if out is None else out.add_(back)
             if self._promote_blocks and self.options.slots:
                 self._promote(layer, missed[published[missed] < 0] if n_fetch else missed)   # [n_cpu] sorted
         if out is None:                          # no tokens
