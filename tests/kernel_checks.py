@@ -10,6 +10,14 @@ import sys
 import torch
 
 
+def _as_kernel_rounds(v: torch.Tensor, dtype: torch.dtype, device: str) -> torch.Tensor:
+    """fp32 -> dtype as the kernel does it: round to nearest even compiled on a GPU, but Triton's CPU
+    interpreter truncates to bf16 (checked), so there the expected value is the truncation."""
+    if dtype != torch.bfloat16 or device == "cuda":
+        return v.to(dtype)
+    return (v.contiguous().view(torch.int32) & ~0xFFFF).view(torch.float32).to(dtype)
+
+
 def check_norm_rope(device: str = "cpu") -> list[str]:
     from runtime.kernels import norm_rope_triton as k
     from runtime.models.blocks import RMSNorm, Rotary
@@ -25,6 +33,11 @@ def check_norm_rope(device: str = "cpu") -> list[str]:
                 norm = norm.to(device, dtype if flavour == "llama" else torch.float32)
                 x = (torch.randn(rows, d, generator=gen) * 3).to(device, dtype)
                 got, want = k.rms_norm(x, norm.weight, eps=norm.eps, flavour=flavour), norm.reference(x)
+                r = torch.randn(rows, d, generator=gen).to(device, dtype)
+                total, normed = k.add_rms_norm(x, r, norm.weight, eps=norm.eps, flavour=flavour)
+                if not torch.equal(total, _as_kernel_rounds(x.float() + r.float(), dtype, device)):
+                    failures.append(f"add_rms_norm {dtype} {flavour} {rows}x{d}: the sum differs from x + r")
+                got, want = torch.cat([got, normed]), torch.cat([want, norm.reference(x + r)])
                 err = (got.float() - want.float()).abs().max().item()
                 # bf16: the fp32 sum of squares adds up in another order, which may flip the rounding of the
                 # normalised value by one unit in the last place, and the weight multiply rounds again: 2 ulps

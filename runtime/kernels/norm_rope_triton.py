@@ -51,6 +51,23 @@ if HAVE_TRITON:
         tl.store(out_ptr + row * D + cols, y.to(out_ptr.dtype.element_ty), mask=mask)
 
     @triton.jit
+    def _add_rms_norm_kernel(x_ptr, r_ptr, w_ptr, sum_ptr, out_ptr, D, eps, FLAVOUR: tl.constexpr,
+                             BLOCK: tl.constexpr):
+        """sum = x + r (rounded to the dtype, as torch's add), out = RMSNorm(sum): one read of each, two writes."""
+        row = tl.program_id(0).to(tl.int64)
+        cols = tl.arange(0, BLOCK)
+        mask = cols < D
+        dt = sum_ptr.dtype.element_ty
+        x = tl.load(x_ptr + row * D + cols, mask=mask, other=0.0).to(tl.float32)
+        r = tl.load(r_ptr + row * D + cols, mask=mask, other=0.0).to(tl.float32)
+        s = (x + r).to(dt)
+        tl.store(sum_ptr + row * D + cols, s, mask=mask)
+        s = s.to(tl.float32)
+        w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+        rstd = 1.0 / tl.sqrt(tl.sum(s * s, axis=0) / D + eps)
+        tl.store(out_ptr + row * D + cols, _normed(s, w, rstd, FLAVOUR, dt).to(dt), mask=mask)
+
+    @triton.jit
     def _round(v, DT: tl.constexpr):
         return v.to(DT).to(tl.float32)
 
@@ -101,6 +118,18 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, *, eps: float, flavour: str 
         _rms_norm_kernel[(rows.shape[0],)](rows, weight, out, d, float(eps), FLAVOUR=FLAVOURS[flavour],
                                            BLOCK=triton.next_power_of_2(d))
     return out.view(x.shape)
+
+
+def add_rms_norm(x: torch.Tensor, r: torch.Tensor, weight: torch.Tensor, *, eps: float, flavour: str = "llama"
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(x + r, RMSNorm(x + r)) in one launch: the residual add fused with the norm that follows it."""
+    d = x.shape[-1]
+    xs, rs = x.reshape(-1, d).contiguous(), r.reshape(-1, d).contiguous()    # [R, D]
+    total, out = torch.empty_like(xs), torch.empty_like(xs)
+    if xs.shape[0]:
+        _add_rms_norm_kernel[(xs.shape[0],)](xs, rs, weight, total, out, d, float(eps), FLAVOUR=FLAVOURS[flavour],
+                                             BLOCK=triton.next_power_of_2(d))
+    return total.view(x.shape), out.view(x.shape)
 
 
 def norm_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *, weight: torch.Tensor | None = None,

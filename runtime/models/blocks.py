@@ -43,6 +43,14 @@ class RMSNorm(nn.Module):
             return norm_rope_triton.rms_norm(x, self.weight, eps=self.eps, flavour=self.flavour)   # one launch
         return self.reference(x)
 
+    def add_and_norm(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(x + residual, norm(x + residual)): on a GPU one launch instead of two kernels' round trips."""
+        if norm_rope_triton.available(x) and x.dtype == residual.dtype and (
+                self.flavour != "llama" or self.weight.dtype == x.dtype):
+            return norm_rope_triton.add_rms_norm(x, residual, self.weight, eps=self.eps, flavour=self.flavour)
+        x = x + residual
+        return x, self(x)
+
     def reference(self, x: torch.Tensor) -> torch.Tensor:
         dtype = x.dtype
         xf = x.float()
@@ -360,11 +368,17 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(hidden_size, eps=eps, flavour=norm_flavour)
         self.post_attention_layernorm = RMSNorm(hidden_size, eps=eps, flavour=norm_flavour)
 
-    def forward(self, x: torch.Tensor, batch: Batch, layer: int, rope: Rotary, cos_sin, experts: Experts):
-        x = x + self.self_attn(self.input_layernorm(x), batch, layer, rope, cos_sin)
+    def forward(self, x: torch.Tensor, batch: Batch, layer: int, rope: Rotary, cos_sin, experts: Experts,
+                pending: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """x: the residual stream; `pending`: the previous layer's MLP output, not yet added (so that the add
+        fuses with this layer's first norm). Returns (the stream, this layer's MLP output, not yet added)."""
+        if pending is None:
+            h = self.input_layernorm(x)
+        else:
+            x, h = self.input_layernorm.add_and_norm(x, pending)
+        x, h = self.post_attention_layernorm.add_and_norm(x, self.self_attn(h, batch, layer, rope, cos_sin))
         mlp = getattr(self, self.mlp_name)
-        h = self.post_attention_layernorm(x)
-        return x + (mlp(h, layer, experts) if isinstance(mlp, SparseMoE) else mlp(h))
+        return x, (mlp(h, layer, experts) if isinstance(mlp, SparseMoE) else mlp(h))
 
 
 class DecoderStack(nn.Module):
@@ -380,6 +394,7 @@ class DecoderStack(nn.Module):
     def forward(self, batch: Batch, rope: Rotary, experts: Experts) -> torch.Tensor:
         x = self.embed_tokens(batch.input_ids)                              # [N, D]
         cos_sin = rope.cos_sin(batch.positions, x.dtype)                    # [N, 1, rd/2] x2
+        pending = None
         for i, layer in enumerate(self.layers):
-            x = layer(x, batch, i, rope, cos_sin, experts)
-        return self.norm(x)
+            x, pending = layer(x, batch, i, rope, cos_sin, experts, pending)
+        return self.norm(x) if pending is None else self.norm.add_and_norm(x, pending)[1]
