@@ -195,6 +195,17 @@ def test_routing_stats_distinct_add_and_counts_view(tmp_path):
     path = tmp_path / "r.json"
     b.save(path)
     assert RoutingStats.load(path).counts == a.counts
+    # queued calls fold in batches (a fold every 3 here) over several layers, growing rows as ids grow
+    c, d = RoutingStats(), RoutingStats()
+    c.FOLD_EVERY = 3
+    rng = np.random.default_rng(2)
+    for step in range(50):
+        layer, experts = int(rng.integers(0, 4)), np.unique(rng.integers(0, 40 + 10 * step, size=6))
+        c.add_distinct(layer, experts)
+        d.add(layer, experts.tolist())
+        if step % 7 == 0:
+            assert c.counts == d.counts
+    assert c.counts == d.counts and c.hot_set(5) == d.hot_set(5)
 
 
 def test_bench_hybrid_host_runs(capsys, tmp_path):

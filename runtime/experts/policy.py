@@ -213,11 +213,16 @@ def make_policy(name: str) -> Policy:
 class RoutingStats:
     """How often each (layer, expert) was chosen, summed over runs and saved per model.
 
-    Counted in one growable numpy row per layer (a decode call adds its distinct experts in one vectorised
-    step); `counts` is the {(layer, expert): count} view of the non-zero entries."""
+    Counted in one growable numpy row per layer; a decode call's distinct experts are only queued
+    (`add_distinct`: one list append on the critical path) and folded in with one bincount per layer every
+    `FOLD_EVERY` calls or whenever the counts are read. `counts` is the {(layer, expert): count} view of the
+    non-zero entries."""
+
+    FOLD_EVERY = 1024
 
     def __init__(self, counts: dict[Key, int] | None = None):
         self._rows: dict[int, np.ndarray] = {}
+        self._queued: list[tuple[int, np.ndarray]] = []
         for (layer, e), c in (counts or {}).items():
             self._row(layer, e + 1)[e] += int(c)
 
@@ -230,8 +235,21 @@ class RoutingStats:
             row = self._rows[layer] = grown
         return row
 
+    def _fold(self) -> None:
+        if not self._queued:
+            return
+        queued, self._queued = self._queued, []
+        by_layer: dict[int, list[np.ndarray]] = {}
+        for layer, experts in queued:
+            by_layer.setdefault(layer, []).append(experts)
+        for layer, parts in by_layer.items():
+            ids = np.concatenate(parts)
+            row = self._row(layer, int(ids.max()) + 1)
+            row += np.bincount(ids, minlength=len(row))
+
     @property
     def counts(self) -> dict[Key, int]:
+        self._fold()
         return {(layer, int(e)): int(row[e]) for layer, row in sorted(self._rows.items()) for e in np.flatnonzero(row)}
 
     def add(self, layer: int, experts: Iterable[int]) -> None:
@@ -241,9 +259,11 @@ class RoutingStats:
             np.add.at(self._row(layer, int(ids.max()) + 1), ids, 1)
 
     def add_distinct(self, layer: int, experts: np.ndarray) -> None:
-        """`add` for sorted distinct ids [U] int64 (np.unique's output): one fancy-indexed increment."""
+        """`add` for distinct ids [U] int64 that the caller will not modify afterwards (kept until folded)."""
         if len(experts):
-            self._row(layer, int(experts[-1]) + 1)[experts] += 1
+            self._queued.append((layer, experts))
+            if len(self._queued) >= self.FOLD_EVERY:
+                self._fold()
 
     def hot_set(self, n: int) -> list[Key]:
         """The n most used keys, most used first (ties: lower layer, lower expert)."""
