@@ -15,6 +15,7 @@ git rev-parse --short HEAD > "$OUT/commit.txt" 2>/dev/null
 timeout 240 python3 -m pytest -q -p no:cacheprovider --device cuda tests/test_decode_graph.py tests/test_engine_default_tier.py tests/test_kernels_fused.py tests/test_models_parity.py \
   tests/test_engine_generation.py tests/test_engine_experts.py tests/test_hybrid_experts.py > "$OUT/cuda_tests.log" 2>&1
 echo "pytest rc=$?" >> "$OUT/cuda_tests.log"; tail -15 "$OUT/cuda_tests.log"
+timeout 150 python3 benchmarks/profile_decode_step.py --layers 4 2>&1 | tee "$OUT/profile_step.txt" | grep -v "^  .*/layer" | head -40
 if [ "${1:-}" = quick ]; then
   timeout 300 python3 -m runtime.experts.bench model --budgets 8 0 --routings uniform --tokens 32 --warmup 8 \
     --prefill 8192 16384 --prefill-budgets 8 --ttft-context 20000 --out "$OUT" 2>&1 | tee "$OUT/bench_model.txt"
