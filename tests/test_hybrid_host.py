@@ -41,9 +41,10 @@ def _reference(store, layer, x, ids, w):
 
 
 def test_decode_reads_the_ids_once_and_never_syncs_otherwise(monkeypatch):
-    """Every decode call moves ids/weights/hidden to the host exactly once (`_to_host`), a fully resident
-    layer not at all, and no torch op that reads values back (item, nonzero, unique, ...) runs in either,
-    through hits, CPU misses, fetches with evictions and promotions; results stay exact."""
+    """Every decode call moves ids/weights/hidden to the host exactly once (`_start_to_host`, waited on once
+    in `_finish_to_host`), a fully resident layer not at all, and no torch op that reads values back (item,
+    nonzero, unique, ...) runs in either, through hits, CPU misses, fetches with evictions and promotions;
+    results stay exact."""
     gen = torch.Generator().manual_seed(11)
     store = HostExpertStore.synthetic(layers=3, num_experts=8, hidden=64, intermediate=64, codec="int4",
                                       weight_std=0.2, seed=2)
@@ -51,9 +52,10 @@ def test_decode_reads_the_ids_once_and_never_syncs_otherwise(monkeypatch):
     hybrid = HybridExperts(store, ExpertSpec(), device=CPU, dtype=torch.float32,
                            options=HybridOptions(slots=14, top_k=2, hot_set=every_of_2, split="auto",
                                                  cpu_gbps=10.0, h2d_gbps=10.0))
-    transfers = []
-    real = hybrid._to_host
-    monkeypatch.setattr(hybrid, "_to_host", lambda *a: transfers.append(1) or real(*a))
+    transfers, waits = [], []
+    start, finish = hybrid._start_to_host, hybrid._finish_to_host
+    monkeypatch.setattr(hybrid, "_start_to_host", lambda *a: transfers.append(1) or start(*a))
+    monkeypatch.setattr(hybrid, "_finish_to_host", lambda *a: waits.append(1) or finish(*a))
     log = _OpLog()
     for step in range(24):
         layer = step % 3
@@ -64,6 +66,7 @@ def test_decode_reads_the_ids_once_and_never_syncs_otherwise(monkeypatch):
         with log:
             got = hybrid(layer, x, ids, w)
         assert len(transfers) - before == (0 if layer == 2 else 1), (step, layer)
+        assert len(waits) == len(transfers)
         torch.testing.assert_close(got, _reference(store, layer, x, ids, w), rtol=1e-4, atol=1e-5)
     assert "take.default" in log.ops                        # the log did see the device lookups
     bad = sorted({op for op in log.ops if any(op.startswith(s) for s in SYNCING_OPS)})
@@ -257,3 +260,37 @@ def test_graph_safe_only_when_every_expert_stays_in_the_pool_on_cuda():
     full.cuda = part.cuda = True
     assert full.graph_safe(0) and full.graph_safe(1)
     assert not part.graph_safe(0) and not part.graph_safe(1)
+
+
+def test_gpu_work_is_enqueued_before_the_sync_and_before_the_cpu_starts(monkeypatch):
+    """The overlap order of every decode call: the pass over resident experts is enqueued before the host
+    waits for the ids, a pass over fetched experts (if any) before the CPU kernel starts."""
+    gen = torch.Generator().manual_seed(13)
+    store = HostExpertStore.synthetic(layers=1, num_experts=8, hidden=64, intermediate=64, codec="int4",
+                                      weight_std=0.2, seed=3)
+    hybrid = HybridExperts(store, ExpertSpec(), device=CPU, dtype=torch.float32,
+                           options=HybridOptions(slots=6, top_k=3, split="fetch", hot_set=((0, 0), (0, 1)),
+                                                 cpu_gbps=10.0, h2d_gbps=10.0))
+    events: list[str] = []
+    gpu, finish, cpu = hybrid._gpu_forward, hybrid._finish_to_host, hybrid.cpu.run
+    monkeypatch.setattr(hybrid, "_gpu_forward", lambda *a: events.append("gpu") or gpu(*a))
+    monkeypatch.setattr(hybrid, "_finish_to_host", lambda *a: events.append("sync") or finish(*a))
+    monkeypatch.setattr(hybrid.cpu, "run", lambda *a: events.append("cpu") or cpu(*a))
+    steps = [("fetch", [[0, 4, 5], [1, 6, 7]]),          # 2 pinned hits, 4 misses fetched
+             ("cpu", [[0, 2, 3], [1, 4, 5]]),            # 2 misses on the CPU, 4 hits
+             ("fetch", [[2, 3, 0], [1, 6, 7]]),
+             ("cpu", [[0, 2, 3], [5, 4, 1]])]
+    for mode, ids in steps:
+        hybrid.options = HybridOptions(**{**hybrid.options.__dict__, "split": mode, "promote_bytes_per_call": 0})
+        events.clear()
+        ids = torch.tensor(ids)
+        x, w = torch.randn(2, 64, generator=gen), torch.full((2, 3), 1 / 3)
+        fetched = hybrid.counters.total.fetched_experts
+        got = hybrid(0, x, ids, w)
+        torch.testing.assert_close(got, _reference(store, 0, x, ids, w), rtol=1e-4, atol=1e-5)
+        assert events[:2] == ["gpu", "sync"], events
+        # a second pass exactly when this call fetched, after the sync that told it what to fetch
+        assert events.count("gpu") == (2 if hybrid.counters.total.fetched_experts > fetched else 1), events
+        if "cpu" in events:
+            assert "gpu" not in events[events.index("cpu"):], events
+    assert hybrid.counters.total.fetched_experts > 0 and hybrid.counters.total.cpu_experts > 0

@@ -131,17 +131,23 @@ class HybridExperts:
 
     # ------------------------------------------------------------------ few tokens
     def _decode(self, layer, hidden, topk_ids, topk_weights) -> torch.Tensor:
-        """Host work per call, in order: the one device->host transfer (ids, weights, hidden), hits and
-        misses from the host mirror of the slot table (numpy over the call's distinct experts, no per-key
-        Python), the split, fetches (allocate, withdraw, copy, publish: a constant number of launches), the
-        GPU's lookup and compute enqueued, then the CPU's share computed while the GPU runs, its result
-        back through page-locked memory without a sync, promotions, the split controller."""
+        """Per call, in order: the device->host copies of ids, weights and hidden are enqueued, then the GPU's
+        pass over the experts already in the pool (a device lookup: it needs nothing from the host, so it
+        runs while the host waits for the ids and does its bookkeeping); the one sync; hits and misses from
+        the host mirror of the slot table (numpy over the call's distinct experts, no per-key Python); the
+        split; fetches (allocate, withdraw, copy, publish: a constant number of launches) and a second GPU
+        pass over just the fetched experts; the CPU's share while the GPU runs, its result back through
+        page-locked memory without a sync; promotions; the split controller."""
         cache = self.cache
         li = cache.layer_index[layer]
         if cache.resident[li] == cache.num_experts:
             return self._resident(layer, hidden, topk_ids, topk_weights)
         t0 = time.perf_counter()
-        ids_h, w_h, x_h = self._to_host(hidden, topk_ids, topk_weights)    # [T, K], [T, K], [T, D]: one sync
+        self._start_to_host(hidden, topk_ids, topk_weights)
+        # GPU pass 1: whatever this call's experts have in the pool now (-1 slots are skipped by the kernels)
+        slots_now = cache.device_slots(layer, topk_ids) if cache.resident[li] else None     # [T, K]
+        out = self._gpu_forward(hidden, slots_now, topk_weights) if slots_now is not None else None
+        ids_h, w_h, x_h = self._finish_to_host(hidden, topk_ids, topk_weights)   # [T, K], [T, K], [T, D]: the sync
         seen = self._seen                                                    # [E] bool scratch, all False
         seen[ids_h] = True
         uniq = np.flatnonzero(seen)                                         # [U] sorted distinct experts
@@ -174,10 +180,13 @@ class HybridExperts:
                 fetch_keys = self._fetch(layer, li, uniq, candidates[:n_fetch].tolist())
         n_fetch = len(fetch_keys)
         n_cpu = len(missed) - n_fetch
-        out = None
-        if n_hits or n_fetch:
-            # GPU: every resident expert of this call, looked up on the device, enqueued before the CPU starts
-            out = self._gpu_forward(hidden, cache.device_slots(layer, topk_ids), topk_weights)
+        if n_fetch:
+            # GPU pass 2, enqueued before the CPU starts: only the experts this call fetched (pass 1 did the rest)
+            slots_new = cache.device_slots(layer, topk_ids)
+            if slots_now is not None:
+                slots_new = torch.where(slots_now >= 0, -1, slots_new)
+            fetched_out = self._gpu_forward(hidden, slots_new, topk_weights)
+            out = fetched_out if out is None else out.add_(fetched_out)
         cpu_s = 0.0
         if n_cpu:
             # CPU: the assignments whose expert is still unpublished (misses not fetched, in-flight promotions)
@@ -247,28 +256,30 @@ class HybridExperts:
         return out if out.dtype == hidden.dtype else out.to(hidden.dtype)
 
     # ------------------------------------------------------------------ host <-> device staging (decode)
-    def _to_host(self, hidden, topk_ids, topk_weights) -> tuple[np.ndarray, np.ndarray, torch.Tensor]:
-        """ids [T, K] int64 and weights [T, K] float32 as numpy, hidden [T, D] as a host tensor (its dtype).
+    def _start_to_host(self, hidden, topk_ids, topk_weights) -> None:
+        """Enqueue the one device->host transfer: three non-blocking copies into reusable page-locked buffers
+        and an event (`_finish_to_host` waits on it: the only host sync of a decode call). Hidden and weights
+        come along although only misses need them, because a second transfer would be a second sync. The
+        buffers are overwritten by the next call's copies, which the stream orders after this call's."""
+        if not self._staged_io:
+            return
+        self._host_buffer("ids", topk_ids.shape, topk_ids.dtype).copy_(topk_ids, non_blocking=True)
+        self._host_buffer("weights", topk_weights.shape, topk_weights.dtype).copy_(topk_weights, non_blocking=True)
+        self._host_buffer("hidden", hidden.shape, hidden.dtype).copy_(hidden, non_blocking=True)
+        self._d2h_done.record(torch.cuda.current_stream(self.device) if self.cuda else None)
 
-        On CUDA: three non-blocking copies into reusable page-locked buffers and ONE event synchronize (the
-        only host sync of a decode call); hidden and weights come along although only misses need them,
-        because a second transfer would be a second sync. The buffers are overwritten by the next call's
-        copies, which the stream orders after this call's host work has been enqueued."""
+    def _finish_to_host(self, hidden, topk_ids, topk_weights) -> tuple[np.ndarray, np.ndarray, torch.Tensor]:
+        """ids [T, K] int64 and weights [T, K] float32 as numpy, hidden [T, D] as a host tensor (its dtype)."""
         if not self._staged_io:
             ids = topk_ids if topk_ids.dtype == torch.int64 else topk_ids.to(torch.int64)
             w = topk_weights if topk_weights.dtype == torch.float32 else topk_weights.float()
             return ids.numpy(), w.numpy(), hidden
+        self._d2h_done.synchronize()
         ids_b = self._host_buffer("ids", topk_ids.shape, topk_ids.dtype)
         w_b = self._host_buffer("weights", topk_weights.shape, topk_weights.dtype)
-        x_b = self._host_buffer("hidden", hidden.shape, hidden.dtype)
-        ids_b.copy_(topk_ids, non_blocking=True)
-        w_b.copy_(topk_weights, non_blocking=True)
-        x_b.copy_(hidden, non_blocking=True)
-        self._d2h_done.record(torch.cuda.current_stream(self.device) if self.cuda else None)
-        self._d2h_done.synchronize()
         ids = ids_b.numpy() if ids_b.dtype == torch.int64 else ids_b.to(torch.int64).numpy()
         w = w_b.numpy() if w_b.dtype == torch.float32 else w_b.float().numpy()
-        return ids, w, x_b
+        return ids, w, self._host_buffer("hidden", hidden.shape, hidden.dtype)
 
     def _upload(self, cpu_out: torch.Tensor) -> torch.Tensor:
         """The CPU's result [T, D] float32 -> a device tensor [T, D] (self.dtype), through a reusable
