@@ -69,7 +69,8 @@ class HostBuffer:
                         self.nbytes / 2**30, int(err))
             return False
         # unregister before the pages go back to the OS: the finaliser keeps the mapping alive until then
-        weakref.finalize(self.array, _unregister, ptr, self._map)
+        done = weakref.finalize(self.array, _unregister, ptr, self._map)
+        done.atexit = False          # at exit the process's pages go back anyway: no 20 GB unregister walk
         self.pinned = True
         return True
 
