@@ -114,3 +114,50 @@ def test_bench_load_runs_and_reports_rss(tmp_path, capsys):
     for r in rows:
         assert r["gbps"] > 0 and r["after_minus_before"] < r["package"] + 64 * MiB
     assert "GB/s" in capsys.readouterr().out
+
+
+def test_page_locking_registers_exactly_the_store_and_unregisters_when_the_last_view_goes(monkeypatch, caplog,
+                                                                                        tmp_path):
+    """HostBuffer.pin against a stand-in CUDA runtime (this machine has none): one registration of exactly
+    the store's bytes at its address, transport treats it as pinned, and the registration ends only after
+    the store and every view of it are gone; a refused registration warns and leaves the store pageable."""
+    import gc
+
+    import torch
+
+    from runtime.experts.host_store import HostBuffer
+    from runtime.experts.transport import _is_pinned
+
+    calls = []
+
+    class Runtime:
+        result = 0
+
+        def cudaHostRegister(self, ptr, size, flags):
+            calls.append(("register", ptr, size, flags))
+            return self.result
+
+        def cudaHostUnregister(self, ptr):
+            calls.append(("unregister", ptr))
+            return 0
+
+    rt = Runtime()
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "cudart", lambda: rt)
+    experts = write_synthetic_ftw_experts(tmp_path, layers=2, num_experts=3, hidden=256, intermediate=128)
+    copy = HostExpertStore.from_ftw(experts).pinned_copy(pin=True)
+    ptr = copy._owner.array.ctypes.data
+    assert calls == [("register", ptr, copy.nbytes, 0)] and copy.load_seconds["pinned"] is True
+    assert _is_pinned(copy)
+    view = copy.block(1, 2)                   # a view outliving the store keeps the registration
+    del copy
+    gc.collect()
+    assert calls[-1][0] == "register"
+    del view
+    gc.collect()
+    assert calls[-1] == ("unregister", ptr)
+    rt.result = 2                             # cudaErrorMemoryAllocation
+    with caplog.at_level("WARNING"):
+        buf = HostBuffer(1 << 20)
+        assert buf.pin() is False and not buf.pinned
+    assert "cudaHostRegister of 0.00 GiB failed (error 2)" in caplog.text
