@@ -177,7 +177,7 @@ class HybridExperts:
                 if n_fetch < len(candidates):      # fetch the misses most worth keeping; the rest run on the CPU
                     order = np.argsort(-dirc.policy.scores(layer, candidates), kind="stable")
                     candidates = candidates[order]
-                fetch_keys = self._fetch(layer, li, uniq, candidates[:n_fetch].tolist())
+                fetch_keys = self._fetch(layer, uniq, candidates[:n_fetch].tolist())
         n_fetch = len(fetch_keys)
         n_cpu = len(missed) - n_fetch
         if n_fetch:
@@ -219,7 +219,7 @@ class HybridExperts:
                                pcie_seconds=(now - t0 - cpu_s) if n_fetch and not n_cpu else 0.0)
         return out if out.dtype == hidden.dtype else out.to(hidden.dtype)
 
-    def _fetch(self, layer: int, li: int, uniq: np.ndarray, experts: list[int]) -> list[Key]:
+    def _fetch(self, layer: int, uniq: np.ndarray, experts: list[int]) -> list[Key]:
         """Allocate slots for `experts` (evicting by policy; never this call's experts nor an in-flight
         promotion), copy their blocks on the copy stream and publish them once landed. Returns what was
         fetched (fewer when every slot is pinned or protected)."""
