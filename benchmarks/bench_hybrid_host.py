@@ -10,7 +10,8 @@ Routing is controlled: each token takes round(hit * K) of its K experts from the
 (a pinned hot set) and the rest from the other half; promotion is off and misses stay on the CPU
 (split "cpu"), so every call sees the same hit rate. `--split fetch` puts misses on the fetch path instead
 (pool slots churn: allocate, evict, copy, table writes). Blocks are small (hidden 64, width 64: 8 KiB), so
-a fetch's copy costs little here: the fetch rows are bookkeeping, not PCIe.
+a fetch's copy costs little here: the fetch rows are bookkeeping, not PCIe. The `_resident` rows use a
+tier with every expert of every layer pinned (the sync-free path).
 
     python benchmarks/bench_hybrid_host.py                       # the table
     python benchmarks/bench_hybrid_host.py --save after.json --compare before.json
