@@ -1,19 +1,34 @@
-"""Triton kernels: decode-time expert compute straight from the packed int4 / fp4 slot pool.
+"""Triton kernels: decode-time expert compute straight from the packed int4 / fp4 slot pool, in TWO launches.
 
 The plain-torch reference is `runtime/kernels/expert_pool.py::pool_forward` (it gathers blocks, dequantizes
 them whole and runs batched matmuls: ~40 launches and 3x the weight bytes in temporaries). These kernels
-read each packed byte once, dequantize in registers and fuse gate, up and the activation:
+read each packed byte once, dequantize in registers and fuse everything around the two matmuls:
 
-  gate_up kernel, grid (A, I / BLOCK_N):  h[a, n] = act(sum_k Wg[s_a, n, k] x[t_a, k], sum_k Wu[s_a, n, k] x[t_a, k])
-  down kernel,    grid (A, D / BLOCK_N):  y[a, n] = sum_k Wd[s_a, n, k] h[a, k]
+  gate_up kernel, grid (A, I / BLOCK_N):  t = a // K, s = slots[t, a % K] (s < 0: nothing to do)
+      h[a, n] = act(sum_j Wg[s, n, j] x[t, j], sum_j Wu[s, n, j] x[t, j])
+  down kernel,    grid (T, D / BLOCK_N):
+      y[t, n] = sum_{k: slots[t, k] >= 0} weights[t, k] * sum_j Wd[slots[t, k], n, j] h[t*K + k, j]
 
-where s_a is the assignment's slot (-1: computed elsewhere, skipped). Block layout and codecs as in FTW:
-int4 `W = q * scale + min` (fp16 per group), fp4 e2m1 with e8m0 scales per 32 (MXFP4). Weights are read
-as bytes: byte j of a row holds element 2j (low nibble) and 2j + 1 (high nibble).
+A slot of -1 is an expert computed elsewhere: skipped (its h row is never written nor read, its weight never
+applied), so whatever bytes or NaNs sit anywhere cannot leak. Accumulation is fp32; y is written once, in
+x's dtype; no atomics, so results are deterministic. Nothing on the host depends on the data (no syncs,
+allocations sized by shapes only): the two launches can be recorded in a CUDA graph.
 
-Shapes: T tokens, K per token, A = T*K assignments, D hidden, I expert width, G groups per row.
+Both kernels work on a tile of "virtual rows": rows of several matrices processed side by side, so their
+loads are in flight together instead of one after another (at batch 1 the kernels are bound by the latency
+of each round trip to memory, not by bandwidth). The gate_up tile interleaves gate row n and up row n;
+the down tile holds row n of each of the token's K experts, and the weighted sum over K is a reduction
+inside the tile. `_dot_tile` is the shared inner product: any packed rows of the pool against an input.
+
+Block layout and codecs as in FTW: int4 `W = q * scale + min` (fp16 per group), fp4 e2m1 with e8m0 scales
+per 32 (MXFP4). Weights are read as bytes: byte j of a row holds element 2j (low nibble) and 2j + 1 (high).
+
+Shapes: T tokens, K per token, A = T*K assignments, D hidden, I expert width, G groups per row,
+R rows in a tile (BLOCK_N outputs x the matrices side by side), KB = K rounded up to a power of two.
 """
 from __future__ import annotations
+
+import functools
 
 import torch
 
@@ -24,37 +39,55 @@ try:
 except ImportError:
     HAVE_TRITON = False
 
+TILE_ELEMENTS = 2048        # packed bytes per tile and loop step (R x BLOCK_K): 16 per thread at 4 warps
+PROGRAMS_PER_SM = 4         # aim: about one wave of resident programs (~130-190 registers a thread)
+DEFAULT_SMS = 132           # an H200's count, used when not on a CUDA device (the interpreter)
+MIN_BLOCK_N, MAX_BLOCK_N = 2, 32
+
 
 if HAVE_TRITON:
     @triton.jit
-    def _dot_rows(pool_ptr, base, q_off, s_off, m_off, rows, n_rows, n_in, x_ptr, CODEC: tl.constexpr,
-                  GROUP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-        """acc[BLOCK_N] = sum_k W[rows, k] x[k] over one packed matrix of a block at byte `base`."""
+    def _dot_tile(pool_ptr, q_row, s_row, m_row, rmask, x_ptr, x_rows, n_in, CODEC: tl.constexpr,
+                  GROUP: tl.constexpr, SHARED_X: tl.constexpr, ROWS: tl.constexpr, BLOCK_K: tl.constexpr):
+        """acc[R] = sum_j W_r[j] x_r[j] for R packed rows anywhere in the pool.
+
+        q_row [R] int64: byte offset of row r's codes; s_row, m_row [R]: offset of its first scale / min
+        (fp16 elements for int4, bytes for e8m0); rmask [R]: rows that exist (the others load nothing and
+        give 0). The input is x_ptr [n_in] for every row when SHARED_X, else row r's own x_rows[r] [n_in].
+        A step covers BLOCK_K bytes of each row as NG whole groups of GB bytes: scales and mins are loaded
+        once per group and applied to the group's partial sums (int4: s * sum(q x) + m * sum(x))."""
+        GB: tl.constexpr = GROUP // 2                                         # bytes per group
+        NG: tl.constexpr = BLOCK_K // GB                                      # groups per step
         half = n_in // 2
         n_groups = tl.cdiv(n_in, GROUP)
-        acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
-        rmask = rows < n_rows
+        gi = tl.arange(0, NG)
+        acc = tl.zeros((ROWS,), dtype=tl.float32)
         for k0 in range(0, half, BLOCK_K):
-            kb = k0 + tl.arange(0, BLOCK_K)                                   # byte index in the row
+            kb = k0 + gi[:, None] * GB + tl.arange(0, GB)[None, :]           # [NG, GB] byte index in a row
             kmask = kb < half
-            mask = rmask[:, None] & kmask[None, :]
-            q = tl.load(pool_ptr + base + q_off + rows[:, None].to(tl.int64) * half + kb[None, :], mask=mask,
-                        other=0).to(tl.int32)
+            mask = rmask[:, None, None] & kmask[None, :, :]                   # [R, NG, GB]
+            q = tl.load(pool_ptr + q_row[:, None, None] + kb[None, :, :], mask=mask, other=0).to(tl.int32)
             lo = (q & 15).to(tl.float32)
             hi = (q >> 4).to(tl.float32)
-            xe = tl.load(x_ptr + 2 * kb, mask=kmask, other=0.0).to(tl.float32)
-            xo = tl.load(x_ptr + 2 * kb + 1, mask=kmask, other=0.0).to(tl.float32)
-            g = (2 * kb) // GROUP                                              # group of both nibbles
-            sidx = rows[:, None] * n_groups + g[None, :]
+            # x[2j], x[2j + 1] as one contiguous load of pairs, split into even and odd elements
+            pair = 2 * kb[:, :, None] + tl.arange(0, 2)[None, None, :]         # [NG, GB, 2]
+            if SHARED_X:                                                      # [1, NG, GB]
+                xe, xo = tl.split(tl.load(x_ptr + pair, mask=kmask[:, :, None], other=0.0).to(tl.float32))
+                xe, xo = xe[None, :, :], xo[None, :, :]
+            else:                                                             # [R, NG, GB]
+                xe, xo = tl.split(tl.load(x_rows[:, None, None, None] + pair[None, :, :, :],
+                                          mask=mask[:, :, :, None], other=0.0).to(tl.float32))
+            g = k0 // GB + gi                                                 # [NG] group of each chunk
+            gmask = rmask[:, None] & (g < n_groups)[None, :]                  # [R, NG]
             if CODEC == 0:
-                sp = (pool_ptr + base + s_off).to(tl.pointer_type(tl.float16))
-                mp = (pool_ptr + base + m_off).to(tl.pointer_type(tl.float16))
-                s = tl.load(sp + sidx, mask=mask, other=0.0).to(tl.float32)
-                m = tl.load(mp + sidx, mask=mask, other=0.0).to(tl.float32)
-                acc += tl.sum((lo * s + m) * xe[None, :] + (hi * s + m) * xo[None, :], axis=1)
+                p16 = pool_ptr.to(tl.pointer_type(tl.float16))
+                s = tl.load(p16 + s_row[:, None] + g[None, :], mask=gmask, other=0.0).to(tl.float32)
+                m = tl.load(p16 + m_row[:, None] + g[None, :], mask=gmask, other=0.0).to(tl.float32)
+                qx = tl.sum(lo * xe + hi * xo, axis=2)                        # [R, NG]
+                xs = tl.sum(xe + xo, axis=2)                                  # [R or 1, NG]
+                acc += tl.sum(s * qx + m * xs, axis=1)
             else:
-                e8 = tl.load(pool_ptr + base + s_off + sidx, mask=mask, other=127).to(tl.float32)
-                s = tl.exp2(e8 - 127.0)
+                e8 = tl.load(pool_ptr + s_row[:, None] + g[None, :], mask=gmask, other=127).to(tl.float32)
                 # e2m1 from the code: magnitude m/2 + relu(m-4)/2 + relu(m-6), bit 3 the sign
                 lm = tl.where(lo >= 8.0, lo - 8.0, lo)
                 hm = tl.where(hi >= 8.0, hi - 8.0, hi)
@@ -62,75 +95,148 @@ if HAVE_TRITON:
                 hv = 0.5 * hm + 0.5 * tl.maximum(hm - 4.0, 0.0) + tl.maximum(hm - 6.0, 0.0)
                 lv = tl.where(lo >= 8.0, -lv, lv)
                 hv = tl.where(hi >= 8.0, -hv, hv)
-                acc += tl.sum(s * (lv * xe[None, :] + hv * xo[None, :]), axis=1)
+                acc += tl.sum(tl.exp2(e8 - 127.0) * tl.sum(lv * xe + hv * xo, axis=2), axis=1)
         return acc
 
     @triton.jit
-    def _gate_up_kernel(pool_ptr, nbytes, slots_ptr, tok_ptr, x_ptr, h_ptr, D, I,
+    def _gate_up_kernel(pool_ptr, nbytes, slots_ptr, slot_st, slot_sk, x_ptr, x_st, h_ptr, K, D, I,
                         gq, gs, gm, uq, us, um, alpha, limit,
                         CODEC: tl.constexpr, GROUP: tl.constexpr, ACT: tl.constexpr,
                         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-        a = tl.program_id(0)
-        slot = tl.load(slots_ptr + a)
+        a = tl.program_id(0)                                                  # assignment: token t, k-th expert
+        t = a // K
+        slot = tl.load(slots_ptr + t * slot_st + (a - t * K) * slot_sk)
         if slot < 0:
             return
-        t = tl.load(tok_ptr + a)
         base = slot.to(tl.int64) * nbytes
-        rows = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-        xp = x_ptr + t.to(tl.int64) * D
-        g = _dot_rows(pool_ptr, base, gq, gs, gm, rows, I, D, xp, CODEC, GROUP, BLOCK_N, BLOCK_K)
-        u = _dot_rows(pool_ptr, base, uq, us, um, rows, I, D, xp, CODEC, GROUP, BLOCK_N, BLOCK_K)
+        r = tl.arange(0, 2 * BLOCK_N)                                         # [R]: (n, gate|up) interleaved
+        n = tl.program_id(1) * BLOCK_N + r // 2
+        up = (r % 2) == 1
+        n_groups = tl.cdiv(D, GROUP)
+        q_row = base + tl.where(up, uq, gq) + n * (D // 2)
+        if CODEC == 0:                                                        # fp16 scales: element offsets
+            s_row = (base + tl.where(up, us, gs)) // 2 + n * n_groups
+            m_row = (base + tl.where(up, um, gm)) // 2 + n * n_groups
+        else:
+            s_row = base + tl.where(up, us, gs) + n * n_groups
+            m_row = s_row
+        acc = _dot_tile(pool_ptr, q_row, s_row, m_row, n < I, x_ptr + t.to(tl.int64) * x_st, x_ptr, D,
+                        CODEC, GROUP, True, 2 * BLOCK_N, BLOCK_K)
+        g, u = tl.split(tl.reshape(acc, (BLOCK_N, 2)))                        # [BN], [BN]
         if ACT == 0:
             h = g / (1.0 + tl.exp(-g)) * u
         else:
             g = tl.minimum(g, limit)
             u = tl.minimum(tl.maximum(u, -limit), limit)
             h = (u + 1.0) * (g / (1.0 + tl.exp(-alpha * g)))
+        rows = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
         tl.store(h_ptr + a.to(tl.int64) * I + rows, h, mask=rows < I)
 
     @triton.jit
-    def _down_kernel(pool_ptr, nbytes, slots_ptr, h_ptr, y_ptr, D, I, dq, ds, dm,
-                     CODEC: tl.constexpr, GROUP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-        a = tl.program_id(0)
-        slot = tl.load(slots_ptr + a)
+    def _down_kernel(pool_ptr, nbytes, slots_ptr, slot_st, slot_sk, w_ptr, w_st, w_sk, h_ptr, y_ptr, K, D, I,
+                     dq, ds, dm, CODEC: tl.constexpr, GROUP: tl.constexpr, KB: tl.constexpr,
+                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+        t = tl.program_id(0)
+        r = tl.arange(0, BLOCK_N * KB)                                        # [R]: (n, k) with k fastest
+        k = r % KB
+        n = tl.program_id(1) * BLOCK_N + r // KB
+        kin = k < K
+        slot = tl.load(slots_ptr + t * slot_st + k * slot_sk, mask=kin, other=-1)
+        valid = kin & (slot >= 0)                                             # [R] assignment computed here
+        wt = tl.load(w_ptr + t * w_st + k * w_sk, mask=valid, other=0.0).to(tl.float32)
+        base = tl.maximum(slot, 0).to(tl.int64) * nbytes
+        rmask = valid & (n < D)
+        n_groups = tl.cdiv(I, GROUP)
+        q_row = base + dq + n * (I // 2)
+        if CODEC == 0:
+            s_row = (base + ds) // 2 + n * n_groups
+            m_row = (base + dm) // 2 + n * n_groups
+        else:
+            s_row = base + ds + n * n_groups
+            m_row = s_row
+        x_rows = h_ptr + (t * K + k).to(tl.int64) * I                         # [R] each row's own h
+        acc = _dot_tile(pool_ptr, q_row, s_row, m_row, rmask, h_ptr, x_rows, I,
+                        CODEC, GROUP, False, BLOCK_N * KB, BLOCK_K)
+        acc = tl.where(rmask, acc * wt, 0.0)
+        y = tl.sum(tl.reshape(acc, (BLOCK_N, KB)), axis=1)                    # [BN] weighted sum over K
         rows = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-        if slot < 0:
-            tl.store(y_ptr + a.to(tl.int64) * D + rows, tl.zeros((BLOCK_N,), dtype=tl.float32), mask=rows < D)
-            return
-        base = slot.to(tl.int64) * nbytes
-        y = _dot_rows(pool_ptr, base, dq, ds, dm, rows, D, I, h_ptr + a.to(tl.int64) * I, CODEC, GROUP,
-                      BLOCK_N, BLOCK_K)
-        tl.store(y_ptr + a.to(tl.int64) * D + rows, y, mask=rows < D)
+        tl.store(y_ptr + t.to(tl.int64) * D + rows, y.to(y_ptr.dtype.element_ty), mask=rows < D)
 
 
 def supports(layout, spec) -> bool:
-    """Whether these kernels cover a pool: int4, or MXFP4 (e8m0 per 32); no biases (gpt-oss takes torch)."""
-    return HAVE_TRITON and not layout.has_bias and (
+    """Whether these kernels cover a pool: int4, or MXFP4 (e8m0 per 32); no biases (gpt-oss takes torch);
+    groups a power of two (a step of the inner loop holds whole groups)."""
+    group = layout.group
+    return HAVE_TRITON and not layout.has_bias and group >= 2 and group & (group - 1) == 0 and (
         layout.codec == "int4" or (layout.codec == "fp4" and layout.scale_format == "e8m0"
-                                   and f"gate_global" not in layout.parts))
+                                   and "gate_global" not in layout.parts))
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count(device: torch.device) -> int:
+    if device.type != "cuda":
+        return DEFAULT_SMS
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def _pow2_floor(v: int) -> int:
+    return 1 << (max(1, v).bit_length() - 1)
+
+
+def tile_sizes(jobs: int, n_out: int, fan: int, n_in: int, group: int, *, sms: int) -> tuple[int, int]:
+    """(BLOCK_N, BLOCK_K) for a grid of `jobs` x cdiv(n_out, BLOCK_N) programs whose tiles hold `fan` rows
+    per output (2: gate and up; KB: the experts of a token). BLOCK_N: the largest power of two that keeps
+    a step of whole groups within ~TILE_ELEMENTS and still gives PROGRAMS_PER_SM programs per SM (a batch-1
+    step has few outputs, so narrow tiles keep every SM busy; prefill-sized T takes the widest); BLOCK_K:
+    bytes per row and step so that the tile is ~TILE_ELEMENTS (fewer sequential round trips when the tile
+    is narrow), never much past the row's length, and at least one group (group / 2 bytes)."""
+    gb = group // 2
+    bn = max(MIN_BLOCK_N, min(MAX_BLOCK_N, _pow2_floor(TILE_ELEMENTS // (fan * gb))))
+    while bn > MIN_BLOCK_N and jobs * triton.cdiv(n_out, bn) < PROGRAMS_PER_SM * sms:
+        bn //= 2
+    row_bytes = triton.next_power_of_2(max(1, n_in // 2))
+    bk = max(gb, min(row_bytes, _pow2_floor(TILE_ELEMENTS // (bn * fan))))
+    return bn, bk
 
 
 def pool_forward_triton(pool: torch.Tensor, layout, spec, x: torch.Tensor, slots: torch.Tensor,
-                        weights: torch.Tensor, *, block_n: int = 32, block_k: int = 64) -> torch.Tensor:
-    """The same function as `expert_pool.pool_forward`: x [T, D], slots [T, K] (-1 skip), weights [T, K]."""
+                        weights: torch.Tensor, *, block_n: int | None = None,
+                        block_k: int | None = None) -> torch.Tensor:
+    """The same function as `expert_pool.pool_forward`: x [T, D], slots [T, K] (-1 skip), weights [T, K] ->
+    y [T, D] in x's dtype. Two launches; `block_n` / `block_k` override the tile sizes of both kernels
+    (powers of two; for tuning sweeps), by default chosen per shape by `tile_sizes`."""
     t, k = slots.shape
     d, i = layout.hidden, layout.intermediate
-    a = t * k
-    flat = slots.reshape(-1).contiguous()
-    tok = torch.arange(t, device=x.device).repeat_interleave(k)
-    xc = x.contiguous()
-    h = torch.empty((a, i), dtype=torch.float32, device=x.device)
-    y = torch.empty((a, d), dtype=torch.float32, device=x.device)
+    if x.shape != (t, d) or weights.shape != (t, k):
+        raise ValueError(f"pool_forward_triton: x {tuple(x.shape)}, slots {tuple(slots.shape)} and weights "
+                         f"{tuple(weights.shape)} do not agree with [T, {d}], [T, K], [T, K]")
+    y = torch.empty((t, d), dtype=x.dtype, device=x.device)
+    if t == 0 or k == 0:
+        return y.zero_()
+    if x.stride(1) != 1:
+        x = x.contiguous()
     p = layout.parts
     off = lambda name: p[name].offset if name in p else 0                      # noqa: E731
     codec = 0 if layout.codec == "int4" else 1
+    if codec == 0 and (layout.nbytes % 2 or any(off(f"{m}_{q}") % 2 for m in ("gate", "up", "down")
+                                                for q in ("scales", "mins"))):
+        raise ValueError("pool_forward_triton: fp16 scales/mins at odd byte offsets in the block layout")
     act = 0 if spec.activation == "silu" else 1
-    _gate_up_kernel[(a, triton.cdiv(i, block_n))](
-        pool, layout.nbytes, flat, tok, xc, h, d, i, off("gate"), off("gate_scales"), off("gate_mins"), off("up"),
-        off("up_scales"), off("up_mins"), float(spec.swiglu_alpha), float(spec.swiglu_limit),
-        CODEC=codec, GROUP=layout.group, ACT=act, BLOCK_N=block_n, BLOCK_K=block_k)
-    _down_kernel[(a, triton.cdiv(d, block_n))](
-        pool, layout.nbytes, flat, h, y, d, i, off("down"), off("down_scales"), off("down_mins"),
-        CODEC=codec, GROUP=layout.group, BLOCK_N=block_n, BLOCK_K=block_k)
-    w = torch.where(flat >= 0, weights.reshape(-1).float(), torch.zeros((), device=x.device))
-    return (y * w[:, None]).view(t, k, d).sum(dim=1).to(x.dtype)
+    sms = _sm_count(x.device)
+    kb = triton.next_power_of_2(k)
+    group = layout.group
+    bn1, bk1 = tile_sizes(t * k, i, 2, d, group, sms=sms)
+    bn2, bk2 = tile_sizes(t, d, kb, i, group, sms=sms)
+    bn1, bn2 = block_n or bn1, block_n or bn2
+    bk1, bk2 = max(block_k or bk1, group // 2), max(block_k or bk2, group // 2)    # whole groups per step
+    h = torch.empty((t * k, i), dtype=torch.float32, device=x.device)          # [A, I] activations
+    _gate_up_kernel[(t * k, triton.cdiv(i, bn1))](
+        pool, layout.nbytes, slots, slots.stride(0), slots.stride(1), x, x.stride(0), h, k, d, i,
+        off("gate"), off("gate_scales"), off("gate_mins"), off("up"), off("up_scales"), off("up_mins"),
+        float(spec.swiglu_alpha), float(spec.swiglu_limit),
+        CODEC=codec, GROUP=group, ACT=act, BLOCK_N=bn1, BLOCK_K=bk1)
+    _down_kernel[(t, triton.cdiv(d, bn2))](
+        pool, layout.nbytes, slots, slots.stride(0), slots.stride(1), weights, weights.stride(0),
+        weights.stride(1), h, y, k, d, i, off("down"), off("down_scales"), off("down_mins"),
+        CODEC=codec, GROUP=group, KB=kb, BLOCK_N=bn2, BLOCK_K=bk2)
+    return y

@@ -1,0 +1,340 @@
+"""The decode kernels (Triton) on a machine without a GPU: run by Triton's interpreter against the plain-torch
+references over a grid of shapes, and compiled for the H200 (sm_90) with Triton's bundled ptxas.
+
+- `runtime/kernels/int4_pool_triton.py::pool_forward_triton` (2 launches) against
+  `runtime/kernels/expert_pool.py::pool_forward`: int4 groups 32/64/128 (a short last group too), MXFP4,
+  both activations, T = 1/3/8 with K = 8/2/8, slots of -1, bf16 activations and weights, int32 and strided
+  slot tables, garbage bytes where no valid slot points.
+- `runtime/kernels/router_triton.py::route` (1 launch) against `runtime/models/blocks.py`'s routings:
+  E = 8/128/256/512, K = 2/8/10, fp32 and bf16 logits, renormalise on/off, both routings, ties, -inf.
+
+How the interpreter is switched on: in Triton 3.x `TRITON_INTERPRET` is read by `triton.jit` when it
+decorates a kernel (`triton.knobs.runtime.interpret`), and triton.language's own helpers (tl.sum, tl.cdiv,
+...) are decorated when triton is imported; so the variable must be set before triton is imported at all.
+In a pytest session other modules have imported triton (runtime.experts.hybrid imports the pool kernels),
+so the cases run in ONE worker subprocess started with the variable set: each test below sends its case
+(a `case_*` function of this module, run there) and fails with the worker's traceback if it raised.
+The interpreter runs each program in Python, so the shapes are small and tiles are widened where the tile
+choice is not itself under test.
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import select
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from runtime.experts.interface import ExpertSpec
+from runtime.kernels.expert_pool import pool_forward
+from runtime.models.blocks import route_softmax_topk, route_topk_softmax
+from tests.test_hybrid_kernels import make_store
+
+if sys.platform != "linux":
+    pytest.skip("triton is a test dependency on Linux only (pyproject [test])", allow_module_level=True)
+
+ROOT = Path(__file__).resolve().parents[1]
+CASE_TIMEOUT_S = 120
+_REPLY = "@@case-reply "
+_WORKER = f"""
+import json, os, sys, traceback
+os.environ["TRITON_INTERPRET"] = "1"          # before anything imports triton
+sys.path.insert(0, {str(ROOT)!r})
+import torch
+torch.set_num_threads(1)
+import tests.test_kernels_interpreted as cases
+for line in sys.stdin:
+    req = json.loads(line)
+    try:
+        getattr(cases, "case_" + req["case"])(**req["kwargs"])
+        reply = {{"ok": True}}
+    except BaseException:
+        reply = {{"ok": False, "error": traceback.format_exc()}}
+    print({_REPLY!r} + json.dumps(reply), flush=True)
+"""
+
+
+class _Worker:
+    """A Python process whose triton runs every kernel in the interpreter; runs `case_*` functions."""
+
+    def __init__(self):
+        self.log = tempfile.TemporaryFile(mode="w+")
+        env = {**os.environ, "TRITON_INTERPRET": "1"}
+        self.proc = subprocess.Popen([sys.executable, "-c", _WORKER], cwd=ROOT, env=env, text=True,
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log)
+
+    def run(self, case: str, **kwargs) -> None:
+        self.proc.stdin.write(json.dumps({"case": case, "kwargs": kwargs}) + "\n")
+        self.proc.stdin.flush()
+        deadline = time.monotonic() + CASE_TIMEOUT_S
+        while True:
+            ready, _, _ = select.select([self.proc.stdout], [], [], max(0.0, deadline - time.monotonic()))
+            line = self.proc.stdout.readline() if ready else ""
+            if not line:
+                self.log.seek(0)
+                pytest.fail(f"interpreter worker gave no reply to case {case!r} (exit {self.proc.poll()}); "
+                            f"its stderr:\n{self.log.read()[-4000:]}")
+            if line.startswith(_REPLY):
+                reply = json.loads(line[len(_REPLY):])
+                if not reply["ok"]:
+                    pytest.fail(f"case {case}({kwargs}) in the interpreter:\n{reply['error']}", pytrace=False)
+                return
+
+    def close(self) -> None:
+        self.proc.stdin.close()
+        try:
+            self.proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+        self.log.close()
+
+
+@pytest.fixture(scope="module")
+def interpreter():
+    worker = _Worker()
+    yield worker
+    worker.close()
+
+
+def _kernels():
+    """The kernel modules as this process imported them (in the worker: interpreted)."""
+    from runtime.kernels import int4_pool_triton, router_triton
+    return int4_pool_triton, router_triton
+
+
+def _rel(got: torch.Tensor, want: torch.Tensor) -> float:
+    return float((got.float() - want.float()).norm() / want.float().norm().clamp(min=1e-6))
+
+
+# ------------------------------------------------------------------------------------------ pool kernels
+
+POOL_GRID = [  # codec, group, fp4 format, hidden, width, activation, K at batch 1, its tiles (None: the plan's)
+    ("int4", 32, "", 64, 32, "silu", 8, None),
+    ("int4", 64, "", 128, 96, "gpt_oss", 8, 32),
+    ("int4", 128, "", 256, 64, "silu", 10, 32),     # K 10: the down tile pads the experts to 16
+    ("int4", 64, "", 96, 40, "silu", 8, 32),        # short last groups in both directions
+    ("fp4", 32, "mxfp4", 128, 64, "silu", 10, None),
+]
+
+
+def case_pool_matches_torch(codec, group, fmt, d, i, activation, k1, bn1):
+    pool_k, _ = _kernels()
+    store = make_store(codec, group, fmt, d, i, False, experts=6)
+    spec = ExpertSpec(activation=activation)
+    assert pool_k.supports(store.layout, spec)
+    pool = torch.from_numpy(store.layer_buffer(0).copy())
+    gen = torch.Generator().manual_seed(d * 1000 + i)
+    # (T, K, block_n): batch 1 (with the tiles the GPU would pick where bn1 is None: the narrowest), then more
+    # tokens with wide tiles (the interpreter's time grows with the number of programs)
+    for t, k, block_n in ((1, k1, bn1), (3, 2, 32), (8, 8, 32)):
+        x = torch.randn(t, d, generator=gen)
+        slots = torch.randint(-1, 6, (t, k), generator=gen)                   # -1: computed elsewhere
+        slots[0, 0] = -1
+        weights = torch.rand(t, k, generator=gen)
+        want = pool_forward(pool, store.layout, spec, x, slots, weights)
+        got = pool_k.pool_forward_triton(pool, store.layout, spec, x, slots, weights, block_n=block_n)
+        assert got.shape == (t, d) and got.dtype == x.dtype
+        assert _rel(got, want) < 1e-5, (t, k, _rel(got, want))
+    # bf16 activations and weights and an int32 slot table, as the engine may hand them over
+    got16 = pool_k.pool_forward_triton(pool, store.layout, spec, x.bfloat16(), slots.int(), weights.bfloat16(),
+                                       block_n=32)
+    want16 = pool_forward(pool, store.layout, spec, x, slots, weights.bfloat16().float())
+    assert got16.dtype == torch.bfloat16 and _rel(got16, want16) < 1e-2, _rel(got16, want16)
+
+
+@pytest.mark.parametrize("codec, group, fmt, d, i, activation, k1, bn1", POOL_GRID)
+def test_pool_kernels_match_torch(interpreter, codec, group, fmt, d, i, activation, k1, bn1):
+    interpreter.run("pool_matches_torch", codec=codec, group=group, fmt=fmt, d=d, i=i, activation=activation,
+                    k1=k1, bn1=bn1)
+
+
+def case_pool_skips_minus_one_over_garbage_and_reads_strides():
+    pool_k, _ = _kernels()
+    store = make_store("int4", 64, "", 128, 64, False, experts=6)
+    pool = torch.from_numpy(store.layer_buffer(0).copy())
+    clean = pool.clone()
+    pool[0] = 0xFF                                                            # fp16 0xFFFF is NaN
+    gen = torch.Generator().manual_seed(7)
+    x = torch.randn(3, 128, generator=gen)
+    table = torch.tensor([[3, -1, 5], [-1, -1, 2], [1, -1, -1]])              # [K, T]: read transposed
+    slots = table.t()                                                         # [T, K], strides (1, 3)
+    assert slots.tolist() == [[3, -1, 1], [-1, -1, -1], [5, 2, -1]]
+    weights = torch.rand(3, 3, generator=gen).t()
+    got = pool_k.pool_forward_triton(pool, store.layout, ExpertSpec(), x, slots, weights, block_n=32)
+    want = pool_forward(clean, store.layout, ExpertSpec(), x, slots.contiguous(), weights.contiguous())
+    assert torch.isfinite(got).all()
+    assert torch.equal(got[1], torch.zeros(128))                              # no expert computed here
+    assert _rel(got, want) < 1e-5
+
+
+def test_pool_kernels_skip_slots_of_minus_one_over_garbage_and_read_strides(interpreter):
+    """-1 slots touch nothing: slot 0 full of NaN bytes, pointed at only by -1s, must not leak; a token
+    whose K slots are all -1 gives exact zeros. Slot and weight tables may be strided views."""
+    interpreter.run("pool_skips_minus_one_over_garbage_and_reads_strides")
+
+
+def case_pool_tile_overrides_agree():
+    pool_k, _ = _kernels()
+    store = make_store("fp4", 32, "mxfp4", 128, 64, False, experts=6)
+    pool = torch.from_numpy(store.layer_buffer(0).copy())
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(2, 128, generator=gen)
+    slots = torch.tensor([[0, 4], [5, -1]])
+    weights = torch.rand(2, 2, generator=gen)
+    base = pool_k.pool_forward_triton(pool, store.layout, ExpertSpec(), x, slots, weights, block_n=32)
+    other = pool_k.pool_forward_triton(pool, store.layout, ExpertSpec(), x, slots, weights, block_n=8, block_k=4)
+    torch.testing.assert_close(other, base, rtol=1e-5, atol=1e-6)
+    assert _rel(base, pool_forward(pool, store.layout, ExpertSpec(), x, slots, weights)) < 1e-5
+
+
+def test_pool_kernels_tile_overrides_agree(interpreter):
+    """Different tiles (an override narrower than a group is widened to one group) give the same sums up to
+    fp32 reassociation: the tile only changes how rows and bytes are spread over programs."""
+    interpreter.run("pool_tile_overrides_agree")
+
+
+def test_pool_tile_plan_fills_the_gpu_at_batch_one_and_stays_in_budget():
+    """qwen3-30b-a3b's shape (D 2048, I 768, K 8) and qwen3.5's (I 512, K 10) on 132 SMs: batch 1 gets
+    narrow tiles and at least PROGRAMS_PER_SM programs per SM where the outputs allow; every plan keeps
+    whole groups per step and a tile (rows x bytes) within TILE_ELEMENTS unless one group is wider."""
+    m, _ = _kernels()
+    for t in (1, 2, 8, 64, 511):
+        for jobs, n_out, fan, n_in in ((t * 8, 768, 2, 2048), (t, 2048, 8, 768), (t * 10, 512, 2, 2048),
+                                       (t, 2048, 16, 512)):
+            for group in (32, 64, 128):
+                bn, bk = m.tile_sizes(jobs, n_out, fan, n_in, group, sms=132)
+                assert bn & (bn - 1) == 0 and bk & (bk - 1) == 0
+                assert m.MIN_BLOCK_N <= bn <= m.MAX_BLOCK_N and bk >= group // 2
+                assert bn * fan * bk <= max(m.TILE_ELEMENTS, m.MIN_BLOCK_N * fan * group // 2)
+                if bn > m.MIN_BLOCK_N and bn < m.MAX_BLOCK_N:
+                    assert jobs * -(-n_out // bn) >= m.PROGRAMS_PER_SM * 132
+    assert m.tile_sizes(8, 768, 2, 2048, 64, sms=132)[0] <= 8                # batch 1: narrow
+    assert m.tile_sizes(4088, 768, 2, 2048, 64, sms=132)[0] == 32            # prefill-sized: widest
+
+
+# ------------------------------------------------------------------------------------------ router
+
+
+def _stable_topk_ids(logits: torch.Tensor, k: int) -> torch.Tensor:
+    """torch.topk's ids with ties broken towards the lower index (what CUDA's topk returns)."""
+    return torch.sort(logits.float(), dim=-1, descending=True, stable=True).indices[..., :k]
+
+
+def case_router_matches_torch(e, k, dtype):
+    _, router_k = _kernels()
+    dtype = getattr(torch, dtype)
+    gen = torch.Generator().manual_seed(e + k)
+    logits = (torch.randn(3, e, generator=gen) * 2).to(dtype)
+    ids_ref = _stable_topk_ids(logits, k)
+    for renormalize in (False, True):
+        ids, w = router_k.route(logits, k, mode="softmax_topk", renormalize=renormalize)
+        _, w_ref = route_softmax_topk(logits, k, renormalize=renormalize)
+        assert ids.dtype == torch.int64 and w.dtype == torch.float32 and ids.shape == w.shape == (3, k)
+        assert torch.equal(ids, ids_ref)
+        torch.testing.assert_close(w, w_ref, rtol=1e-5, atol=1e-7)
+    ids, w = router_k.route(logits, k, mode="topk_softmax", out_dtype=dtype)
+    _, w_ref = route_topk_softmax(logits, k)
+    assert torch.equal(ids, ids_ref) and w.dtype == dtype
+    torch.testing.assert_close(w.float(), w_ref.float(), rtol=1e-2 if dtype == torch.bfloat16 else 1e-5,
+                               atol=1e-6)
+    # the picked logits are torch.topk's values (its ids may order ties differently on the CPU)
+    assert torch.equal(logits.gather(1, ids), torch.topk(logits, k, dim=-1).values)
+
+
+@pytest.mark.parametrize("e, k", [(8, 2), (128, 8), (256, 8), (512, 10)])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_router_matches_torch_routings(interpreter, e, k, dtype):
+    interpreter.run("router_matches_torch", e=e, k=k, dtype=dtype)
+
+
+def case_router_ties_infinities_and_shapes():
+    _, router_k = _kernels()
+    route = router_k.route
+    tied = torch.tensor([[1.0, 3.0, 3.0, 0.0, 3.0, 1.0, 1.0, 1.0]]).bfloat16()
+    ids, w = route(tied, 5, mode="softmax_topk", renormalize=True)
+    assert ids.tolist() == [[1, 2, 4, 0, 5]]
+    torch.testing.assert_close(w.sum(), torch.tensor(1.0))
+    inf = float("-inf")
+    masked = torch.tensor([[inf, 0.5, inf, inf, 2.0, inf]])
+    ids, w = route(masked, 4, mode="topk_softmax")
+    assert ids.tolist() == [[4, 1, 0, 2]]
+    assert w[0, 2:].tolist() == [0.0, 0.0] and abs(float(w.sum()) - 1.0) < 1e-6
+    wide = torch.randn(2, 3, 40)
+    view = wide[..., 4:36]                                                    # [2, 3, 32], row stride 40
+    ids, w = route(view, 3, mode="softmax_topk", renormalize=False)
+    assert ids.shape == (2, 3, 3)
+    assert torch.equal(ids, _stable_topk_ids(view, 3))
+    torch.testing.assert_close(w, route_softmax_topk(view.reshape(6, 32), 3, renormalize=False)[1].view(2, 3, 3))
+
+
+def test_router_ties_infinities_and_shapes(interpreter):
+    """Ties go to the lowest index; -inf logits are still picked (distinct ids) when k exceeds the finite
+    ones; leading dimensions and a strided row are taken as they come."""
+    interpreter.run("router_ties_infinities_and_shapes")
+
+
+def test_router_rejects_bad_arguments():
+    _, router_k = _kernels()
+    route = router_k.route
+    with pytest.raises(ValueError, match="mode"):
+        route(torch.randn(2, 8), 2, mode="sigmoid")
+    with pytest.raises(ValueError, match="top-k of 9 out of 8"):
+        route(torch.randn(2, 8), 9)
+    with pytest.raises(ValueError, match="floating"):
+        route(torch.ones(2, 8, dtype=torch.int64), 2)
+    ids, w = route(torch.randn(0, 8), 2)                                      # nothing to launch
+    assert ids.shape == w.shape == (0, 2)
+
+
+# ------------------------------------------------------------------------------------------ compiled for sm_90
+
+
+def test_kernels_compile_for_h200_without_spilling(tmp_path, monkeypatch):
+    """The interpreter does not check GPU code generation (layouts of reshape/split, register use): compile
+    the batch-1 variants the engine launches for sm_90 with the ptxas Triton ships, and require no local
+    memory (no register spills)."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from runtime.kernels import int4_pool_triton as pool_k, router_triton as router_k
+
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))                  # a real compile, not a cache hit
+    monkeypatch.setenv("TRITON_DEFAULT_FP_FUSION", "1")
+    cuobjdump = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+    target = GPUTarget("cuda", 90, 32)
+    i32 = "i32"
+    down = {"pool_ptr": "*u8", "nbytes": i32, "slots_ptr": "*i64", "slot_st": i32, "slot_sk": i32,
+            "w_ptr": "*bf16", "w_st": i32, "w_sk": i32, "h_ptr": "*fp32", "y_ptr": "*bf16", "K": i32, "D": i32,
+            "I": i32, "dq": i32, "ds": i32, "dm": i32}
+    gate_up = {"pool_ptr": "*u8", "nbytes": i32, "slots_ptr": "*i64", "slot_st": i32, "slot_sk": i32,
+               "x_ptr": "*bf16", "x_st": i32, "h_ptr": "*fp32", "K": i32, "D": i32, "I": i32, "gq": i32,
+               "gs": i32, "gm": i32, "uq": i32, "us": i32, "um": i32, "alpha": "fp32", "limit": "fp32"}
+    router = {"logits_ptr": "*bf16", "row_stride": i32, "ids_ptr": "*i64", "w_ptr": "*fp32", "E": i32}
+    bn1, bk1 = pool_k.tile_sizes(8, 768, 2, 2048, 64, sms=132)                 # qwen3-30b-a3b, batch 1
+    bn2, bk2 = pool_k.tile_sizes(1, 2048, 8, 768, 64, sms=132)
+    cases = [
+        (pool_k._gate_up_kernel, gate_up, dict(CODEC=0, GROUP=64, ACT=0, BLOCK_N=bn1, BLOCK_K=bk1), 4),
+        (pool_k._down_kernel, down, dict(CODEC=0, GROUP=64, KB=8, BLOCK_N=bn2, BLOCK_K=bk2), 4),
+        (pool_k._down_kernel, down, dict(CODEC=1, GROUP=32, KB=16, BLOCK_N=2, BLOCK_K=64), 4),
+        (router_k._route_kernel, router, dict(K=10, MODE=0, RENORM=True, BLOCK_E=512, BLOCK_K=16), 1),
+    ]
+    for fn, sig, constexprs, warps in cases:
+        src = ASTSource(fn=fn, signature={**sig, **{name: "constexpr" for name in constexprs}},
+                        constexprs=constexprs)
+        compiled = triton.compile(src, target=target, options={"num_warps": warps})
+        cubin = tmp_path / "kernel.cubin"
+        cubin.write_bytes(compiled.asm["cubin"])
+        usage = subprocess.run([str(cuobjdump), "--dump-resource-usage", str(cubin)], capture_output=True,
+                               text=True, check=True).stdout
+        found = re.search(r"REG:(\d+).*?LOCAL:(\d+)", usage, re.S)
+        assert found, usage
+        assert int(found.group(2)) == 0, (fn.__name__, constexprs, usage)       # no spills
