@@ -64,8 +64,9 @@ class CpuExecutor:
             int8 = min(lay.hidden, lay.intermediate) >= INT8_MIN_WIDTH
         self.int8 = bool(int8 and self.fast and lay.quantized)
         if self.int8:
-            from runtime.experts import cpu_kernels_int8      # compiles its intrinsics' module on import
+            from runtime.experts import cpu_kernels_int8
             self._k8 = cpu_kernels_int8
+            self.int8 = lay.group in cpu_kernels_int8.SUPPORTED[lay.codec]
         if lay.codec == "int4":
             self._scale_table = ck.fp16_table()
         elif lay.codec == "fp4":

@@ -49,13 +49,14 @@ from runtime.experts.cpu_kernels import _act
 
 I8, I16, I32, I64 = ir.IntType(8), ir.IntType(16), ir.IntType(32), ir.IntType(64)
 GROUP_BYTES = (8, 16, 32, 64)       # packed bytes per group: fp4 blocks of 16, 32; int4 groups of 32, 64, 128
+SUPPORTED = {"int4": (32, 64, 128), "fp4": (16, 32)}     # codec -> group sizes these kernels have code for
 
 
 ISAS = ("vnni512", "avxvnni", "avx2", "generic")
 
 
 def host_isas() -> list[str]:
-    """Every flavour this CPU can run, best first (tests check each against the generic one)."""
+    """Every flavour this CPU can run, best first (the tests run each one this CPU has)."""
     return [isa for isa in ISAS if isa == "generic" or _host_has(isa)]
 
 
