@@ -16,8 +16,9 @@ them and write a static output, piece i+1 continues from it. Experts whose `grap
 resident on the GPU, no host decision) are recorded inside the graph, and the whole step is one replay.
 
 On a CPU device (tests) or with `capture=False` the same static path runs eagerly, which is how it is tested
-against the ordinary forward. Which models: every layer full attention without a sliding window or sinks
-(Qwen3-MoE, Mixtral without a window); others decode eagerly. Batch 1 only (the desktop case); batches of
+against the ordinary forward. Which models: attention without a sliding window or sinks (Qwen3-MoE,
+Mixtral without a window) and Gated DeltaNet layers whose states live in a slot pool (Qwen3-Next, Qwen3.5/3.6:
+read and written in place in the slot); others (gpt-oss) decode eagerly. Batch 1 only (the desktop case); batches of
 several sequences decode eagerly.
 """
 from __future__ import annotations
@@ -81,6 +82,23 @@ class _CuttingExperts:
         return self.runner._cut(layer, hidden, topk_ids, topk_weights)
 
 
+def _addresses(layer) -> tuple[int, ...]:
+    """Where a layer cache's tensors live: KV buffers, or a state slot's conv and recurrent views."""
+    if hasattr(layer, "keys"):
+        return layer.keys.data_ptr(), layer.values.data_ptr()
+    return tuple(t.data_ptr() for t in layer.states.values())
+
+
+def _advance(cache) -> None:
+    """One token more in every layer (the static path never touches the host-side offsets itself)."""
+    for layer in cache.layers:
+        advance = getattr(layer, "advance", None)
+        if callable(advance):
+            advance(1)                               # a state slot also records it in its pool
+        else:
+            layer.offset += 1
+
+
 def _graph_safe(experts, layer: int) -> bool:
     safe = getattr(experts, "graph_safe", None)
     return bool(safe(layer)) if callable(safe) else False
@@ -88,8 +106,10 @@ def _graph_safe(experts, layer: int) -> bool:
 
 def supports(model: CausalLM) -> str | None:
     """None when the static decode path covers this model, else why not (for the log)."""
-    if any(kind != "attention" for kind in model.layer_kinds):
-        return "it has linear-attention layers"
+    if any(kind == "linear_attention" for kind in model.layer_kinds) and getattr(model, "state_pool", None) is None:
+        return "its linear-attention states have no slot pool (their addresses would move every step)"
+    if any(kind not in ("attention", "linear_attention") for kind in model.layer_kinds):
+        return "it has layers of a kind the static path does not know"
     if any(model.kv_window(i) is not None for i in range(len(model.layer_kinds))):
         return "it has sliding-window attention"
     for module in model.modules():
@@ -123,11 +143,12 @@ class DecodeGraphs:
         pos = cache.offset
         bucket = -(-(pos + 1) // self.bucket) * self.bucket
         for layer in cache.layers:
-            layer.reserve(bucket)
+            if hasattr(layer, "reserve"):            # KV buffers; state slots have a fixed size
+                layer.reserve(bucket)
         self.input_ids.fill_(int(token))
         self.positions.fill_(pos)
         if self.capture:
-            key = (bucket, tuple(p for layer in cache.layers for p in (layer.keys.data_ptr(), layer.values.data_ptr())))
+            key = (bucket, tuple(p for layer in cache.layers for p in _addresses(layer)))
             graph = self._graphs.get(key)
             if graph is None:
                 # a new shape: this step runs eagerly on the capture stream (its warm-up: cuBLAS and Triton
@@ -141,8 +162,7 @@ class DecodeGraphs:
                     self._graphs[key] = self._record(cache, bucket)
                 except Exception as exc:                           # noqa: BLE001  (reported, decode goes on)
                     self.counters["failures"] += 1
-                    for layer in cache.layers:                     # the eager step did run: count its token
-                        layer.offset += 1
+                    _advance(cache)                                # the eager step did run: count its token
                     err = GraphCaptureError(f"recording the decode step as a CUDA graph failed: {exc}")
                     err.logits = logits.float()
                     raise err from exc
@@ -153,8 +173,7 @@ class DecodeGraphs:
                 logits = self._replay(graph)
         else:
             logits = self._forward(cache, bucket, self.model.experts)
-        for layer in cache.layers:
-            layer.offset += 1
+        _advance(cache)
         self.counters["steps"] += 1
         return logits.float()
 

@@ -27,7 +27,8 @@ from torch import nn
 
 from runtime.experts.interface import Experts
 from runtime.models.base import Batch, CausalLM, ModelConfig
-from runtime.models.blocks import DenseMLP, RMSNorm, Rotary, SparseMoE, attend_batch, route_softmax_topk
+from runtime.models.blocks import (DenseMLP, RMSNorm, Rotary, SparseMoE, attend_batch, norm_and_rotate,
+                                   route_softmax_topk)
 from runtime.models.gated_deltanet import GatedDeltaNet, GatedDeltaNetConfig
 from runtime.models.linear_state import CONV, RECURRENT, LinearStateSpec, SlotStateCache, StatePool
 
@@ -128,10 +129,9 @@ class GatedAttention(nn.Module):
     def forward(self, x: torch.Tensor, batch: Batch, layer: int, rope: Rotary, cos_sin) -> torch.Tensor:
         n, H, hd = x.shape[0], self.num_heads, self.head_dim
         q, gate = torch.chunk(self.q_proj(x).view(n, H, 2 * hd), 2, dim=-1)         # [N, H, hd] each
-        q = self.q_norm(q)
-        k = self.k_norm(self.k_proj(x).view(n, self.num_kv_heads, hd))              # [N, Hkv, hd]
+        k = self.k_proj(x).view(n, self.num_kv_heads, hd)                           # [N, Hkv, hd]
         v = self.v_proj(x).view(n, self.num_kv_heads, hd)                            # [N, Hkv, hd]
-        q, k = rope.apply(q, *cos_sin), rope.apply(k, *cos_sin)
+        q, k = norm_and_rotate(q, self.q_norm, rope, cos_sin), norm_and_rotate(k, self.k_norm, rope, cos_sin)
         o = attend_batch(q, k, v, batch, layer, scale=self.scale)                    # [N, H, hd]
         return self.o_proj(o.reshape(n, H * hd) * torch.sigmoid(gate.reshape(n, H * hd)))
 
@@ -168,6 +168,8 @@ def linear_attention(gdn: GatedDeltaNet, x: torch.Tensor, batch: Batch, layer: i
     x [N, D] -> [N, D]. Sequences decoding one token run together as one [B, 1, D] call (the decode hot
     path); prefill chunks run one sequence at a time, in the chunked form.
     """
+    if batch.static_kv is not None:
+        return _linear_attention_static(gdn, x, batch.caches[0].layers[layer])
     out = torch.empty_like(x)
     decoding = []
     for rows, cache in batch.segments(layer):
@@ -209,6 +211,17 @@ def linear_attention(gdn: GatedDeltaNet, x: torch.Tensor, batch: Batch, layer: i
     return out
 
 
+def _linear_attention_static(gdn: GatedDeltaNet, x: torch.Tensor, cache) -> torch.Tensor:
+    """One sequence, one token, states read and written in place in the sequence's state slot (the decode
+    path runtime/decode_graph.py records as a CUDA graph: fixed addresses, no host work; the caller advances
+    the cache). x [1, D] -> [1, D]."""
+    conv_view, rec_view = cache.states[CONV], cache.states[RECURRENT]           # [C, W-1], [Hv, dk, dv]
+    y, conv, rec = gdn(x[:, None], conv_view[None], rec_view[None])            # [1, 1, D]
+    conv_view.copy_(conv[0])
+    rec_view.copy_(rec[0])
+    return y[:, 0]
+
+
 class SharedExpertMoE(SparseMoE):
     """Routed experts plus one always-on shared expert scaled by sigmoid(shared_expert_gate x)."""
 
@@ -241,14 +254,16 @@ class HybridDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(c.hidden_size, eps=c.rms_norm_eps, flavour="offset")
 
     def forward(self, x: torch.Tensor, batch: Batch, layer: int, rope: Rotary, cos_sin,
-                experts: Experts) -> torch.Tensor:
-        h = self.input_layernorm(x)
+                experts: Experts, pending: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """As blocks.DecoderLayer: `pending` is the previous layer's MLP output, added by this layer's first
+        norm (one fused launch on a GPU); returns (the residual stream, this layer's MLP output)."""
+        x, h = (x, self.input_layernorm(x)) if pending is None else self.input_layernorm.add_and_norm(x, pending)
         if self.kind == LINEAR:
-            x = x + linear_attention(self.linear_attn, h, batch, layer)
+            mixed = linear_attention(self.linear_attn, h, batch, layer)
         else:
-            x = x + self.self_attn(h, batch, layer, rope, cos_sin)
-        h = self.post_attention_layernorm(x)
-        return x + (self.mlp(h, layer, experts) if isinstance(self.mlp, SparseMoE) else self.mlp(h))
+            mixed = self.self_attn(h, batch, layer, rope, cos_sin)
+        x, h = self.post_attention_layernorm.add_and_norm(x, mixed)
+        return x, (self.mlp(h, layer, experts) if isinstance(self.mlp, SparseMoE) else self.mlp(h))
 
 
 class HybridStack(nn.Module):
@@ -263,9 +278,10 @@ class HybridStack(nn.Module):
     def forward(self, batch: Batch, rope: Rotary, experts: Experts) -> torch.Tensor:
         x = self.embed_tokens(batch.input_ids)                                       # [N, D]
         cos_sin = rope.cos_sin(batch.positions, x.dtype)                             # [N, 1, rd/2] x2
+        pending = None
         for i, layer in enumerate(self.layers):
-            x = layer(x, batch, i, rope, cos_sin, experts)
-        return self.norm(x)
+            x, pending = layer(x, batch, i, rope, cos_sin, experts, pending)
+        return self.norm(x) if pending is None else self.norm.add_and_norm(x, pending)[1]
 
 
 class Model(CausalLM):
