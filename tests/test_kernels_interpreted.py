@@ -6,7 +6,8 @@ references over a grid of shapes, and compiled for the H200 (sm_90) with Triton'
   both activations, T = 1/3/8 with K = 8/2/8, slots of -1, bf16 activations and weights, int32 and strided
   slot tables, garbage bytes where no valid slot points.
 - `runtime/kernels/router_triton.py::route` (1 launch) against `runtime/models/blocks.py`'s routings:
-  E = 8/128/256/512, K = 2/8/10, fp32 and bf16 logits, renormalise on/off, both routings, ties, -inf.
+  E = 8/128/256/512, K = 2/8/10, fp32 and bf16 logits, renormalise on/off, both routings, ties (to the
+  lowest index), -inf.
 
 How the interpreter is switched on: in Triton 3.x `TRITON_INTERPRET` is read by `triton.jit` when it
 decorates a kernel (`triton.knobs.runtime.interpret`), and triton.language's own helpers (tl.sum, tl.cdiv,
@@ -220,11 +221,70 @@ def test_pool_tile_plan_fills_the_gpu_at_batch_one_and_stays_in_budget():
     assert m.tile_sizes(4088, 768, 2, 2048, 64, sms=132)[0] == 32            # prefill-sized: widest
 
 
+class _LaunchRecorder:
+    """Stands in for a @triton.jit kernel: `kernel[grid](*args, **constexprs)` is recorded, nothing runs."""
+
+    def __init__(self, name: str, launches: list):
+        self.name, self.launches = name, launches
+
+    def __getitem__(self, grid):
+        return lambda *args, **kwargs: self.launches.append((self.name, tuple(grid), args, kwargs))
+
+
+def _torch_ops(fn):
+    """Run fn; return its result and the torch ops it dispatched, views left out (they launch nothing)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    ops = []
+
+    class Record(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if not func.is_view:
+                ops.append(func.__name__)
+            return func(*args, **(kwargs or {}))
+
+    with Record():
+        out = fn()
+    return out, ops
+
+
+def test_pool_forward_is_two_launches_and_nothing_else(monkeypatch):
+    """The host side of a decode call: two allocations sized by shapes (h, y) and the two kernel launches;
+    no torch kernel around them (no token-id arange, no where/cast/sum), so 2 launches in a CUDA graph."""
+    pool_k, _ = _kernels()
+    launches = []
+    monkeypatch.setattr(pool_k, "_gate_up_kernel", _LaunchRecorder("gate_up", launches))
+    monkeypatch.setattr(pool_k, "_down_kernel", _LaunchRecorder("down", launches))
+    store = make_store("int4", 64, "", 128, 96, False, experts=6)
+    pool = torch.from_numpy(store.layer_buffer(0).copy())
+    x = torch.randn(3, 128).bfloat16()
+    slots, weights = torch.randint(-1, 6, (3, 8)), torch.rand(3, 8).bfloat16()
+    y, ops = _torch_ops(lambda: pool_k.pool_forward_triton(pool, store.layout, ExpertSpec(), x, slots, weights))
+    assert [name for name, *_ in launches] == ["gate_up", "down"]
+    assert sorted(ops) == ["empty.memory_format"] * 2, ops
+    (_, grid1, args1, _), (_, grid2, args2, const2) = launches
+    assert grid1[0] == 3 * 8 and grid2[0] == 3 and grid2[1] == -(-128 // const2["BLOCK_N"])
+    assert args2[9] is y and y.dtype == torch.bfloat16 and y.shape == (3, 128)   # written in place, x's dtype
+    assert args1[2] is slots and args2[5] is weights                              # read as given, no copies
+
+
+def test_route_is_one_launch_and_nothing_else(monkeypatch):
+    _, router_k = _kernels()
+    launches = []
+    monkeypatch.setattr(router_k, "_route_kernel", _LaunchRecorder("route", launches))
+    logits = torch.randn(2, 128).bfloat16()
+    (ids, weights), ops = _torch_ops(lambda: router_k.route(logits, 8, mode="topk_softmax",
+                                                            out_dtype=torch.bfloat16))
+    assert [name for name, *_ in launches] == ["route"] and launches[0][1] == (2,)
+    assert sorted(ops) == ["empty.memory_format"] * 2, ops
+    assert ids.dtype == torch.int64 and weights.dtype == torch.bfloat16 and ids.shape == weights.shape == (2, 8)
+
+
 # ------------------------------------------------------------------------------------------ router
 
 
 def _stable_topk_ids(logits: torch.Tensor, k: int) -> torch.Tensor:
-    """torch.topk's ids with ties broken towards the lower index (what CUDA's topk returns)."""
+    """torch.topk's ids with ties broken towards the lower index (torch leaves the tie order unspecified)."""
     return torch.sort(logits.float(), dim=-1, descending=True, stable=True).indices[..., :k]
 
 
@@ -338,3 +398,40 @@ def test_kernels_compile_for_h200_without_spilling(tmp_path, monkeypatch):
         found = re.search(r"REG:(\d+).*?LOCAL:(\d+)", usage, re.S)
         assert found, usage
         assert int(found.group(2)) == 0, (fn.__name__, constexprs, usage)       # no spills
+
+
+# ------------------------------------------------------------------------------------------ on the GPU machine
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("e, k", [(128, 8), (512, 10), (32, 4)])
+def test_router_on_cuda_matches_torch(device, e, k):
+    """Compiled, on the GPU (`pytest --device cuda`): ids in stable-sort order (ties to the lowest index;
+    bf16 logits of few distinct values tie often) picking exactly torch.topk's values, and equal to its ids
+    where a row has no ties; weights within fp32 rounding; and it replays in a graph."""
+    if device != "cuda" or not torch.cuda.is_available():
+        pytest.skip("compiled kernels run on the GPU machine: pytest --device cuda")
+    from runtime.kernels.router_triton import route
+
+    gen = torch.Generator().manual_seed(e)
+    tied = (torch.randint(-6, 6, (64, e), generator=gen).float() / 4).bfloat16()          # many ties
+    distinct = torch.stack([torch.randperm(e, generator=gen) for _ in range(64)]).float() / e
+    for logits in (tied.cuda(), distinct.cuda()):
+        for renormalize in (False, True):
+            ids, w = route(logits, k, mode="softmax_topk", renormalize=renormalize)
+            ids_ref, w_ref = route_softmax_topk(logits, k, renormalize=renormalize)
+            assert torch.equal(ids, _stable_topk_ids(logits, k))
+            assert torch.equal(logits.gather(1, ids), logits.gather(1, ids_ref))
+            torch.testing.assert_close(w, w_ref, rtol=1e-5, atol=1e-7)
+        ids, w = route(logits, k, mode="topk_softmax", out_dtype=torch.bfloat16)
+        ids_ref, w_ref = route_topk_softmax(logits, k)
+        assert torch.equal(logits.gather(1, ids), logits.gather(1, ids_ref))
+        torch.testing.assert_close(w.float(), w_ref.float(), rtol=1e-2, atol=1e-6)
+    assert torch.equal(ids, ids_ref)                                          # no ties: torch's very ids
+    row = logits[:1].clone()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        g_ids, g_w = route(row, k, mode="topk_softmax", out_dtype=torch.bfloat16)
+    row.copy_(logits[5:6])
+    graph.replay()
+    assert torch.equal(g_ids, ids_ref[5:6]) and torch.equal(g_w, w[5:6])

@@ -10,8 +10,11 @@ raw logits, softmax over those k). One program per row holds the row's E logits 
 
 Ranking is on the fp32 logits, which orders experts as the softmax probabilities do (exp is monotone); it
 differs from ranking the rounded probabilities only where two distinct logits round to one probability.
-Ties: the lowest index first (what torch.topk returns on CUDA). NaN ranks above everything (as in torch's
-topk) and makes the weights NaN; ids always lie in [0, E) and are distinct within a row.
+Ties: the lowest index first, always (the order of a stable descending sort). torch.topk leaves the order of
+tied elements unspecified, and CUDA's differs from the CPU's (pytorch/pytorch#127196, #88227): where logits
+tie, torch's ids may be a permutation of ours among the tied ones (or another tied expert at the k-th
+place), with the same values and weights. NaN ranks above everything (as in torch's topk) and makes the
+weights NaN; ids always lie in [0, E) and are distinct within a row.
 
 Shapes: N rows (tokens), E experts (BLOCK_E: E rounded up to a power of two), K picked (BLOCK_K likewise).
 Nothing on the host depends on the data: the launch can be recorded in a CUDA graph.
