@@ -129,6 +129,8 @@ def run_model(name: str, args, hw, report: dict) -> None:
     shape = ModelShape.from_config(cfg, codec=codec, group_size=group, block_size=group,
                                    block_nbytes=store.block_nbytes)
     model = random_model(cfg, device=device, dtype=dtype)
+    if callable(getattr(model, "attach_state_pool", None)):
+        model.attach_state_pool(2, device=device, dtype=dtype)   # as the engine does: states in slots
     moe_layers = store.layers
     graphs = DecodeGraphs(model, device=device)
     steps = args.warmup + args.tokens
@@ -140,6 +142,7 @@ def run_model(name: str, args, hw, report: dict) -> None:
                               device=device)
     dense_s = 1.0 / dense_tok_s
     print(json.dumps({"model": name, "dense_ms_per_token": dense_s * 1e3, "graphs": graphs.capture}), flush=True)
+    cache.release()
     del cache
     rows = []
     for budget_gib in args.budgets:
@@ -180,6 +183,7 @@ def run_model(name: str, args, hw, report: dict) -> None:
                              "peak_vram_gib": torch.cuda.max_memory_allocated() / GiB if device.type == "cuda" else 0,
                              "host_rss_gib": host_rss() / GiB})
                 print(_fmt(rows[-1]), flush=True)
+                cache.release()                 # a state slot goes back to the pool
                 del cache
             if routing == args.routings[0] and budget_gib in args.prefill_budgets:
                 for n in args.prefill:
@@ -194,6 +198,7 @@ def run_model(name: str, args, hw, report: dict) -> None:
                                  "peak_vram_gib": torch.cuda.max_memory_allocated() / GiB if device.type == "cuda" else 0,
                                  "host_rss_gib": host_rss() / GiB})
                     print(_fmt(rows[-1]), flush=True)
+                    cache.release()                 # a state slot goes back to the pool
                     del cache
                 if args.ttft_context:
                     rows.extend(ttft_rows(model, graphs, experts, hybrid, args, name=name, label=label, slots=slots,
@@ -211,9 +216,11 @@ def ttft_rows(model, graphs, experts, hybrid, args, *, name, label, slots, devic
     rows = []
     cache = model.new_cache(device=device, dtype=dtype)
     cold = prefill(model, cache, args.ttft_context + args.ttft_new, chunk=args.chunk, device=device)
+    cache.release()
     cache = model.new_cache(device=device, dtype=dtype)
     prefill(model, cache, args.ttft_context, chunk=args.chunk, device=device)
-    stored = cache.to("cpu")                                    # what the prefix cache holds after the turn
+    stored = cache.copy().to("cpu")                             # what the prefix cache holds after the turn
+    cache.release()
     del cache
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     sync()
@@ -222,6 +229,7 @@ def ttft_rows(model, graphs, experts, hybrid, args, *, name, label, slots, devic
     cache.load(stored.to(device))
     restore = time.perf_counter() - t0
     warm = restore + prefill(model, cache, args.ttft_new, chunk=args.chunk, device=device)
+    cache.release()
     for kind, s in (("TTFT cold", cold), ("TTFT warm", warm)):
         rows.append({"model": name, "budget": label, "routing": "uniform", "kind": kind, "slots": slots,
                      "tok_s": 0, "seconds": s, "restore_seconds": restore, "ceiling_tok_s": 0, "of_ceiling": 0,
