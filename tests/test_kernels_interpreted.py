@@ -119,9 +119,9 @@ def _rel(got: torch.Tensor, want: torch.Tensor) -> float:
 
 POOL_GRID = [  # codec, group, fp4 format, hidden, width, activation, K at batch 1, its tiles (None: the plan's)
     ("int4", 32, "", 64, 32, "silu", 8, None),
-    ("int4", 64, "", 128, 96, "gpt_oss", 8, 32),
+    ("int4", 64, "", 128, 96, "gpt_oss", 8, 16),
     ("int4", 128, "", 256, 64, "silu", 10, 32),     # K 10: the down tile pads the experts to 16
-    ("int4", 64, "", 96, 40, "silu", 8, 32),        # short last groups in both directions
+    ("int4", 64, "", 96, 40, "silu", 8, 64),        # short last groups in both directions
     ("fp4", 32, "mxfp4", 128, 64, "silu", 10, None),
 ]
 
@@ -135,7 +135,7 @@ def case_pool_matches_torch(codec, group, fmt, d, i, activation, k1, bn1):
     gen = torch.Generator().manual_seed(d * 1000 + i)
     # (T, K, block_n): batch 1 (with the tiles the GPU would pick where bn1 is None: the narrowest), then more
     # tokens with wide tiles (the interpreter's time grows with the number of programs)
-    for t, k, block_n in ((1, k1, bn1), (3, 2, 32), (8, 8, 32)):
+    for t, k, block_n in ((1, k1, bn1), (3, 2, 128), (8, 8, 128)):
         x = torch.randn(t, d, generator=gen)
         slots = torch.randint(-1, 6, (t, k), generator=gen)                   # -1: computed elsewhere
         slots[0, 0] = -1
@@ -219,6 +219,7 @@ def test_pool_tile_plan_fills_the_gpu_at_batch_one_and_stays_in_budget():
                     assert jobs * -(-n_out // bn) >= m.PROGRAMS_PER_SM * 132
     assert m.tile_sizes(8, 768, 2, 2048, 64, sms=132)[0] <= 8                # batch 1: narrow
     assert m.tile_sizes(4088, 768, 2, 2048, 64, sms=132)[0] == 32            # prefill-sized: widest
+    assert m.tile_sizes(8, 768, 2, 2048, 64, sms=132, block_n=64) == (64, 32)  # an override, BLOCK_K fitted
 
 
 class _LaunchRecorder:
@@ -309,7 +310,7 @@ def case_router_matches_torch(e, k, dtype):
     assert torch.equal(logits.gather(1, ids), torch.topk(logits, k, dim=-1).values)
 
 
-@pytest.mark.parametrize("e, k", [(8, 2), (128, 8), (256, 8), (512, 10)])
+@pytest.mark.parametrize("e, k", [(8, 2), (60, 4), (128, 8), (256, 8), (512, 10)])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_router_matches_torch_routings(interpreter, e, k, dtype):
     interpreter.run("router_matches_torch", e=e, k=k, dtype=dtype)

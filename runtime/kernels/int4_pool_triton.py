@@ -183,17 +183,20 @@ def _pow2_floor(v: int) -> int:
     return 1 << (max(1, v).bit_length() - 1)
 
 
-def tile_sizes(jobs: int, n_out: int, fan: int, n_in: int, group: int, *, sms: int) -> tuple[int, int]:
+def tile_sizes(jobs: int, n_out: int, fan: int, n_in: int, group: int, *, sms: int,
+               block_n: int | None = None) -> tuple[int, int]:
     """(BLOCK_N, BLOCK_K) for a grid of `jobs` x cdiv(n_out, BLOCK_N) programs whose tiles hold `fan` rows
     per output (2: gate and up; KB: the experts of a token). BLOCK_N: the largest power of two that keeps
     a step of whole groups within ~TILE_ELEMENTS and still gives PROGRAMS_PER_SM programs per SM (a batch-1
     step has few outputs, so narrow tiles keep every SM busy; prefill-sized T takes the widest); BLOCK_K:
     bytes per row and step so that the tile is ~TILE_ELEMENTS (fewer sequential round trips when the tile
-    is narrow), never much past the row's length, and at least one group (group / 2 bytes)."""
+    is narrow), never much past the row's length, and at least one group (group / 2 bytes). A given
+    `block_n` is taken as it is and BLOCK_K fitted to it."""
     gb = group // 2
     bn = max(MIN_BLOCK_N, min(MAX_BLOCK_N, _pow2_floor(TILE_ELEMENTS // (fan * gb))))
-    while bn > MIN_BLOCK_N and jobs * triton.cdiv(n_out, bn) < PROGRAMS_PER_SM * sms:
+    while block_n is None and bn > MIN_BLOCK_N and jobs * triton.cdiv(n_out, bn) < PROGRAMS_PER_SM * sms:
         bn //= 2
+    bn = block_n or bn
     row_bytes = triton.next_power_of_2(max(1, n_in // 2))
     bk = max(gb, min(row_bytes, _pow2_floor(TILE_ELEMENTS // (bn * fan))))
     return bn, bk
@@ -225,9 +228,8 @@ def pool_forward_triton(pool: torch.Tensor, layout, spec, x: torch.Tensor, slots
     sms = _sm_count(x.device)
     kb = triton.next_power_of_2(k)
     group = layout.group
-    bn1, bk1 = tile_sizes(t * k, i, 2, d, group, sms=sms)
-    bn2, bk2 = tile_sizes(t, d, kb, i, group, sms=sms)
-    bn1, bn2 = block_n or bn1, block_n or bn2
+    bn1, bk1 = tile_sizes(t * k, i, 2, d, group, sms=sms, block_n=block_n)
+    bn2, bk2 = tile_sizes(t, d, kb, i, group, sms=sms, block_n=block_n)
     bk1, bk2 = max(block_k or bk1, group // 2), max(block_k or bk2, group // 2)    # whole groups per step
     h = torch.empty((t * k, i), dtype=torch.float32, device=x.device)          # [A, I] activations
     _gate_up_kernel[(t * k, triton.cdiv(i, bn1))](
