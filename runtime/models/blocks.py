@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from runtime.experts.interface import Experts
-from runtime.kernels import norm_rope_triton
+from runtime.kernels import norm_rope_triton, router_triton
 from runtime.models.base import Batch
 
 # ---------------------------------------------------------------------------------------------- norms
@@ -318,22 +318,29 @@ class DenseMLP(nn.Module):
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
-def route_softmax_topk(logits: torch.Tensor, k: int, *, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+def route_softmax_topk(logits: torch.Tensor, k: int, *, renormalize: bool,
+                       out_dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
     """Qwen/Mixtral routing: softmax in fp32 over all E experts, top-k, optionally renormalised over the k.
 
-    logits [N, E] -> ids [N, K] int64, weights [N, K] fp32.
+    logits [N, E] -> ids [N, K] int64, weights [N, K] (computed in fp32, returned in `out_dtype`). On a GPU
+    one Triton launch (runtime/kernels/router_triton.py) instead of five.
     """
+    if router_triton.HAVE_TRITON and logits.is_cuda:
+        return router_triton.route(logits, k, mode="softmax_topk", renormalize=renormalize, out_dtype=out_dtype)
     probs = torch.softmax(logits.float(), dim=-1)
     weights, ids = torch.topk(probs, k, dim=-1)
     if renormalize:
         weights = weights / weights.sum(dim=-1, keepdim=True)
-    return ids, weights
+    return ids, weights.to(out_dtype)
 
 
-def route_topk_softmax(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+def route_topk_softmax(logits: torch.Tensor, k: int, *,
+                       out_dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
     """gpt-oss routing: top-k on the raw logits, then softmax over those k. [N, E] -> ids, weights [N, K]."""
+    if router_triton.HAVE_TRITON and logits.is_cuda:
+        return router_triton.route(logits, k, mode="topk_softmax", out_dtype=out_dtype)
     top, ids = torch.topk(logits, k, dim=-1)
-    return ids, torch.softmax(top, dim=-1)
+    return ids, torch.softmax(top, dim=-1).to(out_dtype)
 
 
 class SparseMoE(nn.Module):
@@ -349,8 +356,8 @@ class SparseMoE(nn.Module):
 
     def forward(self, x: torch.Tensor, layer: int, experts: Experts) -> torch.Tensor:
         logits = getattr(self, self.router_name)(x)                         # [N, E]
-        ids, weights = self.routing(logits, self.top_k)                     # [N, K], [N, K]
-        return experts(layer, x, ids, weights.to(x.dtype))                  # [N, D]
+        ids, weights = self.routing(logits, self.top_k, out_dtype=x.dtype)  # [N, K], [N, K]
+        return experts(layer, x, ids, weights)                              # [N, D]
 
 
 # -------------------------------------------------------------------------------- decoder (pre-norm)
