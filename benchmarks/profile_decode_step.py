@@ -91,6 +91,43 @@ def profile_step(layers: int, context: int) -> None:
                   f"({(time.perf_counter() - t0) / 30 / layers * 1e6:.1f} us per layer incl. head)")
 
 
+def prefill_bench(layers: int, chunk: int = 8192) -> None:
+    """Where an 8K-token prefill chunk's time goes with every layer streamed (8 GiB-like: nothing cached):
+    the dense work alone, the expert copies alone, and both together (double-buffered: ideally the max)."""
+    from runtime.experts.bench import CONFIGS, SHAPES
+    from runtime.experts.bench_model import NoExperts, prefill, random_model
+    from runtime.experts.host_store import HostExpertStore
+    from runtime.experts.hybrid import HybridExperts, HybridOptions
+    from runtime.experts.interface import ExpertSpec
+
+    name = "qwen3-30b-a3b"
+    _, e, k, d, i, codec, group = SHAPES[name]
+    cfg = dict(CONFIGS[name], num_hidden_layers=layers, max_position_embeddings=65536)
+    dev = torch.device("cuda")
+    model = random_model(cfg, device=dev, dtype=torch.bfloat16)
+    store = HostExpertStore.synthetic(layers=layers, num_experts=e, hidden=d, intermediate=i, codec=codec, group=group,
+                                      pin=True)
+    print(f"\n== prefill of one {chunk}-token chunk, {layers} layers, every expert streamed "
+          f"(store pinned: {getattr(store, 'pinned', '?')})")
+    hybrid = HybridExperts(store, ExpertSpec(), device=dev, dtype=torch.bfloat16, options=HybridOptions(slots=0, top_k=k))
+    with torch.inference_mode():
+        for label, experts in (("dense only", NoExperts()), ("streamed experts", hybrid)):
+            model.set_experts(experts)
+            for rep in range(2):
+                cache = model.new_cache(device=dev, dtype=torch.bfloat16)
+                s = prefill(model, cache, chunk, chunk=chunk, device=dev)
+            print(f"  {label:18s} {s * 1e3:8.1f} ms  ({s / layers * 1e3:6.2f} ms per layer)")
+        buf = torch.empty((e, store.block_nbytes), dtype=torch.uint8, device=dev)
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for layer in range(layers):
+            buf.copy_(torch.from_numpy(store.layer_buffer(layer)).view(e, -1), non_blocking=True)
+        torch.cuda.synchronize()
+        s = time.perf_counter() - t0
+        print(f"  {'copies alone':18s} {s * 1e3:8.1f} ms  ({s / layers * 1e3:6.2f} ms per layer, "
+              f"{layers * e * store.block_nbytes / s / 1e9:.1f} GB/s)")
+
+
 def attention_bench() -> None:
     import torch.nn.functional as F
     h, hkv, hd = 32, 4, 128
@@ -142,7 +179,8 @@ def main() -> int:
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--context", type=int, default=1024)
     a = p.parse_args()
-    for part in (lambda: profile_step(a.layers, a.context), attention_bench, pool_kernel_bench):
+    for part in (lambda: profile_step(a.layers, a.context), lambda: prefill_bench(a.layers), attention_bench,
+                 pool_kernel_bench):
         try:
             part()
         except Exception as exc:       # noqa: BLE001  (a diagnostic: report and go on to the next part)
