@@ -1,0 +1,34 @@
+#!/usr/bin/env bash
+# The lead's end-of-session GPU-machine runs for issue 10, in two calls (each under the 10-minute limit):
+#   (device) bash benchmarks/device_final.sh a   # CUDA tests of the kernels/graphs/engine, CPU-kernel probe,
+#                                                # decode-step profile
+#   (device) bash benchmarks/device_final.sh b   # freetoken bench model (both shapes) and the expert load
+# carry .site (numba, llvmlite, fla-core, platformdirs unpacked, xz). Results under $OUT.
+set -uo pipefail
+OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+if [ -f .site/site.tar.xz ]; then
+  mkdir -p /tmp/site && tar xJf .site/site.tar.xz -C /tmp/site && export PYTHONPATH=/tmp/site:$PWD
+fi
+export PYTHONPATH=${PYTHONPATH:-$PWD} PYTHONUNBUFFERED=1 FREETOKEN_HOME=/tmp/ft-home
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv > "$OUT/machine.txt" 2>&1
+if [ "${1:-a}" = a ]; then
+  timeout 250 python3 -m pytest -q -p no:cacheprovider --device cuda tests/test_kernels_interpreted.py \
+    tests/test_kernels_fused.py tests/test_decode_graph.py tests/test_hybrid_kernels.py tests/test_hybrid_experts.py \
+    tests/test_engine_generation.py tests/test_engine_default_tier.py tests/test_models_gdn.py > "$OUT/cuda_tests.log" 2>&1
+  echo "pytest rc=$?" >> "$OUT/cuda_tests.log"; tail -4 "$OUT/cuda_tests.log"
+  timeout 150 python3 -m runtime.experts.bench probe --only-numba --layers 8 --out "$OUT" > "$OUT/probe.txt" 2>&1
+  echo "probe rc=$?"; grep -i "gb/s\|gbps\|read" "$OUT/probe.txt" | head -30
+  timeout 120 python3 benchmarks/profile_decode_step.py --layers 4 > "$OUT/profile_step.txt" 2>&1
+  grep -v "/layer " "$OUT/profile_step.txt" | head -40
+else
+  timeout 330 python3 -m runtime.experts.bench model --models qwen3-30b-a3b --budgets 4 8 12 24 0 \
+    --routings uniform skewed --tokens 32 --warmup 8 --prefill 1024 8192 16384 --prefill-budgets 8 0 \
+    --ttft-context 20000 --out "$OUT" 2>&1 | tee "$OUT/bench_model_q3.txt" | grep -v "^{"
+  mv "$OUT/model.json" "$OUT/model_q3.json" 2>/dev/null
+  timeout 150 python3 -m runtime.experts.bench model --models qwen3.6-35b-a3b --budgets 8 0 --routings uniform \
+    --tokens 32 --warmup 8 --prefill 8192 --prefill-budgets 8 --ttft-context 0 --out "$OUT" 2>&1 \
+    | tee "$OUT/bench_model_q36.txt" | grep -v "^{"
+  mv "$OUT/model.json" "$OUT/model_q36.json" 2>/dev/null
+  timeout 90 python3 benchmarks/bench_load.py --gib 18.6 --methods read --threads 4 16 --json "$OUT/load.json" \
+    > "$OUT/load.txt" 2>&1; echo "load rc=$?"; tail -8 "$OUT/load.txt"
+fi
