@@ -68,8 +68,9 @@ def test_every_dot_flavour_this_cpu_runs_is_exact_on_integers(isa):
         g = k // group
         codes = rng.integers(0, 256, size=(rows, k // 2), dtype=np.uint8)
         xq_full = rng.integers(-127, 128, size=(g, group)).astype(np.int8)          # [G, group], natural order
-        # the kernel's layout: per group its even elements, then its odd ones
-        xq = np.concatenate([xq_full[:, 0::2], xq_full[:, 1::2]], axis=1).reshape(-1)
+        # the whole-row path's layout: every 64 elements, their even ones then their odd ones
+        chunks = xq_full.reshape(-1, 64)
+        xq = np.concatenate([chunks[:, 0::2], chunks[:, 1::2]], axis=1).reshape(-1)
         xs = (2.0 ** rng.integers(-3, 3, size=g)).astype(np.float32)
         xm = (2.0 ** rng.integers(-3, 3, size=g)).astype(np.float32)
         if codec == 0:

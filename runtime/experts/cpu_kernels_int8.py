@@ -22,9 +22,10 @@ instruction the host has, chosen once at import:
 - `avx2`: `vpmaddubsw` + `vpmaddwd` (llama.cpp's AVX2 path; pair sums stay under 2 x 15 x 127, no saturation);
 - `generic` (ARM, old x86, NUMBA_CPU_NAME set): zext/sext multiply + reduce, which LLVM lowers per target.
 
-Layout contract (`_quantize_row` writes it): a group of 2n activations is stored as its n even elements then
-its n odd elements, so `concat(low nibbles, high nibbles)` of the group's n packed bytes lines up element for
-element with the 2n activation bytes (byte j holds element 2j low, 2j+1 high).
+Layout contract (`_quantize_row` writes it; byte j of a row holds element 2j low, 2j+1 high): on the whole-row
+path every 64 activations are stored as their 32 even elements then their 32 odd ones, so `concat(low
+nibbles, high nibbles)` of a 32-byte step lines up element for element with 64 activation bytes, whatever
+the group size; on the group-by-group path (rows not a multiple of 64) the same holds per group.
 
 - int4: u = nibble codes 0..15; dot = sum u * xq; W x = scale * dot * s_x + min * s_x * sum xq per group.
 - fp4 (e2m1): u = |2 * e2m1(code)| in 0..12 (an integer: m + (m-4)+ + 2 (m-6)+ of the magnitude bits m), and
@@ -274,43 +275,30 @@ def make_row(n: int, codec: str, isa: str):
             def act_of(ary_t, ary_v, g):
                 return builder.load(_elem_ptr(builder, context, ary_t, ary_v, builder.add(xs0, g)))
 
-            def codes_of(w):
-                lo = builder.and_(w, ir.Constant(w.type, [15] * 32))
-                hi = builder.lshr(w, ir.Constant(w.type, [4] * 32))
-                if n >= 32:                    # one group (or half of one): lows then highs
-                    return _concat(builder, lo, hi)
-                # k groups of n bytes: [lo(g0), hi(g0), lo(g1), hi(g1), ...] to match the activations' layout
-                mask = []
-                for j in range(32 // n):
-                    mask += list(range(j * n, j * n + n)) + list(range(32 + j * n, 32 + j * n + n))
-                return builder.shuffle_vector(lo, hi, ir.Constant(_vec(I32, 64), mask))
-
-            def lanes_of(codes, sv):
+            def step_lanes(step):
+                """<16 x i32> partial dots of 32-byte step `step`: the codes split into nibbles are already in
+                the activations' chunk order (evens, then odds), so no shuffle is needed."""
+                w = _load(builder, context, buf_t, buf_v, builder.add(q0, builder.mul(step, ir.Constant(I64, 32))),
+                          _vec(I8, 32))
+                sv = _load(builder, context, xq_t, xq_v, builder.add(x0, builder.mul(step, ir.Constant(I64, 64))),
+                           _vec(I8, 64))
+                codes = _concat(builder, builder.and_(w, ir.Constant(w.type, [15] * 32)),
+                                builder.lshr(w, ir.Constant(w.type, [4] * 32)))
                 if codec == "fp4":
                     twice, neg = _e2m1_twice(builder, codes, isa)
                     sv = builder.select(neg, builder.sub(ir.Constant(sv.type, [0] * 64), sv), sv)
                     codes = twice
-                return builder.sitofp(_lanes16(builder, codes, sv, isa), v16f)
+                return _lanes16(builder, codes, sv, isa)
 
             n_steps = builder.udiv(ng, ir.Constant(I64, per_step)) if n < 64 else ng
             with cgutils.for_range(builder, n_steps) as loop:
                 j = loop.index
-                if n < 64:
-                    w = _load(builder, context, buf_t, buf_v, builder.add(q0, builder.mul(j, ir.Constant(I64, 32))),
-                              _vec(I8, 32))
-                    sv = _load(builder, context, xq_t, xq_v, builder.add(x0, builder.mul(j, ir.Constant(I64, 64))),
-                               _vec(I8, 64))
-                    lanes = lanes_of(codes_of(w), sv)
-                else:                          # a group of 64 bytes: two 32-byte halves, each lows/highs
-                    lanes = None
-                    for h in (0, 32):
-                        wb = builder.add(q0, builder.add(builder.mul(j, ir.Constant(I64, 64)), ir.Constant(I64, h)))
-                        xb = builder.add(x0, builder.add(builder.mul(j, ir.Constant(I64, 128)), ir.Constant(I64, h)))
-                        w = _load(builder, context, buf_t, buf_v, wb, _vec(I8, 32))
-                        xe = _load(builder, context, xq_t, xq_v, xb, _vec(I8, 32))
-                        xo = _load(builder, context, xq_t, xq_v, builder.add(xb, ir.Constant(I64, 64)), _vec(I8, 32))
-                        part = lanes_of(codes_of(w), _concat(builder, xe, xo))
-                        lanes = part if lanes is None else builder.fadd(lanes, part)
+                if n < 64:                     # one step covers `per_step` whole groups
+                    ilanes = step_lanes(j)
+                else:                          # a group of 64 bytes is two steps: one scale for both
+                    two_j = builder.mul(j, ir.Constant(I64, 2))
+                    ilanes = builder.add(step_lanes(two_j), step_lanes(builder.add(two_j, ir.Constant(I64, 1))))
+                lanes = builder.sitofp(ilanes, v16f)
                 k = per_step if n < 64 else 1
                 coef = ir.Constant(_vec(f32, k), [0.0] * k)
                 msum = builder.load(macc)
@@ -321,10 +309,11 @@ def make_row(n: int, codec: str, isa: str):
                     if codec == "int4":
                         msum = builder.fadd(msum, builder.fmul(scale_of(m0, g), act_of(xm_t, xm_v, g)))
                 builder.store(msum, macc)
-                lanes_per_group = 16 // k
+                # lane q sums elements 8 (q mod 8) .. +7 of the step's 64 (evens for q < 8, odds after)
                 spread = builder.shuffle_vector(coef, coef, ir.Constant(_vec(I32, 16),
-                                                                        [q // lanes_per_group for q in range(16)]))
-                builder.store(builder.fadd(builder.load(facc), builder.fmul(lanes, spread)), facc)
+                                                                        [(8 * (q % 8)) // (2 * n) for q in range(16)]))
+                # fmuladd: one FMA where the CPU has it, a multiply and an add elsewhere (never a libm call)
+                builder.store(_call(builder, "llvm.fmuladd.v16f32", v16f, [lanes, spread, builder.load(facc)]), facc)
             return builder.fadd(_hsum(builder, builder.load(facc)), builder.load(macc))
         return sig, codegen
     return row
@@ -402,10 +391,13 @@ def _row(codec, buf, buf16, base, q_off, s_off, m_off, r, n_groups, hg, table, x
 
 @njit(cache=True, fastmath=True, inline="always")
 def _quantize_row(v, n, group, vq, vs, vm):
-    """Row n of v [N, K] float32 -> int8 per group into vq [N * K] (even elements, then odd: the layout the
-    dot expects), the group scales vs [N * G] and scale * sum of the group's int8 values vm [N * G]."""
+    """Row n of v [N, K] float32 -> int8 per group into vq [N * K], the group scales vs [N * G] and scale * sum
+    of the group's int8 values vm [N * G]. Layout: when K is a multiple of 64 (the whole-row path), every
+    64 elements as their 32 even ones then their 32 odd ones (the order of a 32-byte step's low, then high
+    nibbles); otherwise every group as its even elements then its odd ones (the group-by-group path)."""
     k = v.shape[1]
     hg = group // 2
+    chunked = k % 64 == 0
     for g in range(k // group):
         b = g * group
         amax = np.float32(0.0)
@@ -414,12 +406,18 @@ def _quantize_row(v, n, group, vq, vs, vm):
         scale = amax / np.float32(127.0)
         inv = np.float32(127.0) / amax if amax > np.float32(0.0) else np.float32(0.0)
         total = 0
-        out = n * k + b
+        row = n * k
         for j in range(hg):
-            qe = np.int32(math.floor(v[n, b + 2 * j] * inv + np.float32(0.5)))
-            qo = np.int32(math.floor(v[n, b + 2 * j + 1] * inv + np.float32(0.5)))
-            vq[out + j] = qe
-            vq[out + hg + j] = qo
+            ke = b + 2 * j
+            qe = np.int32(math.floor(v[n, ke] * inv + np.float32(0.5)))
+            qo = np.int32(math.floor(v[n, ke + 1] * inv + np.float32(0.5)))
+            if chunked:
+                pe = (ke // 64) * 64 + (ke % 64) // 2
+                vq[row + pe] = qe
+                vq[row + pe + 32] = qo
+            else:
+                vq[row + b + j] = qe
+                vq[row + b + hg + j] = qo
             total += qe + qo
         vs[n * (k // group) + g] = scale
         vm[n * (k // group) + g] = scale * np.float32(total)
