@@ -209,6 +209,20 @@ def test_out_of_range_ids_are_refused_not_read():
         ex.run(0, x, np.array([0, 2]), np.array([0, 1]), np.ones(2, dtype=np.float32))
 
 
+def test_a_read_only_store_runs_through_the_same_compiled_kernel():
+    """Read-only weights (a mapped file opened read-only) give the same output without a second numba
+    specialization (each costs a full compile of the kernel)."""
+    gen = torch.Generator().manual_seed(9)
+    store = HostExpertStore.from_weights(_weights(gen, d=512, i=512, e=3, bias=False), codec="int4", group=64)
+    x = torch.randn(2, 512, generator=gen)
+    args = (0, x, np.array([0, 1, 1]), np.array([2, 0, 2]), np.array([0.5, 1.0, 0.25], dtype=np.float32))
+    want = CpuExecutor(store, ExpertSpec()).run(*args)
+    n_compiled = len(k8.moe_layer_int8.signatures)
+    store.layer_buffer(0).flags.writeable = False
+    got = CpuExecutor(store, ExpertSpec()).run(*args)
+    assert torch.equal(got, want) and len(k8.moe_layer_int8.signatures) == n_compiled
+
+
 def test_which_path_runs_when():
     """int8 for real layer widths, the exact float kernels for small ones, the reference without numba's groups."""
     gen = torch.Generator().manual_seed(8)
