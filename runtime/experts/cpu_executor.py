@@ -169,7 +169,8 @@ class CpuExecutor:
         if flat is None:
             flat = self._flat[layer] = _writable_alias(self.store.layer_buffer(layer).reshape(-1))  # [E * nbytes]
         g_scale, u_scale, d_scale = self._global_scales(layer, self.store.layer_parts(layer))
-        self._k8.moe_layer_int8(0 if lay.codec == "int4" else 1, flat, flat.view(np.uint16), flat.view(np.float32),
+        codec = 0 if lay.codec == "int4" else (2 if lay.scale_format == "e8m0" else 1)
+        self._k8.moe_layer_int8(codec, flat, flat.view(np.uint16), flat.view(np.float32),
                                 lay.nbytes, offs, lay.has_bias, lay.intermediate, lay.group, self._scale_table,
                                 x, tokens, experts, weights, g_scale, u_scale, d_scale, _ACTIVATIONS[self.spec.activation],
                                 np.float32(self.spec.swiglu_alpha), np.float32(self.spec.swiglu_limit), out)

@@ -242,10 +242,18 @@ def _hsum(builder, v):
     return builder.extract_element(v, ir.Constant(I32, 0))
 
 
-def make_row(n: int, codec: str, isa: str):
+MAX_ROW_GROUPS = 1024      # the whole-row path's coefficient buffer (4 KiB of stack): groups per row at most
+
+
+def make_row(n: int, codec: str, isa: str, *, e8m0: bool = False):
     """The intrinsic for a whole row: sum_g coef_g * dot_g (+ sum_g min_g * xm_g for int4), groups of n packed
     bytes, with the partial dots kept in 16 float lanes and reduced once per row (a horizontal reduction per
-    group costs as much as the dot itself). Needs the row's packed bytes to be a multiple of 32."""
+    group costs as much as the dot itself). Needs the row's packed bytes to be a multiple of 32 and at most
+    MAX_ROW_GROUPS groups.
+
+    The per-group coefficients (weight scale x activation scale) are computed first, 16 groups per vector
+    (fp16 scales converted in one instruction on x86; e8m0 scales (`e8m0`) by placing the byte in a float's
+    exponent), so the dot loop only loads them; int4's min term is summed in the same pass."""
     per_step = max(1, 32 // n)                 # groups covered by one 32-byte step (n = 64: two steps per group)
 
     @intrinsic
@@ -263,6 +271,7 @@ def make_row(n: int, codec: str, isa: str):
             f32, v16f = ir.FloatType(), _vec(ir.FloatType(), 16)
             facc = cgutils.alloca_once_value(builder, ir.Constant(v16f, [0.0] * 16))
             macc = cgutils.alloca_once_value(builder, ir.Constant(f32, 0.0))
+            coefs = cgutils.alloca_once(builder, f32, size=MAX_ROW_GROUPS)     # entry block: once per function
             code_t = I16 if codec == "int4" else I8
             code_bytes = 2 if codec == "int4" else 1
 
@@ -274,6 +283,55 @@ def make_row(n: int, codec: str, isa: str):
 
             def act_of(ary_t, ary_v, g):
                 return builder.load(_elem_ptr(builder, context, ary_t, ary_v, builder.add(xs0, g)))
+
+            def coef_ptr(g):
+                return builder.gep(coefs, [g], inbounds=True)
+
+            def vec_at(ary_t, ary_v, g, vty):
+                return _load_at(builder, _elem_ptr(builder, context, ary_t, ary_v, builder.add(xs0, g)), vty)
+
+            def scales(off_bytes, g0, width):
+                """<width x float> weight scales of groups g0..g0+width-1."""
+                vf, vi = _vec(f32, width), _vec(I32, width)
+                if codec == "int4" and isa != "generic":       # x86 with F16C: vcvtph2ps
+                    bits = _load(builder, context, buf_t, buf_v, builder.add(off_bytes, builder.mul(
+                        g0, ir.Constant(I64, 2))), _vec(I16, width))
+                    return builder.fpext(builder.bitcast(bits, _vec(ir.HalfType(), width)), vf)
+                if codec == "fp4" and e8m0:                      # 2^(b - 127): b in the exponent field
+                    b = builder.zext(_load(builder, context, buf_t, buf_v, builder.add(off_bytes, g0),
+                                           _vec(I8, width)), vi)
+                    bits = builder.shl(b, ir.Constant(vi, [23] * width))
+                    zero = builder.icmp_unsigned("==", b, ir.Constant(vi, [0] * width))
+                    bits = builder.select(zero, ir.Constant(vi, [0x00400000] * width), bits)   # 2^-127
+                    return builder.bitcast(bits, vf)
+                v = ir.Constant(vf, [0.0] * width)
+                for q in range(width):
+                    g = builder.add(g0, ir.Constant(I64, q))
+                    v = builder.insert_element(v, scale_of(off_bytes, g), ir.Constant(I32, q))
+                return v
+
+            # pass 1: coefficients 16 groups at a time, then 4 at a time, then one by one
+            done = ir.Constant(I64, 0)
+            for width in (16, 4):
+                vf = _vec(f32, width)
+                macc_w = cgutils.alloca_once_value(builder, ir.Constant(vf, [0.0] * width))
+                n_blocks = builder.udiv(builder.sub(ng, done), ir.Constant(I64, width))
+                with cgutils.for_range(builder, n_blocks) as loop:
+                    g0 = builder.add(done, builder.mul(loop.index, ir.Constant(I64, width)))
+                    c = builder.fmul(scales(s0, g0, width), vec_at(xs_t, xs_v, g0, vf))
+                    builder.store(c, builder.bitcast(coef_ptr(g0), vf.as_pointer()), align=4)   # 4: a float array
+                    if codec == "int4":
+                        m = builder.fmul(scales(m0, g0, width), vec_at(xm_t, xm_v, g0, vf))
+                        builder.store(builder.fadd(builder.load(macc_w), m), macc_w)
+                if codec == "int4":
+                    builder.store(builder.fadd(builder.load(macc), _hsum(builder, builder.load(macc_w))), macc)
+                done = builder.add(done, builder.mul(n_blocks, ir.Constant(I64, width)))
+            with cgutils.for_range(builder, builder.sub(ng, done)) as loop:
+                g = builder.add(done, loop.index)
+                builder.store(builder.fmul(scale_of(s0, g), act_of(xs_t, xs_v, g)), coef_ptr(g))
+                if codec == "int4":
+                    builder.store(builder.fadd(builder.load(macc), builder.fmul(scale_of(m0, g), act_of(xm_t, xm_v, g))),
+                                  macc)
 
             def step_lanes(step):
                 """<16 x i32> partial dots of 32-byte step `step`: the codes split into nibbles are already in
@@ -290,9 +348,8 @@ def make_row(n: int, codec: str, isa: str):
                     codes = twice
                 return _lanes16(builder, codes, sv, isa)
 
-            n_steps = builder.udiv(ng, ir.Constant(I64, per_step)) if n < 64 else ng
-            with cgutils.for_range(builder, n_steps) as loop:
-                j = loop.index
+            def accumulate(j, acc):
+                """Iteration j (one 32-byte step, or for n = 64 one group of two steps) into the lanes at acc."""
                 if n < 64:                     # one step covers `per_step` whole groups
                     ilanes = step_lanes(j)
                 else:                          # a group of 64 bytes is two steps: one scale for both
@@ -300,27 +357,37 @@ def make_row(n: int, codec: str, isa: str):
                     ilanes = builder.add(step_lanes(two_j), step_lanes(builder.add(two_j, ir.Constant(I64, 1))))
                 lanes = builder.sitofp(ilanes, v16f)
                 k = per_step if n < 64 else 1
-                coef = ir.Constant(_vec(f32, k), [0.0] * k)
-                msum = builder.load(macc)
-                for q in range(k):
-                    g = builder.add(builder.mul(j, ir.Constant(I64, k)), ir.Constant(I64, q))
-                    c = builder.fmul(scale_of(s0, g), act_of(xs_t, xs_v, g))
-                    coef = builder.insert_element(coef, c, ir.Constant(I32, q))
-                    if codec == "int4":
-                        msum = builder.fadd(msum, builder.fmul(scale_of(m0, g), act_of(xm_t, xm_v, g)))
-                builder.store(msum, macc)
+                first = builder.mul(j, ir.Constant(I64, k))
+                if k == 1:
+                    coef = builder.insert_element(ir.Constant(_vec(f32, 1), [0.0]), builder.load(coef_ptr(first)),
+                                                  ir.Constant(I32, 0))
+                else:
+                    coef = _load_at(builder, coef_ptr(first), _vec(f32, k))
                 # lane q sums elements 8 (q mod 8) .. +7 of the step's 64 (evens for q < 8, odds after)
                 spread = builder.shuffle_vector(coef, coef, ir.Constant(_vec(I32, 16),
                                                                         [(8 * (q % 8)) // (2 * n) for q in range(16)]))
                 # fmuladd: one FMA where the CPU has it, a multiply and an add elsewhere (never a libm call)
-                builder.store(_call(builder, "llvm.fmuladd.v16f32", v16f, [lanes, spread, builder.load(facc)]), facc)
-            return builder.fadd(_hsum(builder, builder.load(facc)), builder.load(macc))
+                builder.store(_call(builder, "llvm.fmuladd.v16f32", v16f, [lanes, spread, builder.load(acc)]), acc)
+
+            # pass 2: the dots, two accumulators so consecutive FMAs do not wait on each other's latency
+            facc2 = cgutils.alloca_once_value(builder, ir.Constant(v16f, [0.0] * 16))
+            n_iters = builder.udiv(ng, ir.Constant(I64, per_step)) if n < 64 else ng
+            pairs = builder.udiv(n_iters, ir.Constant(I64, 2))
+            with cgutils.for_range(builder, pairs) as loop:
+                two_p = builder.mul(loop.index, ir.Constant(I64, 2))
+                accumulate(two_p, facc)
+                accumulate(builder.add(two_p, ir.Constant(I64, 1)), facc2)
+            with cgutils.for_range(builder, builder.sub(n_iters, builder.mul(pairs, ir.Constant(I64, 2)))) as loop:
+                accumulate(builder.sub(n_iters, ir.Constant(I64, 1)), facc)       # the odd one out
+            lanes = builder.fadd(builder.load(facc), builder.load(facc2))
+            return builder.fadd(_hsum(builder, lanes), builder.load(macc))
         return sig, codegen
     return row
 
 
 _row_int4_16, _row_int4_32, _row_int4_64 = (make_row(n, "int4", ISA) for n in (16, 32, 64))
-_row_fp4_8, _row_fp4_16 = (make_row(n, "fp4", ISA) for n in (8, 16))
+_row_fp4_8, _row_fp4_16 = (make_row(n, "fp4", ISA) for n in (8, 16))              # e4m3 (or any) scales
+_row_mxfp4_16 = make_row(16, "fp4", ISA, e8m0=True)                                 # MXFP4: e8m0 per 32
 
 _dot_int4_8, _dot_int4_16, _dot_int4_32, _dot_int4_64 = (make_dot(n, "int4", ISA) for n in GROUP_BYTES)
 _dot_fp4_8, _dot_fp4_16, _dot_fp4_32, _dot_fp4_64 = (make_dot(n, "fp4", ISA) for n in GROUP_BYTES)
@@ -354,12 +421,13 @@ def _dot(codec, hg, buf, boff, xq, xoff):
 @njit(cache=True, fastmath=True, inline="always")
 def _row(codec, buf, buf16, base, q_off, s_off, m_off, r, n_groups, hg, table, xq, xs, xm, t):
     """sum_k W[r, k] v_t[k] over one row of a packed matrix (its block part starts at base + q_off): the
-    whole-row intrinsic when the row is a multiple of 32 bytes (every real shape), else group by group."""
+    whole-row intrinsic when the row is a multiple of 32 bytes (every real shape), else group by group.
+    codec: 0 int4, 1 fp4 with scales through the table (e4m3), 2 fp4 with e8m0 scales (MXFP4)."""
     one = np.uint64(1)
     row = base + q_off + r * n_groups * hg
     xrow = t * n_groups * hg * np.uint64(2)
     xg = t * n_groups
-    if (n_groups * hg) % np.uint64(32) == 0:
+    if (n_groups * hg) % np.uint64(32) == 0 and n_groups <= MAX_ROW_GROUPS:
         if codec == 0:
             sb = base + s_off + r * n_groups * np.uint64(2)
             mb = base + m_off + r * n_groups * np.uint64(2)
@@ -369,6 +437,8 @@ def _row(codec, buf, buf16, base, q_off, s_off, m_off, r, n_groups, hg, table, x
                 return _row_int4_64(buf, row, sb, mb, n_groups, table, xq, xrow, xs, xm, xg)
             return _row_int4_16(buf, row, sb, mb, n_groups, table, xq, xrow, xs, xm, xg)
         sb = base + s_off + r * n_groups
+        if hg == 16 and codec == 2:
+            return _row_mxfp4_16(buf, row, sb, sb, n_groups, table, xq, xrow, xs, xm, xg) * np.float32(0.5)
         if hg == 16:
             return _row_fp4_16(buf, row, sb, sb, n_groups, table, xq, xrow, xs, xm, xg) * np.float32(0.5)
         return _row_fp4_8(buf, row, sb, sb, n_groups, table, xq, xrow, xs, xm, xg) * np.float32(0.5)
@@ -463,10 +533,11 @@ def moe_layer_int8(codec, buf, buf16, buf32, nbytes, offs, has_bias, i, group, t
     """out[t] += sum over assignments a of t of weights[a] * expert_{experts}(x[t]), int8 activations.
 
     buf: the layer's blocks as one flat uint8 array [E * nbytes] (buf16, buf32: the same bytes as uint16 and
-    float32); offs [12]: byte offsets inside a block of gate, gate_scales, gate_mins, up, up_scales, up_mins,
-    down, down_scales, down_mins (mins unused by fp4, codec 1), gate_bias, up_bias, down_bias (read when
-    has_bias); i the expert width; x [T, D] float32; the assignments in any order: tokens_in, experts_in [A]
-    int64, weights_in [A] float32; *_scale [E] per-matrix scales; out [T, D] float32, added to."""
+    float32); codec 0 int4, 1 fp4 (scales through the table), 2 fp4 with e8m0 scales; offs [12]: byte offsets
+    inside a block of gate, gate_scales, gate_mins, up, up_scales, up_mins, down, down_scales, down_mins (mins
+    unused by fp4), gate_bias, up_bias, down_bias (read when has_bias); i the expert width; x [T, D] float32;
+    the assignments in any order: tokens_in, experts_in [A] int64, weights_in [A] float32; *_scale [E]
+    per-matrix scales; out [T, D] float32, added to."""
     n_tok, d = x.shape
     tokens, weights, experts, starts = group_by_expert(tokens_in, experts_in, weights_in, buf.shape[0] // nbytes,
                                                        n_tok)
