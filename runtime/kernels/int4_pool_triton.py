@@ -6,6 +6,7 @@ read each packed byte once, dequantize in registers and fuse everything around t
 
   gate_up kernel, grid (A, I / BLOCK_N):  t = a // K, s = slots[t, a % K] (s < 0: nothing to do)
       h[a, n] = act(sum_j Wg[s, n, j] x[t, j], sum_j Wu[s, n, j] x[t, j])
+      (stored split: even n first, then odd n, so the down kernel reads both halves contiguously)
   down kernel,    grid (T, D / BLOCK_N):
       y[t, n] = sum_{k: slots[t, k] >= 0} weights[t, k] * sum_j Wd[slots[t, k], n, j] h[t*K + k, j]
 
@@ -40,28 +41,30 @@ except ImportError:
     HAVE_TRITON = False
 
 TILE_ELEMENTS = 2048        # packed bytes per tile and loop step (R x BLOCK_K): 16 per thread at 4 warps
-PROGRAMS_PER_SM = 4         # aim: about one wave of resident programs (~130-190 registers a thread)
+PROGRAMS_PER_SM = 4         # aim: one wave; at ~70-80 registers a thread ~7 programs fit on an SM
 DEFAULT_SMS = 132           # an H200's count, used when not on a CUDA device (the interpreter)
 MIN_BLOCK_N, MAX_BLOCK_N = 2, 32
 
 
 if HAVE_TRITON:
     @triton.jit
-    def _dot_tile(pool_ptr, q_row, s_row, m_row, rmask, x_ptr, x_rows, n_in, CODEC: tl.constexpr,
+    def _dot_tile(pool_ptr, q_row, s_row, m_row, rmask, x_ptr, x_rows, half, n_groups, CODEC: tl.constexpr,
                   GROUP: tl.constexpr, SHARED_X: tl.constexpr, ROWS: tl.constexpr, BLOCK_K: tl.constexpr):
-        """acc[R] = sum_j W_r[j] x_r[j] for R packed rows anywhere in the pool.
+        """acc[R] = sum_j W_r[j] x_r[j] for R packed rows of `half` bytes (2 * half inputs, n_groups groups)
+        anywhere in the pool.
 
         q_row [R] int64: byte offset of row r's codes; s_row, m_row [R]: offset of its first scale / min
         (fp16 elements for int4, bytes for e8m0); rmask [R]: rows that exist (the others load nothing and
-        give 0). The input is x_ptr [n_in] for every row when SHARED_X, else row r's own x_rows[r] [n_in].
+        give 0). The input is x_ptr [2 * half] (natural order) for every row when SHARED_X, else row r's own
+        x_rows[r] stored split: its even elements, then its odd ones (how the gate_up kernel writes h), so
+        both halves load contiguously in the codes' own layout.
         A step covers BLOCK_K bytes of each row as NG whole groups of GB bytes: scales and mins are loaded
-        once per group and applied to the group's partial sums (int4: s * sum(q x) + m * sum(x))."""
+        once per group and broadcast over it. Products accumulate elementwise in a [R, NG, GB] tile, reduced
+        once after the loop: a reduction per step would cost shuffles and barriers on every round trip."""
         GB: tl.constexpr = GROUP // 2                                         # bytes per group
         NG: tl.constexpr = BLOCK_K // GB                                      # groups per step
-        half = n_in // 2
-        n_groups = tl.cdiv(n_in, GROUP)
         gi = tl.arange(0, NG)
-        acc = tl.zeros((ROWS,), dtype=tl.float32)
+        acc = tl.zeros((ROWS, NG, GB), dtype=tl.float32)
         for k0 in range(0, half, BLOCK_K):
             kb = k0 + gi[:, None] * GB + tl.arange(0, GB)[None, :]           # [NG, GB] byte index in a row
             kmask = kb < half
@@ -69,25 +72,25 @@ if HAVE_TRITON:
             q = tl.load(pool_ptr + q_row[:, None, None] + kb[None, :, :], mask=mask, other=0).to(tl.int32)
             lo = (q & 15).to(tl.float32)
             hi = (q >> 4).to(tl.float32)
-            # x[2j], x[2j + 1] as one contiguous load of pairs, split into even and odd elements
-            pair = 2 * kb[:, :, None] + tl.arange(0, 2)[None, None, :]         # [NG, GB, 2]
             if SHARED_X:                                                      # [1, NG, GB]
+                # x[2j], x[2j + 1] as one contiguous load of pairs, split into even and odd elements
+                pair = 2 * kb[:, :, None] + tl.arange(0, 2)[None, None, :]     # [NG, GB, 2]
                 xe, xo = tl.split(tl.load(x_ptr + pair, mask=kmask[:, :, None], other=0.0).to(tl.float32))
                 xe, xo = xe[None, :, :], xo[None, :, :]
             else:                                                             # [R, NG, GB]
-                xe, xo = tl.split(tl.load(x_rows[:, None, None, None] + pair[None, :, :, :],
-                                          mask=mask[:, :, :, None], other=0.0).to(tl.float32))
-            g = k0 // GB + gi                                                 # [NG] group of each chunk
-            gmask = rmask[:, None] & (g < n_groups)[None, :]                  # [R, NG]
+                xp = x_rows[:, None, None] + kb[None, :, :]
+                xe = tl.load(xp, mask=mask, other=0.0).to(tl.float32)
+                xo = tl.load(xp + half, mask=mask, other=0.0).to(tl.float32)
+            # [R, NG, 1]: one scale (and min) per row and group, loaded straight in the tile's own layout
+            g = (k0 // GB + gi)[None, :, None]                                # group of each chunk
+            gmask = rmask[:, None, None] & (g < n_groups)
             if CODEC == 0:
                 p16 = pool_ptr.to(tl.pointer_type(tl.float16))
-                s = tl.load(p16 + s_row[:, None] + g[None, :], mask=gmask, other=0.0).to(tl.float32)
-                m = tl.load(p16 + m_row[:, None] + g[None, :], mask=gmask, other=0.0).to(tl.float32)
-                qx = tl.sum(lo * xe + hi * xo, axis=2)                        # [R, NG]
-                xs = tl.sum(xe + xo, axis=2)                                  # [R or 1, NG]
-                acc += tl.sum(s * qx + m * xs, axis=1)
+                s = tl.load(p16 + s_row[:, None, None] + g, mask=gmask, other=0.0).to(tl.float32)
+                m = tl.load(p16 + m_row[:, None, None] + g, mask=gmask, other=0.0).to(tl.float32)
+                acc += (lo * xe + hi * xo) * s + (xe + xo) * m
             else:
-                e8 = tl.load(pool_ptr + s_row[:, None] + g[None, :], mask=gmask, other=127).to(tl.float32)
+                e8 = tl.load(pool_ptr + s_row[:, None, None] + g, mask=gmask, other=127).to(tl.float32)
                 # e2m1 from the code: magnitude m/2 + relu(m-4)/2 + relu(m-6), bit 3 the sign
                 lm = tl.where(lo >= 8.0, lo - 8.0, lo)
                 hm = tl.where(hi >= 8.0, hi - 8.0, hi)
@@ -95,11 +98,11 @@ if HAVE_TRITON:
                 hv = 0.5 * hm + 0.5 * tl.maximum(hm - 4.0, 0.0) + tl.maximum(hm - 6.0, 0.0)
                 lv = tl.where(lo >= 8.0, -lv, lv)
                 hv = tl.where(hi >= 8.0, -hv, hv)
-                acc += tl.sum(tl.exp2(e8 - 127.0) * tl.sum(lv * xe + hv * xo, axis=2), axis=1)
-        return acc
+                acc += (lv * xe + hv * xo) * tl.exp2(e8 - 127.0)
+        return tl.sum(tl.sum(acc, axis=2), axis=1)
 
     @triton.jit
-    def _gate_up_kernel(pool_ptr, nbytes, slots_ptr, slot_st, slot_sk, x_ptr, x_st, h_ptr, K, D, I,
+    def _gate_up_kernel(pool_ptr, nbytes, slots_ptr, slot_st, slot_sk, x_ptr, x_st, h_ptr, K, D2, DG, I,
                         gq, gs, gm, uq, us, um, alpha, limit,
                         CODEC: tl.constexpr, GROUP: tl.constexpr, ACT: tl.constexpr,
                         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
@@ -111,16 +114,17 @@ if HAVE_TRITON:
         base = slot.to(tl.int64) * nbytes
         r = tl.arange(0, 2 * BLOCK_N)                                         # [R]: (n, gate|up) interleaved
         n = tl.program_id(1) * BLOCK_N + r // 2
-        up = (r % 2) == 1
-        n_groups = tl.cdiv(D, GROUP)
-        q_row = base + tl.where(up, uq, gq) + n * (D // 2)
+        # up rows: gate's offsets + (up - gate). Arithmetic, not tl.where: a select hides from Triton that the
+        # offsets are multiples of 16, and the codes would be read a byte at a time instead of 16 at once
+        up = r % 2
+        q_row = base + gq + up * (uq - gq) + n * D2
         if CODEC == 0:                                                        # fp16 scales: element offsets
-            s_row = (base + tl.where(up, us, gs)) // 2 + n * n_groups
-            m_row = (base + tl.where(up, um, gm)) // 2 + n * n_groups
+            s_row = (base + gs + up * (us - gs)) // 2 + n * DG
+            m_row = (base + gm + up * (um - gm)) // 2 + n * DG
         else:
-            s_row = base + tl.where(up, us, gs) + n * n_groups
+            s_row = base + gs + up * (us - gs) + n * DG
             m_row = s_row
-        acc = _dot_tile(pool_ptr, q_row, s_row, m_row, n < I, x_ptr + t.to(tl.int64) * x_st, x_ptr, D,
+        acc = _dot_tile(pool_ptr, q_row, s_row, m_row, n < I, x_ptr + t.to(tl.int64) * x_st, x_ptr, D2, DG,
                         CODEC, GROUP, True, 2 * BLOCK_N, BLOCK_K)
         g, u = tl.split(tl.reshape(acc, (BLOCK_N, 2)))                        # [BN], [BN]
         if ACT == 0:
@@ -130,10 +134,12 @@ if HAVE_TRITON:
             u = tl.minimum(tl.maximum(u, -limit), limit)
             h = (u + 1.0) * (g / (1.0 + tl.exp(-alpha * g)))
         rows = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-        tl.store(h_ptr + a.to(tl.int64) * I + rows, h, mask=rows < I)
+        split = (rows % 2) * (I // 2) + rows // 2                             # even elements first, then odd
+        tl.store(h_ptr + a.to(tl.int64) * I + split, h, mask=rows < I)
 
     @triton.jit
     def _down_kernel(pool_ptr, nbytes, slots_ptr, slot_st, slot_sk, w_ptr, w_st, w_sk, h_ptr, y_ptr, K, D, I,
+                     I2, IG,
                      dq, ds, dm, CODEC: tl.constexpr, GROUP: tl.constexpr, KB: tl.constexpr,
                      BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
         t = tl.program_id(0)
@@ -146,16 +152,15 @@ if HAVE_TRITON:
         wt = tl.load(w_ptr + t * w_st + k * w_sk, mask=valid, other=0.0).to(tl.float32)
         base = tl.maximum(slot, 0).to(tl.int64) * nbytes
         rmask = valid & (n < D)
-        n_groups = tl.cdiv(I, GROUP)
-        q_row = base + dq + n * (I // 2)
+        q_row = base + dq + n * I2
         if CODEC == 0:
-            s_row = (base + ds) // 2 + n * n_groups
-            m_row = (base + dm) // 2 + n * n_groups
+            s_row = (base + ds) // 2 + n * IG
+            m_row = (base + dm) // 2 + n * IG
         else:
-            s_row = base + ds + n * n_groups
+            s_row = base + ds + n * IG
             m_row = s_row
-        x_rows = h_ptr + (t * K + k).to(tl.int64) * I                         # [R] each row's own h
-        acc = _dot_tile(pool_ptr, q_row, s_row, m_row, rmask, h_ptr, x_rows, I,
+        x_rows = h_ptr + (t * K + k).to(tl.int64) * I                         # [R] each row's own h (split)
+        acc = _dot_tile(pool_ptr, q_row, s_row, m_row, rmask, h_ptr, x_rows, I2, IG,
                         CODEC, GROUP, False, BLOCK_N * KB, BLOCK_K)
         acc = tl.where(rmask, acc * wt, 0.0)
         y = tl.sum(tl.reshape(acc, (BLOCK_N, KB)), axis=1)                    # [BN] weighted sum over K
@@ -233,12 +238,12 @@ def pool_forward_triton(pool: torch.Tensor, layout, spec, x: torch.Tensor, slots
     bk1, bk2 = max(block_k or bk1, group // 2), max(block_k or bk2, group // 2)    # whole groups per step
     h = torch.empty((t * k, i), dtype=torch.float32, device=x.device)          # [A, I] activations
     _gate_up_kernel[(t * k, triton.cdiv(i, bn1))](
-        pool, layout.nbytes, slots, slots.stride(0), slots.stride(1), x, x.stride(0), h, k, d, i,
+        pool, layout.nbytes, slots, slots.stride(0), slots.stride(1), x, x.stride(0), h, k, d // 2, -(-d // group), i,
         off("gate"), off("gate_scales"), off("gate_mins"), off("up"), off("up_scales"), off("up_mins"),
         float(spec.swiglu_alpha), float(spec.swiglu_limit),
         CODEC=codec, GROUP=group, ACT=act, BLOCK_N=bn1, BLOCK_K=bk1)
     _down_kernel[(t, triton.cdiv(d, bn2))](
         pool, layout.nbytes, slots, slots.stride(0), slots.stride(1), weights, weights.stride(0),
-        weights.stride(1), h, y, k, d, i, off("down"), off("down_scales"), off("down_mins"),
+        weights.stride(1), h, y, k, d, i, i // 2, -(-i // group), off("down"), off("down_scales"), off("down_mins"),
         CODEC=codec, GROUP=group, KB=kb, BLOCK_N=bn2, BLOCK_K=bk2)
     return y
