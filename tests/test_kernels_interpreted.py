@@ -328,6 +328,10 @@ def case_router_ties_infinities_and_shapes():
     ids, w = route(masked, 4, mode="topk_softmax")
     assert ids.tolist() == [[4, 1, 0, 2]]
     assert w[0, 2:].tolist() == [0.0, 0.0] and abs(float(w.sum()) - 1.0) < 1e-6
+    nan_row = torch.tensor([[0.5, float("nan"), 2.0, -1.0]])
+    for mode in ("softmax_topk", "topk_softmax"):
+        ids, w = route(nan_row, 2, mode=mode)
+        assert ids.tolist() == [[1, 2]] and torch.isnan(w).all()             # NaN ranks first, as in torch
     wide = torch.randn(2, 3, 40)
     view = wide[..., 4:36]                                                    # [2, 3, 32], row stride 40
     ids, w = route(view, 3, mode="softmax_topk", renormalize=False)
@@ -338,7 +342,8 @@ def case_router_ties_infinities_and_shapes():
 
 def test_router_ties_infinities_and_shapes(interpreter):
     """Ties go to the lowest index; -inf logits are still picked (distinct ids) when k exceeds the finite
-    ones; leading dimensions and a strided row are taken as they come."""
+    ones; a NaN ranks first and makes the weights NaN; leading dimensions and a strided row are taken as
+    they come."""
     interpreter.run("router_ties_infinities_and_shapes")
 
 

@@ -6,7 +6,7 @@ raw logits, softmax over those k). One program per row holds the row's E logits 
 
   repeat K times: the row's max, then the lowest index holding it -> the next id; that one taken out
   weights: softmax_topk  exp(v_i - max) / sum_E exp(v - max)   (renormalised: / sum over the k instead)
-           topk_softmax  exp(v_i - v_0) / sum_k exp(v_j - v_0)
+           topk_softmax  exp(v_i - max) / sum_k exp(v_j - max)    (max = v_0, the first pick)
 
 Ranking is on the fp32 logits, which orders experts as the softmax probabilities do (exp is monotone); it
 differs from ranking the rounded probabilities only where two distinct logits round to one probability.
@@ -47,29 +47,24 @@ if HAVE_TRITON:
         # so a candidate of -inf still beats a taken one on the tie-break
         rank = tl.where(inb, e, e + BLOCK_E)
         key = tl.where(inb, key, float("-inf"))
+        # the row's max: the softmax's shift and the first pick (a NaN row gives +inf here and NaN weights)
+        mx = tl.max(key, axis=0)
         j = tl.arange(0, BLOCK_K)
         ids = tl.zeros((BLOCK_K,), dtype=tl.int32)
         top = tl.full((BLOCK_K,), float("-inf"), dtype=tl.float32)          # [BK] picked logits
         for i in tl.static_range(K):
             best = tl.max(key, axis=0)
             pick = tl.min(tl.where(key == best, rank, 2 * BLOCK_E), axis=0)   # ties: the lowest rank
-            val = tl.sum(tl.where(e == pick, v, 0.0), axis=0)                # the logit itself (NaN stays NaN)
             ids = tl.where(j == i, pick, ids)
-            top = tl.where(j == i, val, top)
+            top = tl.where(j == i, best, top)
             key = tl.where(e == pick, float("-inf"), key)
             rank = tl.where(e == pick, e + BLOCK_E, rank)
         kin = j < K
-        if MODE == 0:
-            mx = tl.max(tl.where(inb, v, float("-inf")), axis=0)
-            z = tl.where(kin, tl.exp(top - mx), 0.0)
-            if RENORM:
-                w = z / tl.sum(z, axis=0)
-            else:
-                w = z / tl.sum(tl.where(inb, tl.exp(v - mx), 0.0), axis=0)
+        z = tl.where(kin, tl.exp(top - mx), 0.0)                             # [BK]
+        if MODE == 0 and not RENORM:
+            w = z / tl.sum(tl.where(inb, tl.exp(v - mx), 0.0), axis=0)       # softmax over all E
         else:
-            top0 = tl.sum(tl.where(j == 0, top, 0.0), axis=0)                # the largest picked logit
-            z = tl.where(kin, tl.exp(top - top0), 0.0)
-            w = z / tl.sum(z, axis=0)
+            w = z / tl.sum(z, axis=0)                                        # over the k picked
         tl.store(ids_ptr + row * K + j, ids.to(tl.int64), mask=kin)
         tl.store(w_ptr + row * K + j, w.to(w_ptr.dtype.element_ty), mask=kin)
 
