@@ -72,11 +72,23 @@ if HAVE_TRITON:
             q = tl.load(pool_ptr + q_row[:, None, None] + kb[None, :, :], mask=mask, other=0).to(tl.int32)
             lo = (q & 15).to(tl.float32)
             hi = (q >> 4).to(tl.float32)
-            if SHARED_X:                                                      # [1, NG, GB]
-                # x[2j], x[2j + 1] as one contiguous load of pairs, split into even and odd elements
-                pair = 2 * kb[:, :, None] + tl.arange(0, 2)[None, None, :]     # [NG, GB, 2]
-                xe, xo = tl.split(tl.load(x_ptr + pair, mask=kmask[:, :, None], other=0.0).to(tl.float32))
-                xe, xo = xe[None, :, :], xo[None, :, :]
+            if SHARED_X:                                                      # [R, NG, GB]
+                # the shared input loaded in the tile's own layout, repeated per row from L1 (loaded once and
+                # broadcast, it would be converted through shared memory, with barriers, on every step);
+                # 16-bit x as one 32-bit word per (x[2j], x[2j + 1]) pair: contiguous, 16 bytes per load
+                rows0 = (q_row * 0)[:, None, None]
+                if x_ptr.dtype.element_ty == tl.bfloat16:
+                    w = tl.load(x_ptr.to(tl.pointer_type(tl.uint32)) + rows0 + kb[None, :, :], mask=mask, other=0)
+                    xe = (w << 16).to(tl.float32, bitcast=True)                # bf16 is fp32's top half
+                    xo = (w & 0xFFFF0000).to(tl.float32, bitcast=True)
+                elif x_ptr.dtype.element_ty == tl.float16:
+                    w = tl.load(x_ptr.to(tl.pointer_type(tl.uint32)) + rows0 + kb[None, :, :], mask=mask, other=0)
+                    xe = (w & 0xFFFF).to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
+                    xo = (w >> 16).to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
+                else:
+                    xp = x_ptr + rows0 + 2 * kb[None, :, :]
+                    xe = tl.load(xp, mask=mask, other=0.0).to(tl.float32)
+                    xo = tl.load(xp + 1, mask=mask, other=0.0).to(tl.float32)
             else:                                                             # [R, NG, GB]
                 xp = x_rows[:, None, None] + kb[None, :, :]
                 xe = tl.load(xp, mask=mask, other=0.0).to(tl.float32)
@@ -221,8 +233,8 @@ def pool_forward_triton(pool: torch.Tensor, layout, spec, x: torch.Tensor, slots
     y = torch.empty((t, d), dtype=x.dtype, device=x.device)
     if t == 0 or k == 0:
         return y.zero_()
-    if x.stride(1) != 1:
-        x = x.contiguous()
+    if x.stride(1) != 1 or x.stride(0) % 2 or x.data_ptr() % 4:
+        x = x.contiguous()                              # rows of x read as 32-bit words of element pairs
     p = layout.parts
     off = lambda name: p[name].offset if name in p else 0                      # noqa: E731
     codec = 0 if layout.codec == "int4" else 1
