@@ -41,7 +41,7 @@ except ImportError:
     HAVE_TRITON = False
 
 TILE_ELEMENTS = 2048        # packed bytes per tile and loop step (R x BLOCK_K): 16 per thread at 4 warps
-PROGRAMS_PER_SM = 4         # aim: one wave; at ~70-80 registers a thread ~7 programs fit on an SM
+PROGRAMS_PER_SM = 4         # aim: one wave; at 56-74 registers a thread 7-9 programs fit on an SM
 DEFAULT_SMS = 132           # an H200's count, used when not on a CUDA device (the interpreter)
 MIN_BLOCK_N, MAX_BLOCK_N = 2, 32
 
