@@ -429,32 +429,36 @@ def _compile_sm90(fn, args: dict, constexprs: dict, warps: int, tmp_path: Path) 
 def test_kernels_compile_for_h200_without_spilling(tmp_path, monkeypatch):
     """The interpreter does not check GPU code generation (layouts of reshape/split, register use): compile
     the variants the engine launches at qwen3-30b-a3b's shape (int4/64, K 8) and an MXFP4 K-10 one for
-    sm_90 with the ptxas Triton ships. No register spills, and the packed codes are read 16 bytes per load
-    (a select over offsets, once, hid their alignment and made it 16 byte loads)."""
+    sm_90 with the ptxas Triton ships, with bf16, fp16 and fp32 activations. No register spills, and the
+    packed codes are read 16 bytes per load (a select over offsets, once, hid their alignment and made it
+    16 byte loads)."""
     from runtime.experts.host_store import BlockLayout
     from runtime.kernels import int4_pool_triton as pool_k, router_triton as router_k
 
     monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))                  # a real compile, not a cache hit
     monkeypatch.setenv("TRITON_DEFAULT_FP_FUSION", "1")
     cases = []
-    for codec, group, d, i, k in (("int4", 64, 2048, 768, 8), ("fp4", 32, 2048, 512, 10)):
+    # codec, group, D, I, K, then (T, activation dtype) pairs: batch 1 and prefill-sized tiles
+    for codec, group, d, i, k, runs in (("int4", 64, 2048, 768, 8, ((1, "bf16"), (64, "fp16"))),
+                                        ("fp4", 32, 2048, 512, 10, ((1, "fp32"),))):
         layout = BlockLayout.build(codec, d, i, group=group)
         off = {name: part.offset for name, part in layout.parts.items()}
         common = dict(pool_ptr="*u8", nbytes=layout.nbytes, slots_ptr="*i64", slot_st=k, slot_sk=1, h_ptr="*fp32",
                       K=k, I=i)
-        gate_up = dict(common, x_ptr="*bf16", x_st=d, D2=d // 2, DG=-(-d // group), gq=off["gate"],
+        gate_up = dict(common, x_st=d, D2=d // 2, DG=-(-d // group), gq=off["gate"],
                        gs=off["gate_scales"], gm=off.get("gate_mins", 0), uq=off["up"], us=off["up_scales"],
                        um=off.get("up_mins", 0), alpha=1.702, limit=7.0)
-        down = dict(common, w_ptr="*bf16", w_st=k, w_sk=1, y_ptr="*bf16", D=d, I2=i // 2, IG=-(-i // group),
+        down = dict(common, w_st=k, w_sk=1, D=d, I2=i // 2, IG=-(-i // group),
                     dq=off["down"], ds=off["down_scales"], dm=off.get("down_mins", 0))
         c = 0 if codec == "int4" else 1
         kb = 16 if k > 8 else 8
-        for t in ((1, 64) if codec == "int4" else (1,)):                   # batch 1; prefill-sized tiles
+        for t, dtype in runs:
             bn, bk = pool_k.tile_sizes(t * k, i, 2, d, group, sms=132)
-            cases.append((pool_k._gate_up_kernel, gate_up, dict(CODEC=c, GROUP=group, ACT=0, BLOCK_N=bn,
-                                                                   BLOCK_K=bk), 4))
+            cases.append((pool_k._gate_up_kernel, dict(gate_up, x_ptr="*" + dtype),
+                          dict(CODEC=c, GROUP=group, ACT=0, BLOCK_N=bn, BLOCK_K=bk), 4))
             bn, bk = pool_k.tile_sizes(t, d, kb, i, group, sms=132)
-            cases.append((pool_k._down_kernel, down, dict(CODEC=c, GROUP=group, KB=kb, BLOCK_N=bn, BLOCK_K=bk), 4))
+            cases.append((pool_k._down_kernel, dict(down, w_ptr="*" + dtype, y_ptr="*" + dtype),
+                          dict(CODEC=c, GROUP=group, KB=kb, BLOCK_N=bn, BLOCK_K=bk), 4))
     router = dict(logits_ptr="*bf16", row_stride=512, ids_ptr="*i64", w_ptr="*fp32", E=512)
     cases.append((router_k._route_kernel, router, dict(K=10, MODE=0, RENORM=True, BLOCK_E=512, BLOCK_K=16), 1))
     for fn, args, constexprs, warps in cases:
