@@ -172,7 +172,8 @@ class CpuExecutor:
         codec = 0 if lay.codec == "int4" else (2 if lay.scale_format == "e8m0" else 1)
         self._k8.moe_layer_int8(codec, flat, flat.view(np.uint16), flat.view(np.float32),
                                 lay.nbytes, offs, lay.has_bias, lay.intermediate, lay.group, self._scale_table,
-                                x, tokens, experts, weights, g_scale, u_scale, d_scale, _ACTIVATIONS[self.spec.activation],
+                                x, tokens, experts, weights, g_scale, u_scale, d_scale,
+                                _ACTIVATIONS[self.spec.activation],
                                 np.float32(self.spec.swiglu_alpha), np.float32(self.spec.swiglu_limit), out)
 
     def _global_scales(self, layer: int, parts: dict[str, np.ndarray]):

@@ -330,8 +330,8 @@ def make_row(n: int, codec: str, isa: str, *, e8m0: bool = False):
                 g = builder.add(done, loop.index)
                 builder.store(builder.fmul(scale_of(s0, g), act_of(xs_t, xs_v, g)), coef_ptr(g))
                 if codec == "int4":
-                    builder.store(builder.fadd(builder.load(macc), builder.fmul(scale_of(m0, g), act_of(xm_t, xm_v, g))),
-                                  macc)
+                    m = builder.fmul(scale_of(m0, g), act_of(xm_t, xm_v, g))
+                    builder.store(builder.fadd(builder.load(macc), m), macc)
 
             def step_lanes(step):
                 """<16 x i32> partial dots of 32-byte step `step`: the codes split into nibbles are already in
