@@ -210,6 +210,7 @@ def _probe_numba_shape(*, name: str, group: int, layers: int, thread_counts: lis
                     "of_read_bandwidth": gbps / read}
                 print(f"{name} {codec} g{group} {label:5s} b{batch} {threads:3d} thr: {dt / steps * 1e6:8.0f} us/layer "
                       f"{gbps:6.1f} GB/s = {gbps / read:4.0%} of {read:.1f} GB/s read", flush=True)
+    out["threading_layer"] = ck.numba.threading_layer()     # omp / tbb / workqueue: launch costs differ 30x
     return out
 
 
