@@ -461,6 +461,8 @@ def test_kernels_compile_for_h200_without_spilling(tmp_path, monkeypatch):
                           dict(CODEC=c, GROUP=group, KB=kb, BLOCK_N=bn, BLOCK_K=bk), 4))
     router = dict(logits_ptr="*bf16", row_stride=512, ids_ptr="*i64", w_ptr="*fp32", E=512)
     cases.append((router_k._route_kernel, router, dict(K=10, MODE=0, RENORM=True, BLOCK_E=512, BLOCK_K=16), 1))
+    cases.append((router_k._route_kernel, dict(router, E=128, row_stride=128),                 # gpt-oss
+                  dict(K=4, MODE=1, RENORM=False, BLOCK_E=128, BLOCK_K=4), 1))
     for fn, args, constexprs, warps in cases:
         regs, local, sass = _compile_sm90(fn, args, constexprs, warps, tmp_path)
         assert local == 0, (fn.__name__, constexprs, regs, local)               # no spills
