@@ -100,6 +100,11 @@ class _Worker:
 
 @pytest.fixture(scope="module")
 def interpreter():
+    import triton
+    if tuple(int(v) for v in triton.__version__.split(".")[:2]) < (3, 7):
+        # triton 3.6's interpreter cannot use a runtime scalar as a loop bound (seen on the GPU machine, which
+        # then runs the compiled kernels instead: tests/test_hybrid_kernels.py and the cuda cases below)
+        pytest.skip(f"Triton's interpreter before 3.7 cannot run these kernels (this is {triton.__version__})")
     worker = _Worker()
     yield worker
     worker.close()
