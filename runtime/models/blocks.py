@@ -179,6 +179,11 @@ def attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, *, scale: 
         # keys older than the first query's window are never seen: drop them before the matmul
         lo = max(0, first_pos - sliding_window + 1)
         keys, values, first_pos, s = keys[:, lo:], values[:, lo:], first_pos - lo, s - lo
+    if sinks is None and first_pos == 0 and t > 1 and (sliding_window is None or t <= sliding_window):
+        # a chunk that starts the sequence (S == T): plain causal, which the flash kernels take (an explicit
+        # [T, S] mask would rule them out: at 8K tokens that was half of a prefill layer's time)
+        return F.scaled_dot_product_attention(q[None], keys[None], values[None], is_causal=True, scale=scale,
+                                              enable_gqa=h != hkv)[0]
     # one query sees every key left after the window cut: no mask to build (decode's common case)
     allowed = None if t == 1 else causal_window_mask(first_pos, t, s, sliding_window, device=q.device)  # [T, S]
     if sinks is None:
