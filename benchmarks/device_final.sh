@@ -21,14 +21,14 @@ if [ "${1:-a}" = a ]; then
   timeout 120 python3 benchmarks/profile_decode_step.py --layers 4 > "$OUT/profile_step.txt" 2>&1
   grep -v "/layer " "$OUT/profile_step.txt" | head -40
 else
-  timeout 330 python3 -m runtime.experts.bench model --models qwen3-30b-a3b --budgets 4 8 12 24 0 \
-    --routings uniform skewed --tokens 32 --warmup 8 --prefill 1024 8192 16384 --prefill-budgets 8 0 \
+  timeout 250 python3 -m runtime.experts.bench model --models qwen3-30b-a3b --budgets 4 8 24 0 \
+    --routings uniform skewed --tokens 24 --warmup 6 --prefill 1024 8192 16384 --prefill-budgets 8 0 \
     --ttft-context 20000 --out "$OUT" 2>&1 | tee "$OUT/bench_model_q3.txt" | grep -v "^{"
   mv "$OUT/model.json" "$OUT/model_q3.json" 2>/dev/null
-  timeout 150 python3 -m runtime.experts.bench model --models qwen3.6-35b-a3b --budgets 8 0 --routings uniform \
-    --tokens 32 --warmup 8 --prefill 8192 --prefill-budgets 8 --ttft-context 0 --out "$OUT" 2>&1 \
+  timeout 120 python3 -m runtime.experts.bench model --models qwen3.6-35b-a3b --budgets 8 0 --routings uniform \
+    --tokens 24 --warmup 6 --prefill 8192 --prefill-budgets 8 --ttft-context 0 --out "$OUT" 2>&1 \
     | tee "$OUT/bench_model_q36.txt" | grep -v "^{"
   mv "$OUT/model.json" "$OUT/model_q36.json" 2>/dev/null
-  timeout 90 python3 benchmarks/bench_load.py --gib 18.6 --methods read --threads 4 16 --json "$OUT/load.json" \
+  timeout 70 python3 benchmarks/bench_load.py --gib 18.6 --methods read --threads 16 --json "$OUT/load.json" \
     > "$OUT/load.txt" 2>&1; echo "load rc=$?"; tail -8 "$OUT/load.txt"
 fi
