@@ -158,7 +158,7 @@ def run_model(name: str, args, hw, report: dict) -> None:
                 torch.cuda.empty_cache()
                 torch.cuda.reset_peak_memory_stats()
             hybrid = HybridExperts(store, ExpertSpec(), device=device, dtype=dtype, options=HybridOptions(
-                slots=slots, top_k=k, cpu_gbps=hw.cpu_gbps, h2d_gbps=hw.h2d_gbps,
+                slots=slots, top_k=k, cpu_gbps=hw.cpu_gbps, h2d_gbps=hw.h2d_gbps, split=args.split,
                 hot_set=tuple((lay, x) for lay in moe_layers for x in range(e)) if slots >= layers * e else ()))
             router = Router(routing, layers=layers, experts=e, k=k, seed=1)
             import numpy as np
