@@ -375,6 +375,9 @@ class SlotDirectory:
         return slot
 
 
+WARM_UP_FACTOR, WARM_UP_SECONDS = 20.0, 0.1   # a first call this much slower than predicted is a warm-up
+
+
 class SplitController:
     """Share of misses to fetch over PCIe (the rest run on the CPU), learned from what each step costs.
 
@@ -395,6 +398,10 @@ class SplitController:
         self.mode = "balanced"
         self._steps = 0
         self._explore_queue: list[str] = []
+        self._exploring = False
+        # a path's first use pays one-off costs (numba's compile or cache load, thread-pool start, cuBLAS
+        # init: seconds on the GPU machine's first CPU call): that sample must not judge the path
+        self._warmed = {"cpu": False, "pcie": False}
 
     def balanced_share(self) -> float:
         return self.pcie_gbps / (self.pcie_gbps + self.cpu_gbps) if self.pcie_gbps > 0 else 0.0
@@ -419,6 +426,7 @@ class SplitController:
         self._steps += 1
         if not self._explore_queue and self._steps % self.explore_every == 1:
             self._explore_queue = [m for m in self.MODES if m != "fetch" or self.pcie_gbps > 0]
+        self._exploring = bool(self._explore_queue)
         if self._explore_queue:
             self.mode = self._explore_queue.pop(0)
         else:
@@ -428,11 +436,26 @@ class SplitController:
 
     def observe(self, *, step_seconds: float, cpu_bytes: int = 0, cpu_seconds: float = 0.0,
                 pcie_bytes: int = 0, pcie_seconds: float = 0.0) -> None:
-        """Feed one step's measured cost (and each path's bytes and busy time, when it ran)."""
+        """Feed one step's measured cost (and each path's bytes and busy time, when it ran). A path's first
+        use may carry one-off costs: when it took far longer than the rates predict (seconds: a compile),
+        the sample is dropped and the mode measured again at the next step. A re-try (an exploration step)
+        replaces the mode's time instead of blending into it: the re-try exists because the old figure may
+        be stale, and blending would let one slow outlier decide for thousands of steps."""
+        warm_up = False
+        for path, nbytes, busy, gbps in (("cpu", cpu_bytes, cpu_seconds, self.cpu_gbps),
+                                         ("pcie", pcie_bytes, pcie_seconds, self.pcie_gbps)):
+            if nbytes and not self._warmed[path]:
+                self._warmed[path] = True
+                expected = nbytes / (max(gbps, 1e-3) * 1e9)
+                warm_up |= busy > max(WARM_UP_FACTOR * expected, WARM_UP_SECONDS)
+        if warm_up:
+            self._explore_queue.insert(0, self.mode)
+            return
         a = self.alpha
         if cpu_bytes and cpu_seconds > 0:
             self.cpu_gbps = (1 - a) * self.cpu_gbps + a * cpu_bytes / cpu_seconds / 1e9
         if pcie_bytes and pcie_seconds > 0:
             self.pcie_gbps = (1 - a) * self.pcie_gbps + a * pcie_bytes / pcie_seconds / 1e9
         prev = self.step_time[self.mode]
-        self.step_time[self.mode] = step_seconds if prev is None else (1 - a) * prev + a * step_seconds
+        fresh = prev is None or self._exploring
+        self.step_time[self.mode] = step_seconds if fresh else (1 - a) * prev + a * step_seconds
