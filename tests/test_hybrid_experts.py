@@ -280,3 +280,17 @@ def test_bookkeeping_stays_consistent_under_churn():
         assert not hybrid.cache.pending                                  # CPU copies land at once
         c = hybrid.counters.total
         assert c.hits > 0 and c.cpu_experts + c.fetched_experts > 0 and c.promoted_experts > 0
+
+
+def test_mid_size_batches_stream_when_the_cpu_would_take_longer():
+    """The stream threshold: decode-sized batches never stream; on a fast link the CPU's arithmetic makes
+    tens of tokens stream (the H200's qwen3-30b shape: from 32), a slow link moves the crossover up, and the
+    issue's 32 x E/K rule stays the ceiling (and the rule without a GPU link)."""
+    from runtime.experts.hybrid import MIN_STREAM_TOKENS, stream_threshold_tokens
+
+    shape = dict(num_experts=128, top_k=8, block_nbytes=2_654_208, hidden=2048, intermediate=768)
+    h200 = stream_threshold_tokens(**shape, h2d_gbps=55.0)
+    laptop = stream_threshold_tokens(**shape, h2d_gbps=12.0)
+    assert h200 == MIN_STREAM_TOKENS and MIN_STREAM_TOKENS < laptop < 512
+    assert stream_threshold_tokens(**shape, h2d_gbps=0.5) == 512 == stream_threshold_tokens(**shape, h2d_gbps=0.0)
+    assert stream_threshold_tokens(**shape, h2d_gbps=10_000.0) == MIN_STREAM_TOKENS   # decode never streams
