@@ -26,6 +26,17 @@ import numpy as np
 Key = tuple[int, int]
 
 
+
+def _layer_row(rows: dict[int, np.ndarray], layer: int, size: int, dtype) -> np.ndarray:
+    """rows[layer], grown (zero-filled, by doubling) to hold at least `size` entries: per-expert counters."""
+    row = rows.get(layer)
+    if row is None or len(row) < size:
+        grown = np.zeros(max(size, 64 if row is None else 2 * len(row)), dtype=dtype)
+        if row is not None:
+            grown[:len(row)] = row
+        row = rows[layer] = grown
+    return row
+
 class Policy(Protocol):
     """Eviction order over the keys currently cached (and evictable: a directory never inserts pinned keys).
 
@@ -51,13 +62,7 @@ class _LayerTable:
         self.rows: dict[int, np.ndarray] = {}
 
     def row(self, layer: int, size: int) -> np.ndarray:
-        row = self.rows.get(layer)
-        if row is None or len(row) < size:
-            grown = np.zeros(max(size, 64 if row is None else 2 * len(row)), dtype=np.float64)
-            if row is not None:
-                grown[:len(row)] = row
-            row = self.rows[layer] = grown
-        return row
+        return _layer_row(self.rows, layer, size, np.float64)
 
     def get(self, key: Key) -> float:
         row = self.rows.get(key[0])
@@ -227,13 +232,7 @@ class RoutingStats:
             self._row(layer, e + 1)[e] += int(c)
 
     def _row(self, layer: int, size: int) -> np.ndarray:
-        row = self._rows.get(layer)
-        if row is None or len(row) < size:
-            grown = np.zeros(max(size, 64 if row is None else 2 * len(row)), dtype=np.int64)
-            if row is not None:
-                grown[:len(row)] = row
-            row = self._rows[layer] = grown
-        return row
+        return _layer_row(self._rows, layer, size, np.int64)
 
     def _fold(self) -> None:
         if not self._queued:
