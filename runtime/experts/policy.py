@@ -26,7 +26,6 @@ import numpy as np
 Key = tuple[int, int]
 
 
-
 def _layer_row(rows: dict[int, np.ndarray], layer: int, size: int, dtype) -> np.ndarray:
     """rows[layer], grown (zero-filled, by doubling) to hold at least `size` entries: per-expert counters."""
     row = rows.get(layer)
