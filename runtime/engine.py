@@ -385,9 +385,10 @@ class Engine:
                 self._counters["prefill_tokens"] += n
                 if seq.payload.on_prefill:
                     seq.payload.on_prefill(seq.computed, seq.prompt_len)
+                if seq.pause_before_last and seq.computed == seq.prompt_len - 1:
+                    self._snapshot_prompt(seq)
                 if seq.prefilling:
                     continue
-                self._snapshot_prompt(seq)
             ready_rows.append(row)
             ready.append(seq)
         if ready:
@@ -437,6 +438,9 @@ class Engine:
         """A newly admitted sequence gets its cache, from the prefix cache when one covers its prompt."""
         state: _Request = seq.payload
         state.cache = self.model.new_cache(device=self.device, dtype=self.dtype)
+        # recurrent state cannot be cut back: keep it one token before the prompt's end (the engine always
+        # computes at least the last prompt token), so that an identical resend reuses all the rest
+        seq.pause_before_last = not state.cache.trimmable and self.prefix_cache.max_bytes > 0
         hit = self.prefix_cache.lookup(seq.tokens[:seq.prompt_len])
         if hit is not None:
             stored = hit.cache if self.prefix_cache_device == self.device else hit.cache.to(self.device)
@@ -447,7 +451,8 @@ class Engine:
             events.append(TokenEvent(seq.request_id, None, "", True, "length"))
 
     def _snapshot_prompt(self, seq: Sequence) -> None:
-        """For models with recurrent state, keep a copy at the end of the prompt (it cannot be cut later)."""
+        """For models with recurrent state, keep a copy one token before the prompt's end (it cannot be cut
+        later; a resend of the same prompt, or a longer one starting with it, restores it)."""
         cache = seq.payload.cache
         if not cache.trimmable and self.prefix_cache.max_bytes:
             self.prefix_cache.insert(seq.tokens[:seq.computed], self._for_prefix_cache(cache.copy()))

@@ -22,6 +22,9 @@ class Sequence:
     prompt_len: int
     computed: int = 0                     # tokens already in the cache
     finished: bool = False
+    # feed the prompt's last token in a step of its own, so the state just before it can be kept (a
+    # recurrent state cannot be rewound: that snapshot is what lets an identical resend reuse the prompt)
+    pause_before_last: bool = False
     payload: Any = field(default=None, repr=False)   # the engine's per-request state
 
     @property
@@ -83,6 +86,8 @@ class Scheduler:
                 n = min(seq.pending, self.config.prefill_chunk)   # always make progress
             if n <= 0:
                 break
+            if seq.pause_before_last and n > 1 and seq.computed + n == seq.prompt_len:
+                n -= 1
             work.append((seq, n))
             budget -= n
         return work

@@ -86,6 +86,20 @@ def test_prefix_cache_resent_conversation_prefills_only_new_tokens(family, ftw_p
     assert eng.stats()["prefix_cache"]["hits"] >= 1
 
 
+@pytest.mark.parametrize("family", ["qwen3_moe", STATE_FAMILY])
+def test_an_identical_resend_reuses_all_but_the_last_prompt_token(family, ftw_packages, device):
+    """A retry or regenerate sends the very same prompt again. KV caches are cut to all but the last token;
+    a recurrent state cannot be cut, so the engine keeps one from just before the prompt's last token."""
+    prompt = random_prompt(19, seed=40)
+    eng = load(ftw_packages, family, device)
+    first = eng.generate(prompt, SamplingParams(max_tokens=5, **GREEDY))
+    before = eng.stats()["prefill_tokens"]
+    again = eng.generate(prompt, SamplingParams(max_tokens=5, **GREEDY))
+    assert again.cached_tokens == len(prompt) - 1
+    assert eng.stats()["prefill_tokens"] - before == 1
+    assert again.tokens == first.tokens
+
+
 def test_prefix_cache_cuts_kv_to_a_shared_prefix_and_stays_exact(ftw_packages, device):
     base = random_prompt(18, seed=30)
     eng = load(ftw_packages, "qwen3_moe", device)
