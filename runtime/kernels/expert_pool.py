@@ -123,7 +123,11 @@ def pool_forward_grouped(pool: torch.Tensor, layout, spec: ExpertSpec, x: torch.
     if fast is None:
         fast = x.is_cuda and x.dtype == torch.bfloat16
     if fast and dequant_triton.supports(layout) and hasattr(torch.nn.functional, "grouped_mm"):
-        return _grouped_mm_forward(pool, layout, spec, x, slots, weights, workspace_bytes=workspace_bytes)
+        from runtime.kernels import fallback
+        return fallback.run("dequant", lambda: _grouped_mm_forward(pool, layout, spec, x, slots, weights,
+                                                                   workspace_bytes=workspace_bytes),
+                            lambda: pool_forward_grouped(pool, layout, spec, x, slots, weights,
+                                                         workspace_bytes=workspace_bytes, fast=False))
     t, k = slots.shape
     flat = slots.reshape(-1)
     order = torch.argsort(flat, stable=True)                                      # [A] grouped by slot

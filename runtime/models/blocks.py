@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from runtime.experts.interface import Experts
-from runtime.kernels import norm_rope_triton, router_triton
+from runtime.kernels import fallback, norm_rope_triton, router_triton
 from runtime.models.base import Batch
 
 # ---------------------------------------------------------------------------------------------- norms
@@ -40,16 +40,23 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if norm_rope_triton.available(x) and (self.flavour != "llama" or self.weight.dtype == x.dtype):
-            return norm_rope_triton.rms_norm(x, self.weight, eps=self.eps, flavour=self.flavour)   # one launch
+            return fallback.run("norm", lambda: norm_rope_triton.rms_norm(x, self.weight, eps=self.eps,  # one launch
+                                                                        flavour=self.flavour),
+                                lambda: self.reference(x))
         return self.reference(x)
 
     def add_and_norm(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(x + residual, norm(x + residual)): on a GPU one launch instead of two kernels' round trips."""
         if norm_rope_triton.available(x) and x.dtype == residual.dtype and (
                 self.flavour != "llama" or self.weight.dtype == x.dtype):
-            return norm_rope_triton.add_rms_norm(x, residual, self.weight, eps=self.eps, flavour=self.flavour)
+            return fallback.run("norm", lambda: norm_rope_triton.add_rms_norm(x, residual, self.weight, eps=self.eps,
+                                                                            flavour=self.flavour),
+                                lambda: self._add_and_norm_reference(x, residual))
+        return self._add_and_norm_reference(x, residual)
+
+    def _add_and_norm_reference(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         x = x + residual
-        return x, self(x)
+        return x, self.reference(x)
 
     def reference(self, x: torch.Tensor) -> torch.Tensor:
         dtype = x.dtype
@@ -240,14 +247,14 @@ def attend_static(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache, stat
 def norm_and_rotate(x: torch.Tensor, norm: RMSNorm | None, rope: Rotary, cos_sin) -> torch.Tensor:
     """Per-head RMSNorm (when the model has one) then the rotary embedding: x [N, heads, hd]. On a GPU one
     fused launch (runtime/kernels/norm_rope_triton.py) instead of ~15, with the same rounding."""
+    def reference() -> torch.Tensor:
+        return rope.apply(x if norm is None else norm.reference(x), *cos_sin)
+
     if norm_rope_triton.available(x) and (norm is None or norm.flavour != "llama" or norm.weight.dtype == x.dtype):
-        return norm_rope_triton.norm_rope(x, *cos_sin, weight=None if norm is None else norm.weight,
-                                          eps=1e-6 if norm is None else norm.eps,
-                                          flavour="llama" if norm is None else norm.flavour,
-                                          rotary_dim=rope.rotary_dim)
-    if norm is not None:
-        x = norm(x)
-    return rope.apply(x, *cos_sin)
+        return fallback.run("norm_rope", lambda: norm_rope_triton.norm_rope(
+            x, *cos_sin, weight=None if norm is None else norm.weight, eps=1e-6 if norm is None else norm.eps,
+            flavour="llama" if norm is None else norm.flavour, rotary_dim=rope.rotary_dim), reference)
+    return reference()
 
 
 class Attention(nn.Module):
@@ -330,22 +337,31 @@ def route_softmax_topk(logits: torch.Tensor, k: int, *, renormalize: bool,
     logits [N, E] -> ids [N, K] int64, weights [N, K] (computed in fp32, returned in `out_dtype`). On a GPU
     one Triton launch (runtime/kernels/router_triton.py) instead of five.
     """
+    def reference() -> tuple[torch.Tensor, torch.Tensor]:
+        probs = torch.softmax(logits.float(), dim=-1)
+        weights, ids = torch.topk(probs, k, dim=-1)
+        if renormalize:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        return ids, weights.to(out_dtype)
+
     if router_triton.HAVE_TRITON and logits.is_cuda:
-        return router_triton.route(logits, k, mode="softmax_topk", renormalize=renormalize, out_dtype=out_dtype)
-    probs = torch.softmax(logits.float(), dim=-1)
-    weights, ids = torch.topk(probs, k, dim=-1)
-    if renormalize:
-        weights = weights / weights.sum(dim=-1, keepdim=True)
-    return ids, weights.to(out_dtype)
+        return fallback.run("router", lambda: router_triton.route(logits, k, mode="softmax_topk",
+                                                                  renormalize=renormalize, out_dtype=out_dtype),
+                            reference)
+    return reference()
 
 
 def route_topk_softmax(logits: torch.Tensor, k: int, *,
                        out_dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
     """gpt-oss routing: top-k on the raw logits, then softmax over those k. [N, E] -> ids, weights [N, K]."""
+    def reference() -> tuple[torch.Tensor, torch.Tensor]:
+        top, ids = torch.topk(logits, k, dim=-1)
+        return ids, torch.softmax(top, dim=-1).to(out_dtype)
+
     if router_triton.HAVE_TRITON and logits.is_cuda:
-        return router_triton.route(logits, k, mode="topk_softmax", out_dtype=out_dtype)
-    top, ids = torch.topk(logits, k, dim=-1)
-    return ids, torch.softmax(top, dim=-1).to(out_dtype)
+        return fallback.run("router", lambda: router_triton.route(logits, k, mode="topk_softmax", out_dtype=out_dtype),
+                            reference)
+    return reference()
 
 
 class SparseMoE(nn.Module):
