@@ -26,6 +26,20 @@ def test_first_failure_switches_the_family_off_and_says_why(monkeypatch, caplog)
     assert fallback.run("router", lambda: "kernel", lambda: "torch") == "kernel"    # other families unaffected
 
 
+def test_out_of_memory_is_not_a_broken_kernel(monkeypatch):
+    """A full GPU fails the step (the engine ends that request and serves on); it must not switch the fast
+    kernel off for the rest of the process."""
+    import pytest
+    monkeypatch.setattr(fallback, "disabled", {})
+
+    def full():
+        raise torch.OutOfMemoryError("CUDA out of memory")
+
+    with pytest.raises(torch.OutOfMemoryError):
+        fallback.run("dequant", full, lambda: "torch")
+    assert fallback.disabled == {}
+
+
 def test_a_model_norm_falls_back_to_the_reference_values(monkeypatch):
     monkeypatch.setattr(fallback, "disabled", {})
     monkeypatch.setattr(norm_rope_triton, "available", lambda x: True)       # as on a GPU

@@ -10,6 +10,8 @@ from __future__ import annotations
 import logging
 from typing import Callable, TypeVar
 
+import torch
+
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
@@ -22,6 +24,8 @@ def run(family: str, kernel: Callable[[], T], reference: Callable[[], T]) -> T:
         return reference()
     try:
         return kernel()
+    except torch.OutOfMemoryError:
+        raise                           # a full GPU is the step's problem (the engine fails that request), not the kernel's
     except Exception as exc:            # noqa: BLE001  (a compile/launch failure: reported, answers go on)
         disabled[family] = f"{type(exc).__name__}: {exc}"
         log.warning("Triton %s kernel failed (%s); using the torch path from now on", family, disabled[family])
