@@ -23,7 +23,7 @@ import torch
 
 from runtime.experts import cpu_kernels as ck
 from runtime.experts.host_store import HostExpertStore
-from runtime.experts.interface import ExpertSpec, expert_forward
+from runtime.experts.interface import ExpertSpec, activate, expert_forward
 
 def ck_scatter_add(out: np.ndarray, tokens: np.ndarray, y: np.ndarray, w: np.ndarray) -> None:
     """out[tokens[a]] += w[a] * y[a] (numpy; np.add.at handles repeated tokens)."""
@@ -128,7 +128,7 @@ class CpuExecutor:
             xs = x[torch.from_numpy(tok[starts[u]:starts[u + 1]])]
             g = torch.nn.functional.linear(xs, view(parts["gate"][e])) + bias("gate_bias", e)
             up = torch.nn.functional.linear(xs, view(parts["up"][e])) + bias("up_bias", e)
-            y[starts[u]:starts[u + 1]] = torch.nn.functional.linear(_torch_act(self.spec, g, up),
+            y[starts[u]:starts[u + 1]] = torch.nn.functional.linear(activate(self.spec, g, up),
                                                                    view(parts["down"][e])) + bias("down_bias", e)
         return y
 
@@ -201,11 +201,3 @@ def _writable_alias(a: np.ndarray) -> np.ndarray:
         return a
     import ctypes
     return np.ctypeslib.as_array((ctypes.c_uint8 * a.size).from_address(a.ctypes.data))
-
-
-def _torch_act(spec: ExpertSpec, g: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
-    if spec.activation == "silu":
-        return torch.nn.functional.silu(g) * u
-    g = g.clamp(max=spec.swiglu_limit)
-    u = u.clamp(min=-spec.swiglu_limit, max=spec.swiglu_limit)
-    return (u + 1) * (g * torch.sigmoid(spec.swiglu_alpha * g))

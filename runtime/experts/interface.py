@@ -52,17 +52,20 @@ class GraphSafeExperts(Experts, Protocol):
     def graph_safe(self, layer: int) -> bool: ...
 
 
+def activate(spec: ExpertSpec, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """The expert's gated activation on its gate and up projections (any shape, same for both)."""
+    if spec.activation == "silu":
+        return torch.nn.functional.silu(gate) * up
+    if spec.activation == "gpt_oss":
+        # gpt-oss: gate clamped above, up clamped both ways, glu = g * sigmoid(alpha g), out = (u + 1) * glu
+        gate = gate.clamp(max=spec.swiglu_limit)
+        up = up.clamp(min=-spec.swiglu_limit, max=spec.swiglu_limit)
+        return (up + 1) * (gate * torch.sigmoid(spec.swiglu_alpha * gate))
+    raise ValueError(f"unknown expert activation {spec.activation!r}")
+
+
 def expert_forward(spec: ExpertSpec, w: ExpertWeights, x: torch.Tensor) -> torch.Tensor:
     """Plain-torch reference for one expert on x [T, D] -> [T, D]; every fast path is tested against it."""
     g = torch.nn.functional.linear(x, w.gate, w.gate_bias)
     u = torch.nn.functional.linear(x, w.up, w.up_bias)
-    if spec.activation == "silu":
-        h = torch.nn.functional.silu(g) * u
-    elif spec.activation == "gpt_oss":
-        # gpt-oss: gate clamped above, up clamped both ways, glu = g * sigmoid(alpha g), out = (u + 1) * glu
-        g = g.clamp(max=spec.swiglu_limit)
-        u = u.clamp(min=-spec.swiglu_limit, max=spec.swiglu_limit)
-        h = (u + 1) * (g * torch.sigmoid(spec.swiglu_alpha * g))
-    else:
-        raise ValueError(f"unknown expert activation {spec.activation!r}")
-    return torch.nn.functional.linear(h, w.down, w.down_bias)
+    return torch.nn.functional.linear(activate(spec, g, u), w.down, w.down_bias)

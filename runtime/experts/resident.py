@@ -20,7 +20,7 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from runtime.experts.interface import ExpertSpec, ExpertWeights
+from runtime.experts.interface import ExpertSpec, ExpertWeights, activate
 
 log = logging.getLogger(__name__)
 
@@ -59,17 +59,6 @@ def stack_experts(weights: list[ExpertWeights], *, device: torch.device | str, d
         gate_up_bias = torch.stack([torch.cat([w.gate_bias, w.up_bias]).to(dtype) for w in weights]).to(device)
         down_bias = torch.stack([w.down_bias.to(dtype) for w in weights]).to(device)
     return StackedExperts(gate_up, down, gate_up_bias, down_bias)
-
-
-def activate(spec: ExpertSpec, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-    """The expert's gated activation (interface.expert_forward's, on [n, I] halves)."""
-    if spec.activation == "silu":
-        return F.silu(gate) * up
-    if spec.activation == "gpt_oss":
-        gate = gate.clamp(max=spec.swiglu_limit)
-        up = up.clamp(min=-spec.swiglu_limit, max=spec.swiglu_limit)
-        return (up + 1) * (gate * torch.sigmoid(spec.swiglu_alpha * gate))
-    raise ValueError(f"unknown expert activation {spec.activation!r}")
 
 
 class ResidentExperts:

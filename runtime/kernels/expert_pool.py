@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from runtime.experts.interface import ExpertSpec
+from runtime.experts.interface import ExpertSpec, activate
 
 E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
 _TORCH = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16, "uint8": torch.uint8,
@@ -73,14 +73,6 @@ def _bias(blocks: torch.Tensor, layout, name: str, dtype: torch.dtype) -> torch.
     return _part(blocks, layout, name).to(dtype) if name in layout.parts else None
 
 
-def _act(spec: ExpertSpec, g: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
-    if spec.activation == "silu":
-        return torch.nn.functional.silu(g) * u
-    g = g.clamp(max=spec.swiglu_limit)
-    u = u.clamp(min=-spec.swiglu_limit, max=spec.swiglu_limit)
-    return (u + 1) * (g * torch.sigmoid(spec.swiglu_alpha * g))
-
-
 def blocks_forward(blocks: torch.Tensor, layout, spec: ExpertSpec, x: torch.Tensor) -> torch.Tensor:
     """Each block b computes on its own row x[b]: blocks [A, nbytes], x [A, D] -> [A, D] (batched matmuls)."""
     dt = x.dtype
@@ -90,7 +82,7 @@ def blocks_forward(blocks: torch.Tensor, layout, spec: ExpertSpec, x: torch.Tens
     gb, ub = _bias(blocks, layout, "gate_bias", dt), _bias(blocks, layout, "up_bias", dt)
     if gb is not None:
         g, u = g + gb, u + ub
-    h = _act(spec, g, u)
+    h = activate(spec, g, u)
     y = torch.bmm(dequantize_blocks(blocks, layout, "down", dt), h[:, :, None])[..., 0]   # [A, D]
     db = _bias(blocks, layout, "down_bias", dt)
     return y if db is None else y + db
@@ -165,7 +157,7 @@ def pool_forward_grouped(pool: torch.Tensor, layout, spec: ExpertSpec, x: torch.
         gb, ub = _bias(blocks, layout, "gate_bias", x.dtype), _bias(blocks, layout, "up_bias", x.dtype)
         if gb is not None:
             g, u = g + gb[:, None, :], u + ub[:, None, :]
-        y = torch.bmm(_act(spec, g, u), down.transpose(1, 2))                     # [B, W, D]
+        y = torch.bmm(activate(spec, g, u), down.transpose(1, 2))                 # [B, W, D]
         db = _bias(blocks, layout, "down_bias", x.dtype)
         if db is not None:
             y = y + db[:, None, :]
@@ -202,7 +194,7 @@ def _grouped_mm_forward(pool: torch.Tensor, layout, spec: ExpertSpec, x: torch.T
         gate_up, down = dequantize_experts(pool, layout, uniq[j0:j1], dtype=x.dtype)  # [B, 2I, D], [B, D, I]
         offs = torch.cumsum(counts[j0:j1], 0).to(torch.int32)                     # [B] end row of each slot
         gu = torch.nn.functional.grouped_mm(xs[a0:a1], gate_up.transpose(1, 2), offs=offs)   # [n, 2I]
-        h = _act(spec, gu[:, :i], gu[:, i:])                                      # [n, I]
+        h = activate(spec, gu[:, :i], gu[:, i:])                                  # [n, I]
         y = torch.nn.functional.grouped_mm(h, down.transpose(1, 2), offs=offs)    # [n, D]
         out.index_add_(0, token_of[a0:a1], y.float() * ws[a0:a1, None])
     return out.to(x.dtype)
