@@ -210,23 +210,12 @@ class HostExpertStore:
     # ------------------------------------------------------------------ reference dequantization
     def dequantize_block(self, block: np.ndarray, dtype: torch.dtype = torch.float32) -> ExpertWeights:
         """One block's bytes -> float weights, with the FTW codecs' reference formulas."""
-        from runtime.ftw.codecs import fp4_dequantize, int4_dequantize
+        from runtime.ftw.reader import dequantize_expert
 
         lay = self.layout
         t = {name: _torch_view(block, part) for name, part in lay.parts.items()}
-        mats = {}
-        for proj in ("gate", "up", "down"):
-            if lay.codec in ("f32", "bf16"):
-                w = t[proj].to(torch.float32)
-            elif lay.codec == "int4":
-                w = int4_dequantize(t[proj], t[f"{proj}_scales"], t[f"{proj}_mins"], lay.group)
-            else:
-                w = fp4_dequantize(t[proj], t[f"{proj}_scales"].view(torch.uint8), block_size=lay.group,
-                                   scale_format=lay.scale_format, global_scale=t.get(f"{proj}_global"),
-                                   global_op=lay.global_op)
-            mats[proj] = w.to(dtype)
-        biases = {k: t[k].to(dtype) for k in ("gate_bias", "up_bias", "down_bias") if k in t}
-        return ExpertWeights(**mats, **biases)
+        return dequantize_expert(t, codec=lay.codec, group=lay.group, scale_format=lay.scale_format,
+                                 global_op=lay.global_op, dtype=dtype)
 
     def dequantize(self, layer: int, expert: int, dtype: torch.dtype = torch.float32) -> ExpertWeights:
         return self.dequantize_block(self.block(layer, expert), dtype)

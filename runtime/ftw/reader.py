@@ -97,22 +97,29 @@ class ExpertStore:
         return out
 
     def dequantize(self, layer: int, expert: int, dtype: torch.dtype = torch.float32) -> ExpertWeights:
-        t = self.tensors(layer, expert)
-        mats = {}
-        for proj in ("gate", "up", "down"):
-            if self.codec in ("f32", "bf16"):
-                w = t[proj].to(torch.float32)
-            elif self.codec == "int4":
-                w = int4_dequantize(t[proj], t[f"{proj}_scales"], t[f"{proj}_mins"], self.group_size)
-            elif self.codec == "fp4":
-                w = fp4_dequantize(t[proj], t[f"{proj}_scales"].view(torch.uint8), block_size=self.block_size,
-                                   scale_format=self.scale_format, global_scale=t.get(f"{proj}_global"),
-                                   global_op=self.global_scale_op or "mul")
-            else:
-                raise FTWError(f"unknown expert codec {self.codec!r}")
-            mats[proj] = w.to(dtype)
-        biases = {k: t[k].to(dtype) for k in ("gate_bias", "up_bias", "down_bias") if k in t}
-        return ExpertWeights(**mats, **biases)
+        return dequantize_expert(self.tensors(layer, expert), codec=self.codec,
+                                 group=self.block_size if self.codec == "fp4" else self.group_size,
+                                 scale_format=self.scale_format, global_op=self.global_scale_op or "mul", dtype=dtype)
+
+
+def dequantize_expert(t: dict[str, torch.Tensor], *, codec: str, group: int | None, scale_format: str | None = None,
+                      global_op: str = "mul", dtype: torch.dtype = torch.float32) -> ExpertWeights:
+    """One expert's stored tensors (named as in the FTW block: gate, gate_scales, ...) -> float weights, with the
+    codecs' reference formulas: what every fast path is tested against."""
+    mats = {}
+    for proj in ("gate", "up", "down"):
+        if codec in ("f32", "bf16"):
+            w = t[proj].to(torch.float32)
+        elif codec == "int4":
+            w = int4_dequantize(t[proj], t[f"{proj}_scales"], t[f"{proj}_mins"], group)
+        elif codec == "fp4":
+            w = fp4_dequantize(t[proj], t[f"{proj}_scales"].view(torch.uint8), block_size=group,
+                               scale_format=scale_format, global_scale=t.get(f"{proj}_global"), global_op=global_op)
+        else:
+            raise FTWError(f"unknown expert codec {codec!r}")
+        mats[proj] = w.to(dtype)
+    biases = {k: t[k].to(dtype) for k in ("gate_bias", "up_bias", "down_bias") if k in t}
+    return ExpertWeights(**mats, **biases)
 
 
 class FTWPackage:
