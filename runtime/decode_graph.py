@@ -77,7 +77,7 @@ class _CuttingExperts:
         self.runner, self.inner = runner, inner
 
     def __call__(self, layer, hidden, topk_ids, topk_weights):
-        if _graph_safe(self.inner, layer):
+        if graph_safe(self.inner, layer):
             return self.inner(layer, hidden, topk_ids, topk_weights)
         return self.runner._cut(layer, hidden, topk_ids, topk_weights)
 
@@ -99,7 +99,8 @@ def _advance(cache) -> None:
             layer.offset += 1
 
 
-def _graph_safe(experts, layer: int) -> bool:
+def graph_safe(experts, layer: int) -> bool:
+    """Whether an expert tier says a call for `layer` may be recorded inside a CUDA graph (False if it says nothing)."""
     safe = getattr(experts, "graph_safe", None)
     return bool(safe(layer)) if callable(safe) else False
 

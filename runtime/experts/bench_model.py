@@ -19,7 +19,7 @@ import time
 
 import torch
 
-from runtime.decode_graph import DecodeGraphs, _graph_safe
+from runtime.decode_graph import DecodeGraphs, graph_safe
 from runtime.experts.bench import CONFIGS, SHAPES, Router
 from runtime.models.base import Batch
 
@@ -47,7 +47,7 @@ class RoutedExperts:
         return self.inner(layer, hidden, ids, topk_weights)
 
     def graph_safe(self, layer: int) -> bool:
-        return _graph_safe(self.inner, layer)
+        return graph_safe(self.inner, layer)
 
 
 class NoExperts:
