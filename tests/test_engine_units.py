@@ -188,13 +188,27 @@ def naive_attention(q, k, v, *, window=None, sinks=None):
 
 
 @pytest.mark.parametrize("t,s,window,use_sinks", [(5, 5, None, False), (3, 11, 4, False), (1, 9, 4, True),
-                                                  (6, 6, 3, True), (1, 7, None, False)])
+                                                  (6, 6, 3, True), (1, 7, None, False),
+                                                  # a later chunk (S > T): the lower-right causal path
+                                                  (3, 11, None, False), (4, 6, 10, False), (4, 9, 9, False)])
 def test_attend_matches_naive_reference(t, s, window, use_sinks):
     gen = torch.Generator().manual_seed(t * 100 + s)
     q, k, v = (torch.randn(*shape, generator=gen) for shape in ((4, t, 8), (2, s, 8), (2, s, 8)))
     sinks = torch.randn(4, generator=gen) if use_sinks else None
     ours = attend(q, k, v, scale=8 ** -0.5, sliding_window=window, sinks=sinks)
     assert torch.allclose(ours, naive_attention(q, k, v, window=window, sinks=sinks), atol=1e-5)
+
+
+@pytest.mark.parametrize("t,s", [(64, 64), (48, 200), (1, 33)])
+def test_attend_on_the_device_matches_fp32(device, t, s):
+    """The GPU paths (flash for a first chunk, lower-right flash for a later one, GQA expanded) against fp32 on
+    the CPU: bf16 within its rounding. On CI's CPU this is the same comparison through the CPU paths."""
+    gen = torch.Generator().manual_seed(t + s)
+    q, k, v = (torch.randn(*shape, generator=gen) for shape in ((8, t, 64), (2, s, 64), (2, s, 64)))
+    want = attend(q, k, v, scale=64 ** -0.5)
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    got = attend(*(x.to(device, dtype) for x in (q, k, v)), scale=64 ** -0.5).float().cpu()
+    assert torch.allclose(got, want, atol=3e-2 if device == "cuda" else 1e-5)
 
 # ------------------------------------------------------------------------------------------- config, loading
 

@@ -15,6 +15,7 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.attention.bias import causal_lower_right
 
 from runtime.experts.interface import Experts
 from runtime.kernels import fallback, norm_rope_triton, router_triton
@@ -191,6 +192,11 @@ def attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, *, scale: 
         # [T, S] mask would rule them out: at 8K tokens that was half of a prefill layer's time)
         return F.scaled_dot_product_attention(q[None], keys[None], values[None], is_causal=True, scale=scale,
                                               enable_gqa=h != hkv)[0]
+    if sinks is None and t > 1 and (sliding_window is None or s <= sliding_window):
+        # a later chunk of a long prompt (S > T): causal aligned to the bottom right. On a GPU the flash kernel
+        # takes it (torch's CausalBias) where an explicit [T, S] mask would force the slow masked kernel: at
+        # 16K tokens the second 8K chunk took twice the first
+        return _attend_lower_right(q, keys, values, scale=scale)
     # one query sees every key left after the window cut: no mask to build (decode's common case)
     allowed = None if t == 1 else causal_window_mask(first_pos, t, s, sliding_window, device=q.device)  # [T, S]
     if sinks is None:
@@ -214,6 +220,20 @@ def attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, *, scale: 
     logits = logits - logits.max(dim=-1, keepdim=True).values
     probs = torch.softmax(logits, dim=-1)[..., :-1].to(values.dtype)             # [Hkv, G, T, S]
     return torch.matmul(probs, values[:, None]).reshape(h, t, hd)
+
+
+def _attend_lower_right(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, *, scale: float) -> torch.Tensor:
+    """q [H, T, hd] over keys/values [Hkv, S, hd], S >= T, query i at position S - T + i: [H, T, hd]."""
+    h, t, _ = q.shape
+    hkv, s, _ = keys.shape
+    bias = causal_lower_right(t, s)
+    if q.is_cuda and h != hkv:
+        # torch's lower-right flash call takes no GQA flag: give it one kv head per query head (a copy of this
+        # layer's K and V, small beside the attention itself)
+        keys, values = keys.repeat_interleave(h // hkv, dim=0), values.repeat_interleave(h // hkv, dim=0)
+        hkv = h
+    return F.scaled_dot_product_attention(q[None], keys[None], values[None], attn_mask=bias, scale=scale,
+                                          enable_gqa=h != hkv)[0]
 
 
 def attend_batch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: Batch, layer: int, *,
