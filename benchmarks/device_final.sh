@@ -6,7 +6,7 @@
 # carry .site (numba, llvmlite, fla-core, platformdirs unpacked, xz). Results under $OUT. Build .site once (the
 # wheels alone pass the 64 MiB carry limit; unpacked and xz-compressed they take ~44 MB):
 #   pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
-#     --platform manylinux_2_28_x86_64 -d /tmp/whl numba llvmlite fla-core platformdirs
+#     --platform manylinux_2_28_x86_64 -d /tmp/whl numba llvmlite fla-core einops platformdirs
 #   mkdir -p /tmp/site .site && for w in /tmp/whl/*.whl; do python3 -m zipfile -e "$w" /tmp/site; done
 #   tar -I 'xz -T2 -6' -cf .site/site.tar.xz -C /tmp/site .
 set -uo pipefail

@@ -513,8 +513,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     m.add_argument("--ttft-context", type=int, default=20000, help="the agent turn's conversation (0: skip)")
     m.add_argument("--ttft-new", type=int, default=200, help="new tokens of the resent turn")
     m.add_argument("--cpu-gbps", type=float, default=0.0, help="CPU bandwidth for the ceiling (0: measure reads)")
-    m.add_argument("--split", default="auto", choices=["auto", "balanced", "cpu", "fetch"],
-                   help="how decode misses are split between PCIe and the CPU (auto: learned online)")
+    m.add_argument("--split", nargs="+", default=["auto"], choices=["auto", "balanced", "cpu", "fetch"],
+                   help="how decode misses are split between PCIe and the CPU (auto: learned online); several: "
+                        "a decode row for each")
+    m.add_argument("--trace", type=int, default=0,
+                   help="record this many graph decode steps of each hybrid row with torch.profiler (Chrome "
+                        "trace, gzipped, under --out)")
     m.add_argument("--out", type=Path, default=None)
 
 

@@ -153,12 +153,13 @@ def run_model(name: str, args, hw, report: dict) -> None:
         if plan.backend == "gpu":
             slots = layers * e
         label = "unlimited" if budget is None else f"{budget_gib:g} GiB"
-        for routing in args.routings:
+        splits = args.split if 0 < slots < layers * e else args.split[:1]     # a split needs misses and slots
+        for routing, split in [(r, sp) for r in args.routings for sp in splits]:
             if device.type == "cuda":
                 torch.cuda.empty_cache()
                 torch.cuda.reset_peak_memory_stats()
             hybrid = HybridExperts(store, ExpertSpec(), device=device, dtype=dtype, options=HybridOptions(
-                slots=slots, top_k=k, cpu_gbps=hw.cpu_gbps, h2d_gbps=hw.h2d_gbps, split=args.split,
+                slots=slots, top_k=k, cpu_gbps=hw.cpu_gbps, h2d_gbps=hw.h2d_gbps, split=split,
                 hot_set=tuple((lay, x) for lay in moe_layers for x in range(e)) if slots >= layers * e else ()))
             router = Router(routing, layers=layers, experts=e, k=k, seed=1)
             import numpy as np
@@ -179,10 +180,18 @@ def run_model(name: str, args, hw, report: dict) -> None:
                 rows.append({"model": name, "budget": label, "routing": routing,
                              "kind": "decode b1 " + ("graphs" if use_graphs else "eager"), "slots": slots,
                              "tok_s": tok_s, "ceiling_tok_s": ceiling, "of_ceiling": tok_s / ceiling,
-                             "hit_rate": c["hit_rate"], "cpu_share": c["cpu_share"], "split": hybrid.split.mode,
+                             "hit_rate": c["hit_rate"], "cpu_share": c["cpu_share"],
+                             "split": hybrid.split.mode + ("" if split == "auto" else " (forced)"),
                              "peak_vram_gib": torch.cuda.max_memory_allocated() / GiB if device.type == "cuda" else 0,
-                             "host_rss_gib": host_rss() / GiB})
+                             "host_rss_gib": host_rss() / GiB, "host_us_per_call": host_breakdown(c),
+                             "misses_per_token": (c["cpu_experts"] + c["fetched_experts"]) / steps})
                 print(_fmt(rows[-1]), flush=True)
+                if c["decode_calls"]:
+                    print("    host µs per decode call: " + "  ".join(
+                        f"{key} {v:.0f}" for key, v in rows[-1]["host_us_per_call"].items()), flush=True)
+                if use_graphs and args.trace and args.out and 0 < slots < layers * e:
+                    trace_decode(graphs, cache, experts, args.trace, args.out / (
+                        f"trace_{name}_{label.replace(' ', '')}_{routing}_{split}.json.gz"))
                 cache.release()                 # a state slot goes back to the pool
                 del cache
             if routing == args.routings[0] and budget_gib in args.prefill_budgets:
@@ -207,6 +216,38 @@ def run_model(name: str, args, hw, report: dict) -> None:
             del experts, hybrid
     report.setdefault("rows", []).extend(rows)
     report.setdefault("models", {})[name] = {"dense_ms_per_token": dense_s * 1e3, "store_gib": store.nbytes / GiB}
+
+
+def host_breakdown(c: dict) -> dict:
+    """µs per decode-layer call: waiting for the ids, bookkeeping, fetch submission, the CPU kernel, the upload,
+    the rest of the call, and the whole call (from the tier's counters over a row)."""
+    n = max(1, c["decode_calls"])
+    parts = {"wait": c["host_wait_seconds"], "book": c["host_book_seconds"], "fetch": c["host_fetch_seconds"],
+             "cpu": c["cpu_seconds"], "upload": c["host_upload_seconds"]}
+    parts["other"] = c["decode_seconds"] - sum(parts.values())
+    parts["call"] = c["decode_seconds"]
+    return {key: 1e6 * v / n for key, v in parts.items()}
+
+
+def trace_decode(graphs, cache, experts, steps: int, path) -> None:
+    """A Chrome trace (gzipped) of `steps` more graph decode steps: where the GPU waits for the host and why."""
+    import gzip
+    import shutil
+    import tempfile
+
+    from torch.profiler import ProfilerActivity, profile
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    token = 100
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for s in range(steps):
+            experts.step.fill_(s)
+            token = int(graphs.decode(token, cache).argmax()) % 1000
+    with tempfile.NamedTemporaryFile(suffix=".json") as tmp:
+        prof.export_chrome_trace(tmp.name)
+        with open(tmp.name, "rb") as src, gzip.open(path, "wb") as dst:
+            shutil.copyfileobj(src, dst)
+    print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25), flush=True)
 
 
 def ttft_rows(model, graphs, experts, hybrid, args, *, name, label, slots, device, dtype) -> list[dict]:

@@ -175,7 +175,9 @@ class HybridExperts:
         # GPU pass 1: whatever this call's experts have in the pool now (-1 slots are skipped by the kernels)
         slots_now = cache.device_slots(layer, topk_ids) if cache.resident[li] else None     # [T, K]
         out = self._gpu_forward(hidden, slots_now, topk_weights) if slots_now is not None else None
+        t_wait = time.perf_counter()
         ids_h, w_h, x_h = self._finish_to_host(hidden, topk_ids, topk_weights)   # [T, K], [T, K], [T, D]: the sync
+        t_book = time.perf_counter()
         seen = self._seen                                                    # [E] bool scratch, all False
         seen[ids_h] = True
         uniq = np.flatnonzero(seen)                                         # [U] sorted distinct experts
@@ -190,6 +192,7 @@ class HybridExperts:
             self.prefetcher.observe(layer, uniq.tolist())
         missed = uniq[~ready] if n_hits < len(uniq) else uniq[:0]            # [M]
         fetch_keys: list[Key] = []
+        t_fetch = time.perf_counter()
         auto = False
         if len(missed) and self.options.slots:
             # a promotion still in flight is a miss that runs on the CPU this time (never fetched twice)
@@ -201,6 +204,7 @@ class HybridExperts:
             else:
                 self.split.mode = self.options.split
             n_fetch = self.split.split(len(candidates))
+            t_fetch = time.perf_counter()
             if n_fetch:
                 if n_fetch < len(candidates):      # fetch the misses most worth keeping; the rest run on the CPU
                     order = np.argsort(-dirc.policy.scores(layer, candidates), kind="stable")
@@ -208,6 +212,7 @@ class HybridExperts:
                 fetch_keys = self._fetch(layer, uniq, candidates[:n_fetch].tolist())
         n_fetch = len(fetch_keys)
         n_cpu = len(missed) - n_fetch
+        t_fetched = time.perf_counter()
         if n_fetch:
             # GPU pass 2, enqueued before the CPU starts: only the experts this call fetched (pass 1 did the rest)
             slots_new = cache.device_slots(layer, topk_ids)
@@ -215,7 +220,7 @@ class HybridExperts:
                 slots_new = torch.where(slots_now >= 0, -1, slots_new)
             fetched_out = self._gpu_forward(hidden, slots_new, topk_weights)
             out = fetched_out if out is None else out.add_(fetched_out)
-        cpu_s = 0.0
+        cpu_s = upload_s = 0.0
         if n_cpu:
             # CPU: the assignments whose expert is still unpublished (misses not fetched, in-flight promotions)
             tok, kk = np.nonzero(published[ids_h] < 0)                          # [A]
@@ -224,6 +229,7 @@ class HybridExperts:
             cpu_out = self.cpu.run(layer, x_h, tok, cpu_ids, w_h[tok, kk])      # [T, D] float32, host
             cpu_s = time.perf_counter() - c0
             back = self._upload(cpu_out) if self._staged_io else cpu_out.to(self.dtype)
+            upload_s = time.perf_counter() - c0 - cpu_s
             # `back` lives in a reusable buffer: a CPU-only call returns a copy; otherwise the pool kernels'
             # fresh output takes the sum in place (no further allocation)
             out = back.to(hidden.dtype, copy=True) if out is None else out.add_(back)
@@ -238,10 +244,11 @@ class HybridExperts:
             if nxt is not None and predicted:
                 self._promote(nxt, np.asarray(predicted, dtype=np.int64),
                               budget_bytes=self.options.prefetch_bytes_per_call, admit_all=True)
+        now = time.perf_counter()
+        self.counters.add_decode_times(t_book - t_wait, t_fetch - t_book, t_fetched - t_fetch, upload_s, now - t0)
         if auto:
             # wall time of this call, no device sync: the GPU part overlaps the CPU part and the next
             # call's id transfer waits for it anyway, so a slow GPU shows up in the next call's time
-            now = time.perf_counter()
             self.split.observe(step_seconds=now - t0, cpu_bytes=n_cpu * nb, cpu_seconds=cpu_s,
                                pcie_bytes=n_fetch * nb,
                                pcie_seconds=(now - t0 - cpu_s) if n_fetch and not n_cpu else 0.0)

@@ -21,6 +21,13 @@ class ExpertCounters:
     bytes_cpu_read: int = 0          # expert bytes the CPU kernel read
     cpu_seconds: float = 0.0         # wall time inside the CPU kernel
     gpu_experts: int = 0             # distinct experts per layer call computed on the device
+    # where a decode call's host time goes (wall seconds, summed over calls): waiting for the ids to arrive,
+    # classifying and splitting, submitting fetches, uploading the CPU's result, the whole call
+    host_wait_seconds: float = 0.0
+    host_book_seconds: float = 0.0
+    host_fetch_seconds: float = 0.0
+    host_upload_seconds: float = 0.0
+    decode_seconds: float = 0.0
 
     @property
     def hit_rate(self) -> float:
@@ -58,6 +65,15 @@ class ExpertStats:
             c.bytes_h2d += fetched * block_nbytes
             c.bytes_cpu_read += cpu_experts * block_nbytes
             c.cpu_seconds += cpu_seconds
+
+    def add_decode_times(self, wait: float, book: float, fetch: float, upload: float, call: float) -> None:
+        """One decode call's host phases (see ExpertCounters)."""
+        for c in (self.total, self.step):
+            c.host_wait_seconds += wait
+            c.host_book_seconds += book
+            c.host_fetch_seconds += fetch
+            c.host_upload_seconds += upload
+            c.decode_seconds += call
 
     def end_step(self) -> dict:
         """The step's counters as a dict, and a fresh step."""
