@@ -1,0 +1,577 @@
+"""Cold load to first token of a full-size package, end to end (issue 10: <= 15 s for a 20 GB package from a warm
+page cache; peak host RSS <= package + 2 GiB).
+
+The lead's command on the GPU machine (package write ~1 min the first time, then two loads; < 8 minutes):
+
+    python benchmarks/bench_cold_load.py --folder /tmp/ftw-cold --vram-budget 8 0 --out cold_load.json
+
+This dev VM (2 cores, no GPU; a reduced size, same code paths but the CPU tier):
+
+    python benchmarks/bench_cold_load.py --layers 2 --experts 16 --vocab 4096 --vram-budget 0 --out /tmp/cold.json
+
+What it does:
+1. Writes a synthetic FTW package of the qwen3-30b-a3b shape (48 layers, hidden 2048, 32/4 heads x 128, 128 experts
+   top-8, expert FFN 768, vocab 151,936; experts int4 group 128, dense bf16: ~18.6 GB) through the FTW writer
+   (`PackageWriter`: `.partial` folder, per-unit journal, fsync, manifest last, atomic rename), with the
+   converter's layout and manifest (checksums included: `freetoken verify` accepts it). Weights are random but
+   sane (std 0.02, norms 1): a 64 MiB pool of bf16 normals is tiled over the dense tensors and a few hundred MB of
+   int4 expert blocks (`HostExpertStore.synthetic`) over the expert file. The tokenizer and chat template are
+   the test fixtures' (a 384-token byte-level BPE, Qwen's template). A package already at `--folder` whose
+   manifest is complete and was written for the same shape is reused, so a second run measures only the load.
+2. Reads both data files once (nothing is dropped from the page cache: the target is "warm page cache").
+3. For each `--vram-budget` (GiB; 0 = no cap), starts a fresh Python process that times `Engine.load(...)` -- the
+   call `freetoken serve` makes, with serve's defaults (device auto: CUDA when present, context 32768, 8
+   sequences) -- then the first token of a short chat (tokenize, prefill, sample) and three decode steps (the
+   first records the CUDA graphs). Phases are timed by wrapping the functions that do them (package open, empty
+   model, dense weights, q/k/v fusion, the expert tier with its planner probes, pinned copy, CPU-kernel compile
+   and pool warm-up, tokenizer, chat template, graph recording), CUDA synchronised at each phase's end. Host RSS
+   is sampled every 2 ms (PeakRSS) during the load and the first token; VRAM peaks come from torch's allocator.
+4. Prints the phase table and the summary (against the targets), and writes everything to `--out` (JSON).
+"""
+from __future__ import annotations
+
+import time
+
+_T_PROCESS = time.perf_counter()        # before any heavy import: the child's "process start"
+
+import argparse  # noqa: E402
+import functools  # noqa: E402
+import hashlib  # noqa: E402
+import json  # noqa: E402
+import logging  # noqa: E402
+import os  # noqa: E402
+import re  # noqa: E402
+import subprocess  # noqa: E402
+import sys  # noqa: E402
+import tempfile  # noqa: E402
+from concurrent.futures import ThreadPoolExecutor  # noqa: E402
+from dataclasses import asdict, dataclass  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+GB, GiB, MiB = 1e9, 1 << 30, 1 << 20
+TARGET_LOAD_TO_FIRST_TOKEN_S = 15.0      # issue 10
+TARGET_RSS_OVER_PACKAGE = 2 * GiB        # issue 10: peak host RSS <= package + 2 GiB
+DENSE_POOL_BYTES = 64 << 20              # random bf16 values tiled over every dense tensor
+WRITE_CHUNK = 64 << 20
+CHAT = [{"role": "system", "content": "You are a helpful assistant."},
+        {"role": "user", "content": "Hello, world! How are you today? Tell me about the weather in Paris."}]
+
+
+# ---------------------------------------------------------------------------------------------- the package
+
+@dataclass(frozen=True)
+class PackageShape:
+    """A Qwen3-MoE package; the defaults are Qwen3-30B-A3B's."""
+    layers: int = 48
+    hidden: int = 2048
+    heads: int = 32
+    kv_heads: int = 4
+    head_dim: int = 128
+    experts: int = 128
+    top_k: int = 8
+    expert_width: int = 768
+    dense_width: int = 6144               # only for mlp_only layers (none here); config.json carries it
+    vocab: int = 151_936
+    group: int = 128                      # int4 group size of the experts
+    max_position: int = 40_960
+    seed: int = 0
+    expert_pool_mib: int = 256            # distinct random expert blocks, tiled over the expert file
+
+    def config(self, *, bos: int | None, eos: int) -> dict:
+        return {"architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "vocab_size": self.vocab,
+                "hidden_size": self.hidden, "num_hidden_layers": self.layers, "num_attention_heads": self.heads,
+                "num_key_value_heads": self.kv_heads, "head_dim": self.head_dim,
+                "intermediate_size": self.dense_width, "moe_intermediate_size": self.expert_width,
+                "num_experts": self.experts, "num_experts_per_tok": self.top_k, "norm_topk_prob": True,
+                "decoder_sparse_step": 1, "mlp_only_layers": [], "max_position_embeddings": self.max_position,
+                "rms_norm_eps": 1e-6, "rope_theta": 1_000_000.0, "rope_scaling": None, "attention_bias": False,
+                "tie_word_embeddings": False, "use_sliding_window": False, "sliding_window": None,
+                "hidden_act": "silu", "torch_dtype": "bfloat16", "bos_token_id": bos, "eos_token_id": eos}
+
+
+def dense_entries(config: dict) -> list[tuple[str, str, tuple[int, ...]]]:
+    """(unit, name, shape) of every dense tensor, in the converter's order (globals, then layer by layer; names
+    sorted within a unit). The names and shapes are the engine's own model's parameters (Qwen3-MoE keeps the
+    checkpoint's names), so the strict loader accepts exactly this set."""
+    import torch
+
+    from runtime.models.base import build_model
+
+    with torch.device("meta"):
+        model = build_model(config, experts=None)
+    units: dict[str, list] = {"globals": []}
+    units.update({f"layer.{i}": [] for i in range(int(config["num_hidden_layers"]))})
+    for name, param in model.named_parameters():
+        m = re.match(r"^model\.layers\.(\d+)\.", name)
+        units[f"layer.{m.group(1)}" if m else "globals"].append((name, tuple(param.shape)))
+    return [(unit, name, shape) for unit, entries in units.items() for name, shape in sorted(entries)]
+
+
+def _complete_manifest(folder: Path) -> dict | None:
+    """The manifest of a complete package at `folder`, or None."""
+    from runtime.ftw.reader import FTWError, FTWPackage
+
+    try:
+        return FTWPackage.open(folder).manifest
+    except (FTWError, OSError, KeyError):
+        return None
+
+
+def write_package(folder: Path, shape: PackageShape, *, say=print) -> dict:
+    """Write (or reuse) the synthetic package at `folder`. Returns {"path", "reused", "seconds", "nbytes"}."""
+    import numpy as np
+    import torch
+
+    from runtime.experts.host_store import HostExpertStore
+    from runtime.ftw.writer import (CHECKSUM, DENSE_FILE, EXPERTS_FILE, FORMAT_VERSION, PART_ALIGN, PackageWriter,
+                                    align, block_digest, combine_digests, expert_block_parts)
+    from tests.fixtures.tokenizer import save_tokenizer
+
+    t0 = time.perf_counter()
+    folder = Path(folder)
+    existing = _complete_manifest(folder)
+    if existing is not None and existing.get("source", {}).get("synthetic") == asdict(shape):
+        nbytes = int(existing["dense"]["nbytes"]) + int(existing["experts"]["nbytes"])
+        say(f"reusing the package at {folder} ({nbytes / GB:.2f} GB; its manifest is complete and of this shape)")
+        return {"path": str(folder), "reused": True, "seconds": time.perf_counter() - t0, "nbytes": nbytes}
+
+    # tokenizer first, into a scratch folder: its ids name the EOS tokens config.json and the manifest carry
+    scratch = Path(tempfile.mkdtemp(prefix="cold-load-tok-"))
+    ids = save_tokenizer("qwen", "qwen3.jinja", scratch)
+    if ids["vocab_size"] > shape.vocab:
+        raise ValueError(f"--vocab {shape.vocab} is smaller than the fixture tokenizer's {ids['vocab_size']} tokens")
+    config = shape.config(bos=ids["bos"], eos=ids["gen_eos"][0])
+
+    # the layout, exactly as the converter plans it
+    dense = []
+    offset = 0
+    for unit, name, tshape in dense_entries(config):
+        nbytes = 2 * int(np.prod(tshape))
+        dense.append((unit, name, tshape, offset, nbytes))
+        offset = align(offset + nbytes, PART_ALIGN)
+    dense_nbytes = offset
+    parts, block = expert_block_parts(codec="int4", hidden=shape.hidden, intermediate=shape.expert_width,
+                                      group_size=shape.group)
+    layer_bytes = shape.experts * block
+    experts_nbytes = shape.layers * layer_bytes
+    experts_meta = {
+        "file": EXPERTS_FILE, "nbytes": experts_nbytes, "codec": "int4", "group_size": shape.group,
+        "layers": list(range(shape.layers)), "num_experts": shape.experts, "hidden_size": shape.hidden,
+        "intermediate_size": shape.expert_width, "activation": "silu", "has_bias": False, "block_nbytes": block,
+        "parts": [p.to_json() for p in parts],
+        "layer_offsets": {str(i): i * layer_bytes for i in range(shape.layers)}}
+    skeleton = {
+        "format": "ftw", "format_version": FORMAT_VERSION, "checksum_algorithm": CHECKSUM, "model_type": "qwen3_moe",
+        "config": config,
+        "source": {"repo_id": None, "revision": None, "folder": "synthetic-qwen3-moe", "quantization": "none",
+                   "quantization_spelling": None, "synthetic": asdict(shape)},
+        "dense": {"file": DENSE_FILE, "nbytes": dense_nbytes,
+                  "tensors": {name: {"dtype": "bfloat16", "shape": list(tshape), "offset": off, "nbytes": n,
+                                     "source": name, "source_quantization": "float"}
+                              for _, name, tshape, off, n in dense}},
+        "experts": experts_meta}
+    fingerprint = hashlib.sha256(json.dumps(skeleton, sort_keys=True).encode()).hexdigest()
+    total = dense_nbytes + experts_nbytes
+    say(f"writing {folder}: dense {dense_nbytes / GB:.2f} GB ({len(dense)} tensors), experts "
+        f"{experts_nbytes / GB:.2f} GB ({shape.layers} layers x {shape.experts} blocks of {block} B)")
+
+    # random material: bf16 normals (std 0.02) for the dense tensors, sane int4 blocks for the experts
+    gen = torch.Generator().manual_seed(shape.seed)
+    dense_pool = (torch.randn(DENSE_POOL_BYTES // 2, generator=gen) * 0.02).to(torch.bfloat16).view(torch.uint8)
+    dense_pool = dense_pool.numpy()
+    ones = torch.ones(max([int(np.prod(s)) for _, n, s, _, _ in dense if n.endswith("norm.weight")] + [1]),
+                      dtype=torch.bfloat16).view(torch.uint8).numpy()
+    pool_blocks = max(1, min(shape.layers * shape.experts, (shape.expert_pool_mib * MiB) // block))
+    pool = HostExpertStore.synthetic(layers=1, num_experts=pool_blocks, hidden=shape.hidden,
+                                     intermediate=shape.expert_width, codec="int4", group=shape.group,
+                                     seed=shape.seed, weight_std=0.02).layer_buffer(0)        # [P, block]
+    with ThreadPoolExecutor(max(1, min(16, os.cpu_count() or 1))) as hashers:
+        pool_digests = list(hashers.map(block_digest, pool))
+
+    writer = PackageWriter(folder, fingerprint=fingerprint,
+                           file_sizes={DENSE_FILE: dense_nbytes, EXPERTS_FILE: experts_nbytes})
+    try:
+        if writer.complete:              # killed between the manifest and the rename: only the rename is left
+            writer.finish(None, overwrite=True)
+            return {"path": str(folder), "reused": False, "seconds": time.perf_counter() - t0, "nbytes": total}
+        dense_sums = {k: v for r in writer.done.values() for k, v in r.get("dense", {}).items()}
+        layer_sums = {k: v for r in writer.done.values() for k, v in r.get("experts", {}).items()}
+        layer_buf = np.empty((shape.experts, block), dtype=np.uint8)
+        written = 0
+        units = ["globals"] + [f"layer.{i}" for i in range(shape.layers)]
+        for k, unit in enumerate(units):
+            if unit in writer.done:
+                continue
+            record = {"dense": {}, "experts": {}}
+            for j, (u, name, _, off, n) in enumerate(dense):
+                if u != unit:
+                    continue
+                digest = hashlib.new(CHECKSUM)
+                src = ones if name.endswith("norm.weight") else dense_pool
+                start = 0 if src is ones else (j * 7919 * 2) % len(src)   # rotated: tensors differ
+                done = 0
+                while done < n:
+                    piece = src[start:start + min(WRITE_CHUNK, n - done)]
+                    writer.write(DENSE_FILE, off + done, piece, tensor=name)
+                    digest.update(piece)
+                    done += len(piece)
+                    start = (start + len(piece)) % len(src)
+                record["dense"][name] = digest.hexdigest()
+                written += n
+            if unit != "globals":
+                layer = int(unit.split(".")[1])
+                order = (np.arange(shape.experts) + 37 * layer) % pool_blocks     # [E] pool block of each expert
+                np.take(pool, order, axis=0, out=layer_buf)
+                writer.write(EXPERTS_FILE, layer * layer_bytes, layer_buf, tensor=f"layer {layer} experts")
+                record["experts"][str(layer)] = combine_digests(pool_digests[i] for i in order)
+                written += layer_bytes
+            writer.commit_unit(unit, record)
+            dense_sums.update(record["dense"])
+            layer_sums.update(record["experts"])
+            if k % 8 == 0 or k == len(units) - 1:
+                rate = written / max(1e-9, time.perf_counter() - t0) / GB
+                say(f"  {unit}: {written / GB:.1f} GB written ({rate:.2f} GB/s)")
+        for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+            if (scratch / name).is_file():
+                (writer.partial / name).write_bytes((scratch / name).read_bytes())
+        manifest = json.loads(json.dumps(skeleton))
+        for name, digest in dense_sums.items():
+            manifest["dense"]["tensors"][name]["checksum"] = digest
+        manifest["experts"]["layer_checksums"] = layer_sums
+        manifest["tokenizer_files"] = [n for n in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
+                                       if (writer.partial / n).is_file()]
+        manifest["generation_config"] = {"eos_token_id": ids["gen_eos"], "pad_token_id": ids["pad"]}
+        writer.finish(manifest, overwrite=True)
+    finally:
+        writer.close()
+    seconds = time.perf_counter() - t0
+    say(f"package written in {seconds:.1f} s ({total / GB:.2f} GB, {total / seconds / GB:.2f} GB/s)")
+    return {"path": str(folder), "reused": False, "seconds": seconds, "nbytes": total}
+
+
+def warm_page_cache(folder: Path) -> dict:
+    """Read every data file of the package once (into a small reused buffer): the page cache is then warm."""
+    t0 = time.perf_counter()
+    nbytes = 0
+    buf = bytearray(WRITE_CHUNK)
+    for name in ("dense.bin", "experts.bin"):
+        with open(Path(folder) / name, "rb", buffering=0) as f:
+            while n := f.readinto(buf):
+                nbytes += n
+    seconds = time.perf_counter() - t0
+    return {"bytes": nbytes, "seconds": seconds, "gbps": nbytes / max(seconds, 1e-9) / GB}
+
+
+# ---------------------------------------------------------------------------------------------- phase timing
+
+@dataclass
+class Phase:
+    label: str
+    depth: int
+    start: float            # seconds from the load's start
+    end: float = 0.0
+
+
+class PhaseTimer:
+    """Wraps named functions so every call is recorded as a phase (nested calls nest). The wrap list is data:
+    a function renamed since is reported as not found, not a crash."""
+
+    def __init__(self, *, sync=None):
+        self.t0 = time.perf_counter()
+        self.phases: list[Phase] = []
+        self.missing: list[str] = []
+        self._depth = 0
+        self._sync = sync or (lambda: None)
+        self._undo: list = []
+
+    def now(self) -> float:
+        return time.perf_counter() - self.t0
+
+    def wrap(self, label: str, owner, attr: str, *, first_call_only: bool = False) -> None:
+        raw = owner.__dict__.get(attr) if isinstance(owner, type) else getattr(owner, attr, None)
+        if raw is None:
+            self.missing.append(f"{getattr(owner, '__name__', owner)}.{attr}")
+            return
+        kind = type(raw) if isinstance(raw, (classmethod, staticmethod)) else None
+        fn = raw.__func__ if kind else raw
+        timer, calls = self, [0]
+
+        @functools.wraps(fn)
+        def timed(*args, **kwargs):
+            calls[0] += 1
+            if first_call_only and calls[0] > 1:
+                return fn(*args, **kwargs)
+            phase = Phase(label, timer._depth, timer.now())
+            timer.phases.append(phase)
+            timer._depth += 1
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                timer._sync()
+                timer._depth -= 1
+                phase.end = timer.now()
+
+        setattr(owner, attr, kind(timed) if kind else timed)
+        self._undo.append((owner, attr, raw))
+
+    def restore(self) -> None:
+        for owner, attr, raw in reversed(self._undo):
+            setattr(owner, attr, raw)
+        self._undo.clear()
+
+    def summary(self) -> list[dict]:
+        """Phases merged by label (calls summed), in the order they first started."""
+        merged: dict[str, dict] = {}
+        for p in self.phases:
+            row = merged.setdefault(p.label, {"phase": p.label, "depth": p.depth, "seconds": 0.0, "calls": 0,
+                                              "first_start": p.start})
+            row["seconds"] += p.end - p.start
+            row["calls"] += 1
+        return sorted(merged.values(), key=lambda r: r["first_start"])
+
+
+def instrument(timer: PhaseTimer) -> None:
+    """The load path's phases (see the module docstring)."""
+    import runtime.engine as engine
+    from runtime.decode_graph import DecodeGraphs
+    from runtime.experts import hybrid, planner
+    from runtime.experts.cpu_executor import CpuExecutor
+    from runtime.experts.host_store import HostExpertStore
+    from runtime.experts.resident import ResidentExperts
+    from runtime.ftw.reader import FTWPackage
+    from runtime.models.base import CausalLM
+    from runtime.text.chat_template import ChatTemplate
+    from runtime.text.tokenizer import Tokenizer
+
+    timer.wrap("open package (manifest, file sizes)", FTWPackage, "open")
+    timer.wrap("empty model on the device", engine, "build_empty_model")
+    timer.wrap("dense weights to the device", engine, "load_dense_weights")
+    timer.wrap("fuse q/k/v projections", CausalLM, "fuse_projections")
+    timer.wrap("expert tier (hybrid_experts_factory)", hybrid, "hybrid_experts_factory")
+    timer.wrap("expert tier (resident_experts_factory)", engine, "resident_experts_factory")
+    timer.wrap("planner probes (VRAM, RAM, H2D and CPU bandwidth)", planner.Hardware, "probe")
+    timer.wrap("experts copied into host memory (pinned_copy)", HostExpertStore, "pinned_copy")
+    timer.wrap("experts dequantized onto the device (resident)", ResidentExperts, "from_store")
+    timer.wrap("hybrid tier built (pool, table, CPU executor)", hybrid.HybridExperts, "__init__")
+    timer.wrap("CPU expert kernel first call (numba compile or cache load)", CpuExecutor, "run", first_call_only=True)
+    timer.wrap("VRAM pool warm-up (hot set copied in)", hybrid.HybridExperts, "_warm_hot_set")
+    timer.wrap("tokenizer", Tokenizer, "from_dir")
+    timer.wrap("chat template", ChatTemplate, "from_dir")
+    timer.wrap("decode-graph runner set up", engine, "_decode_graphs")
+    timer.wrap("CUDA graph recording", DecodeGraphs, "_record")
+
+
+# ---------------------------------------------------------------------------------------------- the child
+
+def run_child(args) -> int:
+    """One measurement in this (fresh) process: Engine.load, then the first token and three decode steps."""
+    import torch
+
+    from runtime.engine import Engine, SamplingParams
+    from runtime.experts.stats import PeakRSS, host_rss
+
+    t_imported = time.perf_counter()
+    logging.basicConfig(level=logging.INFO, stream=sys.stdout,
+                        format="    [%(relativeCreated)8.0f ms] %(name)s: %(message)s")
+    cuda = torch.cuda.is_available() and args.device in ("auto", "cuda")
+    sync = torch.cuda.synchronize if cuda else None
+    timer = PhaseTimer(sync=(lambda: torch.cuda.synchronize() if torch.cuda.is_initialized() else None)
+                       if cuda else None)
+    instrument(timer)
+    package = Path(args.package)
+    package_bytes = sum((package / n).stat().st_size for n in ("dense.bin", "experts.bin"))
+    budget = int(args.budget_gib * GiB) if args.budget_gib > 0 else None
+    rss_start = host_rss()
+    result: dict = {"budget_gib": args.budget_gib, "package_bytes": package_bytes, "rss_start": rss_start,
+                    "imports_s": t_imported - _T_PROCESS}
+    factory = None
+    if args.tier != "default":
+        from runtime.engine import resident_experts_factory
+        from runtime.experts.hybrid import hybrid_experts_factory
+        factory = {"hybrid": hybrid_experts_factory, "resident": resident_experts_factory}[args.tier]
+    timer.t0 = time.perf_counter()
+    with PeakRSS() as rss_load:
+        engine = Engine.load(package, device=args.device, vram_budget=budget, context_length=args.context,
+                             max_batch=args.max_batch, experts_factory=factory)
+        if sync:
+            sync()
+    load_s = timer.now()
+    result.update(load_s=load_s, rss_peak_load=rss_load.peak, rss_after_load=rss_load.end,
+                  plan={k: v for k, v in engine.plan.items() if k != "experts"},
+                  experts_plan=engine.plan.get("experts"))
+    if cuda:
+        result.update(vram_peak_allocated_load=torch.cuda.max_memory_allocated(),
+                      vram_peak_reserved_load=torch.cuda.max_memory_reserved(),
+                      vram_used_after_load=_device_used())
+        torch.cuda.reset_peak_memory_stats()
+    load_seconds = getattr(getattr(engine.model, "experts", None), "store", None)
+    load_seconds = getattr(load_seconds, "load_seconds", None)
+    if load_seconds:
+        result["pinned_copy_seconds"] = load_seconds
+
+    greedy = SamplingParams(temperature=0.0, max_tokens=args.decode_steps + 1, stop_token_ids=())
+    steps = []
+    with PeakRSS() as rss_token:
+        t = timer.now()
+        if engine.chat_template is not None:
+            prompt = engine.tokenizer.encode(engine.chat_template.render(CHAT, add_generation_prompt=True))
+        else:
+            prompt = engine.tokenizer.encode(CHAT[-1]["content"])
+        timer.phases.append(Phase("prompt rendered and tokenized", 0, t, timer.now()))
+        rid = engine.add_request(prompt, greedy)
+        tokens = 0
+        while tokens < args.decode_steps + 1:
+            t = timer.now()
+            events = engine.step()
+            if sync:
+                sync()
+            got = sum(1 for e in events if e.request_id == rid and e.token_id is not None)
+            label = ("first token (prefill + sample)" if tokens == 0 else
+                     "first decode step (eager + CUDA graph recording)" if tokens == 1 else "decode step (steady)")
+            if got:
+                timer.phases.append(Phase(label, 0, t, timer.now()))
+                steps.append({"step": label, "seconds": timer.now() - t})
+            else:
+                timer.phases.append(Phase("prefill step (no token yet)", 0, t, timer.now()))
+            tokens += got
+            if any(e.finished for e in events if e.request_id == rid):
+                break
+    first_token_s = next(p.end for p in timer.phases if p.label.startswith("first token"))
+    timer.restore()
+    result.update(prompt_tokens=len(prompt), first_token_s=first_token_s, steps=steps,
+                  load_to_first_token_s=first_token_s, process_to_first_token_s=timer.t0 - _T_PROCESS + first_token_s,
+                  rss_peak_first_token=rss_token.peak, rss_peak=max(rss_load.peak, rss_token.peak),
+                  phases=timer.summary(), not_found=timer.missing, device=str(engine.device),
+                  dtype=str(engine.dtype).replace("torch.", ""),
+                  gpu=torch.cuda.get_device_name() if cuda else None, torch=torch.__version__)
+    if cuda:
+        result["vram_peak_allocated_first_token"] = torch.cuda.max_memory_allocated()
+        result["vram_peak_reserved"] = max(result["vram_peak_reserved_load"], torch.cuda.max_memory_reserved())
+        result["vram_used_after_first_token"] = _device_used()
+    Path(args.child_out).write_text(json.dumps(result, indent=1, default=str))
+    return 0
+
+
+def _device_used() -> int:
+    import torch
+
+    free, total = torch.cuda.mem_get_info()
+    return int(total - free)
+
+
+# ---------------------------------------------------------------------------------------------- the report
+
+def _gib(n) -> str:
+    return "-" if n is None else f"{n / GiB:.2f}"
+
+
+def print_report(rows: list[dict]) -> None:
+    for r in rows:
+        budget = f"{r['budget_gib']:g} GiB" if r["budget_gib"] > 0 else "unlimited"
+        plan = r.get("experts_plan") or {}
+        print(f"\n== VRAM budget {budget}: device {r['device']} ({r.get('gpu') or 'no GPU'}), {r['dtype']}, "
+              f"backend {r['plan'].get('backend')}, slots {plan.get('slots', '-')} of {plan.get('slot_total', '-')}")
+        print(f"{'phase':<64} {'s':>8} {'calls':>6}")
+        for p in r["phases"]:
+            print(f"{'  ' * p['depth'] + p['phase']:<64} {p['seconds']:>8.2f} {p['calls']:>6}")
+        top = sum(p["seconds"] for p in r["phases"] if p["depth"] == 0
+                  and p["first_start"] < r["load_s"])
+        print(f"{'(load: rest, untimed: model glue, state pool, plan)':<64} {r['load_s'] - top:>8.2f}")
+        if r.get("pinned_copy_seconds"):
+            ls = r["pinned_copy_seconds"]
+            print(f"  pinned copy: allocate {ls['allocate']:.2f} s, copy {ls['copy']:.2f} s ({ls['method']}, "
+                  f"{ls['threads']} threads), pin {ls['pin']:.2f} s, pinned={ls['pinned']}")
+        if r["not_found"]:
+            print(f"  (not timed, renamed since this benchmark was written: {', '.join(r['not_found'])})")
+    print("\n| VRAM budget | backend | python + imports s | Engine.load s | first token s | load -> first token s "
+          "| target | peak RSS GiB | package GiB | RSS - package GiB (target <= 2) | RSS after load GiB "
+          "| peak VRAM GiB (torch reserved) | device used after load GiB |")
+    print("|" + "---|" * 13)
+    for r in rows:
+        over = r["rss_peak"] - r["package_bytes"]
+        ok = "ok" if r["load_to_first_token_s"] <= TARGET_LOAD_TO_FIRST_TOKEN_S else "MISSED"
+        print(f"| {r['budget_gib']:g} | {r['plan'].get('backend')} | {r['imports_s']:.2f} | {r['load_s']:.2f} "
+              f"| {r['first_token_s'] - r['load_s']:.2f} | {r['load_to_first_token_s']:.2f} | <= 15 s {ok} "
+              f"| {_gib(r['rss_peak'])} | {_gib(r['package_bytes'])} | {over / GiB:+.2f} "
+              f"{'ok' if over <= TARGET_RSS_OVER_PACKAGE else 'MISSED'} | {_gib(r['rss_after_load'])} "
+              f"| {_gib(r.get('vram_peak_reserved'))} | {_gib(r.get('vram_used_after_load'))} |")
+
+
+# ---------------------------------------------------------------------------------------------- main
+
+def parse_args(argv):
+    d = PackageShape()
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
+    ap.add_argument("--folder", type=Path, default=Path(tempfile.gettempdir()) / "freetoken-cold-load",
+                    help="where the package is written (reused when complete and of the same shape)")
+    ap.add_argument("--vram-budget", type=float, nargs="+", default=[8.0, 0.0], metavar="GIB",
+                    help="VRAM budgets to load at, in GiB; 0 = no cap (default: 8 0)")
+    ap.add_argument("--out", type=Path, help="write every figure here (JSON)")
+    ap.add_argument("--device", default="auto", choices=["auto", "cuda", "cpu"], help="as `freetoken serve --device`")
+    ap.add_argument("--context", type=int, default=32768, help="context length (serve's default: 32768)")
+    ap.add_argument("--max-batch", type=int, default=8, help="sequences (serve's default: 8)")
+    ap.add_argument("--tier", default="default", choices=["default", "hybrid", "resident"],
+                    help="expert tier: the engine's default for the device (what serve does), or forced")
+    ap.add_argument("--decode-steps", type=int, default=3, help="decode steps timed after the first token")
+    ap.add_argument("--layers", type=int, default=d.layers)
+    ap.add_argument("--experts", type=int, default=d.experts)
+    ap.add_argument("--vocab", type=int, default=d.vocab)
+    ap.add_argument("--no-warm", action="store_true", help="skip the page-cache read (then the load is not 'warm')")
+    ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--package", help=argparse.SUPPRESS)
+    ap.add_argument("--budget-gib", type=float, default=0.0, help=argparse.SUPPRESS)
+    ap.add_argument("--child-out", help=argparse.SUPPRESS)
+    return ap.parse_args(argv)
+
+
+def measure_in_subprocess(args, package: Path, budget_gib: float) -> dict:
+    """One load in a fresh Python process (nothing imported, compiled or allocated before it)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "row.json"
+        cmd = [sys.executable, str(Path(__file__).resolve()), "--child", "--package", str(package),
+               "--budget-gib", str(budget_gib), "--child-out", str(out), "--device", args.device,
+               "--context", str(args.context), "--max-batch", str(args.max_batch), "--tier", args.tier,
+               "--decode-steps", str(args.decode_steps)]
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+        proc = subprocess.run(cmd, env=env, cwd=str(ROOT))
+        if proc.returncode != 0 or not out.is_file():
+            raise SystemExit(f"the measurement at VRAM budget {budget_gib:g} GiB failed (exit {proc.returncode}); "
+                             "its output is above")
+        return json.loads(out.read_text())
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if args.child:
+        return run_child(args)
+    shape = PackageShape(layers=args.layers, experts=args.experts, vocab=args.vocab)
+    written = write_package(args.folder, shape)
+    warm = None
+    if not args.no_warm:
+        warm = warm_page_cache(args.folder)
+        print(f"page cache warmed: read {warm['bytes'] / GB:.2f} GB once in {warm['seconds']:.1f} s "
+              f"({warm['gbps']:.2f} GB/s); nothing is dropped from it")
+    rows = []
+    for budget in args.vram_budget:
+        print(f"\n-- loading at VRAM budget {budget:g} GiB in a fresh process --", flush=True)
+        rows.append(measure_in_subprocess(args, args.folder, budget))
+    print_report(rows)
+    if args.out:
+        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True)
+        args.out.write_text(json.dumps({
+            "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "commit": commit.stdout.strip() or None,
+            "command": " ".join([Path(sys.argv[0]).name] + (argv if argv is not None else sys.argv[1:])),
+            "shape": asdict(shape), "package": written, "warm_read": warm, "rows": rows,
+            "targets": {"load_to_first_token_s": TARGET_LOAD_TO_FIRST_TOKEN_S,
+                        "rss_over_package_bytes": TARGET_RSS_OVER_PACKAGE}}, indent=1, default=str))
+        print(f"\nwrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
