@@ -30,6 +30,7 @@ R rows in a tile (BLOCK_N outputs x the matrices side by side), KB = K rounded u
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
 
 import torch
 
@@ -44,83 +45,134 @@ TILE_ELEMENTS = 2048        # packed bytes per tile and loop step (R x BLOCK_K):
 PROGRAMS_PER_SM = 4         # aim: one wave; at 56-74 registers a thread 7-9 programs fit on an SM
 DEFAULT_SMS = 132           # an H200's count, used when not on a CUDA device (the interpreter)
 MIN_BLOCK_N, MAX_BLOCK_N = 2, 32
+MAX_UNROLL = 8              # steps per row unrolled into straight-line code (their loads may all be in flight)
+NUM_WARPS = 4
+PREFETCH = True             # request step i + 1's codes before step i's arithmetic
 
 
 if HAVE_TRITON:
     @triton.jit
-    def _dot_tile(pool_ptr, q_row, s_row, m_row, rmask, x_ptr, x_rows, half, n_groups, CODEC: tl.constexpr,
-                  GROUP: tl.constexpr, SHARED_X: tl.constexpr, ROWS: tl.constexpr, BLOCK_K: tl.constexpr):
+    def _pairs(rows, j, mask):
+        """(x[2j], x[2j + 1]) as two fp32 tensors, x being each row's input at `rows` (element pointers) and j a
+        pair index: one 32-bit word per pair of a 16-bit input, one 64-bit word per fp32 pair, so a thread's
+        pairs load contiguously, 16 bytes at once, in the packed codes' own layout (byte j holds elements 2j
+        and 2j + 1)."""
+        ty = rows.dtype.element_ty
+        if ty == tl.bfloat16:
+            w = tl.load(rows.to(tl.pointer_type(tl.uint32)) + j, mask=mask, other=0)
+            return (w << 16).to(tl.float32, bitcast=True), (w & 0xFFFF0000).to(tl.float32, bitcast=True)  # fp32's top half
+        elif ty == tl.float16:
+            w = tl.load(rows.to(tl.pointer_type(tl.uint32)) + j, mask=mask, other=0)
+            return ((w & 0xFFFF).to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32),
+                    (w >> 16).to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32))
+        else:
+            w = tl.load(rows.to(tl.pointer_type(tl.uint64)) + j, mask=mask, other=0)
+            return ((w & 0xFFFFFFFF).to(tl.uint32).to(tl.float32, bitcast=True),
+                    (w >> 32).to(tl.uint32).to(tl.float32, bitcast=True))
+
+    @triton.jit
+    def _codes(pool_ptr, q_row, rmask, k0, half, GROUP: tl.constexpr, BLOCK_K: tl.constexpr):
+        """Bytes k0 .. k0 + BLOCK_K of each row's codes as a [R, NG, GB] int32 tile (nothing loaded past a row)."""
+        GB: tl.constexpr = GROUP // 2                                         # bytes per group
+        NG: tl.constexpr = BLOCK_K // GB                                      # groups per step
+        kb = k0 + tl.arange(0, NG)[:, None] * GB + tl.arange(0, GB)[None, :]  # [NG, GB] byte index in a row
+        mask = rmask[:, None, None] & (kb < half)[None, :, :]                 # [R, NG, GB]
+        return tl.load(pool_ptr + q_row[:, None, None] + kb[None, :, :], mask=mask, other=0).to(tl.int32)
+
+    @triton.jit
+    def _dot_step(acc, q, k0, pool_ptr, s_row, m_row, rmask, x_rows, half, n_groups, CODEC: tl.constexpr,
+                  GROUP: tl.constexpr, BLOCK_K: tl.constexpr):
+        """acc [R, NG, GB] += the products of codes q (bytes k0 .. k0 + BLOCK_K of each row) with the inputs."""
+        GB: tl.constexpr = GROUP // 2
+        NG: tl.constexpr = BLOCK_K // GB
+        gi = tl.arange(0, NG)
+        kb = k0 + gi[:, None] * GB + tl.arange(0, GB)[None, :]               # [NG, GB] byte index in a row
+        mask = rmask[:, None, None] & (kb < half)[None, :, :]                 # [R, NG, GB]
+        lo = (q & 15).to(tl.float32)
+        hi = (q >> 4).to(tl.float32)
+        # each row's input in the tile's own layout: byte j of a row meets pair j of its input (repeated per row
+        # from L1 where rows share one input: loaded once and broadcast, it would be converted through shared
+        # memory, with barriers, on every step)
+        xe, xo = _pairs(x_rows[:, None, None], kb[None, :, :], mask)         # [R, NG, GB] x2
+        # [R, NG, 1]: one scale (and min) per row and group, loaded straight in the tile's own layout
+        g = (k0 // GB + gi)[None, :, None]                                    # group of each chunk
+        gmask = rmask[:, None, None] & (g < n_groups)
+        if CODEC == 0:
+            p16 = pool_ptr.to(tl.pointer_type(tl.float16))
+            s = tl.load(p16 + s_row[:, None, None] + g, mask=gmask, other=0.0).to(tl.float32)
+            m = tl.load(p16 + m_row[:, None, None] + g, mask=gmask, other=0.0).to(tl.float32)
+            acc += (lo * xe + hi * xo) * s + (xe + xo) * m
+        else:
+            e8 = tl.load(pool_ptr + s_row[:, None, None] + g, mask=gmask, other=127).to(tl.float32)
+            # e2m1 from the code: magnitude m/2 + relu(m-4)/2 + relu(m-6), bit 3 the sign
+            lm = tl.where(lo >= 8.0, lo - 8.0, lo)
+            hm = tl.where(hi >= 8.0, hi - 8.0, hi)
+            lv = 0.5 * lm + 0.5 * tl.maximum(lm - 4.0, 0.0) + tl.maximum(lm - 6.0, 0.0)
+            hv = 0.5 * hm + 0.5 * tl.maximum(hm - 4.0, 0.0) + tl.maximum(hm - 6.0, 0.0)
+            lv = tl.where(lo >= 8.0, -lv, lv)
+            hv = tl.where(hi >= 8.0, -hv, hv)
+            acc += (lv * xe + hv * xo) * tl.exp2(e8 - 127.0)
+        return acc
+
+    @triton.jit
+    def _dot_tile(pool_ptr, q_row, s_row, m_row, rmask, x_rows, half, n_groups, CODEC: tl.constexpr,
+                  GROUP: tl.constexpr, ROWS: tl.constexpr, BLOCK_K: tl.constexpr, STEPS: tl.constexpr,
+                  PREFETCH: tl.constexpr):
         """acc[R] = sum_j W_r[j] x_r[j] for R packed rows of `half` bytes (2 * half inputs, n_groups groups)
         anywhere in the pool.
 
         q_row [R] int64: byte offset of row r's codes; s_row, m_row [R]: offset of its first scale / min
         (fp16 elements for int4, bytes for e8m0); rmask [R]: rows that exist (the others load nothing and
-        give 0). The input is x_ptr [2 * half] (natural order) for every row when SHARED_X, else row r's own
-        x_rows[r] stored split: its even elements, then its odd ones (how the gate_up kernel writes h), so
-        both halves load contiguously in the codes' own layout.
+        give 0); x_rows [R]: pointer to row r's input (natural order, 16-bit or fp32; rows may share one).
         A step covers BLOCK_K bytes of each row as NG whole groups of GB bytes: scales and mins are loaded
         once per group and broadcast over it. Products accumulate elementwise in a [R, NG, GB] tile, reduced
-        once after the loop: a reduction per step would cost shuffles and barriers on every round trip."""
-        GB: tl.constexpr = GROUP // 2                                         # bytes per group
-        NG: tl.constexpr = BLOCK_K // GB                                      # groups per step
-        gi = tl.arange(0, NG)
+        once after the loop: a reduction per step would cost shuffles and barriers on every round trip.
+
+        A batch-1 step is bound by round trips to memory, and a plain loop waits for each step's codes before
+        the next step asks for its own. Two ways to keep more in flight (tuned by benchmarks/sweep_pool_kernels.py):
+        STEPS > 0, the row is exactly that many steps, unrolled into straight-line code whose loads ptxas may
+        issue early (as far as registers allow; STEPS == 0: a loop); PREFETCH, the codes of step i + 1 are
+        requested before step i's arithmetic (a software pipeline one step deep, in either form)."""
+        GB: tl.constexpr = GROUP // 2
+        NG: tl.constexpr = BLOCK_K // GB
         acc = tl.zeros((ROWS, NG, GB), dtype=tl.float32)
-        for k0 in range(0, half, BLOCK_K):
-            kb = k0 + gi[:, None] * GB + tl.arange(0, GB)[None, :]           # [NG, GB] byte index in a row
-            kmask = kb < half
-            mask = rmask[:, None, None] & kmask[None, :, :]                   # [R, NG, GB]
-            q = tl.load(pool_ptr + q_row[:, None, None] + kb[None, :, :], mask=mask, other=0).to(tl.int32)
-            lo = (q & 15).to(tl.float32)
-            hi = (q >> 4).to(tl.float32)
-            if SHARED_X:                                                      # [R, NG, GB]
-                # the shared input loaded in the tile's own layout, repeated per row from L1 (loaded once and
-                # broadcast, it would be converted through shared memory, with barriers, on every step);
-                # 16-bit x as one 32-bit word per (x[2j], x[2j + 1]) pair: contiguous, 16 bytes per load
-                rows0 = (q_row * 0)[:, None, None]
-                if x_ptr.dtype.element_ty == tl.bfloat16:
-                    w = tl.load(x_ptr.to(tl.pointer_type(tl.uint32)) + rows0 + kb[None, :, :], mask=mask, other=0)
-                    xe = (w << 16).to(tl.float32, bitcast=True)                # bf16 is fp32's top half
-                    xo = (w & 0xFFFF0000).to(tl.float32, bitcast=True)
-                elif x_ptr.dtype.element_ty == tl.float16:
-                    w = tl.load(x_ptr.to(tl.pointer_type(tl.uint32)) + rows0 + kb[None, :, :], mask=mask, other=0)
-                    xe = (w & 0xFFFF).to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
-                    xo = (w >> 16).to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
+        q_next = _codes(pool_ptr, q_row, rmask, 0, half, GROUP, BLOCK_K)
+        if STEPS > 0:
+            for step in tl.static_range(STEPS):
+                if PREFETCH:
+                    q = q_next
+                    q_next = _codes(pool_ptr, q_row, rmask, (step + 1) * BLOCK_K, half, GROUP, BLOCK_K)
                 else:
-                    xp = x_ptr + rows0 + 2 * kb[None, :, :]
-                    xe = tl.load(xp, mask=mask, other=0.0).to(tl.float32)
-                    xo = tl.load(xp + 1, mask=mask, other=0.0).to(tl.float32)
-            else:                                                             # [R, NG, GB]
-                xp = x_rows[:, None, None] + kb[None, :, :]
-                xe = tl.load(xp, mask=mask, other=0.0).to(tl.float32)
-                xo = tl.load(xp + half, mask=mask, other=0.0).to(tl.float32)
-            # [R, NG, 1]: one scale (and min) per row and group, loaded straight in the tile's own layout
-            g = (k0 // GB + gi)[None, :, None]                                # group of each chunk
-            gmask = rmask[:, None, None] & (g < n_groups)
-            if CODEC == 0:
-                p16 = pool_ptr.to(tl.pointer_type(tl.float16))
-                s = tl.load(p16 + s_row[:, None, None] + g, mask=gmask, other=0.0).to(tl.float32)
-                m = tl.load(p16 + m_row[:, None, None] + g, mask=gmask, other=0.0).to(tl.float32)
-                acc += (lo * xe + hi * xo) * s + (xe + xo) * m
-            else:
-                e8 = tl.load(pool_ptr + s_row[:, None, None] + g, mask=gmask, other=127).to(tl.float32)
-                # e2m1 from the code: magnitude m/2 + relu(m-4)/2 + relu(m-6), bit 3 the sign
-                lm = tl.where(lo >= 8.0, lo - 8.0, lo)
-                hm = tl.where(hi >= 8.0, hi - 8.0, hi)
-                lv = 0.5 * lm + 0.5 * tl.maximum(lm - 4.0, 0.0) + tl.maximum(lm - 6.0, 0.0)
-                hv = 0.5 * hm + 0.5 * tl.maximum(hm - 4.0, 0.0) + tl.maximum(hm - 6.0, 0.0)
-                lv = tl.where(lo >= 8.0, -lv, lv)
-                hv = tl.where(hi >= 8.0, -hv, hv)
-                acc += (lv * xe + hv * xo) * tl.exp2(e8 - 127.0)
+                    q = _codes(pool_ptr, q_row, rmask, step * BLOCK_K, half, GROUP, BLOCK_K)
+                acc = _dot_step(acc, q, step * BLOCK_K, pool_ptr, s_row, m_row, rmask, x_rows, half, n_groups,
+                                CODEC, GROUP, BLOCK_K)
+        else:
+            for k0 in range(0, half, BLOCK_K):
+                if PREFETCH:
+                    q = q_next
+                    q_next = _codes(pool_ptr, q_row, rmask, k0 + BLOCK_K, half, GROUP, BLOCK_K)
+                else:
+                    q = _codes(pool_ptr, q_row, rmask, k0, half, GROUP, BLOCK_K)
+                acc = _dot_step(acc, q, k0, pool_ptr, s_row, m_row, rmask, x_rows, half, n_groups,
+                                CODEC, GROUP, BLOCK_K)
         return tl.sum(tl.sum(acc, axis=2), axis=1)
 
     @triton.jit
-    def _gate_up_kernel(pool_ptr, nbytes, slots_ptr, slot_st, slot_sk, x_ptr, x_st, h_ptr, K, D2, DG, I,
-                        gq, gs, gm, uq, us, um, alpha, limit,
-                        CODEC: tl.constexpr, GROUP: tl.constexpr, ACT: tl.constexpr,
-                        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    def _gate_up_kernel(pool_ptr, nbytes, slots_ptr, slot_st, slot_sk, table_ptr, E, slots_out, x_ptr, x_st, h_ptr,
+                        K, D2, DG, I, gq, gs, gm, uq, us, um, alpha, limit,
+                        CODEC: tl.constexpr, GROUP: tl.constexpr, ACT: tl.constexpr, LOOKUP: tl.constexpr,
+                        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, STEPS: tl.constexpr,
+                        PREFETCH: tl.constexpr):
         a = tl.program_id(0)                                                  # assignment: token t, k-th expert
         t = a // K
         slot = tl.load(slots_ptr + t * slot_st + (a - t * K) * slot_sk)
+        if LOOKUP:
+            # slots_ptr holds expert ids: the layer's table row maps them to slots (-1: not resident), and the
+            # first program of each assignment hands its slot to the down kernel (the lookup was a launch)
+            expert = slot
+            slot = tl.load(table_ptr + expert, mask=(expert >= 0) & (expert < E), other=-1)
+            if tl.program_id(1) == 0:
+                tl.store(slots_out + a, slot.to(slots_out.dtype.element_ty))
         if slot < 0:
             return
         base = slot.to(tl.int64) * nbytes
@@ -136,8 +188,9 @@ if HAVE_TRITON:
         else:
             s_row = base + gs + up * (us - gs) + n * DG
             m_row = s_row
-        acc = _dot_tile(pool_ptr, q_row, s_row, m_row, n < I, x_ptr + t.to(tl.int64) * x_st, x_ptr, D2, DG,
-                        CODEC, GROUP, True, 2 * BLOCK_N, BLOCK_K)
+        x_rows = x_ptr + t.to(tl.int64) * x_st + (q_row * 0)                  # [R] every row reads token t's x
+        acc = _dot_tile(pool_ptr, q_row, s_row, m_row, n < I, x_rows, D2, DG, CODEC, GROUP, 2 * BLOCK_N, BLOCK_K,
+                        STEPS, PREFETCH)
         g, u = tl.split(tl.reshape(acc, (BLOCK_N, 2)))                        # [BN], [BN]
         if ACT == 0:
             h = g / (1.0 + tl.exp(-g)) * u
@@ -146,14 +199,15 @@ if HAVE_TRITON:
             u = tl.minimum(tl.maximum(u, -limit), limit)
             h = (u + 1.0) * (g / (1.0 + tl.exp(-alpha * g)))
         rows = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-        split = (rows % 2) * (I // 2) + rows // 2                             # even elements first, then odd
-        tl.store(h_ptr + a.to(tl.int64) * I + split, h, mask=rows < I)
+        # rounded to h's dtype: x's when 16-bit, as the torch path's activations are
+        tl.store(h_ptr + a.to(tl.int64) * I + rows, h.to(h_ptr.dtype.element_ty), mask=rows < I)
 
     @triton.jit
     def _down_kernel(pool_ptr, nbytes, slots_ptr, slot_st, slot_sk, w_ptr, w_st, w_sk, h_ptr, y_ptr, K, D, I,
                      I2, IG,
                      dq, ds, dm, CODEC: tl.constexpr, GROUP: tl.constexpr, KB: tl.constexpr,
-                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, STEPS: tl.constexpr,
+                        PREFETCH: tl.constexpr):
         t = tl.program_id(0)
         r = tl.arange(0, BLOCK_N * KB)                                        # [R]: (n, k) with k fastest
         k = r % KB
@@ -171,9 +225,9 @@ if HAVE_TRITON:
         else:
             s_row = base + ds + n * IG
             m_row = s_row
-        x_rows = h_ptr + (t * K + k).to(tl.int64) * I                         # [R] each row's own h (split)
-        acc = _dot_tile(pool_ptr, q_row, s_row, m_row, rmask, h_ptr, x_rows, I2, IG,
-                        CODEC, GROUP, False, BLOCK_N * KB, BLOCK_K)
+        x_rows = h_ptr + (t * K + k).to(tl.int64) * I                         # [R] each row's own h
+        acc = _dot_tile(pool_ptr, q_row, s_row, m_row, rmask, x_rows, I2, IG, CODEC, GROUP, BLOCK_N * KB, BLOCK_K,
+                        STEPS, PREFETCH)
         acc = tl.where(rmask, acc * wt, 0.0)
         y = tl.sum(tl.reshape(acc, (BLOCK_N, KB)), axis=1)                    # [BN] weighted sum over K
         rows = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -219,22 +273,65 @@ def tile_sizes(jobs: int, n_out: int, fan: int, n_in: int, group: int, *, sms: i
     return bn, bk
 
 
+@dataclass(frozen=True)
+class KernelPlan:
+    """How one of the two kernels is launched: tile (BLOCK_N outputs x BLOCK_K bytes per step), warps per
+    program, STEPS (> 0: a row is that many steps, unrolled; 0: a loop) and whether the next step's codes are
+    requested before this step's arithmetic."""
+    block_n: int
+    block_k: int
+    warps: int = NUM_WARPS
+    steps: int = 0
+    prefetch: bool = False
+
+
+def default_plans(t: int, k: int, layout, *, sms: int, block_n: int | None = None,
+                  block_k: int | None = None) -> tuple[KernelPlan, KernelPlan]:
+    """The (gate_up, down) plans for T tokens with K experts each: tiles from `tile_sizes` (or the overrides,
+    BLOCK_K widened to one group), rows of at most MAX_UNROLL steps unrolled, PREFETCH as measured best."""
+    d, i, group = layout.hidden, layout.intermediate, layout.group
+    plans = []
+    for jobs, n_out, fan, n_in in ((t * k, i, 2, d), (t, d, triton.next_power_of_2(k), i)):
+        bn, bk = tile_sizes(jobs, n_out, fan, n_in, group, sms=sms, block_n=block_n)
+        bk = max(block_k or bk, group // 2)                                  # whole groups per step
+        plans.append(KernelPlan(bn, bk, NUM_WARPS, unrolled_steps(n_in // 2, bk), PREFETCH))
+    return plans[0], plans[1]
+
+
+def unrolled_steps(half: int, block_k: int, *, max_unroll: int = MAX_UNROLL) -> int:
+    """STEPS for `_dot_tile`: a row of `half` bytes in BLOCK_K steps, unrolled when there are at most
+    `max_unroll` of them (0: a loop)."""
+    steps = triton.cdiv(half, block_k)
+    return steps if steps <= max_unroll else 0
+
+
 def pool_forward_triton(pool: torch.Tensor, layout, spec, x: torch.Tensor, slots: torch.Tensor,
-                        weights: torch.Tensor, *, block_n: int | None = None,
-                        block_k: int | None = None) -> torch.Tensor:
+                        weights: torch.Tensor, *, slot_table: torch.Tensor | None = None,
+                        block_n: int | None = None, block_k: int | None = None,
+                        plans: tuple[KernelPlan | None, KernelPlan | None] = (None, None)) -> torch.Tensor:
     """The same function as `expert_pool.pool_forward`: x [T, D], slots [T, K] (-1 skip), weights [T, K] ->
-    y [T, D] in x's dtype. Two launches; `block_n` / `block_k` override the tile sizes of both kernels
-    (powers of two; for tuning sweeps), by default chosen per shape by `tile_sizes`."""
+    y [T, D] in x's dtype. Two launches.
+
+    `slot_table` [E] (int32/int64; -1: not resident): `slots` are then expert ids, looked up in the table by
+    the first kernel (the layer's row of the slot table: no separate gather launch before the kernels).
+    Tuning overrides (for tests and sweeps): `block_n` / `block_k` the tile sizes of both kernels (powers of
+    two), `plans` = (gate_up, down) whole launch plans (None: `default_plans`)."""
     t, k = slots.shape
     d, i = layout.hidden, layout.intermediate
     if x.shape != (t, d) or weights.shape != (t, k):
         raise ValueError(f"pool_forward_triton: x {tuple(x.shape)}, slots {tuple(slots.shape)} and weights "
                          f"{tuple(weights.shape)} do not agree with [T, {d}], [T, K], [T, K]")
+    if slot_table is not None and (slot_table.ndim != 1 or slot_table.dtype not in (torch.int32, torch.int64)
+                                   or slot_table.stride(0) != 1):
+        raise ValueError(f"pool_forward_triton: slot_table must be a contiguous [E] int32/int64 row, got "
+                         f"{slot_table.dtype} {tuple(slot_table.shape)} strides {slot_table.stride()}")
+    if d % 2 or i % 2:
+        raise ValueError(f"pool_forward_triton: hidden {d} and expert width {i} must be even (packed pairs)")
     y = torch.empty((t, d), dtype=x.dtype, device=x.device)
     if t == 0 or k == 0:
         return y.zero_()
-    if x.stride(1) != 1 or x.stride(0) % 2 or x.data_ptr() % 4:
-        x = x.contiguous()                              # rows of x read as 32-bit words of element pairs
+    if x.stride(1) != 1 or x.stride(0) % 2 or x.data_ptr() % (2 * x.element_size()):
+        x = x.contiguous()                              # rows of x read as whole words of element pairs
     p = layout.parts
     off = lambda name: p[name].offset if name in p else 0                      # noqa: E731
     codec = 0 if layout.codec == "int4" else 1
@@ -242,20 +339,24 @@ def pool_forward_triton(pool: torch.Tensor, layout, spec, x: torch.Tensor, slots
                                                 for q in ("scales", "mins"))):
         raise ValueError("pool_forward_triton: fp16 scales/mins at odd byte offsets in the block layout")
     act = 0 if spec.activation == "silu" else 1
-    sms = _sm_count(x.device)
-    kb = triton.next_power_of_2(k)
     group = layout.group
-    bn1, bk1 = tile_sizes(t * k, i, 2, d, group, sms=sms, block_n=block_n)
-    bn2, bk2 = tile_sizes(t, d, kb, i, group, sms=sms, block_n=block_n)
-    bk1, bk2 = max(block_k or bk1, group // 2), max(block_k or bk2, group // 2)    # whole groups per step
-    h = torch.empty((t * k, i), dtype=torch.float32, device=x.device)          # [A, I] activations
-    _gate_up_kernel[(t * k, triton.cdiv(i, bn1))](
-        pool, layout.nbytes, slots, slots.stride(0), slots.stride(1), x, x.stride(0), h, k, d // 2, -(-d // group), i,
+    default = default_plans(t, k, layout, sms=_sm_count(x.device), block_n=block_n, block_k=block_k)
+    gu, dn = (given or plan for given, plan in zip(plans, default))
+    # [A, I] activations, rounded to x's dtype when it is 16-bit as the torch path rounds them (and half the
+    # bytes for the down kernel to read); fp32 otherwise
+    h = torch.empty((t * k, i), dtype=x.dtype if x.element_size() == 2 else torch.float32, device=x.device)
+    lookup = slot_table is not None
+    looked_up = torch.empty((t, k), dtype=slot_table.dtype, device=x.device) if lookup else slots   # [T, K] slots
+    _gate_up_kernel[(t * k, triton.cdiv(i, gu.block_n))](
+        pool, layout.nbytes, slots, slots.stride(0), slots.stride(1), slot_table if lookup else slots,
+        slot_table.shape[0] if lookup else 0, looked_up, x, x.stride(0), h, k, d // 2, -(-d // group), i,
         off("gate"), off("gate_scales"), off("gate_mins"), off("up"), off("up_scales"), off("up_mins"),
         float(spec.swiglu_alpha), float(spec.swiglu_limit),
-        CODEC=codec, GROUP=group, ACT=act, BLOCK_N=bn1, BLOCK_K=bk1)
-    _down_kernel[(t, triton.cdiv(d, bn2))](
-        pool, layout.nbytes, slots, slots.stride(0), slots.stride(1), weights, weights.stride(0),
+        CODEC=codec, GROUP=group, ACT=act, LOOKUP=lookup, BLOCK_N=gu.block_n, BLOCK_K=gu.block_k,
+        STEPS=gu.steps, PREFETCH=gu.prefetch, num_warps=gu.warps)
+    _down_kernel[(t, triton.cdiv(d, dn.block_n))](
+        pool, layout.nbytes, looked_up, looked_up.stride(0), looked_up.stride(1), weights, weights.stride(0),
         weights.stride(1), h, y, k, d, i, i // 2, -(-i // group), off("down"), off("down_scales"), off("down_mins"),
-        CODEC=codec, GROUP=group, KB=kb, BLOCK_N=bn2, BLOCK_K=bk2)
+        CODEC=codec, GROUP=group, KB=triton.next_power_of_2(k), BLOCK_N=dn.block_n, BLOCK_K=dn.block_k,
+        STEPS=dn.steps, PREFETCH=dn.prefetch, num_warps=dn.warps)
     return y
