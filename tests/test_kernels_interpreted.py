@@ -616,10 +616,17 @@ def test_pool_plans_and_lookup_on_cuda(device):
         assert _rel(base, want) < 2e-2
         gu, dn = pool_k.default_plans(t, 8, store.layout, sms=132)
         plan = pool_k.KernelPlan
-        for other in ((plan(gu.block_n, gu.block_k, 8, gu.steps, not gu.prefetch), dn),
-                      (plan(gu.block_n, gu.block_k, 4, 0, False), plan(dn.block_n, dn.block_k, 8, 0, True))):
+        # unrolled or not, prefetched or not: the same sums in the same order
+        for other in ((plan(gu.block_n, gu.block_k, gu.warps, gu.steps, not gu.prefetch), dn),
+                      (plan(gu.block_n, gu.block_k, gu.warps, 0, False), plan(dn.block_n, dn.block_k, dn.warps, 0,
+                                                                               not dn.prefetch))):
             assert torch.equal(pool_k.pool_forward_triton(pool, store.layout, ExpertSpec(), x, slots, w,
                                                           plans=other), base)
+        # other warps or tiles reduce in another order (fp32 reassociation, then h's bf16 rounding)
+        for other in ((plan(gu.block_n, gu.block_k, 8, gu.steps, gu.prefetch), plan(4, 128, 8, 3, True)),
+                      (plan(16, 64, 4, 0, True), plan(1, 128, 4, 3, False))):
+            got = pool_k.pool_forward_triton(pool, store.layout, ExpertSpec(), x, slots, w, plans=other)
+            assert _rel(got, base) < 1e-2
         assert torch.equal(pool_k.pool_forward_triton(pool, store.layout, ExpertSpec(), x, ids, w,
                                                       slot_table=table), base)
     ids1, x1, w1 = ids[:1].clone(), x[:1].clone(), w[:1].clone()
