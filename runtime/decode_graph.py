@@ -99,6 +99,12 @@ def _advance(cache) -> None:
             layer.offset += 1
 
 
+def _hook(experts, name: str) -> None:
+    fn = getattr(experts, name, None)
+    if callable(fn):
+        fn()
+
+
 def graph_safe(experts, layer: int) -> bool:
     """Whether an expert tier says a call for `layer` may be recorded inside a CUDA graph (False if it says nothing)."""
     safe = getattr(experts, "graph_safe", None)
@@ -171,7 +177,12 @@ class DecodeGraphs:
                     self._graphs.popitem(last=False)
             else:
                 self._graphs.move_to_end(key)
+                # an expert tier that keeps its books between steps (hybrid zero-copy: its calls are inside
+                # the graph, so it never sees them) gets a hook before the step is enqueued and one after
+                experts = self.model.experts
+                _hook(experts, "begin_step")
                 logits = self._replay(graph)
+                _hook(experts, "end_step")
         else:
             logits = self._forward(cache, bucket, self.model.experts)
         _advance(cache)

@@ -49,6 +49,12 @@ class RoutedExperts:
     def graph_safe(self, layer: int) -> bool:
         return graph_safe(self.inner, layer)
 
+    def begin_step(self) -> None:
+        self.inner.begin_step()
+
+    def end_step(self) -> None:
+        self.inner.end_step()
+
 
 class NoExperts:
     """Experts that cost nothing (graph-safe): what the dense time of the ceiling is measured with."""
@@ -153,7 +159,7 @@ def run_model(name: str, args, hw, report: dict) -> None:
         if plan.backend == "gpu":
             slots = layers * e
         label = "unlimited" if budget is None else f"{budget_gib:g} GiB"
-        splits = args.split if 0 < slots < layers * e else args.split[:1]     # a split needs misses and slots
+        splits = args.split if slots < layers * e else args.split[:1]     # a split needs misses
         for routing, split in [(r, sp) for r in args.routings for sp in splits]:
             if device.type == "cuda":
                 torch.cuda.empty_cache()
@@ -174,6 +180,7 @@ def run_model(name: str, args, hw, report: dict) -> None:
                 hybrid.counters.end_step()
                 tok_s = decode_rate(model, graphs, cache, steps=args.tokens, warmup=args.warmup, experts=experts,
                                     use_graphs=use_graphs, device=device)
+                hybrid.flush_step_log()
                 c = hybrid.counters.end_step()
                 miss_bytes = (c["cpu_experts"] + c["fetched_experts"]) * store.block_nbytes / (steps)
                 ceiling = 1.0 / (miss_bytes / ((hw.h2d_gbps + hw.cpu_gbps) * 1e9) + dense_s)
@@ -181,7 +188,8 @@ def run_model(name: str, args, hw, report: dict) -> None:
                              "kind": "decode b1 " + ("graphs" if use_graphs else "eager"), "slots": slots,
                              "tok_s": tok_s, "ceiling_tok_s": ceiling, "of_ceiling": tok_s / ceiling,
                              "hit_rate": c["hit_rate"], "cpu_share": c["cpu_share"],
-                             "split": hybrid.split.mode + ("" if split == "auto" else " (forced)"),
+                             "split": ("zero-copy" if hybrid.zero_copy else hybrid.split.mode)
+                                      + ("" if split == "auto" else " (forced)"),
                              "peak_vram_gib": torch.cuda.max_memory_allocated() / GiB if device.type == "cuda" else 0,
                              "host_rss_gib": host_rss() / GiB, "host_us_per_call": host_breakdown(c),
                              "misses_per_token": (c["cpu_experts"] + c["fetched_experts"]) / steps})
@@ -189,7 +197,7 @@ def run_model(name: str, args, hw, report: dict) -> None:
                 if c["decode_calls"]:
                     print("    host µs per decode call: " + "  ".join(
                         f"{key} {v:.0f}" for key, v in rows[-1]["host_us_per_call"].items()), flush=True)
-                if use_graphs and args.trace and args.out and 0 < slots < layers * e:
+                if use_graphs and args.trace and args.out and slots < layers * e:
                     trace_decode(graphs, cache, experts, args.trace, args.out / (
                         f"trace_{name}_{label.replace(' ', '')}_{routing}_{split}.json.gz"))
                 cache.release()                 # a state slot goes back to the pool

@@ -28,6 +28,8 @@ from runtime.experts.interface import ExpertWeights
 
 log = logging.getLogger(__name__)
 
+HOST_REGISTER_PORTABLE, HOST_REGISTER_MAPPED = 1, 2      # cudaHostRegister flags
+
 _NUMPY_OF = {"float32": np.float32, "float16": np.float16, "bfloat16": np.uint16, "uint8": np.uint8,
              "float8_e4m3fn": np.uint8}
 
@@ -63,7 +65,8 @@ class HostBuffer:
             log.warning("cannot page-lock %.2f GiB of experts: CUDA is not available", self.nbytes / 2**30)
             return False
         ptr = self.array.ctypes.data
-        err = torch.cuda.cudart().cudaHostRegister(ptr, self.nbytes, 0)
+        # portable (every device) and mapped: the GPU may read experts in place (hybrid.py's zero-copy misses)
+        err = torch.cuda.cudart().cudaHostRegister(ptr, self.nbytes, HOST_REGISTER_PORTABLE | HOST_REGISTER_MAPPED)
         if int(err) != 0:
             log.warning("cudaHostRegister of %.2f GiB failed (error %s): experts stay pageable",
                         self.nbytes / 2**30, int(err))

@@ -42,6 +42,7 @@ from runtime.kernels.expert_pool import pool_forward, pool_forward_grouped
 
 log = logging.getLogger(__name__)
 
+ZERO_COPY_MAX_TOKENS = 4               # zero-copy reads an expert per assignment: only for a few tokens
 STREAM_TOKENS_PER_ACTIVE_SHARE = 32   # stream a layer when tokens >= 32 * E / K (each byte serves enough tokens)
 MIN_STREAM_TOKENS = 32                # ...or sooner, when the CPU would take longer than the stream (below)
 CPU_EXPERT_FLOPS = 0.3e12             # the int8 CPU kernel on mid-size batches: ~0.3 TFLOP/s measured on the
@@ -79,6 +80,9 @@ class HybridOptions:
     split: str = "auto"                         # "auto" | "cpu" | "fetch": force a pure strategy (benchmarks)
     stream_on_cpu: bool = False                 # run the streaming path on a CPU device too (tests)
     prefetch_bytes_per_call: int = 16 << 20     # copy budget for next-layer predictions (with a prefetcher)
+    zero_copy: bool | None = None               # decode misses read by the GPU in place from page-locked host
+                                                # memory (None: on CUDA when possible and split is auto/fetch)
+    promote_bytes_per_step: int = 16 << 20      # zero-copy mode: promotions decided once per decode step
 
 
 class HybridExperts:
@@ -93,9 +97,13 @@ class HybridExperts:
         self.layout = store.layout
         self.cuda = self.device.type == "cuda"
         directory = SlotDirectory(options.slots, make_policy(options.policy), pinned=options.hot_set)
-        self.cache = SlotCache(directory=directory, layers=store.layers, num_experts=store.num_experts,
-                               block_nbytes=store.block_nbytes, device=self.device)
         self.transport = Transport(store, self.device)
+        total = len(store.layers) * store.num_experts
+        want_zero_copy = options.split in ("auto", "fetch") if options.zero_copy is None else options.zero_copy
+        self.zero_copy = bool(want_zero_copy and options.slots < total and (
+            options.zero_copy or (self.cuda and self.transport.pinned and int4_pool_triton.supports(store.layout, spec))))
+        self.cache = SlotCache(directory=directory, layers=store.layers, num_experts=store.num_experts,
+                               block_nbytes=store.block_nbytes, device=self.device, miss_table=self.zero_copy)
         self.cpu = CpuExecutor(store, spec, threads=options.cpu_threads)
         if options.slots < len(store.layers) * store.num_experts:
             # misses may run on the CPU: compile (or load from numba's cache) the kernel now, while the
@@ -127,18 +135,21 @@ class HybridExperts:
         self._pool_forward = int4_pool_triton.pool_forward_triton if (
             self.cuda and int4_pool_triton.supports(self.layout, spec)) else pool_forward
         self._warm_hot_set()
-        total = len(store.layers) * store.num_experts
         self._all_resident = options.slots >= total and all(
             self.cache.is_ready((layer, e)) for layer in store.layers for e in range(store.num_experts))
+        if self.zero_copy:
+            self._init_zero_copy()
 
     # ------------------------------------------------------------------ the Experts interface
     def __call__(self, layer: int, hidden: torch.Tensor, topk_ids: torch.Tensor,
                  topk_weights: torch.Tensor) -> torch.Tensor:
         if layer not in self.cache.layer_index:
             raise KeyError(f"layer {layer} has no routed experts in this model")
+        t = hidden.shape[0]
+        if self.zero_copy and t <= ZERO_COPY_MAX_TOKENS:
+            return self._zero_copy_decode(layer, hidden, topk_ids, topk_weights)
         if self._promotions:
             self._finish_promotions()
-        t = hidden.shape[0]
         if t >= self.stream_threshold:
             if self._all_resident:
                 # every expert lives in the pool: group over it directly, nothing to stream
@@ -152,10 +163,108 @@ class HybridExperts:
         return self._decode(layer, hidden, topk_ids, topk_weights)
 
     def graph_safe(self, layer: int) -> bool:
-        """Every expert lives in the pool for good (nothing can be evicted): a decode call is a device lookup and
-        the pool kernels, so runtime/decode_graph.py may record it. (Its counters then count the recording,
-        not each replay.) A partly cached model needs the host at every call: never graph-safe."""
-        return self.cuda and self._all_resident
+        """A decode call needs nothing from the host, so runtime/decode_graph.py may record it: every expert
+        lives in the pool for good (a device lookup and the pool kernels; counters then count the recording),
+        or misses are read in place from host memory (zero-copy: the host's bookkeeping runs between steps,
+        from the step's routing log, in `begin_step` / `end_step`)."""
+        return self.cuda and (self._all_resident or self.zero_copy)
+
+    # ------------------------------------------------------------------ few tokens, zero-copy
+    def _init_zero_copy(self) -> None:
+        """Zero-copy decode: the GPU computes every expert of a call itself, hits from the VRAM pool and misses
+        straight from the page-locked host store over PCIe (the same Triton kernels, given the layer's host
+        blocks as their "pool" and the miss table as their slot table). No host sync, no host decision per
+        layer, so the whole decode step is one CUDA graph. The host keeps its books between steps: each call
+        writes its expert ids into a device log [L, T, K]; `begin_step` copies the log to the host and
+        publishes promotions that have landed, `end_step` (while the GPU runs the step) counts hits and
+        misses, feeds the policy and routing statistics and starts promotions on the copy stream."""
+        store = self.store
+        self._host_layers = [torch.from_numpy(store.layer_buffer(layer)) for layer in store.layers]   # [E, nbytes]
+        shape = (len(store.layers), ZERO_COPY_MAX_TOKENS, self.options.top_k)
+        self._log = torch.full(shape, -1, dtype=torch.int64, device=self.device)       # [L, T, K] ids of a step
+        self._log_host = torch.empty(shape, dtype=torch.int64, pin_memory=self.cuda)
+        self._log_copy = None                   # (event, table snapshot) of a log copy not yet accounted
+        self._snapshot = self.cache.host_table.copy()        # the table the current step runs against
+        self._promote_step_blocks = self.options.promote_bytes_per_step // max(1, store.block_nbytes)
+        if self.cuda:
+            try:               # a store the GPU cannot map, or a kernel that cannot read it: the host path
+                probe = torch.zeros((1, store.layout.hidden), dtype=self.dtype, device=self.device)
+                ids = torch.arange(min(self.options.top_k, store.num_experts), device=self.device)[None]
+                self._zero_copy_forward(0, probe, ids, torch.ones(ids.shape, device=self.device))
+                torch.cuda.current_stream(self.device).synchronize()
+            except Exception as exc:     # noqa: BLE001  (reported; the host-driven path still works)
+                log.warning("zero-copy expert reads are unavailable (%s): misses go through the host", exc)
+                self.zero_copy = False
+
+    def _zero_copy_forward(self, li: int, x: torch.Tensor, topk_ids: torch.Tensor,
+                           topk_weights: torch.Tensor) -> torch.Tensor:
+        """x [T, D] (compute dtype) -> [T, D]: misses over PCIe from host memory, then hits from the pool."""
+        cache, fwd = self.cache, self._pool_forward
+        out = fwd(self._host_layers[li], self.layout, self.spec, x, topk_ids, topk_weights,
+                  slot_table=cache.miss_rows[li]) if fwd is not pool_forward else \
+            pool_forward(self._host_layers[li], self.layout, self.spec, x, cache.miss_rows[li][topk_ids], topk_weights)
+        if self.options.slots:
+            hits = fwd(cache.pool, self.layout, self.spec, x, topk_ids, topk_weights,
+                       slot_table=cache.table_rows[li]) if fwd is not pool_forward else \
+                pool_forward(cache.pool, self.layout, self.spec, x, cache.table_rows[li][topk_ids], topk_weights)
+            out = out.add_(hits)
+        return out
+
+    def _zero_copy_decode(self, layer, hidden, topk_ids, topk_weights) -> torch.Tensor:
+        li = self.cache.layer_index[layer]
+        t = hidden.shape[0]
+        if li == 0 and not (self.cuda and torch.cuda.is_current_stream_capturing()):
+            # called eagerly: the first MoE layer's call is the step boundary (a replayed graph calls the hooks)
+            self.begin_step()
+            self.end_step()
+        self._log[li, :t].copy_(topk_ids)
+        x = hidden if hidden.dtype == self.dtype else hidden.to(self.dtype)
+        out = self._zero_copy_forward(li, x, topk_ids, topk_weights)
+        return out if out.dtype == hidden.dtype else out.to(hidden.dtype)
+
+    def begin_step(self) -> None:
+        """Before a decode step is enqueued: publish promotions that have landed (their table writes go before
+        the step), copy the previous step's routing log to the host and note the table this step will see."""
+        if not self.zero_copy:
+            return
+        if self._promotions:
+            self._finish_promotions()
+        if self._log_copy is None:
+            self._log_host.copy_(self._log, non_blocking=True)
+            self._log_copy = (self._record(), self._snapshot)
+            self._log.fill_(-1)
+        self._snapshot = self.cache.host_table.copy()
+
+    def end_step(self) -> None:
+        """After a decode step is enqueued (the GPU is busy with it): account the previous step's log once its
+        copy has landed: counters, policy, routing statistics, and promotions within the step's byte budget."""
+        if not self.zero_copy or self._log_copy is None:
+            return
+        done, snapshot = self._log_copy
+        if done is not None and not done.query():
+            return
+        self._log_copy = None
+        ids = self._log_host.numpy()                                        # [L, T, K], -1 unused
+        nb, budget = self.store.block_nbytes, self._promote_step_blocks
+        dirc, seen = self.cache.directory, self._seen
+        for li, layer in enumerate(self.store.layers):
+            row = ids[li]
+            used = row >= 0
+            if not used.any():
+                continue
+            seen[row[used]] = True
+            uniq = np.flatnonzero(seen)                                     # [U] distinct experts
+            seen[uniq] = False
+            ready = snapshot[li, uniq] >= 0
+            n_hits = int(np.count_nonzero(ready))
+            dirc.record(layer, uniq, n_hits)
+            self.routing.add_distinct(layer, uniq)
+            missed = uniq[~ready]
+            self.counters.add_decode(int(used.any(axis=1).sum()), n_hits, len(missed), 0, len(missed), nb, 0.0)
+            if budget > 0 and len(missed) and self.options.slots:
+                before = len(self._promotions)
+                self._promote(layer, missed, budget_bytes=budget * nb)
+                budget -= len(self._promotions) - before
 
     # ------------------------------------------------------------------ few tokens
     def _decode(self, layer, hidden, topk_ids, topk_weights) -> torch.Tensor:
@@ -471,6 +580,13 @@ class HybridExperts:
             torch.cuda.current_stream(self.device).wait_event(event)
 
     # ------------------------------------------------------------------ what the engine and UI read
+    def flush_step_log(self) -> None:
+        """Account a pending routing log now (tests and reports; waits for its copy)."""
+        if self.zero_copy and self._log_copy is not None:
+            if self._log_copy[0] is not None:
+                self._log_copy[0].synchronize()
+            self.end_step()
+
     @property
     def nbytes(self) -> int:
         return self.cache.nbytes + (0 if self._stage is None else self._stage.numel())

@@ -29,7 +29,7 @@ from runtime.experts.policy import Key, SlotDirectory
 
 class SlotCache:
     def __init__(self, *, directory: SlotDirectory, layers: list[int], num_experts: int, block_nbytes: int,
-                 device: torch.device):
+                 device: torch.device, miss_table: bool = False):
         self.directory = directory
         self.device = device
         self.cuda = device.type == "cuda"
@@ -44,12 +44,19 @@ class SlotCache:
         self.pending: set[Key] = set()            # allocated, bytes still in flight: not a hit yet
         self._flat_table = self.table.view(-1)
         self._table_np = None if self.cuda else self.table.numpy()
-        # device side of batched table writes: [2, L*E] (flat index, slot), written by stream-ordered copies
-        self._updates = torch.empty((2, self.table.numel()), dtype=torch.int64, device=device) if self.cuda else None
+        # with `miss_table`, the complement: `miss_table [L, E]` = e where expert e is NOT published, else -1
+        # (what the zero-copy pass over host memory computes; hybrid.py), written with the table
+        self.miss_table = (torch.arange(num_experts, device=device).repeat(len(layers), 1)
+                           if miss_table else None)                     # [L, E] int64
+        self.miss_rows = [] if self.miss_table is None else [self.miss_table[i] for i in range(len(layers))]
+        self._miss_np = None if self.cuda or self.miss_table is None else self.miss_table.numpy()
+        # device side of batched table writes: [3, L*E] (flat index, slot, miss entry), written by
+        # stream-ordered copies
+        self._updates = torch.empty((3, self.table.numel()), dtype=torch.int64, device=device) if self.cuda else None
 
     @property
     def nbytes(self) -> int:
-        return self.pool.numel() + self.table.numel() * 8
+        return self.pool.numel() + self.table.numel() * 8 * (1 if self.miss_table is None else 2)
 
     @property
     def published(self) -> set[Key]:
@@ -94,16 +101,23 @@ class SlotCache:
         np.add.at(self.resident, li, (new >= 0).astype(np.int64) - was)
         if self._table_np is not None:
             self._table_np[li, e] = new
+            if self._miss_np is not None:
+                self._miss_np[li, e] = np.where(new >= 0, -1, e)
             return
         n = len(keys)
-        staged = torch.empty((2, n), dtype=torch.int64, pin_memory=True)     # caching host allocator
+        rows = 3 if self.miss_table is not None else 2
+        staged = torch.empty((rows, n), dtype=torch.int64, pin_memory=True)     # caching host allocator
         staged_np = staged.numpy()
         np.multiply(li, self.num_experts, out=staged_np[0])
         staged_np[0] += e
         staged_np[1] = new
-        upd = self._updates[:, :n]
+        if rows == 3:
+            staged_np[2] = np.where(new >= 0, -1, e)
+        upd = self._updates[:rows, :n]
         upd.copy_(staged, non_blocking=True)
         self._flat_table.index_copy_(0, upd[0], upd[1])
+        if rows == 3:
+            self.miss_table.view(-1).index_copy_(0, upd[0], upd[2])
 
     def layer_resident(self, layer: int) -> bool:
         """Every expert of `layer` is in the pool and published: its calls need no host involvement."""
