@@ -375,12 +375,15 @@ def run_child(args) -> int:
     from runtime.experts.stats import PeakRSS, host_rss
 
     t_imported = time.perf_counter()
-    logging.basicConfig(level=logging.INFO, stream=sys.stdout,
-                        format="    [%(relativeCreated)8.0f ms] %(name)s: %(message)s")
     cuda = torch.cuda.is_available() and args.device in ("auto", "cuda")
     sync = torch.cuda.synchronize if cuda else None
     timer = PhaseTimer(sync=(lambda: torch.cuda.synchronize() if torch.cuda.is_initialized() else None)
                        if cuda else None)
+    # the engine's own log lines (the plan, the pinned copy, warnings), stamped with seconds since the load began
+    handler = logging.StreamHandler(sys.stdout)
+    handler.setFormatter(logging.Formatter("    [%(since_load)7.2f s] %(name)s: %(message)s"))
+    handler.addFilter(lambda record: setattr(record, "since_load", timer.now()) or True)
+    logging.basicConfig(level=logging.INFO, handlers=[handler])
     instrument(timer)
     package = Path(args.package)
     package_bytes = sum((package / n).stat().st_size for n in ("dense.bin", "experts.bin"))

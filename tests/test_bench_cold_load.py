@@ -1,0 +1,98 @@
+"""benchmarks/bench_cold_load.py at a tiny size: its package is a real FTW package (the checksums verify, the strict
+loader takes it, the engine answers from it), a complete package is reused, and the benchmark runs end to end."""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from dataclasses import replace
+
+import pytest
+
+from benchmarks import bench_cold_load as bench
+
+TINY = bench.PackageShape(layers=2, hidden=128, heads=4, kv_heads=2, head_dim=32, experts=8, top_k=2,
+                          expert_width=128, dense_width=256, vocab=512, group=64, max_position=2048,
+                          expert_pool_mib=1)
+
+
+def test_written_package_verifies_loads_and_answers(tmp_path):
+    import torch
+
+    from runtime.engine import Engine, SamplingParams
+    from runtime.ftw.verify import verify
+
+    out = tmp_path / "pkg"
+    info = bench.write_package(out, TINY, say=lambda *_: None)
+    assert not info["reused"]
+    assert not out.with_name("pkg.partial").exists()          # written through the writer's atomic finish
+    report = verify(out)
+    assert report.ok, report.bad                                # every dense tensor and expert layer hashes right
+    assert report.nbytes == info["nbytes"]
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["experts"]["group_size"] == 64 and manifest["experts"]["codec"] == "int4"
+    assert manifest["experts"]["block_nbytes"] % 4096 == 0
+
+    engine = Engine.load(out, device="cpu", context_length=256, max_batch=1)
+    # the dense weights are sane: norms at 1, projections with std ~0.02 (not zeros, not the same tensor twice)
+    params = dict(engine.model.named_parameters())
+    assert torch.equal(params["model.norm.weight"], torch.ones_like(params["model.norm.weight"]))
+    q0, q1 = params["model.layers.0.self_attn.q_proj.weight"], params["model.layers.1.self_attn.q_proj.weight"]
+    assert 0.015 < float(q0.detach().float().std()) < 0.025 and not torch.equal(q0, q1)
+    expert = engine.package.experts.dequantize(1, 3)
+    assert 0.01 < float(expert.gate.std()) < 0.04 and torch.isfinite(expert.down).all()
+
+    prompt = engine.tokenizer.encode(engine.chat_template.render(bench.CHAT, add_generation_prompt=True))
+    result = engine.generate(prompt, SamplingParams(temperature=0.0, max_tokens=3, stop_token_ids=()))
+    assert len(result.tokens) == 3 and all(0 <= t < TINY.vocab for t in result.tokens)
+
+
+def test_complete_package_is_reused_and_another_shape_is_rewritten(tmp_path):
+    out = tmp_path / "pkg"
+    bench.write_package(out, TINY, say=lambda *_: None)
+    stamp = (out / "experts.bin").stat().st_mtime_ns
+    again = bench.write_package(out, TINY, say=lambda *_: None)
+    assert again["reused"] and (out / "experts.bin").stat().st_mtime_ns == stamp
+    other = bench.write_package(out, replace(TINY, experts=4), say=lambda *_: None)
+    assert not other["reused"]
+    assert json.loads((out / "manifest.json").read_text())["experts"]["num_experts"] == 4
+
+
+def test_an_interrupted_write_is_not_taken_for_a_package(tmp_path):
+    import subprocess
+    import sys
+
+    from runtime.ftw.reader import FTWError, FTWPackage
+    from runtime.ftw.verify import verify
+    from runtime.ftw.writer import EXIT_AFTER_UNITS_ENV
+
+    out = tmp_path / "pkg"
+    # a separate process writes and is killed after two committed units (the writer's own test hook)
+    code = ("import dataclasses, sys; from benchmarks import bench_cold_load as b; "
+            f"b.write_package(sys.argv[1], b.PackageShape(**{dataclasses.asdict(TINY)!r}), say=lambda *_: None)")
+    killed = subprocess.run([sys.executable, "-c", code, str(out)], cwd=bench.ROOT,
+                            env={**os.environ, EXIT_AFTER_UNITS_ENV: "2"}, timeout=120)
+    assert killed.returncode == 75
+    with pytest.raises(FTWError):
+        FTWPackage.open(out)
+    info = bench.write_package(out, TINY, say=lambda *_: None)     # resumes from the journal
+    assert not info["reused"] and verify(out).ok
+
+
+def test_benchmark_runs_end_to_end(tmp_path, capsys):
+    out = tmp_path / "cold.json"
+    assert bench.main(["--folder", str(tmp_path / "pkg"), "--layers", "1", "--experts", "8", "--vocab", "1024",
+                       "--vram-budget", "0", "--device", "cpu", "--decode-steps", "2", "--out", str(out)]) == 0
+    report = json.loads(out.read_text())
+    (row,) = report["rows"]
+    phases = {p["phase"]: p for p in row["phases"]}
+    assert row["not_found"] == []                        # every wrapped function still exists under its name
+    for name in ("open package (manifest, file sizes)", "dense weights to the device", "tokenizer",
+                 "first token (prefill + sample)", "decode step (steady)"):
+        assert phases[name]["seconds"] > 0, name
+    assert 0 < row["load_s"] < row["load_to_first_token_s"]
+    assert row["rss_peak"] >= row["rss_after_load"] > 0
+    assert row["package_bytes"] == report["package"]["nbytes"]
+    assert report["warm_read"]["bytes"] == row["package_bytes"]
+    printed = capsys.readouterr().out
+    assert "| VRAM budget |" in printed and "dense weights to the device" in printed
