@@ -64,6 +64,37 @@ def check_norm_rope(device: str = "cpu") -> list[str]:
             tol = 1e-5 if dtype == torch.float32 else 2e-2 * want.float().abs().max().item()
             if err > tol:
                 failures.append(f"norm_rope {dtype} hd {hd} rd {rope.rotary_dim} norm {with_norm}: max error {err:.3g}")
+            failures += _check_norm_rope_store(k, x, cos, sin, norm, rope, dtype, device, gen)
+    return failures
+
+
+def _check_norm_rope_store(k, x, cos, sin, norm, rope, dtype, device, gen) -> list[str]:
+    """norm_rope_store: k's normed, rotated rows land in the key cache at the rows given on the device (exactly
+    what norm_rope computes), v's rows in the value cache at the same rows, and nothing else changes."""
+    n, h, hd = x.shape
+    label = f"norm_rope_store {dtype} hd {hd} rd {rope.rotary_dim} norm {norm is not None}"
+    # a cache of capacity 12 viewed as the engine keeps it ([Hkv, S, hd]), filled with sentinels
+    keys = torch.full((h, 12, hd), 7.0, dtype=dtype, device=device)
+    values = torch.full((h, 12, hd), -7.0, dtype=dtype, device=device)
+    rows = torch.tensor([5, 0, 11], device=device)
+    v = torch.randn(n, h * hd + 2 * hd, generator=gen).to(device, dtype)[:, hd:hd + h * hd].view(n, h, hd)
+    weight = None if norm is None else norm.weight
+    k.norm_rope_store(x, v, cos, sin, keys, values, rows, weight=weight, eps=1e-6, rotary_dim=rope.rotary_dim)
+    rotated = k.norm_rope(x, cos, sin, weight=weight, eps=1e-6, rotary_dim=rope.rotary_dim)     # [N, Hkv, hd]
+    failures = []
+    if not torch.equal(keys[:, rows].transpose(0, 1), rotated):
+        failures.append(f"{label}: the stored keys differ from norm_rope's")
+    if not torch.equal(values[:, rows].transpose(0, 1), v):
+        failures.append(f"{label}: the stored values differ from v")
+    others = torch.ones(12, dtype=torch.bool, device=device)
+    others[rows] = False
+    if not (torch.all(keys[:, others] == 7.0) and torch.all(values[:, others] == -7.0)):
+        failures.append(f"{label}: rows other than the given ones changed")
+    try:
+        k.norm_rope_store(x, v[:, :1], cos, sin, keys, values, rows, weight=weight, rotary_dim=rope.rotary_dim)
+        failures.append(f"{label}: a v of another shape was accepted")
+    except ValueError:
+        pass
     return failures
 
 

@@ -250,18 +250,56 @@ def attend_batch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: Batch
     return out
 
 
-def attend_static(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache, static, *, scale: float) -> torch.Tensor:
+def attend_static(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache, static, *, scale: float,
+                  k_norm: RMSNorm | None = None, rope: Rotary | None = None, cos_sin=None) -> torch.Tensor:
     """One sequence, one new token, no host integers (runtime/decode_graph.py records this in a CUDA graph):
     k, v go to row `static.write_at` of the cache's buffers and the query attends over the first
     `static.bucket` rows, masked past its own position. q [1, H, hd], k/v [1, Hkv, hd] -> [1, H, hd].
-    The cache's offset is advanced by the caller."""
+    With `rope` (and `cos_sin`, optionally `k_norm`) k arrives as projected and is normed, rotated and written
+    by `store_rotated_kv` (one launch on a GPU); without, k is already rotated. The cache's offset is advanced
+    by the caller."""
+    if rope is not None:
+        store_rotated_kv(k, v, cache, static.write_at, k_norm, rope, cos_sin)
+    else:
+        cache.keys.index_copy_(1, static.write_at, k.transpose(0, 1))
+        cache.values.index_copy_(1, static.write_at, v.transpose(0, 1))
     keys, values = cache.keys[:, :static.bucket], cache.values[:, :static.bucket]      # [Hkv, bucket, hd]
-    keys.index_copy_(1, static.write_at, k.transpose(0, 1))
-    values.index_copy_(1, static.write_at, v.transpose(0, 1))
-    h, hkv = q.shape[1], keys.shape[0]
-    o = F.scaled_dot_product_attention(q.transpose(0, 1)[None], keys[None], values[None], attn_mask=static.mask,
-                                       scale=scale, enable_gqa=h != hkv)[0]             # [H, 1, hd]
-    return o.transpose(0, 1)
+    h, hd, hkv = q.shape[1], q.shape[2], keys.shape[0]
+    o = F.scaled_dot_product_attention(q.reshape(1, h, 1, hd), keys[None], values[None],
+                                       attn_mask=_additive_mask(static, q.dtype), scale=scale,
+                                       enable_gqa=h != hkv)                              # [1, H, 1, hd]
+    return o.reshape(1, h, hd)
+
+
+def _additive_mask(static, dtype: torch.dtype) -> torch.Tensor:
+    """The step's key mask (`static.mask`, [1, bucket] bool) as the additive bias SDPA uses, [1, 1, 1, bucket]
+    of 0 / -inf, made once per step (on the step's StaticKV, new each step) and shared by every layer: given the
+    bool mask, SDPA converts it on every call (zeros_like, logical_not, masked_fill: launches in each layer of
+    the recorded graph)."""
+    made = static.__dict__.get("_additive_mask")
+    if made is None or made.dtype != dtype:
+        mask = static.mask
+        made = torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(~mask, float("-inf"))[None, None]
+        static.__dict__["_additive_mask"] = made
+    return made
+
+
+def store_rotated_kv(k: torch.Tensor, v: torch.Tensor, cache, rows: torch.Tensor, norm: RMSNorm | None,
+                     rope: Rotary, cos_sin) -> None:
+    """k normed (when the model has a k norm) and rotated into the cache's keys at `rows` [N] (a device tensor),
+    v into its values at the same rows: k, v [N, Hkv, hd]. On a GPU one launch (norm_rope_triton.norm_rope_store)
+    instead of the norm+rope kernel, the rotated k's temporary and two index_copy_ kernels."""
+    def reference() -> None:
+        cache.keys.index_copy_(1, rows, norm_and_rotate(k, norm, rope, cos_sin).transpose(0, 1))
+        cache.values.index_copy_(1, rows, v.transpose(0, 1))
+
+    if norm_rope_triton.available(k) and k.dtype == cache.keys.dtype and (
+            norm is None or norm.flavour != "llama" or norm.weight.dtype == k.dtype):
+        return fallback.run("norm_rope", lambda: norm_rope_triton.norm_rope_store(
+            k, v, *cos_sin, cache.keys, cache.values, rows, weight=None if norm is None else norm.weight,
+            eps=1e-6 if norm is None else norm.eps, flavour="llama" if norm is None else norm.flavour,
+            rotary_dim=rope.rotary_dim), reference)
+    return reference()
 
 
 def norm_and_rotate(x: torch.Tensor, norm: RMSNorm | None, rope: Rotary, cos_sin) -> torch.Tensor:
@@ -328,9 +366,15 @@ class Attention(nn.Module):
         q = q.view(n, self.num_heads, self.head_dim)                         # [N, H, hd]
         k = k.view(n, self.num_kv_heads, self.head_dim)                      # [N, Hkv, hd]
         v = v.view(n, self.num_kv_heads, self.head_dim)                      # [N, Hkv, hd]
-        q, k = norm_and_rotate(q, self.q_norm, rope, cos_sin), norm_and_rotate(k, self.k_norm, rope, cos_sin)
-        o = attend_batch(q, k, v, batch, layer, scale=self.scale, sliding_window=self.sliding_window,
-                         sinks=self.sinks)
+        q = norm_and_rotate(q, self.q_norm, rope, cos_sin)
+        if batch.static_kv is not None:
+            # the static decode step: k's norm+rope and both cache writes in one launch (on a GPU)
+            o = attend_static(q, k, v, batch.caches[0].layers[layer], batch.static_kv, scale=self.scale,
+                              k_norm=self.k_norm, rope=rope, cos_sin=cos_sin)
+        else:
+            k = norm_and_rotate(k, self.k_norm, rope, cos_sin)
+            o = attend_batch(q, k, v, batch, layer, scale=self.scale, sliding_window=self.sliding_window,
+                             sinks=self.sinks)
         return self.o_proj(o.reshape(n, self.num_heads * self.head_dim))
 
 
