@@ -38,7 +38,9 @@ def build_empty_model(config: dict, *, experts, device: torch.device | str, dtyp
     """The family's model with uninitialised parameters on `device` (no time spent on random init)."""
     with torch.device("meta"):
         model = build_model(config, experts=experts)
-    model = model.to_empty(device=device).to(dtype)
+    # cast on meta (free), then allocate once in `dtype`: allocating in the default fp32 and casting after held
+    # 3x the weights at once (9.3 GB of VRAM for Qwen3-30B-A3B's 3.1 GB of bf16 dense weights)
+    model = model.to(dtype).to_empty(device=device)
     # buffers computed from the config (rotary frequencies) were lost on meta: rebuild them in fp32
     for module in model.modules():
         init = getattr(module, "init_buffers", None)

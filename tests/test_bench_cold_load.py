@@ -96,3 +96,32 @@ def test_benchmark_runs_end_to_end(tmp_path, capsys):
     assert report["warm_read"]["bytes"] == row["package_bytes"]
     printed = capsys.readouterr().out
     assert "| VRAM budget |" in printed and "dense weights to the device" in printed
+
+
+# ---------------------------------------------------------------------------------- the load path's memory
+
+def test_empty_model_is_allocated_once_in_the_asked_dtype():
+    """A bf16 model on the device was first allocated in fp32, then cast: 3x its weights at once (9.3 GB of VRAM
+    for Qwen3-30B-A3B's 3.1 GB), more than an 8 GB card holds. Count every real allocation while it is built."""
+    import torch
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from runtime.loading import build_empty_model
+
+    class Allocations(TorchDispatchMode):
+        nbytes = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            for t in out if isinstance(out, (tuple, list)) else [out]:
+                if isinstance(t, torch.Tensor) and t.device.type != "meta":
+                    Allocations.nbytes += t.numel() * t.element_size()
+            return out
+
+    config = TINY.config(bos=None, eos=1)
+    with Allocations():
+        model = build_empty_model(config, experts=None, device="cpu", dtype=torch.bfloat16)
+    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
+    assert model.rope.inv_freq.dtype == torch.float32             # rebuilt in fp32 as before
+    assert weights <= Allocations.nbytes <= weights * 1.05 + 65536
