@@ -78,11 +78,14 @@ def load_dense_weights(model: CausalLM, source: DenseSource, *,
             misshaped.append(f"{name} {tuple(tensor.shape)} (expected {tuple(param.shape)})")
             continue
         with torch.no_grad():
-            param.copy_(tensor.to(device=param.device, dtype=param.dtype))
+            param.copy_(tensor)          # one copy, casting on the way (no temporary on the device)
         report.loaded[target] = name
         report.nbytes += param.numel() * param.element_size()
         if progress:
             progress(i + 1, len(names))
+    release = getattr(source, "release_dense", None)
+    if callable(release):
+        release()        # every tensor is copied: the mapped file's pages need not count in this process's RSS
     missing = sorted(set(params) - set(report.loaded))
     problems = []
     if missing:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import re
 from dataclasses import replace
 
 import pytest
@@ -100,6 +101,19 @@ def test_benchmark_runs_end_to_end(tmp_path, capsys):
 
 # ---------------------------------------------------------------------------------- the load path's memory
 
+def _mapped_rss(path) -> int:
+    """Bytes of `path` this process has resident through its mappings (Linux /proc/self/smaps)."""
+    total, inside = 0, False
+    with open("/proc/self/smaps", encoding="utf-8") as f:
+        for line in f:
+            head = line.split()
+            if re.match(r"[0-9a-f]+-[0-9a-f]+ ", line):          # a mapping's header (the path is optional)
+                inside = len(head) >= 6 and head[5] == str(path)
+            elif inside and line.startswith("Rss:"):
+                total += int(line.split()[1]) * 1024
+    return total
+
+
 def test_empty_model_is_allocated_once_in_the_asked_dtype():
     """A bf16 model on the device was first allocated in fp32, then cast: 3x its weights at once (9.3 GB of VRAM
     for Qwen3-30B-A3B's 3.1 GB), more than an 8 GB card holds. Count every real allocation while it is built."""
@@ -125,3 +139,24 @@ def test_empty_model_is_allocated_once_in_the_asked_dtype():
     assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
     assert model.rope.inv_freq.dtype == torch.float32             # rebuilt in fp32 as before
     assert weights <= Allocations.nbytes <= weights * 1.05 + 65536
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/smaps"), reason="reads Linux's /proc/self/smaps")
+def test_dense_file_pages_are_released_after_loading(tmp_path):
+    """Once the dense weights are copied into the model, the mapped dense.bin must not stay in the RSS (3.1 GB for
+    Qwen3-30B-A3B, on top of its copy on the GPU or in the model's own tensors)."""
+    import torch
+
+    from runtime.ftw.reader import FTWPackage
+    from runtime.loading import build_empty_model, load_dense_weights
+
+    out = tmp_path / "pkg"
+    bench.write_package(out, replace(TINY, vocab=8192), say=lambda *_: None)     # ~4 MiB of embeddings
+    package = FTWPackage.open(out)
+    dense = out / "dense.bin"
+    model = build_empty_model(package.config, experts=None, device="cpu", dtype=torch.float32)
+    load_dense_weights(model, package)
+    assert _mapped_rss(dense) < 64 * 1024, "the dense file's pages stayed mapped after loading"
+    # the loaded weights are right, and the package can still be read after the release
+    assert torch.equal(model.lm_head.weight, package.dense("lm_head.weight").float())
+    assert _mapped_rss(dense) >= package.dense("lm_head.weight").numel() * 2 * 0.9    # (the check can see pages)
