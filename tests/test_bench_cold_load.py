@@ -160,3 +160,74 @@ def test_dense_file_pages_are_released_after_loading(tmp_path):
     # the loaded weights are right, and the package can still be read after the release
     assert torch.equal(model.lm_head.weight, package.dense("lm_head.weight").float())
     assert _mapped_rss(dense) >= package.dense("lm_head.weight").numel() * 2 * 0.9    # (the check can see pages)
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/smaps"), reason="reads Linux's /proc/self/smaps")
+@pytest.mark.parametrize("threads, chunk", [(1, 1 << 20), (3, 12288)])
+def test_experts_copied_to_the_device_pool_from_the_file_without_mapping_it(tmp_path, threads, chunk):
+    """The all-in-VRAM load: every block lands in its slot (slot i = block i of the file), read from the file in
+    parallel chunks; the expert file's pages are never mapped into this process (they used to stay in the RSS
+    for good: the whole expert file, 15 GB for Qwen3-30B-A3B, although every expert lives on the GPU)."""
+    import numpy as np
+    import torch
+
+    from runtime.experts.host_store import HostExpertStore
+    from runtime.ftw.reader import FTWPackage
+
+    out = tmp_path / "pkg"
+    bench.write_package(out, replace(TINY, layers=3), say=lambda *_: None)
+    package = FTWPackage.open(out)
+    store = HostExpertStore.from_ftw(package.experts)
+    pool = torch.zeros((len(store.layers) * store.num_experts, store.block_nbytes), dtype=torch.uint8)
+    info = store.copy_to_device(pool, threads=threads, chunk_bytes=chunk)
+    assert info["threads"] == threads
+    assert np.array_equal(pool.numpy().reshape(-1), np.fromfile(out / "experts.bin", dtype=np.uint8))
+    assert _mapped_rss(out / "experts.bin") == 0
+
+
+def test_copy_to_device_refuses_a_wrong_pool_and_names_a_truncated_file(tmp_path):
+    import torch
+
+    from runtime.experts.host_store import ExpertStoreError, HostExpertStore
+    from runtime.ftw.reader import FTWPackage
+
+    out = tmp_path / "pkg"
+    bench.write_package(out, TINY, say=lambda *_: None)
+    store = HostExpertStore.from_ftw(FTWPackage.open(out).experts)
+    with pytest.raises(ExpertStoreError, match="destination"):
+        store.copy_to_device(torch.zeros((3, store.block_nbytes), dtype=torch.uint8))
+    full = (out / "experts.bin").stat().st_size
+    os.truncate(out / "experts.bin", full - 5000)
+    pool = torch.zeros((len(store.layers) * store.num_experts, store.block_nbytes), dtype=torch.uint8)
+    with pytest.raises(ExpertStoreError, match="experts.bin.*ends at byte"):
+        store.copy_to_device(pool, threads=2, chunk_bytes=8192)
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/smaps"), reason="reads Linux's /proc/self/smaps")
+def test_a_tier_holding_every_expert_fills_its_pool_from_the_file(tmp_path):
+    """HybridExperts with every expert pinned in the pool (what the planner builds when the experts fit in VRAM)
+    warms up through copy_to_device: all resident, the pool equals the file, nothing of it stays mapped, and a
+    call computes what the reference computes."""
+    import numpy as np
+    import torch
+
+    from runtime.experts.host_store import HostExpertStore
+    from runtime.experts.hybrid import HybridExperts, HybridOptions
+    from runtime.experts.interface import ExpertSpec, expert_forward
+    from runtime.ftw.reader import FTWPackage
+
+    out = tmp_path / "pkg"
+    bench.write_package(out, TINY, say=lambda *_: None)
+    store = HostExpertStore.from_ftw(FTWPackage.open(out).experts)
+    every = tuple((layer, e) for layer in store.layers for e in range(store.num_experts))
+    tier = HybridExperts(store, ExpertSpec(), device="cpu", dtype=torch.float32,
+                         options=HybridOptions(slots=len(every), hot_set=every, top_k=TINY.top_k))
+    assert tier._all_resident
+    assert np.array_equal(tier.cache.pool.numpy().reshape(-1), np.fromfile(out / "experts.bin", dtype=np.uint8))
+    assert _mapped_rss(out / "experts.bin") == 0
+    x = torch.randn(3, TINY.hidden)
+    ids = torch.tensor([[0, 5], [7, 2], [3, 3]])
+    w = torch.tensor([[0.6, 0.4], [0.5, 0.5], [0.3, 0.7]])
+    want = torch.stack([sum(w[t, k] * expert_forward(ExpertSpec(), store.dequantize(1, int(ids[t, k])), x[t:t + 1])[0]
+                            for k in range(2)) for t in range(3)])
+    torch.testing.assert_close(tier(1, x, ids, w), want, rtol=1e-4, atol=1e-5)

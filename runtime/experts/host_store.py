@@ -19,6 +19,7 @@ import threading
 import time
 import weakref
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import nullcontext as _nullcontext
 from dataclasses import dataclass
 
 import numpy as np
@@ -90,6 +91,10 @@ def _unregister(ptr: int, _mapping) -> None:
 
 def _default_threads() -> int:
     return max(1, min(8, os.cpu_count() or 1))
+
+
+def _dtype_shape(t: torch.Tensor) -> str:
+    return f"{str(t.dtype).removeprefix('torch.')} {list(t.shape)}"
 
 
 def _read_exactly(f, offset: int, out: memoryview, path: str) -> None:
@@ -311,6 +316,79 @@ class HostExpertStore:
         store.load_seconds = {"allocate": t1 - t0, "copy": t2 - t1, "pin": t3 - t2, "threads": n_threads,
                               "method": method, "pinned": pinned}
         return store
+
+    def copy_to_device(self, dst: torch.Tensor, *, threads: int | None = None, chunk_bytes: int = 32 << 20,
+                       stream=None) -> dict:
+        """Every block, in store order (layer-major, expert-minor), into `dst` [L * E, nbytes] uint8 (a GPU slot
+        pool that holds them all, or any tensor): the load of a model whose experts all fit in VRAM.
+
+        From an FTW file, reader threads `readinto` chunks straight from the file into a few page-locked staging
+        buffers while the copies of earlier chunks run on `stream` (no mapped page is touched, so the expert
+        file never counts in this process's RSS, and the reads run in parallel). Copying block by block out of
+        the mapping through a 16-block ring took one thread and left the whole file mapped. An in-memory store
+        is copied layer by layer. Returns {"seconds", "threads", "pinned"}; raises ExpertStoreError for a
+        truncated file, naming it."""
+        t0 = time.perf_counter()
+        layer_bytes = self.num_experts * self.layout.nbytes
+        if tuple(dst.shape) != (len(self.layers) * self.num_experts, self.layout.nbytes) or dst.dtype != torch.uint8:
+            raise ExpertStoreError(f"copy_to_device needs a uint8 [{len(self.layers) * self.num_experts}, "
+                                   f"{self.layout.nbytes}] destination, got {_dtype_shape(dst)}")
+        flat = dst.view(len(self.layers), layer_bytes)                    # [L, E * nbytes]
+        cuda = dst.is_cuda
+        source = self._file_source()
+        if source is None:
+            for i, layer in enumerate(self.layers):
+                flat[i].copy_(torch.from_numpy(self.layer_buffer(layer).reshape(-1)), non_blocking=cuda)
+            if cuda:
+                torch.cuda.current_stream(dst.device).synchronize()
+            return {"seconds": time.perf_counter() - t0, "threads": 1, "pinned": False}
+        path, offsets = source
+        chunks = [(i, layer, a, min(a + chunk_bytes, layer_bytes))
+                  for i, layer in enumerate(self.layers) for a in range(0, layer_bytes, chunk_bytes)]
+        n_threads = max(1, min(threads or _default_threads(), len(chunks)))
+        staging = [HostBuffer(min(chunk_bytes, layer_bytes)) for _ in range(n_threads + 2)]   # a read per thread
+        pinned = cuda and all(buf.pin() for buf in staging)              # + the copies in flight
+        done = [None] * len(staging)          # the event after which each staging buffer may be refilled
+        files = threading.local()
+        opened: list = []
+
+        def read(chunk, buf: HostBuffer) -> None:
+            _, layer, a, b = chunk
+            f = getattr(files, "f", None)
+            if f is None:
+                f = files.f = open(path, "rb", buffering=0)          # noqa: SIM115  (one per thread)
+                opened.append(f)
+            _read_exactly(f, offsets[layer] + a, memoryview(buf.array[:b - a]), path)
+
+        def ship(chunk, k: int, future) -> None:
+            i, _, a, b = chunk
+            future.result()                                          # re-raises the reader's error here
+            src = staging[k].tensor()[:b - a]
+            if cuda:
+                with torch.cuda.stream(stream) if stream is not None else _nullcontext():
+                    flat[i, a:b].copy_(src, non_blocking=pinned)
+                    done[k] = torch.cuda.current_stream(dst.device).record_event()
+            else:
+                flat[i, a:b].copy_(src)
+
+        try:
+            with ThreadPoolExecutor(n_threads, thread_name_prefix="ftw-to-device") as pool:
+                in_flight: list = []                                 # (chunk, staging index, future), oldest first
+                for j, chunk in enumerate(chunks):
+                    k = j % len(staging)
+                    if len(in_flight) == len(staging):               # every buffer busy: ship the oldest (it is k)
+                        ship(*in_flight.pop(0))
+                    if done[k] is not None:
+                        done[k].synchronize()                        # its last copy to the device has finished
+                    in_flight.append((chunk, k, pool.submit(read, chunk, staging[k])))
+                while in_flight:
+                    ship(*in_flight.pop(0))
+            if cuda:
+                (stream or torch.cuda.current_stream(dst.device)).synchronize()
+        finally:
+            for f in opened:
+                f.close()
+        return {"seconds": time.perf_counter() - t0, "threads": n_threads, "pinned": pinned}
 
     def _file_source(self) -> tuple[str, dict[int, int]] | None:
         """(path, file offset of each layer's first block) when this store reads an FTW file, else None."""

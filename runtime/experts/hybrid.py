@@ -556,17 +556,24 @@ class HybridExperts:
         self._promotions = still
 
     def _warm_hot_set(self) -> None:
-        """Load the pinned hot set (from earlier runs' routing statistics) so the cache starts warm."""
+        """Load the pinned hot set (from earlier runs' routing statistics) so the cache starts warm. When it is every
+        expert (the plan put them all in VRAM), slot i is block i of the file and the pool fills in large chunks
+        straight from the file (`HostExpertStore.copy_to_device`: parallel reads, no mapped page touched)."""
         copies, keys, slots = [], [], []
-        for key in self.cache.directory.pinned:
+        for key in sorted(self.cache.directory.pinned):          # file order: every expert -> slot = block index
             if key[0] not in self.cache.layer_index or not 0 <= key[1] < self.store.num_experts:
                 continue
             got = self.cache.directory.allocate(key)
             if got is None:
                 break
-            copies.append((self.store.block(*key), self.cache.slot_view(got[0])))
             keys.append(key)
             slots.append(got[0])
+        if len(keys) == len(self.store.layers) * self.store.num_experts == self.cache.pool.shape[0] \
+                and slots == list(range(len(keys))):
+            self.store.copy_to_device(self.cache.pool, stream=self.transport.stream)
+            self.cache.publish_many(keys, slots)
+            return
+        copies = [(self.store.block(*key), self.cache.slot_view(slot)) for key, slot in zip(keys, slots)]
         if copies:
             self._wait(self.transport.submit(copies))
             self.cache.publish_many(keys, slots)
