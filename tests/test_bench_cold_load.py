@@ -231,3 +231,22 @@ def test_a_tier_holding_every_expert_fills_its_pool_from_the_file(tmp_path):
     want = torch.stack([sum(w[t, k] * expert_forward(ExpertSpec(), store.dequantize(1, int(ids[t, k])), x[t:t + 1])[0]
                             for k in range(2)) for t in range(3)])
     torch.testing.assert_close(tier(1, x, ids, w), want, rtol=1e-4, atol=1e-5)
+
+
+def test_h2d_probe_leaves_no_page_locked_memory_behind(device):
+    """The planner's H2D probe (run at every GPU load) page-locked 256 MiB through torch's caching host allocator,
+    which keeps it locked for the life of the process, and filled it with random bytes (most of a second)."""
+    if device != "cuda":
+        pytest.skip("needs CUDA: run with --device cuda on the GPU machine")
+    import torch
+
+    from runtime.experts.planner import measure_h2d_gbps
+
+    def pinned_by_torch() -> int:       # bytes torch's pinned allocator holds, cached blocks included
+        stats = torch.cuda.host_memory_stats()
+        return next(stats[k] for k in ("allocated_bytes.current", "reserved_bytes.current",
+                                       "allocated_bytes.all.current") if k in stats)
+
+    before = pinned_by_torch()
+    assert measure_h2d_gbps(nbytes=64 << 20, repeats=3) > 1.0
+    assert pinned_by_torch() == before
