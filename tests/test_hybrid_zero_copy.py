@@ -145,3 +145,19 @@ def test_zero_copy_graph_step_on_cuda_matches_eager(device):
         torch.testing.assert_close(out.float().cpu(), want, rtol=3e-2, atol=3e-2)
     tier.flush_step_log()
     assert tier.counters.total.misses > 0 and tier.counters.total.hits > 0
+
+
+def test_free_slots_are_filled_at_load_hot_first_then_evenly_over_layers():
+    """A pool starts full: the pinned hot set, then the experts earlier runs' routing ranks next, then expert j of
+    every layer before expert j + 1; every filled slot holds its expert's bytes and is a hit."""
+    from runtime.experts.policy import RoutingStats
+
+    store = HostExpertStore.synthetic(layers=3, num_experts=8, hidden=64, intermediate=64, codec="int4", seed=5)
+    stats = RoutingStats({(2, 7): 50, (1, 6): 40, (0, 0): 30})
+    tier = HybridExperts(store, ExpertSpec(), device=torch.device("cpu"), dtype=torch.float32, routing_stats=stats,
+                         options=HybridOptions(slots=7, top_k=2, hot_set=((0, 0),), fill_pool=True))
+    published = tier.cache.published
+    assert published == {(0, 0), (2, 7), (1, 6), (1, 0), (2, 0), (0, 1), (1, 1)}
+    for (layer, e), slot in tier.cache.directory.slot_of.items():
+        assert np.array_equal(tier.cache.pool[slot].numpy(), store.block(layer, e))
+    assert tier.cache.directory.pinned == {(0, 0)}
