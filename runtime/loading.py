@@ -62,6 +62,7 @@ def load_dense_weights(model: CausalLM, source: DenseSource, *,
     report = LoadReport()
     extra, misshaped = [], []
     names = list(source.dense_names())
+    release = getattr(source, "release_dense", None)       # FTWPackage: hands mapped pages back to the OS
     for i, name in enumerate(names):
         target = model.checkpoint_to_param(name)
         if target is None or target in aliases:
@@ -79,13 +80,15 @@ def load_dense_weights(model: CausalLM, source: DenseSource, *,
             continue
         with torch.no_grad():
             param.copy_(tensor)          # one copy, casting on the way (no temporary on the device)
+        del tensor
+        if callable(release):
+            release(name)                # copied: its mapped pages need not count in this process's RSS
         report.loaded[target] = name
         report.nbytes += param.numel() * param.element_size()
         if progress:
             progress(i + 1, len(names))
-    release = getattr(source, "release_dense", None)
     if callable(release):
-        release()        # every tensor is copied: the mapped file's pages need not count in this process's RSS
+        release()                        # and whatever else was touched (tensors skipped or refused)
     missing = sorted(set(params) - set(report.loaded))
     problems = []
     if missing:

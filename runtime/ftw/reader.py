@@ -181,18 +181,26 @@ class FTWPackage:
         off = int(meta["offset"])
         return _view(self._dense_mm[off: off + int(meta["nbytes"])], meta["dtype"], meta["shape"])
 
-    def release_dense(self) -> bool:
-        """Hand the dense file's mapped pages back to the OS (madvise DONTNEED) once its tensors are copied into the
-        model: kept mapped, they count in this process's RSS for good (3.1 GB for Qwen3-30B-A3B, whose dense weights
-        then live on the GPU). The bytes stay in the OS page cache; a later `dense()` reads them again. Views
-        handed out earlier stay valid (a clean copy-on-write page is re-read from the file when touched). False
-        when nothing is mapped or the OS has no madvise (Windows)."""
+    def release_dense(self, name: str | None = None) -> bool:
+        """Hand the dense file's mapped pages back to the OS (madvise DONTNEED): those of tensor `name`, or all of
+        them. The loader calls it after copying each tensor into the model: kept mapped, the pages count in this
+        process's RSS for good (3.1 GB for Qwen3-30B-A3B, whose dense weights then live on the GPU; on a CPU engine
+        they sat beside the model's own copy). The bytes stay in the OS page cache; a later `dense()` reads them
+        again. Views handed out earlier stay valid (a clean copy-on-write page is re-read from the file when
+        touched). False when nothing is mapped or the OS has no madvise (Windows)."""
         raw = getattr(self._dense_mm, "_mmap", None)
         if raw is None or not hasattr(raw, "madvise") or not hasattr(mmap, "MADV_DONTNEED"):
             return False
         try:
-            raw.madvise(mmap.MADV_DONTNEED)
-        except (OSError, ValueError):
+            if name is None:
+                raw.madvise(mmap.MADV_DONTNEED)
+            else:
+                meta = self._dense_tensors[name]
+                start, end = int(meta["offset"]), int(meta["offset"]) + int(meta["nbytes"])
+                start -= start % mmap.PAGESIZE      # madvise wants a page-aligned start (a neighbour's page is
+                if end > start:                     # re-read from the file if it is touched again)
+                    raw.madvise(mmap.MADV_DONTNEED, start, end - start)
+        except (OSError, ValueError, KeyError):
             return False
         return True
 
