@@ -27,3 +27,49 @@ def test_kernels_match_the_torch_path(check, device):
                          capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stdout + run.stderr
     assert "all passed" in run.stdout
+
+
+def test_static_attention_stores_rotated_kv_and_builds_the_mask_once(device):
+    """blocks.attend_static with the raw k (normed, rotated and stored by store_rotated_kv: one launch on a GPU)
+    gives the bits of the path that rotates k first and index_copies it; both caches hold the same rows; and
+    the additive key mask is made once per step and shared by the layers (SDPA converted a bool mask in each)."""
+    import torch
+
+    from runtime.decode_graph import StaticKV
+    from runtime.kv_cache import KVCache
+    from runtime.models.blocks import RMSNorm, Rotary, attend_static, norm_and_rotate
+
+    dtype = torch.bfloat16
+    gen = torch.Generator().manual_seed(4)
+    h, hkv, hd, bucket = 8, 2, 64, 16
+    rope = Rotary(head_dim=hd, theta=10000.0)
+    rope.init_buffers(device=device)
+    norm = RMSNorm(hd, eps=1e-6)
+    with torch.no_grad():
+        norm.weight.copy_(torch.randn(hd, generator=gen) * 0.1 + 1.0)
+    norm = norm.to(device, dtype)
+    pos = 9
+    write_at = torch.tensor([pos], device=device)
+    key_pos = torch.arange(bucket, device=device)
+    static = StaticKV(write_at=write_at, key_pos=key_pos, bucket=bucket, mask=(key_pos <= write_at)[None, :])
+    cos_sin = rope.cos_sin(write_at, dtype)
+    fused, plain = (KVCache(hkv, hd, device=device, dtype=dtype) for _ in range(2))
+    for cache in (fused, plain):
+        cache.reserve(bucket)
+        cache.keys[:, :pos] = torch.randn(hkv, pos, hd, generator=gen).to(device, dtype)
+        cache.values[:, :pos] = torch.randn(hkv, pos, hd, generator=gen).to(device, dtype)
+    plain.keys.copy_(fused.keys)
+    plain.values.copy_(fused.values)
+    qkv = torch.randn(1, (h + 2 * hkv) * hd, generator=gen).to(device, dtype)
+    q, k, v = qkv.split([h * hd, hkv * hd, hkv * hd], dim=-1)
+    q, k, v = q.view(1, h, hd), k.view(1, hkv, hd), v.view(1, hkv, hd)    # strided views, as the projection's
+    q = norm_and_rotate(q, norm, rope, cos_sin)
+    got = attend_static(q, k, v, fused, static, scale=hd ** -0.5, k_norm=norm, rope=rope, cos_sin=cos_sin)
+    mask = static.__dict__["_additive_mask"]
+    want = attend_static(q, norm_and_rotate(k, norm, rope, cos_sin), v, plain, static, scale=hd ** -0.5)
+    assert static.__dict__["_additive_mask"] is mask                       # built once, shared by the layers
+    assert mask.shape == (1, h, 1, bucket) and torch.equal(torch.isinf(mask[0, 0, 0]), key_pos > pos)
+    assert torch.equal(fused.keys[:, :bucket], plain.keys[:, :bucket])
+    assert torch.equal(fused.values[:, :bucket], plain.values[:, :bucket])
+    assert torch.equal(fused.values[:, pos], v[0])
+    assert got.shape == (1, h, hd) and torch.equal(got, want)

@@ -266,20 +266,21 @@ def attend_static(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache, stat
     keys, values = cache.keys[:, :static.bucket], cache.values[:, :static.bucket]      # [Hkv, bucket, hd]
     h, hd, hkv = q.shape[1], q.shape[2], keys.shape[0]
     o = F.scaled_dot_product_attention(q.reshape(1, h, 1, hd), keys[None], values[None],
-                                       attn_mask=_additive_mask(static, q.dtype), scale=scale,
+                                       attn_mask=_additive_mask(static, q.dtype, h), scale=scale,
                                        enable_gqa=h != hkv)                              # [1, H, 1, hd]
     return o.reshape(1, h, hd)
 
 
-def _additive_mask(static, dtype: torch.dtype) -> torch.Tensor:
-    """The step's key mask (`static.mask`, [1, bucket] bool) as the additive bias SDPA uses, [1, 1, 1, bucket]
-    of 0 / -inf, made once per step (on the step's StaticKV, new each step) and shared by every layer: given the
-    bool mask, SDPA converts it on every call (zeros_like, logical_not, masked_fill: launches in each layer of
-    the recorded graph)."""
+def _additive_mask(static, dtype: torch.dtype, heads: int) -> torch.Tensor:
+    """The step's key mask (`static.mask`, [1, bucket] bool) as the additive bias SDPA uses, materialised at
+    its full shape [1, H, 1, bucket] of 0 / -inf, made once per step (on the step's StaticKV, new each step)
+    and shared by every layer: given the bool mask, SDPA converts it on every call (zeros_like, logical_not,
+    masked_fill, and an expansion where the backend wants one: launches in each layer of the recorded graph)."""
     made = static.__dict__.get("_additive_mask")
-    if made is None or made.dtype != dtype:
+    if made is None or made.dtype != dtype or made.shape[1] != heads:
         mask = static.mask
-        made = torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(~mask, float("-inf"))[None, None]
+        bias = torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(~mask, float("-inf"))
+        made = bias[None, None].expand(1, heads, *mask.shape).contiguous()             # [1, H, 1, bucket]
         static.__dict__["_additive_mask"] = made
     return made
 
