@@ -476,7 +476,8 @@ def print_report(rows: list[dict]) -> None:
     for r in rows:
         budget = f"{r['budget_gib']:g} GiB" if r["budget_gib"] > 0 else "unlimited"
         plan = r.get("experts_plan") or {}
-        print(f"\n== VRAM budget {budget}: device {r['device']} ({r.get('gpu') or 'no GPU'}), {r['dtype']}, "
+        print(f"\n== VRAM budget {budget}, run {r.get('run', 1)}: device {r['device']} ({r.get('gpu') or 'no GPU'}), "
+              f"{r['dtype']}, "
               f"backend {r['plan'].get('backend')}, slots {plan.get('slots', '-')} of {plan.get('slot_total', '-')}")
         print(f"{'phase':<64} {'s':>8} {'calls':>6}")
         for p in r["phases"]:
@@ -490,15 +491,15 @@ def print_report(rows: list[dict]) -> None:
                   f"{ls['threads']} threads), pin {ls['pin']:.2f} s, pinned={ls['pinned']}")
         if r["not_found"]:
             print(f"  (not timed, renamed since this benchmark was written: {', '.join(r['not_found'])})")
-    print("\n| VRAM budget | backend | python + imports s | Engine.load s | first token s | load -> first token s "
-          "| target | peak RSS GiB | package GiB | RSS - package GiB (target <= 2) | RSS after load GiB "
+    print("\n| VRAM budget | run | backend | python + imports s | Engine.load s | first token s "
+          "| load -> first token s | target | peak RSS GiB | package GiB | RSS - package GiB (target <= 2) | RSS after load GiB "
           "| peak VRAM GiB (torch reserved) | device used after load GiB |")
-    print("|" + "---|" * 13)
+    print("|" + "---|" * 14)
     for r in rows:
         over = r["rss_peak"] - r["package_bytes"]
         ok = "ok" if r["load_to_first_token_s"] <= TARGET_LOAD_TO_FIRST_TOKEN_S else "MISSED"
-        print(f"| {r['budget_gib']:g} | {r['plan'].get('backend')} | {r['imports_s']:.2f} | {r['load_s']:.2f} "
-              f"| {r['first_token_s'] - r['load_s']:.2f} | {r['load_to_first_token_s']:.2f} | <= 15 s {ok} "
+        print(f"| {r['budget_gib']:g} | {r.get('run', 1)} | {r['plan'].get('backend')} | {r['imports_s']:.2f} "
+              f"| {r['load_s']:.2f} | {r['first_token_s'] - r['load_s']:.2f} | {r['load_to_first_token_s']:.2f} | <= 15 s {ok} "
               f"| {_gib(r['rss_peak'])} | {_gib(r['package_bytes'])} | {over / GiB:+.2f} "
               f"{'ok' if over <= TARGET_RSS_OVER_PACKAGE else 'MISSED'} | {_gib(r['rss_after_load'])} "
               f"| {_gib(r.get('vram_peak_reserved'))} | {_gib(r.get('vram_used_after_load'))} |")
@@ -521,6 +522,8 @@ def parse_args(argv):
     ap.add_argument("--tier", default="default", choices=["default", "hybrid", "resident"],
                     help="expert tier: the engine's default for the device (what serve does), or forced")
     ap.add_argument("--decode-steps", type=int, default=3, help="decode steps timed after the first token")
+    ap.add_argument("--repeat", type=int, default=1,
+                    help="fresh processes per budget (the first may compile numba/Triton kernels into their caches)")
     ap.add_argument("--layers", type=int, default=d.layers)
     ap.add_argument("--experts", type=int, default=d.experts)
     ap.add_argument("--vocab", type=int, default=d.vocab)
@@ -561,8 +564,10 @@ def main(argv: list[str] | None = None) -> int:
               f"({warm['gbps']:.2f} GB/s); nothing is dropped from it")
     rows = []
     for budget in args.vram_budget:
-        print(f"\n-- loading at VRAM budget {budget:g} GiB in a fresh process --", flush=True)
-        rows.append(measure_in_subprocess(args, args.folder, budget))
+        for run in range(1, args.repeat + 1):
+            print(f"\n-- loading at VRAM budget {budget:g} GiB in a fresh process (run {run} of {args.repeat}) --",
+                  flush=True)
+            rows.append({**measure_in_subprocess(args, args.folder, budget), "run": run})
     print_report(rows)
     if args.out:
         commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True)
