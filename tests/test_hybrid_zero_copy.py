@@ -53,13 +53,17 @@ def test_miss_table_is_the_complement_of_the_slot_table():
         assert np.array_equal(cache.table.numpy(), cache.host_table)
 
 
-def test_zero_copy_decode_is_exact_and_keeps_its_books_between_steps():
-    """Results equal the dequantized reference through misses, hits and promotions; the step log gives the
-    same hit/miss counts as the host path's definition (distinct experts per layer call against the table the
-    step ran with); promoted experts become hits in later steps; the tier says it may be recorded in graphs
-    only on CUDA."""
+@pytest.mark.parametrize("share", [0.0, 0.5])
+def test_zero_copy_decode_is_exact_and_keeps_its_books_between_steps(share):
+    """Results equal the dequantized reference through misses, hits and promotions, with the CPU worker taking
+    its share of misses through the mailbox or not; the step log gives the same hit/miss counts as the host
+    path's definition (distinct experts per layer call against the table the step ran with) and the same CPU
+    count as the handoff's rule (the first round(n_miss * share) misses); promoted experts become hits in later
+    steps; the tier says it may be recorded in graphs only on CUDA."""
     cpu = torch.device("cpu")
-    store, tier = _tier(cpu, slots=6, hot=[(0, 0), (0, 1)], promote_bytes_per_step=1 << 20)
+    store, tier = _tier(cpu, slots=6, hot=[(0, 0), (0, 1)], promote_bytes_per_step=1 << 20, cpu_share=share)
+    assert (tier._worker is not None) == (share > 0) and tier.cpu_share == share
+    want_cpu = 0
     assert tier.zero_copy and not tier.graph_safe(0)
     tier.cuda = True
     assert tier.graph_safe(0) and tier.graph_safe(2)
@@ -80,18 +84,23 @@ def test_zero_copy_decode_is_exact_and_keeps_its_books_between_steps():
             promoted_hits += sum(1 for e, h in zip(ids[0].tolist(), hit) if h and (layer, e) not in pinned)
             want_hits += int(hit.sum())
             want_misses += int((~hit).sum())
+            want_cpu += int(int((~hit).sum()) * share + 0.5)
     tier.begin_step()                             # the last step's log goes to the host...
     tier.flush_step_log()                         # ...and is accounted
     c = tier.counters.total
     assert (c.hits, c.misses) == (want_hits, want_misses)
-    assert c.fetched_experts == want_misses and c.cpu_experts == 0
+    assert (c.cpu_experts, c.fetched_experts) == (want_cpu, want_misses - want_cpu)
+    if share:
+        assert tier._worker.served > 0 and tier._worker.error is None
+        tier.close()
+        assert tier.cpu_share == 0.0 and not tier._worker
     assert c.promoted_experts > 0                                   # misses were copied into free slots
     assert promoted_hits > 0                                        # ...published, then hits in later steps
 
 
 def test_zero_copy_with_no_slots_reads_every_expert_from_host_memory():
     cpu = torch.device("cpu")
-    store, tier = _tier(cpu, slots=0)
+    store, tier = _tier(cpu, slots=0, cpu_share=0.0)
     x = torch.randn(2, 64)
     ids = torch.tensor([[1, 4], [4, 7]])
     w = torch.full((2, 2), 0.5)
@@ -161,3 +170,33 @@ def test_free_slots_are_filled_at_load_hot_first_then_evenly_over_layers():
     for (layer, e), slot in tier.cache.directory.slot_of.items():
         assert np.array_equal(tier.cache.pool[slot].numpy(), store.block(layer, e))
     assert tier.cache.directory.pinned == {(0, 0)}
+
+
+def test_a_failing_cpu_worker_answers_with_zeros_and_hands_its_share_back():
+    """The GPU is waiting for every answer: a worker exception still answers (zeros, so that step is wrong), is
+    reported, and from the next step the GPU reads every miss itself; a worker that never answers trips the
+    bounded wait, and the next step boundary raises a clear error instead of hanging."""
+    cpu = torch.device("cpu")
+    store, tier = _tier(cpu, slots=0, cpu_share=1.0)
+    tier._worker.compute = lambda *a: (_ for _ in ()).throw(MemoryError("no RAM for the CPU experts"))
+    x, ids, w = torch.randn(1, 64), torch.tensor([[2, 5]]), torch.full((1, 2), 0.5)
+    got = tier(0, x, ids, w)
+    assert torch.count_nonzero(got) == 0                           # the answer was zeros
+    assert isinstance(tier._worker.error, MemoryError)
+    tier(0, x, ids, w)                                              # the boundary notices and turns the share off
+    assert tier.cpu_share == 0.0 and tier._worker is None
+    torch.testing.assert_close(tier(0, x, ids, w), _reference(store, 0, x, ids, w), rtol=1e-4, atol=1e-5)
+
+    store, tier = _tier(cpu, slots=0, cpu_share=1.0)
+    tier._worker.close()                                            # nobody answers
+    from runtime.experts import cpu_share
+    original = cpu_share.collect_reference
+    try:
+        import runtime.experts.hybrid as hybrid_mod
+        hybrid_mod.collect_reference = lambda out, box: original(out, box, timeout_s=0.2)
+        tier(0, x, ids, w)
+    finally:
+        hybrid_mod.collect_reference = original
+    assert int(tier._box.error[0]) == 1
+    with pytest.raises(RuntimeError, match="did not answer"):
+        tier(0, x, ids, w)

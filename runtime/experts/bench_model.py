@@ -160,12 +160,14 @@ def run_model(name: str, args, hw, report: dict) -> None:
             slots = layers * e
         label = "unlimited" if budget is None else f"{budget_gib:g} GiB"
         splits = args.split if slots < layers * e else args.split[:1]     # a split needs misses
-        for routing, split in [(r, sp) for r in args.routings for sp in splits]:
+        shares = [None if x < 0 else x for x in args.cpu_share]
+        for routing, split, share in [(r, sp, sh) for r in args.routings for sp in splits
+                                      for sh in (shares if sp == "auto" else shares[:1])]:
             if device.type == "cuda":
                 torch.cuda.empty_cache()
                 torch.cuda.reset_peak_memory_stats()
             hybrid = HybridExperts(store, ExpertSpec(), device=device, dtype=dtype, options=HybridOptions(
-                slots=slots, top_k=k, cpu_gbps=hw.cpu_gbps, h2d_gbps=hw.h2d_gbps, split=split,
+                slots=slots, top_k=k, cpu_gbps=hw.cpu_gbps, h2d_gbps=hw.h2d_gbps, split=split, cpu_share=share,
                 hot_set=tuple((lay, x) for lay in moe_layers for x in range(e)) if slots >= layers * e else ()))
             router = Router(routing, layers=layers, experts=e, k=k, seed=1)
             import numpy as np
@@ -188,8 +190,8 @@ def run_model(name: str, args, hw, report: dict) -> None:
                              "kind": "decode b1 " + ("graphs" if use_graphs else "eager"), "slots": slots,
                              "tok_s": tok_s, "ceiling_tok_s": ceiling, "of_ceiling": tok_s / ceiling,
                              "hit_rate": c["hit_rate"], "cpu_share": c["cpu_share"],
-                             "split": ("zero-copy" if hybrid.zero_copy else hybrid.split.mode)
-                                      + ("" if split == "auto" else " (forced)"),
+                             "split": (f"zero-copy cpu {hybrid.cpu_share:.2f}" if hybrid.zero_copy
+                                       else hybrid.split.mode) + ("" if split == "auto" else " (forced)"),
                              "peak_vram_gib": torch.cuda.max_memory_allocated() / GiB if device.type == "cuda" else 0,
                              "host_rss_gib": host_rss() / GiB, "host_us_per_call": host_breakdown(c),
                              "misses_per_token": (c["cpu_experts"] + c["fetched_experts"]) / steps})
@@ -199,7 +201,7 @@ def run_model(name: str, args, hw, report: dict) -> None:
                         f"{key} {v:.0f}" for key, v in rows[-1]["host_us_per_call"].items()), flush=True)
                 if use_graphs and args.trace and args.out and slots < layers * e:
                     trace_decode(graphs, cache, experts, args.trace, args.out / (
-                        f"trace_{name}_{label.replace(' ', '')}_{routing}_{split}.json.gz"))
+                        f"trace_{name}_{label.replace(' ', '')}_{routing}_{split}{'' if share is None else share}.json.gz"))
                 cache.release()                 # a state slot goes back to the pool
                 del cache
             if routing == args.routings[0] and budget_gib in args.prefill_budgets:
@@ -221,6 +223,7 @@ def run_model(name: str, args, hw, report: dict) -> None:
                     rows.extend(ttft_rows(model, graphs, experts, hybrid, args, name=name, label=label, slots=slots,
                                           device=device, dtype=dtype))
             model.set_experts(NoExperts())
+            hybrid.close()
             del experts, hybrid
     report.setdefault("rows", []).extend(rows)
     report.setdefault("models", {})[name] = {"dense_ms_per_token": dense_s * 1e3, "store_gib": store.nbytes / GiB}

@@ -31,18 +31,21 @@ import numpy as np
 import torch
 
 from runtime.experts.cpu_executor import CpuExecutor
+from runtime.experts.cpu_share import CpuShareWorker, Mailbox, collect_reference, cpu_share_counts, handoff_reference
 from runtime.experts.host_store import HostExpertStore
 from runtime.experts.interface import ExpertSpec
 from runtime.experts.policy import Key, RoutingStats, SlotDirectory, SplitController, make_policy
 from runtime.experts.slot_cache import SlotCache
 from runtime.experts.stats import ExpertStats
 from runtime.experts.transport import Transport
-from runtime.kernels import int4_pool_triton
+from runtime.kernels import handoff_triton, int4_pool_triton
 from runtime.kernels.expert_pool import pool_forward, pool_forward_grouped
 
 log = logging.getLogger(__name__)
 
 ZERO_COPY_MAX_TOKENS = 4               # zero-copy reads an expert per assignment: only for a few tokens
+ZERO_COPY_OF_H2D = 0.75                # the pool kernels reading host memory in place: ~41 of 55 GB/s (H200)
+CPU_KERNEL_OF_READ = 0.55              # the int8 CPU kernel: ~52 of ~95 GB/s of the host's read bandwidth
 STREAM_TOKENS_PER_ACTIVE_SHARE = 32   # stream a layer when tokens >= 32 * E / K (each byte serves enough tokens)
 MIN_STREAM_TOKENS = 32                # ...or sooner, when the CPU would take longer than the stream (below)
 CPU_EXPERT_FLOPS = 0.3e12             # the int8 CPU kernel on mid-size batches: ~0.3 TFLOP/s measured on the
@@ -83,6 +86,8 @@ class HybridOptions:
     zero_copy: bool | None = None               # decode misses read by the GPU in place from page-locked host
                                                 # memory (None: on CUDA when possible and split is auto/fetch)
     promote_bytes_per_step: int = 16 << 20      # zero-copy mode: promotions decided once per decode step
+    cpu_share: float | None = None              # zero-copy mode: the CPU's share of misses (None: from the two
+                                                # bandwidths; 0: the GPU reads every miss itself)
     fill_pool: bool | None = None               # fill free slots at load (None: on a GPU; CPU tests keep the
                                                 # pool to its hot set so they can reason about its contents)
 
@@ -98,6 +103,8 @@ class HybridExperts:
         self.dtype = dtype
         self.layout = store.layout
         self.cuda = self.device.type == "cuda"
+        self._box = self._worker = None         # zero-copy decode's CPU share (mailbox, worker thread)
+        self.cpu_share = 0.0
         directory = SlotDirectory(options.slots, make_policy(options.policy), pinned=options.hot_set)
         self.transport = Transport(store, self.device)
         total = len(store.layers) * store.num_experts
@@ -190,6 +197,15 @@ class HybridExperts:
         self._log_copy = None                   # (event, table snapshot) of a log copy not yet accounted
         self._snapshot = self.cache.host_table.copy()        # the table the current step runs against
         self._promote_step_blocks = self.options.promote_bytes_per_step // max(1, store.block_nbytes)
+        self._box = self._worker = None
+        share = self._default_cpu_share() if self.options.cpu_share is None else float(self.options.cpu_share)
+        if share > 0 and (not self.cuda or handoff_triton.HAVE_TRITON):
+            self._box = Mailbox(max_tokens=ZERO_COPY_MAX_TOKENS, top_k=self.options.top_k,
+                                hidden=store.layout.hidden, device=self.device, share=share)
+            self._worker = CpuShareWorker(self._box, lambda li, x, tok, experts, w: self.cpu.run(
+                store.layers[li], x, tok, experts, w))
+            self._err_host = torch.zeros(1, dtype=torch.int32, pin_memory=self.cuda)
+        self.cpu_share = share if self._box is not None else 0.0
         if self.cuda:
             try:               # a store the GPU cannot map, or a kernel that cannot read it: the host path
                 probe = torch.zeros((1, store.layout.hidden), dtype=self.dtype, device=self.device)
@@ -199,11 +215,42 @@ class HybridExperts:
             except Exception as exc:     # noqa: BLE001  (reported; the host-driven path still works)
                 log.warning("zero-copy expert reads are unavailable (%s): misses go through the host", exc)
                 self.zero_copy = False
+                self.close()
+
+    def _default_cpu_share(self) -> float:
+        """The CPU's share of misses that makes both sides finish together: its kernel's rate over the sum of
+        both rates (each a measured fraction of the machine's bandwidths). 0 without a CPU kernel."""
+        if not self.cpu.int8 and not self.cpu.fast:
+            return 0.0
+        cpu = CPU_KERNEL_OF_READ * self.options.cpu_gbps
+        pcie = ZERO_COPY_OF_H2D * self.options.h2d_gbps
+        return cpu / (cpu + pcie) if cpu > 0 else 0.0
+
+    def close(self) -> None:
+        """Stop the CPU-share worker (the tier keeps working, the GPU then reads every miss itself)."""
+        if self._worker is not None:
+            self._worker.close()
+            self._worker = None
+        if getattr(self, "_box", None) is not None:
+            self._box.set_share(0.0)
+            self.cpu_share = 0.0
 
     def _zero_copy_forward(self, li: int, x: torch.Tensor, topk_ids: torch.Tensor,
                            topk_weights: torch.Tensor) -> torch.Tensor:
         """x [T, D] (compute dtype) -> [T, D]: misses over PCIe from host memory, then hits from the pool."""
         cache, fwd = self.cache, self._pool_forward
+        if self._box is not None:
+            # the GPU splits the misses and hands the CPU its share (mailbox), computes the rest and the hits,
+            # then waits for the CPU's rows: all in kernels, so this too records into the step's graph
+            ids = topk_ids if topk_ids.is_contiguous() else topk_ids.contiguous()
+            if self.cuda:
+                hit, zc = handoff_triton.handoff(li, ids, topk_weights, x, cache.table_rows[li], self._box)
+            else:
+                hit, zc = handoff_reference(li, ids, topk_weights, x, cache.table_rows[li], self._box)
+            out = fwd(self._host_layers[li], self.layout, self.spec, x, zc, topk_weights)
+            if self.options.slots:
+                out = out.add_(fwd(cache.pool, self.layout, self.spec, x, hit, topk_weights))
+            return handoff_triton.collect(out, self._box) if self.cuda else collect_reference(out, self._box)
         out = fwd(self._host_layers[li], self.layout, self.spec, x, topk_ids, topk_weights,
                   slot_table=cache.miss_rows[li]) if fwd is not pool_forward else \
             pool_forward(self._host_layers[li], self.layout, self.spec, x, cache.miss_rows[li][topk_ids], topk_weights)
@@ -235,7 +282,9 @@ class HybridExperts:
             self._finish_promotions()
         if self._log_copy is None:
             self._log_host.copy_(self._log, non_blocking=True)
-            self._log_copy = (self._record(), self._snapshot)
+            if self._box is not None:
+                self._err_host.copy_(self._box.error, non_blocking=True)
+            self._log_copy = (self._record(), self._snapshot, self.cpu_share)
             self._log.fill_(-1)
         self._snapshot = self.cache.host_table.copy()
 
@@ -244,10 +293,17 @@ class HybridExperts:
         copy has landed: counters, policy, routing statistics, and promotions within the step's byte budget."""
         if not self.zero_copy or self._log_copy is None:
             return
-        done, snapshot = self._log_copy
+        done, snapshot, share = self._log_copy
         if done is not None and not done.query():
             return
         self._log_copy = None
+        if self._box is not None:
+            if int(self._err_host[0]):
+                self.close()
+                raise RuntimeError("the CPU expert worker did not answer the GPU in time; its share of misses "
+                                   "goes back to the GPU (that step's output is wrong: retry the request)")
+            if self._worker is not None and self._worker.error is not None:
+                self.close()
         ids = self._log_host.numpy()                                        # [L, T, K], -1 unused
         nb, budget = self.store.block_nbytes, self._promote_step_blocks
         dirc, seen = self.cache.directory, self._seen
@@ -264,7 +320,11 @@ class HybridExperts:
             dirc.record(layer, uniq, n_hits)
             self.routing.add_distinct(layer, uniq)
             missed = uniq[~ready]
-            self.counters.add_decode(int(used.any(axis=1).sum()), n_hits, len(missed), 0, len(missed), nb, 0.0)
+            n_cpu = 0
+            if share > 0:          # the handoff's rule replayed per call (one call per step per layer)
+                n_cpu = min(len(missed), cpu_share_counts(row[used.any(axis=1)], snapshot[li], share)[0])
+            self.counters.add_decode(int(used.any(axis=1).sum()), n_hits, len(missed), n_cpu, len(missed) - n_cpu,
+                                     nb, 0.0)
             if budget > 0 and len(missed) and self.options.slots:
                 before = len(self._promotions)
                 self._promote(layer, missed, budget_bytes=budget * nb)
@@ -648,6 +708,10 @@ class HybridExperts:
                                       "stream_buffers": 0 if self._stage is None else self._stage.numel()})
         d["split"] = {"mode": self.split.mode, "cpu_gbps": round(self.split.cpu_gbps, 2),
                       "pcie_gbps": round(self.split.pcie_gbps, 2)}
+        if self.zero_copy:
+            d["zero_copy"] = {"cpu_share": round(self.cpu_share, 3),
+                              "worker_calls": 0 if self._worker is None else self._worker.served,
+                              "worker_seconds": 0.0 if self._worker is None else round(self._worker.busy_seconds, 4)}
         if self.prefetcher is not None:
             c = self.prefetcher.counters
             d["prefetch"] = {"predicted": c.predicted, "precision": round(c.precision, 4), "recall": round(c.recall, 4)}

@@ -1,0 +1,217 @@
+"""The CPU's share of zero-copy decode: a worker thread that computes some missed experts while the GPU reads the
+others over PCIe, inside one recorded decode step (issue 10).
+
+Why: in zero-copy decode (hybrid.py) the GPU reads every missed expert from host memory at the link's rate
+(~41 GB/s measured on the H200's PCIe 5). The CPU reads host memory at ~50 GB/s with the int8 kernel, so both
+together roughly double the rate at which misses are served - but a recorded step cannot stop for the host. So
+the GPU hands the CPU its share through a **mailbox** in page-locked, device-mapped host memory and waits for the
+answer in a kernel (runtime/kernels/handoff_triton.py), while a worker thread polls the mailbox:
+
+    GPU (in the graph)                                   worker thread (this module)
+    handoff: split misses, write ids/weights/x, ticket -> sees the ticket (acquire load, no GIL while it spins)
+    pool kernels: hits from VRAM, the GPU's misses        computes its experts (cpu_executor, all in one call)
+      read in place from host memory                      writes the fp32 rows, then the ticket (release store)
+    collect: spins until the answer holds the ticket, <-
+      adds the rows
+
+Calls are strictly sequential (the GPU waits for each answer before the next layer), so one mailbox suffices.
+Which misses the CPU takes is a rule both sides can replay: the first round(n_miss * share) misses of the call in
+assignment order (the host replays it to count CPU and PCIe experts from the step's routing log).
+
+Faults: a worker exception answers with zeros and is reported (`error`), and the CPU share drops to 0 from the next
+step; a GPU that waited `max_spins` polls sets a device error flag instead of hanging. On a CPU device (tests) the
+same protocol runs with torch/numpy stand-ins for the two kernels (`handoff_reference`, `collect_reference`).
+"""
+from __future__ import annotations
+
+import logging
+import threading
+import time
+
+import numpy as np
+import torch
+
+log = logging.getLogger(__name__)
+
+SPIN_CHUNK = 200_000          # acquire loads per nogil spin (~1-5 ms) before the thread looks at its stop flag
+IDLE_SLEEP_S = 0.0005         # then it naps this long between spins: an idle app does not burn a core
+
+try:
+    from llvmlite import ir
+    from numba import njit, types
+    from numba.core import cgutils
+    from numba.core.extending import intrinsic
+
+    @intrinsic
+    def _load_acquire(typingctx, arr, index):
+        """arr[index] (int64) as an atomic acquire load: never hoisted out of a polling loop."""
+        sig = types.int64(arr, index)
+
+        def codegen(context, builder, sig, args):
+            ary = context.make_array(sig.args[0])(context, builder, args[0])
+            ptr = cgutils.get_item_pointer(context, builder, sig.args[0], ary, [args[1]])
+            return builder.load_atomic(ptr, "acquire", 8) if not getattr(ptr.type, "is_opaque", False) else \
+                builder.load_atomic(ptr, "acquire", 8, typ=ir.IntType(64))
+        return sig, codegen
+
+    @intrinsic
+    def _store_release(typingctx, arr, index, value):
+        """arr[index] = value (int64) as an atomic release store: every earlier store is visible first."""
+        sig = types.void(arr, index, value)
+
+        def codegen(context, builder, sig, args):
+            ary = context.make_array(sig.args[0])(context, builder, args[0])
+            ptr = cgutils.get_item_pointer(context, builder, sig.args[0], ary, [args[1]])
+            builder.store_atomic(args[2], ptr, "release", 8)
+            return context.get_dummy_value()
+        return sig, codegen
+
+    @njit(nogil=True, cache=True)
+    def spin_until_changed(word, last, spins):
+        """Poll word[0] (acquire) up to `spins` times without the GIL; its value (== last if nothing came)."""
+        v = _load_acquire(word, 0)
+        for _ in range(spins):
+            if v != last:
+                return v
+            v = _load_acquire(word, 0)
+        return v
+
+    @njit(nogil=True, cache=True)
+    def publish(word, value):
+        """word[0] = value with release semantics (the answer's rows are visible before it)."""
+        _store_release(word, 0, value)
+
+    HAVE_NUMBA = True
+except ImportError:           # numba absent: the worker polls in Python (tests; the real path needs numba)
+    HAVE_NUMBA = False
+
+    def spin_until_changed(word, last, spins):
+        for _ in range(min(spins, 2000)):
+            if word[0] != last:
+                return int(word[0])
+        return int(word[0])
+
+    def publish(word, value):
+        word[0] = value
+
+
+class Mailbox:
+    """The GPU <-> CPU mailbox: host words and rows in page-locked (device-mapped) memory, plus the device-side
+    scalars and slot vectors of the handoff. Shapes: T <= max_tokens tokens, K experts per token, D hidden."""
+
+    def __init__(self, *, max_tokens: int, top_k: int, hidden: int, device: torch.device, share: float):
+        pin = device.type == "cuda"
+        a = max_tokens * top_k
+        host = lambda *shape, dtype: torch.zeros(shape, dtype=dtype, pin_memory=pin)       # noqa: E731
+        self.req, self.resp = host(1, dtype=torch.int64), host(1, dtype=torch.int64)        # tickets
+        self.meta = host(2, dtype=torch.int64)                     # layer index, T
+        self.ids = host(a, dtype=torch.int64)                      # [A] the CPU's experts (-1: not the CPU's)
+        self.weights = host(a, dtype=torch.float32)                # [A]
+        self.x = host(max_tokens, hidden, dtype=torch.float32)     # [T, D] the tokens' activations
+        self.out = host(max_tokens, hidden, dtype=torch.float32)   # [T, D] the CPU's weighted sum
+        dev = lambda *shape, dtype, fill=0: torch.full(shape, fill, dtype=dtype, device=device)   # noqa: E731
+        self.ticket = dev(1, dtype=torch.int64)                    # the last request's number (device counter)
+        self.ncpu = dev(1, dtype=torch.int32)                      # the CPU's experts in the last call
+        self.error = dev(1, dtype=torch.int32)                     # set by collect when the answer never came
+        self.share = dev(1, dtype=torch.float32, fill=share)       # the CPU's share of misses (host sets it)
+        self.hit_slots = dev(a, dtype=torch.int64, fill=-1)
+        self.zc_ids = dev(a, dtype=torch.int64, fill=-1)
+        self._np = {name: getattr(self, name).numpy() for name in ("req", "resp", "meta", "ids", "weights", "x", "out")}
+
+    def set_share(self, share: float) -> None:
+        self.share.fill_(float(share))
+
+
+class CpuShareWorker:
+    """Serves the mailbox's requests with `compute(layer_index, x [T, D] fp32, tokens [A], experts [A],
+    weights [A]) -> [T, D] fp32` until `close()`. A daemon thread; `error` holds the first failure."""
+
+    def __init__(self, box: Mailbox, compute, *, name: str = "cpu-experts"):
+        self.box, self.compute = box, compute
+        self.error: BaseException | None = None
+        self.served = 0
+        self.busy_seconds = 0.0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        b = self.box._np
+        last = int(b["req"][0])
+        while not self._stop.is_set():
+            seq = int(spin_until_changed(b["req"], last, SPIN_CHUNK))
+            if seq == last:
+                time.sleep(IDLE_SLEEP_S)
+                continue
+            last = seq
+            t0 = time.perf_counter()
+            li, t = int(b["meta"][0]), int(b["meta"][1])
+            k = len(b["ids"]) // len(b["x"])
+            ids = b["ids"][:t * k].reshape(t, k)
+            out = b["out"][:t]
+            try:
+                tok, kk = np.nonzero(ids >= 0)
+                if len(tok):
+                    y = self.compute(li, torch.from_numpy(b["x"][:t]), tok, ids[tok, kk],
+                                     b["weights"][:t * k].reshape(t, k)[tok, kk])
+                    out[:] = y.numpy() if isinstance(y, torch.Tensor) else y
+                else:
+                    out[:] = 0.0
+            except BaseException as exc:  # noqa: BLE001  (answer anyway: the GPU is waiting)
+                out[:] = 0.0
+                if self.error is None:
+                    self.error = exc
+                    log.error("the CPU expert worker failed (%s); its share goes back to the GPU", exc)
+            publish(b["resp"], seq)
+            self.served += 1
+            self.busy_seconds += time.perf_counter() - t0
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=2.0)
+
+
+# ---------------------------------------------------------------------------------- CPU-device stand-ins
+def handoff_reference(layer_index: int, ids: torch.Tensor, weights: torch.Tensor, x: torch.Tensor,
+                      table_row: torch.Tensor, box: Mailbox) -> tuple[torch.Tensor, torch.Tensor]:
+    """What `handoff_triton.handoff` does, in torch/numpy on a CPU device (tests): same rule, same mailbox."""
+    t, k = ids.shape
+    slot = table_row[ids]                                               # [T, K]
+    miss = (slot < 0).reshape(-1)
+    rank = torch.cumsum(miss.int(), 0) - miss.int()
+    n_cpu = int(float(miss.sum()) * float(box.share[0]) + 0.5)
+    cpu = miss & (rank < n_cpu)
+    hit = torch.where(slot >= 0, slot, -1)
+    zc = torch.where((miss & (rank >= n_cpu)).view(t, k), ids, -1)
+    box.ncpu.fill_(n_cpu)
+    if n_cpu:
+        b = box._np
+        b["ids"][:t * k] = torch.where(cpu, ids.reshape(-1), -1).numpy()
+        b["weights"][:t * k] = weights.reshape(-1).float().numpy()
+        b["x"][:t] = x.float().numpy()
+        b["meta"][:] = (layer_index, t)
+        box.ticket += 1
+        publish(b["req"], int(box.ticket[0]))
+    return hit, zc
+
+
+def collect_reference(out: torch.Tensor, box: Mailbox, *, timeout_s: float = 10.0) -> torch.Tensor:
+    """What `handoff_triton.collect` does, on a CPU device: wait for the answer (bounded), add it."""
+    if int(box.ncpu[0]) == 0:
+        return out
+    want, deadline = int(box.ticket[0]), time.monotonic() + timeout_s
+    while int(spin_until_changed(box._np["resp"], want - 1, 10_000)) != want:
+        if time.monotonic() > deadline:
+            box.error.fill_(1)
+            return out
+        time.sleep(0)
+    t = out.shape[0]
+    return out.add_(torch.from_numpy(box._np["out"][:t]).to(out.dtype))
+
+
+def cpu_share_counts(ids: np.ndarray, table: np.ndarray, share: float) -> tuple[int, int]:
+    """The handoff's rule replayed on the host for one call: ids [T, K] (all >= 0), table [E] -> (CPU, PCIe)
+    missed assignments."""
+    miss = (table[ids.reshape(-1)] < 0)
+    n_cpu = int(int(miss.sum()) * float(np.float32(share)) + 0.5)
+    return n_cpu, int(miss.sum()) - n_cpu

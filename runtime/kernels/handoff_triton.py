@@ -1,0 +1,108 @@
+"""Triton kernels that hand a decode call's CPU share to the CPU worker and take its answer back, from inside a
+CUDA graph (runtime/experts/cpu_share.py has the worker, the mailbox and the torch/numpy references).
+
+Why: a recorded decode step cannot stop for the host to decide which experts the CPU computes. So the GPU decides
+(a rule the host can replay) and talks to a CPU thread through page-locked, device-mapped host memory:
+
+- `handoff` (one program): expert ids [A = T*K] -> slots in the pool (hits), the misses the GPU reads over PCIe
+  itself, and the misses the CPU computes: the first round(n_miss * share) misses in assignment order. Writes
+  the pool and zero-copy slot vectors to device memory, the CPU's ids, weights and the tokens' activations
+  (fp32) to the mailbox, then - after a system-scope fence - the request's ticket, which starts the worker. No
+  request when the CPU's share of this call is empty (`ncpu` = 0 tells `collect` not to wait).
+- `collect` (grid over the hidden size and the tokens): spins on the mailbox's answer word until it holds the
+  ticket (volatile loads over PCIe; gives up after `max_spins` and raises an error flag instead of hanging the
+  GPU), then adds the CPU's fp32 rows into the output.
+"""
+from __future__ import annotations
+
+import torch
+
+try:
+    import triton
+    import triton.language as tl
+    HAVE_TRITON = True
+except ImportError:
+    HAVE_TRITON = False
+
+
+if HAVE_TRITON:
+    @triton.jit
+    def _fence_system(x):
+        """A system-scope memory fence (the CPU must see the mailbox before the ticket); returns x."""
+        return tl.inline_asm_elementwise("fence.sc.sys; mov.b32 $0, $1;", "=r,r", [x], dtype=tl.int32,
+                                         is_pure=False, pack=1)
+
+    @triton.jit
+    def _handoff_kernel(ids_ptr, w_ptr, x_ptr, x_st, table_ptr, share_ptr, ticket_ptr, ncpu_ptr,
+                        hit_ptr, zc_ptr, box_ids_ptr, box_w_ptr, box_x_ptr, box_meta_ptr, box_req_ptr,
+                        layer, T, A, D, FENCE: tl.constexpr, ABLOCK: tl.constexpr, DBLOCK: tl.constexpr):
+        a = tl.arange(0, ABLOCK)
+        m = a < A
+        ids = tl.load(ids_ptr + a, mask=m, other=0)
+        slot = tl.load(table_ptr + ids, mask=m, other=0)
+        miss = m & (slot < 0)
+        miss_i = miss.to(tl.int32)
+        rank = tl.cumsum(miss_i, 0) - miss_i                    # misses before this assignment
+        n_miss = tl.sum(miss_i, 0)
+        n_cpu = (n_miss.to(tl.float32) * tl.load(share_ptr) + 0.5).to(tl.int32)
+        cpu = miss & (rank < n_cpu)
+        tl.store(hit_ptr + a, tl.where(m & (slot >= 0), slot, -1), mask=m)
+        tl.store(zc_ptr + a, tl.where(miss & (rank >= n_cpu), ids, -1), mask=m)
+        tl.store(ncpu_ptr, n_cpu)
+        if n_cpu > 0:
+            ticket = tl.load(ticket_ptr) + 1
+            tl.store(ticket_ptr, ticket)
+            tl.store(box_ids_ptr + a, tl.where(cpu, ids, -1), mask=m)
+            tl.store(box_w_ptr + a, tl.load(w_ptr + a, mask=m, other=0.0).to(tl.float32), mask=m)
+            for t in range(T):
+                for d0 in range(0, D, DBLOCK):
+                    cols = d0 + tl.arange(0, DBLOCK)
+                    v = tl.load(x_ptr + t * x_st + cols, mask=cols < D, other=0.0).to(tl.float32)
+                    tl.store(box_x_ptr + t * D + cols, v, mask=cols < D)
+            tl.store(box_meta_ptr, layer)
+            tl.store(box_meta_ptr + 1, T)
+            tl.debug_barrier()                                  # every thread's mailbox stores issued...
+            if FENCE:
+                # ...and visible system-wide before the ticket: the ticket's value depends on the fence's output
+                # (a zero the compiler cannot see through), so its store cannot move above the fence
+                ticket += _fence_system(n_cpu * 0).to(tl.int64)
+            tl.store(box_req_ptr, ticket)
+
+    @triton.jit
+    def _collect_kernel(out_ptr, out_st, ticket_ptr, ncpu_ptr, box_resp_ptr, box_out_ptr, err_ptr, D, max_spins,
+                        BLOCK: tl.constexpr):
+        t = tl.program_id(1)
+        cols = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        mask = cols < D
+        if tl.load(ncpu_ptr) > 0:
+            ticket = tl.load(ticket_ptr)
+            spins = 0
+            while (tl.load(box_resp_ptr, volatile=True) != ticket) & (spins < max_spins):
+                spins += 1
+            if spins >= max_spins:
+                tl.store(err_ptr, 1)
+            v = tl.load(box_out_ptr + t * D + cols, mask=mask, other=0.0, volatile=True)
+            o = tl.load(out_ptr + t * out_st + cols, mask=mask, other=0.0).to(tl.float32)
+            tl.store(out_ptr + t * out_st + cols, (o + v).to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def handoff(layer_index: int, ids: torch.Tensor, weights: torch.Tensor, x: torch.Tensor, table_row: torch.Tensor,
+            box, *, fence: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    """ids [T, K] int64 (contiguous), weights [T, K], x [T, D] -> (hit slots [T, K], zero-copy ids [T, K]) on the
+    device; the CPU's share goes to `box` (a cpu_share.Mailbox). One launch."""
+    t, k = ids.shape
+    d = x.shape[1]
+    hit, zc = box.hit_slots[:t * k].view(t, k), box.zc_ids[:t * k].view(t, k)
+    _handoff_kernel[(1,)](ids, weights.contiguous(), x, x.stride(0), table_row, box.share, box.ticket, box.ncpu,
+                          hit, zc, box.ids, box.weights, box.x, box.meta, box.req, layer_index, t, t * k, d,
+                          FENCE=fence, ABLOCK=max(16, triton.next_power_of_2(t * k)), DBLOCK=1024, num_warps=4)
+    return hit, zc
+
+
+def collect(out: torch.Tensor, box, *, max_spins: int = 20_000_000) -> torch.Tensor:
+    """out [T, D] += the CPU's answer, once it is there (in place; returns out). One launch."""
+    t, d = out.shape
+    block = 256
+    _collect_kernel[(triton.cdiv(d, block), t)](out, out.stride(0), box.ticket, box.ncpu, box.resp, box.out,
+                                                box.error, d, max_spins, BLOCK=block, num_warps=2)
+    return out
