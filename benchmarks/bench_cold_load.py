@@ -359,6 +359,7 @@ def instrument(timer: PhaseTimer) -> None:
     timer.wrap("hybrid tier built (pool, table, CPU executor)", hybrid.HybridExperts, "__init__")
     timer.wrap("CPU expert kernel first call (numba compile or cache load)", CpuExecutor, "run", first_call_only=True)
     timer.wrap("VRAM pool warm-up (hot set copied in)", hybrid.HybridExperts, "_warm_hot_set")
+    timer.wrap("VRAM pool's free slots filled", hybrid.HybridExperts, "_fill_free_slots")
     timer.wrap("tokenizer", Tokenizer, "from_dir")
     timer.wrap("chat template", ChatTemplate, "from_dir")
     timer.wrap("decode-graph runner set up", engine, "_decode_graphs")
