@@ -461,6 +461,66 @@ def test_router_ties_infinities_and_shapes(interpreter):
     interpreter.run("router_ties_infinities_and_shapes")
 
 
+def case_route_linear_matches_linear_then_route(e, k, dtype):
+    _, router_k = _kernels()
+    import torch.nn.functional as F
+    dtype = getattr(torch, dtype)
+    gen = torch.Generator().manual_seed(e * 7 + k)
+    d = 96
+    x = torch.randn(3, d, generator=gen).to(dtype)
+    weight = (torch.randn(e, d, generator=gen) * 0.2).to(dtype)
+    bias = torch.randn(e, generator=gen).to(dtype)
+    for b, modes in ((None, (("softmax_topk", False), ("softmax_topk", True), ("topk_softmax", False))),
+                     (bias, (("topk_softmax", False),))):
+        logits = F.linear(x, weight, b)                                       # [N, E] in x's dtype, as the model
+        for mode, renorm in modes:
+            ids, w = router_k.route_linear(x, weight, b, k, mode=mode, renormalize=renorm)
+            assert ids.shape == w.shape == (3, k) and ids.dtype == torch.int64
+            if dtype == torch.float32:                                        # no ties: torch's very ids
+                ref_ids, ref_w = router_k.route(logits, k, mode=mode, renormalize=renorm)
+                assert torch.equal(ids, ref_ids), (mode, renorm)
+                torch.testing.assert_close(w, ref_w, rtol=1e-4, atol=1e-6)
+            else:
+                # 16-bit logits tie often and the fp32 sums may round one unit apart: the picks are torch's top-k
+                # up to a unit in the last place, and the weights follow the logits
+                picked = logits.float().gather(1, ids)
+                kth = torch.topk(logits.float(), k, dim=-1).values[:, -1:]
+                assert torch.all(picked >= kth - 2 * kth.abs() * 2 ** -7), (mode, renorm)
+                assert torch.all(ids.sort(dim=1).values[:, 1:] != ids.sort(dim=1).values[:, :-1])   # distinct
+                if mode == "topk_softmax" or renorm:
+                    torch.testing.assert_close(w.sum(1), torch.ones(3), rtol=1e-5, atol=1e-5)
+    # the count is back at zero after every call: a second call (or a graph replay) ranks again
+    again, _ = router_k.route_linear(x, weight, None, k)
+    assert torch.equal(again, router_k.route_linear(x, weight, None, k)[0])
+    assert int(router_k._counters[x.device].abs().sum()) == 0
+
+
+@pytest.mark.parametrize("e, k, dtype", [(8, 2, "float32"), (128, 8, "float32"), (128, 8, "bfloat16"),
+                                         (60, 4, "bfloat16")])
+def test_route_linear_matches_linear_then_route(interpreter, e, k, dtype):
+    """The router GEMV fused with the ranking (the last program of a token ranks its row): torch's Linear then
+    the routings, with and without a bias, for every mode."""
+    interpreter.run("route_linear_matches_linear_then_route", e=e, k=k, dtype=dtype)
+
+
+def test_route_linear_is_one_launch_and_refuses_bad_shapes(monkeypatch):
+    _, router_k = _kernels()
+    launches = []
+    monkeypatch.setattr(router_k, "_route_linear_kernel", _LaunchRecorder("route_linear", launches))
+    monkeypatch.setitem(router_k._counters, torch.device("cpu"), torch.zeros(router_k.LINEAR_MAX_ROWS,
+                                                                             dtype=torch.int32))
+    x, weight = torch.randn(1, 2048).bfloat16(), torch.randn(128, 2048).bfloat16()
+    (ids, w), ops = _torch_ops(lambda: router_k.route_linear(x, weight, None, 8, out_dtype=torch.bfloat16))
+    assert [name for name, *_ in launches] == ["route_linear"]
+    assert launches[0][1] == (1, 128 // launches[0][3]["ROWS"]) and launches[0][1][1] >= 64
+    assert sorted(ops) == ["empty.memory_format"] * 3, ops                   # ids, weights, the logits' scratch
+    assert ids.shape == w.shape == (1, 8) and w.dtype == torch.bfloat16
+    with pytest.raises(ValueError, match="do not agree"):
+        router_k.route_linear(x, weight[:, :100], None, 8)
+    with pytest.raises(ValueError, match="tokens"):
+        router_k.route_linear(torch.randn(router_k.LINEAR_MAX_ROWS + 1, 2048), weight.float(), None, 8)
+
+
 def test_router_rejects_bad_arguments():
     _, router_k = _kernels()
     route = router_k.route
@@ -549,6 +609,10 @@ def test_kernels_compile_for_h200_without_spilling(tmp_path, monkeypatch):
     cases.append((router_k._route_kernel, router, dict(K=10, MODE=0, RENORM=True, BLOCK_E=512, BLOCK_K=16), 1))
     cases.append((router_k._route_kernel, dict(router, E=128, row_stride=128),                 # gpt-oss
                   dict(K=4, MODE=1, RENORM=False, BLOCK_E=128, BLOCK_K=4), 1))
+    cases.append((router_k._route_linear_kernel,                                              # fused router
+                  dict(x_ptr="*bf16", x_stride=2048, gate_ptr="*bf16", gate_stride=2048, bias_ptr="*bf16",
+                       logits_ptr="*fp32", count_ptr="*i32", ids_ptr="*i64", w_ptr="*bf16", D=2048, E=128),
+                  dict(K=8, MODE=0, RENORM=True, HAS_BIAS=False, ROWS=2, BLOCK_D=2048, BLOCK_E=128, BLOCK_K=8), 4))
     for fn, args, constexprs, warps in cases:
         regs, local, sass = _compile_sm90(fn, args, constexprs, warps, tmp_path)
         assert local == 0, (fn.__name__, constexprs, regs, local)               # no spills
@@ -647,3 +711,37 @@ def test_pool_plans_and_lookup_on_cuda(device):
         graph.replay()
         want = pool_k.pool_forward_triton(pool, store.layout, ExpertSpec(), x1, table.long()[ids1], w1)
         assert torch.equal(out, want)
+
+
+@pytest.mark.cuda
+def test_route_linear_on_cuda(device):
+    """Compiled (`pytest --device cuda`) at qwen3-30b-a3b's router (D 2048 -> E 128, top 8, bf16): the fused
+    GEMV + ranking picks torch's top-k of F.linear's logits (up to a unit in the last place where they tie) with
+    matching weights, and replays in a CUDA graph over new activations (the count resets each time)."""
+    if device != "cuda" or not torch.cuda.is_available():
+        pytest.skip("compiled kernels run on the GPU machine: pytest --device cuda")
+    import torch.nn.functional as F
+    from runtime.kernels import router_triton as router_k
+
+    gen = torch.Generator().manual_seed(29)
+    weight = (torch.randn(128, 2048, generator=gen) * 0.02).cuda().bfloat16()
+    xs = torch.randn(6, 2048, generator=gen).cuda().bfloat16()
+    for n in (1, 4):
+        x = xs[:n]
+        logits = F.linear(x, weight)
+        ids, w = router_k.route_linear(x, weight, None, 8, renormalize=True)
+        ref_ids, ref_w = route_softmax_topk(logits, 8, renormalize=True)
+        kth = torch.topk(logits.float(), 8, dim=-1).values[:, -1:]
+        assert torch.all(logits.float().gather(1, ids) >= kth - 2 * kth.abs() * 2 ** -7)
+        same = (ids.sort(1).values == ref_ids.sort(1).values).all(1)        # rows without a near-tie at the k-th
+        torch.testing.assert_close(w[same].sort(1).values, ref_w[same].sort(1).values, rtol=2e-2, atol=1e-3)
+    x1 = xs[:1].clone()
+    router_k.route_linear(x1, weight, None, 8)                              # the counter exists before capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        g_ids, g_w = router_k.route_linear(x1, weight, None, 8)
+    for row in range(1, 6):
+        x1.copy_(xs[row:row + 1])
+        graph.replay()
+        want_ids, want_w = router_k.route_linear(x1, weight, None, 8)
+        assert torch.equal(g_ids, want_ids) and torch.equal(g_w, want_w)
