@@ -129,7 +129,6 @@ def write_package(folder: Path, shape: PackageShape, *, say=print) -> dict:
     from runtime.experts.host_store import HostExpertStore
     from runtime.ftw.writer import (CHECKSUM, DENSE_FILE, EXPERTS_FILE, FORMAT_VERSION, PART_ALIGN, PackageWriter,
                                     align, block_digest, combine_digests, expert_block_parts)
-    from tests.fixtures.tokenizer import save_tokenizer
 
     t0 = time.perf_counter()
     folder = Path(folder)
@@ -141,7 +140,7 @@ def write_package(folder: Path, shape: PackageShape, *, say=print) -> dict:
 
     # tokenizer first, into a scratch folder: its ids name the EOS tokens config.json and the manifest carry
     scratch = Path(tempfile.mkdtemp(prefix="cold-load-tok-"))
-    ids = save_tokenizer("qwen", "qwen3.jinja", scratch)
+    ids = write_tokenizer(scratch)
     if ids["vocab_size"] > shape.vocab:
         raise ValueError(f"--vocab {shape.vocab} is smaller than the fixture tokenizer's {ids['vocab_size']} tokens")
     config = shape.config(bos=ids["bos"], eos=ids["gen_eos"][0])
@@ -251,6 +250,33 @@ def write_package(folder: Path, shape: PackageShape, *, say=print) -> dict:
     seconds = time.perf_counter() - t0
     say(f"package written in {seconds:.1f} s ({total / GB:.2f} GB, {total / seconds / GB:.2f} GB/s)")
     return {"path": str(folder), "reused": False, "seconds": seconds, "nbytes": total}
+
+
+def write_tokenizer(folder: Path) -> dict:
+    """The test fixtures' tokenizer (a 384-token byte-level BPE) with Qwen's special tokens and chat template, as
+    tests/fixtures/tokenizer.py saves it (through transformers); written by hand into the same three files where
+    transformers is not installed. Returns the token roles as ids (bos, eos, pad, gen_eos, vocab_size)."""
+    from tests.fixtures import tokenizer as fixtures
+
+    try:
+        return fixtures.save_tokenizer("qwen", "qwen3.jinja", folder)
+    except ImportError:
+        pass
+    from resources import resource_path
+
+    tok = fixtures.train_tokenizer("qwen")
+    roles = fixtures.FAMILY_ROLES["qwen"]
+    folder.mkdir(parents=True, exist_ok=True)
+    tok.save(str(folder / "tokenizer.json"))
+    (folder / "tokenizer_config.json").write_text(json.dumps(
+        {"bos_token": roles["bos"], "eos_token": roles["eos"], "pad_token": roles["pad"],
+         "tokenizer_class": "PreTrainedTokenizerFast"}, indent=1), encoding="utf-8")
+    template = resource_path("chat_templates", "qwen3.jinja").read_text(encoding="utf-8")
+    (folder / "chat_template.jinja").write_text(template, encoding="utf-8")
+    ids = {name: (tok.token_to_id(t) if t else None) for name, t in roles.items() if name != "gen_eos"}
+    ids["gen_eos"] = [tok.token_to_id(t) for t in roles["gen_eos"]]
+    ids["vocab_size"] = tok.get_vocab_size()
+    return ids
 
 
 def warm_page_cache(folder: Path) -> dict:

@@ -257,3 +257,24 @@ def test_h2d_probe_leaves_no_page_locked_memory_behind(device):
     before = pinned_by_torch()
     assert measure_h2d_gbps(nbytes=64 << 20, repeats=3) > 1.0
     assert pinned_by_torch() == before
+
+
+def test_package_without_transformers_gets_the_same_tokenizer(tmp_path, monkeypatch):
+    """The GPU machine may lack transformers (a test-only dependency): the tokenizer files are then written by hand,
+    and the engine reads the same tokens, EOS ids and chat template from them."""
+    from runtime.engine import Engine
+    from tests.fixtures import tokenizer as fixtures
+
+    with_hf = bench.write_tokenizer(tmp_path / "hf")
+
+    def no_transformers(*_args, **_kwargs):
+        raise ImportError("No module named 'transformers'")
+
+    monkeypatch.setattr(fixtures, "save_tokenizer", no_transformers)
+    assert bench.write_tokenizer(tmp_path / "by-hand") == with_hf
+    bench.write_package(tmp_path / "pkg", TINY, say=lambda *_: None)
+    engine = Engine.load(tmp_path / "pkg", device="cpu", context_length=256, max_batch=1)
+    assert engine.eos_ids == tuple(with_hf["gen_eos"])
+    text = engine.chat_template.render(bench.CHAT, add_generation_prompt=True)
+    assert text.rstrip().endswith("<|im_start|>assistant")
+    assert engine.tokenizer.decode(engine.tokenizer.encode(text)) == text
