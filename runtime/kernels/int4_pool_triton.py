@@ -6,18 +6,21 @@ read each packed byte once, dequantize in registers and fuse everything around t
 
   gate_up kernel, grid (A, I / BLOCK_N):  t = a // K, s = slots[t, a % K] (s < 0: nothing to do)
       h[a, n] = act(sum_j Wg[s, n, j] x[t, j], sum_j Wu[s, n, j] x[t, j])
-      (stored split: even n first, then odd n, so the down kernel reads both halves contiguously)
+      (stored in x's dtype when it is 16-bit, as the torch path rounds it, else fp32; with `slot_table` the
+      slots are looked up here, from expert ids, and handed to the down kernel)
   down kernel,    grid (T, D / BLOCK_N):
       y[t, n] = sum_{k: slots[t, k] >= 0} weights[t, k] * sum_j Wd[slots[t, k], n, j] h[t*K + k, j]
 
-A slot of -1 is an expert computed elsewhere: skipped (its h row is never written nor read, its weight never
-applied), so whatever bytes or NaNs sit anywhere cannot leak. Accumulation is fp32; y is written once, in
+A slot of -1 is an expert computed elsewhere: skipped (its h row is never written and its sums, whatever
+bytes or NaNs they met, are dropped by a select, its weight never applied), so nothing can leak. Accumulation is fp32; y is written once, in
 x's dtype; no atomics, so results are deterministic. Nothing on the host depends on the data (no syncs,
 allocations sized by shapes only): the two launches can be recorded in a CUDA graph.
 
 Both kernels work on a tile of "virtual rows": rows of several matrices processed side by side, so their
-loads are in flight together instead of one after another (at batch 1 the kernels are bound by the latency
-of each round trip to memory, not by bandwidth). The gate_up tile interleaves gate row n and up row n;
+loads are in flight together instead of one after another. At batch 1 the kernels are bound by the number
+of instructions they issue and by round trips to memory, not by bandwidth: the inner step costs ~4 integer
+ops and 4 FFMAs per code byte (see `_dot_step`), a row's steps are unrolled and the next step's codes
+prefetched (`KernelPlan`; benchmarks/sweep_pool_kernels.py times the plans on the GPU). The gate_up tile interleaves gate row n and up row n;
 the down tile holds row n of each of the token's K experts, and the weighted sum over K is a reduction
 inside the tile. `_dot_tile` is the shared inner product: any packed rows of the pool against an input.
 
