@@ -44,7 +44,7 @@ MAX_KEPT_RESULTS = 1024          # finished requests whose GenerationResult wait
 ProgressFn = Callable[[int, int, str], None]      # (done, total, stage)
 PrefillFn = Callable[[int, int], None]            # (done, total) prompt tokens
 # experts_factory(package, spec, *, device, dtype, vram_budget, cpu_experts_per_layer, progress,
-#                 context_length, max_sequences) -> Experts
+#                 context_length, max_sequences, dense_bytes_on_device) -> Experts
 ExpertsFactory = Callable[..., Experts]
 
 
@@ -265,9 +265,11 @@ class Engine:
             model.fuse_projections()          # fewer, larger GEMMs: a GPU's decode step is bound by launches
         factory = experts_factory or default_experts_factory(dev)
         try:
+            # the dense weights are on the device already; the planner counts them itself, so it is told
             experts = factory(package, model.expert_spec(), device=dev, dtype=dtype, vram_budget=vram_budget,
                               cpu_experts_per_layer=cpu_experts_per_layer, progress=stage("experts"),
-                              context_length=context_length, max_sequences=max_batch)
+                              context_length=context_length, max_sequences=max_batch,
+                              dense_bytes_on_device=report.nbytes if dev.type == "cuda" else 0)
         except MemoryError as exc:   # the plan (or the device) says the experts do not fit
             raise EngineError(f"the model does not fit on this machine: {exc}") from exc
         model.set_experts(experts)

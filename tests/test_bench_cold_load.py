@@ -11,6 +11,7 @@ from dataclasses import replace
 import pytest
 
 from benchmarks import bench_cold_load as bench
+from tests.engine_fixtures import ftw_packages  # noqa: F401  (fixture)
 
 TINY = bench.PackageShape(layers=2, hidden=128, heads=4, kv_heads=2, head_dim=32, experts=8, top_k=2,
                           expert_width=128, dense_width=256, vocab=512, group=64, max_position=2048,
@@ -278,3 +279,46 @@ def test_package_without_transformers_gets_the_same_tokenizer(tmp_path, monkeypa
     text = engine.chat_template.render(bench.CHAT, add_generation_prompt=True)
     assert text.rstrip().endswith("<|im_start|>assistant")
     assert engine.tokenizer.decode(engine.tokenizer.encode(text)) == text
+
+
+def test_load_time_probe_does_not_count_the_dense_weights_twice(monkeypatch):
+    """At load the engine puts the dense weights on the GPU first, then the expert tier probes the free VRAM and
+    plans -- and the plan adds the dense weights to its fixed cost. Probed as they were, they were subtracted
+    twice: an 8 GiB card with Qwen3-30B-A3B at 8K context fell back to the CPU although hybrid fits."""
+    import torch
+
+    from runtime.experts.planner import GiB, Hardware, ModelShape, plan_memory
+
+    config = bench.PackageShape().config(bos=None, eos=1)
+    shape = ModelShape.from_config(config, codec="int4", group_size=128)
+    total, before_load = 8 * GiB, int(7.6 * GiB)               # the card; free before the model arrives
+    dense = shape.dense_bytes
+    cached = 150 << 20                                         # torch holds freed q/k/v blocks after fusing them
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda *a: (before_load - dense - cached, total))
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "stand-in 8 GiB card")
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda *a: dense + cached)
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda *a: dense)
+
+    as_before = Hardware.probe(device="cuda", measure=False)
+    at_load = Hardware.probe(device="cuda", measure=False, counted_in_plan=dense)
+    assert at_load.vram_free == before_load
+    assert as_before.vram_free == before_load - dense - cached
+    wrong = plan_memory(shape, as_before, context_length=8192, max_sequences=1)
+    right = plan_memory(shape, at_load, context_length=8192, max_sequences=1)
+    assert wrong.backend == "cpu"                               # what the engine did
+    assert right.backend == "hybrid" and right.expert_slots > 500
+    assert right.vram_planned <= before_load                    # and it does fit what was free
+
+
+def test_engine_tells_the_expert_tier_what_it_placed_on_the_device(ftw_packages, device):
+    from runtime.engine import Engine, resident_experts_factory
+
+    seen = {}
+
+    def factory(package, spec, **kw):
+        seen.update(kw)
+        return resident_experts_factory(package, spec, **kw)
+
+    eng = Engine.load(ftw_packages("qwen3_moe", "int4"), device=device, experts_factory=factory)
+    assert seen["dense_bytes_on_device"] == (eng.plan["dense_bytes"] if device == "cuda" else 0)

@@ -728,12 +728,14 @@ class HybridExperts:
 def hybrid_experts_factory(package, spec: ExpertSpec, *, device, dtype, vram_budget: int | None = None,
                            cpu_experts_per_layer: int | None = None, progress=None, context_length: int = 8192,
                            max_sequences: int = 1, hardware=None, slots: int | None = None, policy: str = "lru",
-                           routing_stats_path: Path | None = None, prefetch: bool = False, **_unused):
+                           routing_stats_path: Path | None = None, prefetch: bool = False,
+                           dense_bytes_on_device: int = 0, **_unused):
     """The engine's seam (runtime/engine.py `experts_factory`): plan, then build the tier the plan asks for.
 
     "gpu" -> every expert resident on the device (resident.py); "hybrid"/"cpu" -> HybridExperts with the
     planned slot count (`slots` overrides it, e.g. a CPU-device pool in tests). Routing statistics saved by
-    earlier runs at `routing_stats_path` seed the pinned hot set, so the cache starts warm."""
+    earlier runs at `routing_stats_path` seed the pinned hot set, so the cache starts warm.
+    `dense_bytes_on_device`: what the engine already placed on the GPU (the plan counts it itself)."""
     from runtime.experts.planner import Hardware, ModelShape, plan_memory
     from runtime.experts.resident import ResidentExperts
 
@@ -742,7 +744,8 @@ def hybrid_experts_factory(package, spec: ExpertSpec, *, device, dtype, vram_bud
     shape = ModelShape.from_config(package.config, codec=store.codec if store.codec != "f32" else "bf16",
                                    group_size=store.layout.group or 64, block_size=store.layout.group or 32,
                                    block_nbytes=store.block_nbytes)
-    hw = hardware or Hardware.probe(device=device.type, measure=device.type == "cuda")
+    hw = hardware or Hardware.probe(device=device.type, measure=device.type == "cuda",
+                                    counted_in_plan=dense_bytes_on_device)
     plan = plan_memory(shape, hw, context_length=context_length, max_sequences=max_sequences,
                        vram_budget=vram_budget, cpu_experts_per_layer=cpu_experts_per_layer)
     for line in plan.summary_lines():

@@ -206,8 +206,13 @@ class Hardware:
         return max(0, ram_total - HOST_RESERVE)
 
     @classmethod
-    def probe(cls, *, device: str = "auto", measure: bool = True) -> "Hardware":
-        """Measure this machine. `measure=False` skips the bandwidth runs (a second or so) for quick estimates."""
+    def probe(cls, *, device: str = "auto", measure: bool = True, counted_in_plan: int = 0) -> "Hardware":
+        """Measure this machine. `measure=False` skips the bandwidth runs (a second or so) for quick estimates.
+
+        `counted_in_plan`: bytes this process already holds on the GPU that the plan counts itself -- at load,
+        the dense weights, which the engine places before the expert tier plans (`plan_memory` puts them in its
+        fixed cost). They and torch's cached, unused blocks are added back to the free VRAM; otherwise the
+        dense weights were subtracted twice and an 8 GB card fell back to the CPU where hybrid fits."""
         import psutil
 
         vm = psutil.virtual_memory()
@@ -221,6 +226,9 @@ class Hardware:
                 if has_cuda:
                     vram_free, vram_total = (int(x) for x in torch.cuda.mem_get_info())
                     name = torch.cuda.get_device_name()
+                    if counted_in_plan:
+                        cached = int(torch.cuda.memory_reserved()) - int(torch.cuda.memory_allocated())
+                        vram_free = min(vram_total, vram_free + int(counted_in_plan) + max(0, cached))
             except (ImportError, RuntimeError) as exc:   # a broken driver reads as "no GPU", and says so
                 print(f"freetoken: GPU not usable ({exc}); planning for the CPU", file=sys.stderr)
                 has_cuda = False
