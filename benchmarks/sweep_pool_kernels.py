@@ -12,7 +12,8 @@ Each gate_up plan is timed with the default down plan, and each down plan with t
 processes, in parallel, into Triton's disk cache; the table prints the pair's time, the
 change against the default row, and GB/s of expert bytes read (each distinct expert's gate, up and down
 once per call). Then the best gate_up and best down together. Stops sweeping at --budget-s (the lead's
-limit is 90 s on the H200) and says what it skipped. JSON rows go to --out.
+limit is 90 s on the H200) and says what it skipped. Last, the fused decode glue (router GEMV + ranking,
+k/v straight into the cache) against the launches it replaces. JSON rows go to --out.
 """
 from __future__ import annotations
 
@@ -195,6 +196,43 @@ def sweep(*, tokens: list[int], budget_s: float) -> list[dict]:
     return rows
 
 
+def glue() -> list[dict]:
+    """The fused decode glue against what it replaces, per layer at qwen3-30b-a3b's shape, in CUDA graphs of
+    CALLS calls: the router (GEMM + route vs route_linear) and k/v into the cache (norm_rope + 2 index_copy_
+    vs norm_rope_store)."""
+    import torch.nn.functional as F
+
+    from runtime.kernels import norm_rope_triton as nr, router_triton as rk
+
+    dev, dt = torch.device("cuda"), torch.bfloat16
+    rows = []
+    x = torch.randn(1, 2048, device=dev, dtype=dt)
+    gate = torch.randn(128, 2048, device=dev, dtype=dt) * 0.02
+    rk.route_linear(x, gate, None, 8, renormalize=True)                      # its counter, before any capture
+    pairs = {"router": (lambda: rk.route(F.linear(x, gate), 8, renormalize=True),
+                        lambda: rk.route_linear(x, gate, None, 8, renormalize=True))}
+    hkv, hd, cap = 4, 128, 1024
+    qkv = torch.randn(1, 40 * hd, device=dev, dtype=dt)
+    k, v = qkv[:, 32 * hd:36 * hd].view(1, hkv, hd), qkv[:, 36 * hd:].view(1, hkv, hd)
+    keys, values = (torch.zeros(hkv, cap, hd, device=dev, dtype=dt) for _ in range(2))
+    w = torch.ones(hd, device=dev, dtype=dt)
+    cos, sin = (torch.rand(1, 1, hd // 2, device=dev, dtype=dt) for _ in range(2))
+    at = torch.tensor([700], device=dev)
+
+    def separate():
+        rotated = nr.norm_rope(k, cos, sin, weight=w)
+        keys.index_copy_(1, at, rotated.transpose(0, 1))
+        values.index_copy_(1, at, v.transpose(0, 1))
+
+    pairs["k/v into the cache"] = (separate, lambda: nr.norm_rope_store(k, v, cos, sin, keys, values, at, weight=w))
+    print("\n== decode glue at qwen3-30b-a3b's shape, per layer call (recorded in a graph)")
+    for name, (before, after) in pairs.items():
+        us = [_graph_us(lambda fn=fn: [fn() for _ in range(CALLS)]) for fn in (before, after)]
+        print(f"  {name:20s} separate {us[0]:7.2f} us   fused {us[1]:7.2f} us")
+        rows.append(dict(kernel=name, separate_us=us[0], fused_us=us[1]))
+    return rows
+
+
 def _fmt(plan) -> str:
     if isinstance(plan, list):
         return " + ".join(_fmt(p) for p in plan)
@@ -222,8 +260,14 @@ def main() -> int:
         print("sweep_pool_kernels: needs a CUDA GPU (the GPU machine)")
         return 2
     rows = sweep(tokens=a.tokens, budget_s=a.budget_s)
+    try:
+        glue_rows = glue()
+    except Exception as exc:                 # noqa: BLE001  (a diagnostic: the pool rows still count)
+        print(f"  glue timing failed: {type(exc).__name__}: {exc}")
+        glue_rows = []
     if a.out:
-        a.out.write_text(json.dumps({"device": torch.cuda.get_device_name(), "rows": rows}, indent=1))
+        a.out.write_text(json.dumps({"device": torch.cuda.get_device_name(), "rows": rows, "glue": glue_rows},
+                                    indent=1))
         print(f"wrote {a.out}")
     return 0
 
