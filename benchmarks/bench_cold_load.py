@@ -5,6 +5,10 @@ The lead's command on the GPU machine (package write ~1 min the first time, then
 
     python benchmarks/bench_cold_load.py --folder /tmp/ftw-cold --vram-budget 8 0 --out cold_load.json
 
+(numba must be importable there -- the carried .site of benchmarks/device_final.sh: unpack it and put /tmp/site
+first on PYTHONPATH; the measuring processes inherit it. `--repeat 2` adds a second launch per budget, with the
+numba and Triton caches the first one filled: the first launch after a fresh checkout compiles the CPU kernel.)
+
 This dev VM (2 cores, no GPU; a reduced size, same code paths but the CPU tier):
 
     python benchmarks/bench_cold_load.py --layers 2 --experts 16 --vocab 4096 --vram-budget 0 --out /tmp/cold.json
