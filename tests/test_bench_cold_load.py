@@ -322,3 +322,28 @@ def test_engine_tells_the_expert_tier_what_it_placed_on_the_device(ftw_packages,
 
     eng = Engine.load(ftw_packages("qwen3_moe", "int4"), device=device, experts_factory=factory)
     assert seen["dense_bytes_on_device"] == (eng.plan["dense_bytes"] if device == "cuda" else 0)
+
+
+def test_a_failing_bulk_load_falls_back_to_block_copies(tmp_path, monkeypatch, caplog):
+    import numpy as np
+    import torch
+
+    from runtime.experts.host_store import HostExpertStore
+    from runtime.experts.hybrid import HybridExperts, HybridOptions
+    from runtime.experts.interface import ExpertSpec
+    from runtime.ftw.reader import FTWPackage
+
+    out = tmp_path / "pkg"
+    bench.write_package(out, TINY, say=lambda *_: None)
+    store = HostExpertStore.from_ftw(FTWPackage.open(out).experts)
+
+    def broken(self, dst, **_kw):
+        dst[0].fill_(7)                                  # half-done work is overwritten by the fallback
+        raise RuntimeError("CUDA error: invalid argument")
+
+    monkeypatch.setattr(HostExpertStore, "copy_to_device", broken)
+    every = tuple((layer, e) for layer in store.layers for e in range(store.num_experts))
+    tier = HybridExperts(store, ExpertSpec(), device="cpu", dtype=torch.float32,
+                         options=HybridOptions(slots=len(every), hot_set=every, top_k=TINY.top_k))
+    assert "bulk expert load failed" in caplog.text and tier._all_resident
+    assert np.array_equal(tier.cache.pool.numpy().reshape(-1), np.fromfile(out / "experts.bin", dtype=np.uint8))

@@ -634,9 +634,13 @@ class HybridExperts:
             slots.append(got[0])
         if len(keys) == len(self.store.layers) * self.store.num_experts == self.cache.pool.shape[0] \
                 and slots == list(range(len(keys))):
-            self.store.copy_to_device(self.cache.pool, stream=self.transport.stream)
-            self.cache.publish_many(keys, slots)
-            return
+            try:
+                self.store.copy_to_device(self.cache.pool, stream=self.transport.stream)
+            except RuntimeError as exc:      # a CUDA failure on the bulk path: the block-by-block one still works
+                log.warning("bulk expert load failed (%s); copying block by block", exc)
+            else:
+                self.cache.publish_many(keys, slots)
+                return
         copies = [(self.store.block(*key), self.cache.slot_view(slot)) for key, slot in zip(keys, slots)]
         if copies:
             self._wait(self.transport.submit(copies))
