@@ -383,9 +383,9 @@ class HostExpertStore:
                     in_flight.append((chunk, k, pool.submit(read, chunk, staging[k])))
                 while in_flight:
                     ship(*in_flight.pop(0))
-            if cuda:
-                (stream or torch.cuda.current_stream(dst.device)).synchronize()
         finally:
+            if cuda:        # also on an error: no copy may still read a staging buffer when it is unregistered
+                (stream or torch.cuda.current_stream(dst.device)).synchronize()
             for f in opened:
                 f.close()
         return {"seconds": time.perf_counter() - t0, "threads": n_threads, "pinned": pinned}
