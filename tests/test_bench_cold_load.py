@@ -1,5 +1,11 @@
-"""benchmarks/bench_cold_load.py at a tiny size: its package is a real FTW package (the checksums verify, the strict
-loader takes it, the engine answers from it), a complete package is reused, and the benchmark runs end to end."""
+"""The cold load (issue 10), at tiny sizes.
+
+benchmarks/bench_cold_load.py: its package is a real FTW package (the checksums verify, the strict loader takes it,
+the engine answers from it), a complete package is reused, a killed write resumes, and the benchmark runs end to
+end. Then what the benchmark found in the load path, each test failing on the old code: the empty model allocated
+once in its dtype, the dense file's pages released as they are copied, the all-in-VRAM pool filled from the file
+without mapping it, the H2D probe leaving nothing locked (GPU), the dense weights counted once by the load-time
+plan."""
 from __future__ import annotations
 
 import dataclasses
