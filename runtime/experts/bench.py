@@ -516,6 +516,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     m.add_argument("--split", nargs="+", default=["auto"], choices=["auto", "balanced", "cpu", "fetch"],
                    help="how decode misses are split between PCIe and the CPU (auto: learned online); several: "
                         "a decode row for each")
+    m.add_argument("--modes", nargs="+", default=["graphs", "eager"], choices=["graphs", "eager"],
+                   help="decode rows through recorded graphs, the eager forward, or both")
     m.add_argument("--cpu-share", nargs="+", type=float, default=[-1.0],
                    help="zero-copy decode: the CPU's share of misses (-1: the tier's estimate); several: a row each")
     m.add_argument("--trace", type=int, default=0,

@@ -176,7 +176,7 @@ def run_model(name: str, args, hw, report: dict) -> None:
             experts = RoutedExperts(hybrid, moe_layers, torch.from_numpy(dec).to(device),
                                     torch.from_numpy(pre).to(device))
             model.set_experts(experts)
-            for use_graphs in ([True, False] if graphs.capture else [False]):
+            for use_graphs in [m == "graphs" for m in args.modes if graphs.capture or m == "eager"]:
                 cache = model.new_cache(device=device, dtype=dtype)
                 prefill(model, cache, args.context, chunk=args.chunk, device=device)
                 hybrid.counters.end_step()

@@ -25,6 +25,7 @@ same protocol runs with torch/numpy stand-ins for the two kernels (`handoff_refe
 from __future__ import annotations
 
 import logging
+import sys
 import threading
 import time
 
@@ -35,6 +36,7 @@ log = logging.getLogger(__name__)
 
 SPIN_CHUNK = 200_000          # acquire loads per nogil spin (~1-5 ms) before the thread looks at its stop flag
 IDLE_SLEEP_S = 0.0005         # then it naps this long between spins: an idle app does not burn a core
+GIL_SWITCH_S = 5e-5           # the interpreter's thread switch interval while a worker runs
 
 try:
     from llvmlite import ir
@@ -132,6 +134,11 @@ class CpuShareWorker:
         self.served = 0
         self.busy_seconds = 0.0
         self._stop = threading.Event()
+        # the worker's few Python steps per request must not wait for the GIL: while the decoding thread runs
+        # Python (launching a step, its bookkeeping), a thread asking for the GIL gets it only at the next
+        # switch interval (5 ms by default) - longer than the whole answer should take
+        self._switch_interval = sys.getswitchinterval()
+        sys.setswitchinterval(min(self._switch_interval, GIL_SWITCH_S))
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
 
@@ -169,6 +176,7 @@ class CpuShareWorker:
     def close(self) -> None:
         self._stop.set()
         self._thread.join(timeout=2.0)
+        sys.setswitchinterval(self._switch_interval)
 
 
 # ---------------------------------------------------------------------------------- CPU-device stand-ins
