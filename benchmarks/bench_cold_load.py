@@ -415,8 +415,11 @@ def run_child(args) -> int:
     handler.setFormatter(logging.Formatter("    [%(since_load)7.2f s] %(name)s: %(message)s"))
     handler.addFilter(lambda record: setattr(record, "since_load", timer.now()) or True)
     logging.basicConfig(level=logging.INFO, handlers=[handler])
-    instrument(timer)
     package = Path(args.package)
+    # serve's rule: the context setting, but never past what the model supports
+    max_position = json.loads((package / "manifest.json").read_text())["config"].get("max_position_embeddings")
+    context = min(args.context, int(max_position)) if max_position else args.context
+    instrument(timer)
     package_bytes = sum((package / n).stat().st_size for n in ("dense.bin", "experts.bin"))
     budget = int(args.budget_gib * GiB) if args.budget_gib > 0 else None
     rss_start = host_rss()
@@ -429,7 +432,7 @@ def run_child(args) -> int:
         factory = {"hybrid": hybrid_experts_factory, "resident": resident_experts_factory}[args.tier]
     timer.t0 = time.perf_counter()
     with PeakRSS() as rss_load:
-        engine = Engine.load(package, device=args.device, vram_budget=budget, context_length=args.context,
+        engine = Engine.load(package, device=args.device, vram_budget=budget, context_length=context,
                              max_batch=args.max_batch, experts_factory=factory)
         if sync:
             sync()
