@@ -600,11 +600,11 @@ def test_kernels_compile_for_h200_without_spilling(tmp_path, monkeypatch):
                 cases.append((pool_k._gate_up_kernel, dict(gate_up, x_ptr="*" + dtype, h_ptr=h),
                               dict(CODEC=c, GROUP=group, ACT=0, LOOKUP=lookup, BLOCK_N=gu.block_n,
                                    BLOCK_K=gu.block_k, STEPS=gu.steps, PREFETCH=gu.prefetch,
-                                   EVEN=i % gu.block_n == 0 and (d // 2) % gu.block_k == 0), gu.warps))
+                                   EVEN=(d // 2) % gu.block_k == 0, ROWS_ALL=i % gu.block_n == 0), gu.warps))
             cases.append((pool_k._down_kernel, dict(down, w_ptr="*" + dtype, y_ptr="*" + dtype, h_ptr=h),
                           dict(CODEC=c, GROUP=group, KB=kb, BLOCK_N=dn.block_n, BLOCK_K=dn.block_k,
                                STEPS=dn.steps, PREFETCH=dn.prefetch,
-                               EVEN=d % dn.block_n == 0 and (i // 2) % dn.block_k == 0), dn.warps))
+                               EVEN=(i // 2) % dn.block_k == 0), dn.warps))
     router = dict(logits_ptr="*bf16", row_stride=512, ids_ptr="*i64", w_ptr="*fp32", E=512)
     cases.append((router_k._route_kernel, router, dict(K=10, MODE=0, RENORM=True, BLOCK_E=512, BLOCK_K=16), 1))
     cases.append((router_k._route_kernel, dict(router, E=128, row_stride=128),                 # gpt-oss

@@ -11,18 +11,20 @@ read each packed byte once, dequantize in registers and fuse everything around t
   down kernel,    grid (T, D / BLOCK_N):
       y[t, n] = sum_{k: slots[t, k] >= 0} weights[t, k] * sum_j Wd[slots[t, k], n, j] h[t*K + k, j]
 
-A slot of -1 is an expert computed elsewhere: skipped (its h row is never written and its sums, whatever
-bytes or NaNs they met, are dropped by a select, its weight never applied), so nothing can leak. Accumulation is fp32; y is written once, in
-x's dtype; no atomics, so results are deterministic. Nothing on the host depends on the data (no syncs,
-allocations sized by shapes only): the two launches can be recorded in a CUDA graph.
+A slot of -1 is an expert computed elsewhere: skipped (its h row is never written, its pool bytes never read,
+its sums dropped by a select and its weight never applied), so whatever bytes or NaNs sit anywhere cannot
+leak. Accumulation is fp32; y is written once, in x's dtype; no atomics, so results are deterministic.
+Nothing on the host depends on the data (no syncs, allocations sized by shapes only): the two launches can be
+recorded in a CUDA graph.
 
 Both kernels work on a tile of "virtual rows": rows of several matrices processed side by side, so their
 loads are in flight together instead of one after another. At batch 1 the kernels are bound by the number
 of instructions they issue and by round trips to memory, not by bandwidth: the inner step costs ~4 integer
 ops and 4 FFMAs per code byte (see `_dot_step`), a row's steps are unrolled and the next step's codes
-prefetched (`KernelPlan`; benchmarks/sweep_pool_kernels.py times the plans on the GPU). The gate_up tile interleaves gate row n and up row n;
-the down tile holds row n of each of the token's K experts, and the weighted sum over K is a reduction
-inside the tile. `_dot_tile` is the shared inner product: any packed rows of the pool against an input.
+prefetched (`KernelPlan`; benchmarks/sweep_pool_kernels.py times the plans on the GPU). The gate_up tile
+interleaves gate row n and up row n; the down tile holds row n of each of the token's K experts, and the
+weighted sum over K is a reduction inside the tile. `_dot_tile` is the shared inner product: any packed rows
+of the pool against an input.
 
 Block layout and codecs as in FTW: int4 `W = q * scale + min` (fp16 per group), fp4 e2m1 with e8m0 scales
 per 32 (MXFP4). Weights are read as bytes: byte j of a row holds element 2j (low nibble) and 2j + 1 (high).
@@ -55,62 +57,77 @@ PREFETCH = True             # request step i + 1's codes before step i's arithme
 
 if HAVE_TRITON:
     @triton.jit
-    def _load(ptrs, mask, other, EVEN: tl.constexpr):
-        """tl.load, unmasked when EVEN (every address valid): a masked load zeroes its registers first and
+    def _load(ptrs, mask, other, UNMASKED: tl.constexpr):
+        """tl.load, without its mask when every address is valid: a masked load zeroes its registers first and
         needs its predicate computed, ~10 instructions per 16 code bytes of the batch-1 loop."""
-        if EVEN:
+        if UNMASKED:
             return tl.load(ptrs)
         else:
             return tl.load(ptrs, mask=mask, other=other)
 
     @triton.jit
-    def _pairs(rows, j, mask, EVEN: tl.constexpr):
+    def _pool_mask(rmask, inside, EVEN: tl.constexpr, ROWS_ALL: tl.constexpr):
+        """Which pool bytes of a [R, NG, GB] (or [R, NG, 1]) tile to read: rows that count (unless ROWS_ALL) and
+        positions inside the row (unless EVEN). A row that does not count reads nothing from the pool, which
+        may be host memory read over PCIe (the zero-copy tier's misses)."""
+        if ROWS_ALL:
+            return inside
+        elif EVEN:
+            return rmask[:, None, None]
+        else:
+            return rmask[:, None, None] & inside
+
+    @triton.jit
+    def _pairs(rows, j, mask, UNMASKED: tl.constexpr):
         """(x[2j], x[2j + 1]) as two fp32 tensors, x being each row's input at `rows` (element pointers) and j a
         pair index: one 32-bit word per pair of a 16-bit input, one 64-bit word per fp32 pair, so a thread's
         pairs load contiguously, 16 bytes at once, in the packed codes' own layout (byte j holds elements 2j
         and 2j + 1)."""
         ty = rows.dtype.element_ty
         if ty == tl.bfloat16:
-            w = _load(rows.to(tl.pointer_type(tl.uint32)) + j, mask, 0, EVEN)
-            return (w << 16).to(tl.float32, bitcast=True), (w & 0xFFFF0000).to(tl.float32, bitcast=True)  # fp32's top half
+            w = _load(rows.to(tl.pointer_type(tl.uint32)) + j, mask, 0, UNMASKED)
+            # bf16 is fp32's top half
+            return (w << 16).to(tl.float32, bitcast=True), (w & 0xFFFF0000).to(tl.float32, bitcast=True)
         elif ty == tl.float16:
-            w = _load(rows.to(tl.pointer_type(tl.uint32)) + j, mask, 0, EVEN)
+            w = _load(rows.to(tl.pointer_type(tl.uint32)) + j, mask, 0, UNMASKED)
             return ((w & 0xFFFF).to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32),
                     (w >> 16).to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32))
         else:
-            w = _load(rows.to(tl.pointer_type(tl.uint64)) + j, mask, 0, EVEN)
+            w = _load(rows.to(tl.pointer_type(tl.uint64)) + j, mask, 0, UNMASKED)
             return ((w & 0xFFFFFFFF).to(tl.uint32).to(tl.float32, bitcast=True),
                     (w >> 32).to(tl.uint32).to(tl.float32, bitcast=True))
 
     @triton.jit
-    def _codes(pool_ptr, q_row, rmask, k0, half, GROUP: tl.constexpr, BLOCK_K: tl.constexpr, EVEN: tl.constexpr):
-        """Bytes k0 .. k0 + BLOCK_K of each row's codes as a [R, NG, GB] int32 tile (nothing loaded past a row)."""
+    def _codes(pool_ptr, q_row, rmask, k0, half, GROUP: tl.constexpr, BLOCK_K: tl.constexpr, EVEN: tl.constexpr,
+               ROWS_ALL: tl.constexpr):
+        """Bytes k0 .. k0 + BLOCK_K of each row's codes as a [R, NG, GB] int32 tile (nothing loaded past a row,
+        nor for a row that does not count)."""
         GB: tl.constexpr = GROUP // 2                                         # bytes per group
         NG: tl.constexpr = BLOCK_K // GB                                      # groups per step
         kb = k0 + tl.arange(0, NG)[:, None] * GB + tl.arange(0, GB)[None, :]  # [NG, GB] byte index in a row
-        mask = rmask[:, None, None] & (kb < half)[None, :, :]                 # [R, NG, GB]
-        return _load(pool_ptr + q_row[:, None, None] + kb[None, :, :], mask, 0, EVEN).to(tl.int32)
+        mask = _pool_mask(rmask, (kb < half)[None, :, :], EVEN, ROWS_ALL)
+        return _load(pool_ptr + q_row[:, None, None] + kb[None, :, :], mask, 0, EVEN and ROWS_ALL).to(tl.int32)
 
     @triton.jit
     def _dot_step(acc, q, k0, pool_ptr, s_row, m_row, rmask, x_rows, half, n_groups, CODEC: tl.constexpr,
-                  GROUP: tl.constexpr, BLOCK_K: tl.constexpr, EVEN: tl.constexpr):
+                  GROUP: tl.constexpr, BLOCK_K: tl.constexpr, EVEN: tl.constexpr, ROWS_ALL: tl.constexpr):
         """acc [R, NG, GB] += the products of codes q (bytes k0 .. k0 + BLOCK_K of each row) with the inputs."""
         GB: tl.constexpr = GROUP // 2
         NG: tl.constexpr = BLOCK_K // GB
         gi = tl.arange(0, NG)
         kb = k0 + gi[:, None] * GB + tl.arange(0, GB)[None, :]               # [NG, GB] byte index in a row
-        mask = rmask[:, None, None] & (kb < half)[None, :, :]                 # [R, NG, GB]
         # each row's input in the tile's own layout: byte j of a row meets pair j of its input (repeated per row
         # from L1 where rows share one input: loaded once and broadcast, it would be converted through shared
         # memory, with barriers, on every step)
-        xe, xo = _pairs(x_rows[:, None, None], kb[None, :, :], mask, EVEN)   # [R, NG, GB] x2
+        # (every row points at a real input, so only positions past the row's end are masked)
+        xe, xo = _pairs(x_rows[:, None, None], kb[None, :, :], (kb < half)[None, :, :], EVEN)   # [R, NG, GB] x2
         # [R, NG, 1]: one scale (and min) per row and group, loaded straight in the tile's own layout
         g = (k0 // GB + gi)[None, :, None]                                    # group of each chunk
-        gmask = rmask[:, None, None] & (g < n_groups)
+        gmask = _pool_mask(rmask, g < n_groups, EVEN, ROWS_ALL)
         if CODEC == 0:
             p16 = pool_ptr.to(tl.pointer_type(tl.float16))
-            s = _load(p16 + s_row[:, None, None] + g, gmask, 0.0, EVEN).to(tl.float32)
-            m = _load(p16 + m_row[:, None, None] + g, gmask, 0.0, EVEN).to(tl.float32)
+            s = _load(p16 + s_row[:, None, None] + g, gmask, 0.0, EVEN and ROWS_ALL).to(tl.float32)
+            m = _load(p16 + m_row[:, None, None] + g, gmask, 0.0, EVEN and ROWS_ALL).to(tl.float32)
             # A nibble c becomes the float f = 1 + c/16 by placing it in the top mantissa bits of 1.0 (a shift and
             # one LOP3), so w = c*s + m = f*(16 s) + (m - 16 s): ONE FFMA per weight, no int->float conversion
             # (I2F) nor byte extraction per nibble. m - 16 s is exact (two fp16 values of like size), so w
@@ -126,7 +143,7 @@ if HAVE_TRITON:
         else:
             lo = (q & 15).to(tl.float32)
             hi = (q >> 4).to(tl.float32)
-            e8 = _load(pool_ptr + s_row[:, None, None] + g, gmask, 127, EVEN).to(tl.float32)
+            e8 = _load(pool_ptr + s_row[:, None, None] + g, gmask, 127, EVEN and ROWS_ALL).to(tl.float32)
             # e2m1 from the code: magnitude m/2 + relu(m-4)/2 + relu(m-6), bit 3 the sign
             lm = tl.where(lo >= 8.0, lo - 8.0, lo)
             hm = tl.where(hi >= 8.0, hi - 8.0, hi)
@@ -140,7 +157,7 @@ if HAVE_TRITON:
     @triton.jit
     def _dot_tile(pool_ptr, q_row, s_row, m_row, rmask, x_rows, half, n_groups, CODEC: tl.constexpr,
                   GROUP: tl.constexpr, ROWS: tl.constexpr, BLOCK_K: tl.constexpr, STEPS: tl.constexpr,
-                  PREFETCH: tl.constexpr, EVEN: tl.constexpr):
+                  PREFETCH: tl.constexpr, EVEN: tl.constexpr, ROWS_ALL: tl.constexpr):
         """acc[R] = sum_j W_r[j] x_r[j] for R packed rows of `half` bytes (2 * half inputs, n_groups groups)
         anywhere in the pool.
 
@@ -159,28 +176,29 @@ if HAVE_TRITON:
         GB: tl.constexpr = GROUP // 2
         NG: tl.constexpr = BLOCK_K // GB
         acc = tl.zeros((ROWS, NG, GB), dtype=tl.float32)
-        q_next = _codes(pool_ptr, q_row, rmask, 0, half, GROUP, BLOCK_K, EVEN)
+        q_next = _codes(pool_ptr, q_row, rmask, 0, half, GROUP, BLOCK_K, EVEN, ROWS_ALL)
         if STEPS > 0:
             for step in tl.static_range(STEPS):
                 if PREFETCH:
                     q = q_next
                     if step + 1 < STEPS:
-                        q_next = _codes(pool_ptr, q_row, rmask, (step + 1) * BLOCK_K, half, GROUP, BLOCK_K, EVEN)
+                        q_next = _codes(pool_ptr, q_row, rmask, (step + 1) * BLOCK_K, half, GROUP, BLOCK_K, EVEN,
+                                        ROWS_ALL)
                 else:
-                    q = _codes(pool_ptr, q_row, rmask, step * BLOCK_K, half, GROUP, BLOCK_K, EVEN)
+                    q = _codes(pool_ptr, q_row, rmask, step * BLOCK_K, half, GROUP, BLOCK_K, EVEN, ROWS_ALL)
                 acc = _dot_step(acc, q, step * BLOCK_K, pool_ptr, s_row, m_row, rmask, x_rows, half, n_groups,
-                                CODEC, GROUP, BLOCK_K, EVEN)
+                                CODEC, GROUP, BLOCK_K, EVEN, ROWS_ALL)
         else:
             for k0 in range(0, half, BLOCK_K):
                 if PREFETCH:
                     q = q_next
                     # past the row's end the last step is fetched again (in bounds, unused): no mask needed
-                    q_next = _codes(pool_ptr, q_row, rmask, tl.maximum(tl.minimum(k0 + BLOCK_K, half - BLOCK_K), 0), half, GROUP,
-                                    BLOCK_K, EVEN)
+                    nxt = tl.maximum(tl.minimum(k0 + BLOCK_K, half - BLOCK_K), 0)
+                    q_next = _codes(pool_ptr, q_row, rmask, nxt, half, GROUP, BLOCK_K, EVEN, ROWS_ALL)
                 else:
-                    q = _codes(pool_ptr, q_row, rmask, k0, half, GROUP, BLOCK_K, EVEN)
+                    q = _codes(pool_ptr, q_row, rmask, k0, half, GROUP, BLOCK_K, EVEN, ROWS_ALL)
                 acc = _dot_step(acc, q, k0, pool_ptr, s_row, m_row, rmask, x_rows, half, n_groups,
-                                CODEC, GROUP, BLOCK_K, EVEN)
+                                CODEC, GROUP, BLOCK_K, EVEN, ROWS_ALL)
         return tl.sum(tl.sum(acc, axis=2), axis=1)
 
     @triton.jit
@@ -188,7 +206,7 @@ if HAVE_TRITON:
                         K, D2, DG, I, gq, gs, gm, uq, us, um, alpha, limit,
                         CODEC: tl.constexpr, GROUP: tl.constexpr, ACT: tl.constexpr, LOOKUP: tl.constexpr,
                         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, STEPS: tl.constexpr,
-                        PREFETCH: tl.constexpr, EVEN: tl.constexpr):
+                        PREFETCH: tl.constexpr, EVEN: tl.constexpr, ROWS_ALL: tl.constexpr):
         a = tl.program_id(0)                                                  # assignment: token t, k-th expert
         t = a // K
         slot = tl.load(slots_ptr + t * slot_st + (a - t * K) * slot_sk)
@@ -216,7 +234,7 @@ if HAVE_TRITON:
             m_row = s_row
         x_rows = x_ptr + t.to(tl.int64) * x_st + (q_row * 0)                  # [R] every row reads token t's x
         acc = _dot_tile(pool_ptr, q_row, s_row, m_row, n < I, x_rows, D2, DG, CODEC, GROUP, 2 * BLOCK_N, BLOCK_K,
-                        STEPS, PREFETCH, EVEN)
+                        STEPS, PREFETCH, EVEN, ROWS_ALL)
         g, u = tl.split(tl.reshape(acc, (BLOCK_N, 2)))                        # [BN], [BN]
         if ACT == 0:
             h = g / (1.0 + tl.exp(-g)) * u
@@ -254,7 +272,7 @@ if HAVE_TRITON:
         # [R] each row's own h (padding rows past K point at the last real one: read, never counted)
         x_rows = h_ptr + (t * K + tl.minimum(k, K - 1)).to(tl.int64) * I
         acc = _dot_tile(pool_ptr, q_row, s_row, m_row, rmask, x_rows, I2, IG, CODEC, GROUP, BLOCK_N * KB, BLOCK_K,
-                        STEPS, PREFETCH, EVEN)
+                        STEPS, PREFETCH, EVEN, False)     # rows count only where their slot is real
         acc = tl.where(rmask, acc * wt, 0.0)
         y = tl.sum(tl.reshape(acc, (BLOCK_N, KB)), axis=1)                    # [BN] weighted sum over K
         rows = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -380,12 +398,12 @@ def pool_forward_triton(pool: torch.Tensor, layout, spec, x: torch.Tensor, slots
         off("gate"), off("gate_scales"), off("gate_mins"), off("up"), off("up_scales"), off("up_mins"),
         float(spec.swiglu_alpha), float(spec.swiglu_limit),
         CODEC=codec, GROUP=group, ACT=act, LOOKUP=lookup, BLOCK_N=gu.block_n, BLOCK_K=gu.block_k,
-        STEPS=gu.steps, PREFETCH=gu.prefetch, EVEN=i % gu.block_n == 0 and (d // 2) % gu.block_k == 0,
+        STEPS=gu.steps, PREFETCH=gu.prefetch, EVEN=(d // 2) % gu.block_k == 0, ROWS_ALL=i % gu.block_n == 0,
         num_warps=gu.warps)
     _down_kernel[(t, triton.cdiv(d, dn.block_n))](
         pool, layout.nbytes, looked_up, looked_up.stride(0), looked_up.stride(1), weights, weights.stride(0),
         weights.stride(1), h, y, k, d, i, i // 2, -(-i // group), off("down"), off("down_scales"), off("down_mins"),
         CODEC=codec, GROUP=group, KB=triton.next_power_of_2(k), BLOCK_N=dn.block_n, BLOCK_K=dn.block_k,
-        STEPS=dn.steps, PREFETCH=dn.prefetch, EVEN=d % dn.block_n == 0 and (i // 2) % dn.block_k == 0,
+        STEPS=dn.steps, PREFETCH=dn.prefetch, EVEN=(i // 2) % dn.block_k == 0,
         num_warps=dn.warps)
     return y
