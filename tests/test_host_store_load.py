@@ -147,7 +147,8 @@ def test_page_locking_registers_exactly_the_store_and_unregisters_when_the_last_
     experts = write_synthetic_ftw_experts(tmp_path, layers=2, num_experts=3, hidden=256, intermediate=128)
     copy = HostExpertStore.from_ftw(experts).pinned_copy(pin=True)
     ptr = copy._owner.array.ctypes.data
-    assert calls == [("register", ptr, copy.nbytes, 0)] and copy.load_seconds["pinned"] is True
+    # portable and mapped: the GPU reads missed experts in place (hybrid.py's zero-copy decode)
+    assert calls == [("register", ptr, copy.nbytes, 3)] and copy.load_seconds["pinned"] is True
     assert _is_pinned(copy)
     view = copy.block(1, 2)                   # a view outliving the store keeps the registration
     del copy

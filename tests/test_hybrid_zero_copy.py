@@ -124,13 +124,16 @@ def test_zero_copy_is_off_when_asked_or_for_many_tokens():
     assert on.counters.total.decode_calls == 1
 
 
-def test_zero_copy_graph_step_on_cuda_matches_eager(device):
-    """On the GPU machine: the Triton kernels read misses from page-locked host memory inside a recorded graph;
-    replays with changed routing and a promotion published between steps give the reference's results."""
+@pytest.mark.parametrize("share", [0.0, 0.5])
+def test_zero_copy_graph_step_on_cuda_matches_eager(device, share):
+    """On the GPU machine: the Triton kernels read misses from page-locked host memory inside a recorded graph
+    (with the CPU worker answering its share through the mailbox, or not); replays with changed routing and a
+    promotion published between steps give the reference's results."""
     if device != "cuda":
         pytest.skip("needs the GPU machine (--device cuda)")
     dev = torch.device("cuda")
-    store, tier = _tier(dev, slots=6, hot=[(0, 0), (1, 1)], pin=True)
+    store, tier = _tier(dev, slots=6, hot=[(0, 0), (1, 1)], pin=True, cpu_share=share)
+    assert (tier._worker is not None) == (share > 0)
     assert tier.zero_copy and tier.graph_safe(0)
     x = torch.randn(1, 64, device=dev, dtype=torch.bfloat16)
     ids = torch.tensor([[0, 3]], device=dev)

@@ -160,7 +160,7 @@ def run_model(name: str, args, hw, report: dict) -> None:
             slots = layers * e
         label = "unlimited" if budget is None else f"{budget_gib:g} GiB"
         splits = args.split if slots < layers * e else args.split[:1]     # a split needs misses
-        shares = [None if x < 0 else x for x in args.cpu_share]
+        shares = list(args.cpu_share)
         for routing, split, share in [(r, sp, sh) for r in args.routings for sp in splits
                                       for sh in (shares if sp == "auto" else shares[:1])]:
             if device.type == "cuda":
@@ -201,10 +201,10 @@ def run_model(name: str, args, hw, report: dict) -> None:
                         f"{key} {v:.0f}" for key, v in rows[-1]["host_us_per_call"].items()), flush=True)
                 if use_graphs and args.trace and args.out and slots < layers * e:
                     trace_decode(graphs, cache, experts, args.trace, args.out / (
-                        f"trace_{name}_{label.replace(' ', '')}_{routing}_{split}{'' if share is None else share}.json.gz"))
+                        f"trace_{name}_{label.replace(' ', '')}_{routing}_{split}{share}.json.gz"))
                 cache.release()                 # a state slot goes back to the pool
                 del cache
-            if routing == args.routings[0] and budget_gib in args.prefill_budgets:
+            if (routing, split, share) == (args.routings[0], splits[0], shares[0]) and budget_gib in args.prefill_budgets:
                 for n in args.prefill:
                     cache = model.new_cache(device=device, dtype=dtype)
                     hybrid.counters.end_step()

@@ -86,8 +86,9 @@ class HybridOptions:
     zero_copy: bool | None = None               # decode misses read by the GPU in place from page-locked host
                                                 # memory (None: on CUDA when possible and split is auto/fetch)
     promote_bytes_per_step: int = 16 << 20      # zero-copy mode: promotions decided once per decode step
-    cpu_share: float | None = None              # zero-copy mode: the CPU's share of misses (None: from the two
-                                                # bandwidths; 0: the GPU reads every miss itself)
+    cpu_share: float = 0.0                      # zero-copy mode: the CPU's share of misses (0: the GPU reads
+                                                # every miss itself - measured fastest, docs/hybrid.md; < 0: the
+                                                # share that balances the two bandwidths)
     fill_pool: bool | None = None               # fill free slots at load (None: on a GPU; CPU tests keep the
                                                 # pool to its hot set so they can reason about its contents)
 
@@ -198,7 +199,7 @@ class HybridExperts:
         self._snapshot = self.cache.host_table.copy()        # the table the current step runs against
         self._promote_step_blocks = self.options.promote_bytes_per_step // max(1, store.block_nbytes)
         self._box = self._worker = None
-        share = self._default_cpu_share() if self.options.cpu_share is None else float(self.options.cpu_share)
+        share = self._default_cpu_share() if self.options.cpu_share < 0 else float(self.options.cpu_share)
         if share > 0 and (not self.cuda or handoff_triton.HAVE_TRITON):
             self._box = Mailbox(max_tokens=ZERO_COPY_MAX_TOKENS, top_k=self.options.top_k,
                                 hidden=store.layout.hidden, device=self.device, share=share)

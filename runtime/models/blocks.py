@@ -15,7 +15,6 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.nn.attention.bias import causal_lower_right
 
 from runtime.experts.interface import Experts
 from runtime.kernels import fallback, norm_rope_triton, router_triton
@@ -224,6 +223,8 @@ def attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, *, scale: 
 
 def _attend_lower_right(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, *, scale: float) -> torch.Tensor:
     """q [H, T, hd] over keys/values [Hkv, S, hd], S >= T, query i at position S - T + i: [H, T, hd]."""
+    from torch.nn.attention.bias import causal_lower_right    # here: importing it pulls in torch._dynamo (~1.5 s)
+
     h, t, _ = q.shape
     hkv, s, _ = keys.shape
     bias = causal_lower_right(t, s)
