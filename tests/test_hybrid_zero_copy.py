@@ -203,3 +203,42 @@ def test_a_failing_cpu_worker_answers_with_zeros_and_hands_its_share_back():
     assert int(tier._box.error[0]) == 1
     with pytest.raises(RuntimeError, match="did not answer"):
         tier(0, x, ids, w)
+
+
+@pytest.mark.parametrize("best", [0.0, 0.8])
+def test_share_controller_finds_the_fastest_share_from_step_times(best):
+    """Hill-climbing over step times: where any CPU share slows the step (the H200's fast link) it stays at 0
+    and pays little for its trials; where the link is slow beside RAM it climbs to the share that balances both
+    sides; a pause between requests (a 50x step) is not taken for a sample."""
+    from runtime.experts.policy import ShareController
+
+    rng = np.random.default_rng(1)
+    if best == 0.0:
+        cost = lambda s: 0.02 * (1 + 0.5 * s)                          # noqa: E731
+    else:
+        cost = lambda s: 0.06 * max((1 - s) / 12, s / 35) * 35          # noqa: E731  laptop: 12 vs 35 GB/s
+    ctl = ShareController()
+    spent = []
+    for step in range(1500):
+        s = ctl.share
+        spent.append(cost(s))
+        ctl.observe(cost(s) * (1 + 0.02 * rng.random()) * (50 if step % 97 == 0 else 1))
+    assert ctl.share == best
+    assert np.mean(spent[-500:]) < 1.04 * cost(best)          # trials: one window in 17, at a neighbour
+
+
+def test_a_learned_share_reaches_the_gpu_side_and_the_books():
+    """The tier applies the controller's share at the step boundary (mailbox share, counted per step)."""
+    cpu = torch.device("cpu")
+    store, tier = _tier(cpu, slots=2, cpu_share=None)
+    assert tier._share_control is not None and tier._worker is not None and tier.cpu_share == 0.0
+    tier._share_control.observe = lambda dt: 1.0
+    x, w = torch.randn(1, 64), torch.full((1, 2), 0.5)
+    ids = torch.tensor([[3, 6]])
+    for _ in range(3):
+        torch.testing.assert_close(tier(0, x, ids, w), _reference(store, 0, x, ids, w), rtol=1e-4, atol=1e-5)
+    assert tier.cpu_share == 1.0 and float(tier._box.share[0]) == 1.0 and tier._worker.served >= 1
+    tier.begin_step()
+    tier.flush_step_log()
+    assert tier.counters.total.cpu_experts >= 2
+    tier.close()

@@ -37,6 +37,8 @@ log = logging.getLogger(__name__)
 SPIN_CHUNK = 200_000          # acquire loads per nogil spin (~1-5 ms) before the thread looks at its stop flag
 IDLE_SLEEP_S = 0.0005         # then it naps this long between spins: an idle app does not burn a core
 GIL_SWITCH_S = 5e-5           # the interpreter's thread switch interval while a worker runs
+QUIET_AFTER_S = 0.05          # no request for this long: poll lazily...
+QUIET_SLEEP_S = 0.005         # ...every 5 ms
 
 try:
     from llvmlite import ir
@@ -145,10 +147,14 @@ class CpuShareWorker:
     def _run(self) -> None:
         b = self.box._np
         last = int(b["req"][0])
+        idle_since = time.monotonic()
         while not self._stop.is_set():
-            seq = int(spin_until_changed(b["req"], last, SPIN_CHUNK))
+            # spin hard while requests come (a decode step sends one per layer); after a quiet spell only look
+            # now and then, so an idle app does not keep a core busy (the first request then waits <= 5 ms)
+            quiet = time.monotonic() - idle_since > QUIET_AFTER_S
+            seq = int(spin_until_changed(b["req"], last, 1000 if quiet else SPIN_CHUNK))
             if seq == last:
-                time.sleep(IDLE_SLEEP_S)
+                time.sleep(QUIET_SLEEP_S if quiet else IDLE_SLEEP_S)
                 continue
             last = seq
             t0 = time.perf_counter()
@@ -172,6 +178,7 @@ class CpuShareWorker:
             publish(b["resp"], seq)
             self.served += 1
             self.busy_seconds += time.perf_counter() - t0
+            idle_since = time.monotonic()
 
     def close(self) -> None:
         self._stop.set()

@@ -34,7 +34,7 @@ from runtime.experts.cpu_executor import CpuExecutor
 from runtime.experts.cpu_share import CpuShareWorker, Mailbox, collect_reference, cpu_share_counts, handoff_reference
 from runtime.experts.host_store import HostExpertStore
 from runtime.experts.interface import ExpertSpec
-from runtime.experts.policy import Key, RoutingStats, SlotDirectory, SplitController, make_policy
+from runtime.experts.policy import Key, RoutingStats, ShareController, SlotDirectory, SplitController, make_policy
 from runtime.experts.slot_cache import SlotCache
 from runtime.experts.stats import ExpertStats
 from runtime.experts.transport import Transport
@@ -86,9 +86,9 @@ class HybridOptions:
     zero_copy: bool | None = None               # decode misses read by the GPU in place from page-locked host
                                                 # memory (None: on CUDA when possible and split is auto/fetch)
     promote_bytes_per_step: int = 16 << 20      # zero-copy mode: promotions decided once per decode step
-    cpu_share: float = 0.0                      # zero-copy mode: the CPU's share of misses (0: the GPU reads
-                                                # every miss itself - measured fastest, docs/hybrid.md; < 0: the
-                                                # share that balances the two bandwidths)
+    cpu_share: float | None = None              # zero-copy mode: the CPU's share of misses; None: learned from
+                                                # step times, starting at 0 (policy.ShareController); a number:
+                                                # fixed (0: the GPU reads every miss; < 0: the bandwidth balance)
     fill_pool: bool | None = None               # fill free slots at load (None: on a GPU; CPU tests keep the
                                                 # pool to its hot set so they can reason about its contents)
 
@@ -199,13 +199,18 @@ class HybridExperts:
         self._snapshot = self.cache.host_table.copy()        # the table the current step runs against
         self._promote_step_blocks = self.options.promote_bytes_per_step // max(1, store.block_nbytes)
         self._box = self._worker = None
-        share = self._default_cpu_share() if self.options.cpu_share < 0 else float(self.options.cpu_share)
-        if share > 0 and (not self.cuda or handoff_triton.HAVE_TRITON):
+        fixed = self.options.cpu_share
+        self._share_control = ShareController() if fixed is None and (self.cpu.int8 or self.cpu.fast) else None
+        share = 0.0 if fixed is None else self._default_cpu_share() if fixed < 0 else float(fixed)
+        self._step_started = None
+        if (share > 0 or self._share_control is not None) and (not self.cuda or handoff_triton.HAVE_TRITON):
             self._box = Mailbox(max_tokens=ZERO_COPY_MAX_TOKENS, top_k=self.options.top_k,
                                 hidden=store.layout.hidden, device=self.device, share=share)
             self._worker = CpuShareWorker(self._box, lambda li, x, tok, experts, w: self.cpu.run(
                 store.layers[li], x, tok, experts, w))
             self._err_host = torch.zeros(1, dtype=torch.int32, pin_memory=self.cuda)
+        else:
+            self._share_control = None
         self.cpu_share = share if self._box is not None else 0.0
         if self.cuda:
             try:               # a store the GPU cannot map, or a kernel that cannot read it: the host path
@@ -235,6 +240,7 @@ class HybridExperts:
         if getattr(self, "_box", None) is not None:
             self._box.set_share(0.0)
             self.cpu_share = 0.0
+            self._share_control = None
 
     def _zero_copy_forward(self, li: int, x: torch.Tensor, topk_ids: torch.Tensor,
                            topk_weights: torch.Tensor) -> torch.Tensor:
@@ -287,6 +293,14 @@ class HybridExperts:
                 self._err_host.copy_(self._box.error, non_blocking=True)
             self._log_copy = (self._record(), self._snapshot, self.cpu_share)
             self._log.fill_(-1)
+        now = time.perf_counter()
+        if self._share_control is not None and self._box is not None:
+            if self._step_started is not None:
+                share = self._share_control.observe(now - self._step_started)
+                if share != self.cpu_share:
+                    self._box.set_share(share)           # before this step's work on the stream
+                    self.cpu_share = share
+        self._step_started = now
         self._snapshot = self.cache.host_table.copy()
 
     def end_step(self) -> None:
@@ -714,7 +728,7 @@ class HybridExperts:
         d["split"] = {"mode": self.split.mode, "cpu_gbps": round(self.split.cpu_gbps, 2),
                       "pcie_gbps": round(self.split.pcie_gbps, 2)}
         if self.zero_copy:
-            d["zero_copy"] = {"cpu_share": round(self.cpu_share, 3),
+            d["zero_copy"] = {"cpu_share": round(self.cpu_share, 3), "learned": self._share_control is not None,
                               "worker_calls": 0 if self._worker is None else self._worker.served,
                               "worker_seconds": 0.0 if self._worker is None else round(self._worker.busy_seconds, 4)}
         if self.prefetcher is not None:

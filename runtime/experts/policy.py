@@ -457,3 +457,67 @@ class SplitController:
         prev = self.step_time[self.mode]
         fresh = prev is None or self._exploring
         self.step_time[self.mode] = step_seconds if fresh else (1 - a) * prev + a * step_seconds
+
+
+class ShareController:
+    """The CPU's share of zero-copy decode misses, learned from decode step times (hybrid.py, cpu_share.py).
+
+    Zero-copy decode records the whole step in one graph, so the only signal is the step itself: the host times
+    each step (begin to begin) and this controller hill-climbs over a grid of shares. It holds the current share
+    for `window` steps, then tries a neighbour (one grid step up or down, alternately) for a window, and moves
+    when the neighbour's median step time is lower by more than `margin`. Steps much longer than the current
+    median (a pause between requests, a new CUDA graph) are not samples. Starting at 0 costs nothing where the
+    CPU cannot help (the H200's PCIe 5 link: measured slower with any share); where the link is slow next to RAM
+    (a laptop's PCIe 4.0 x8 beside DDR5) it climbs to the share that finishes both sides together."""
+
+    def __init__(self, *, start: float = 0.0, grid: tuple[float, ...] = (0.0, 0.2, 0.4, 0.6, 0.8, 1.0),
+                 window: int = 12, explore_every: int = 16, margin: float = 0.03, outlier: float = 3.0):
+        self.grid = tuple(sorted(grid))
+        self.index = min(range(len(self.grid)), key=lambda i: abs(self.grid[i] - start))
+        self.window, self.explore_every, self.margin, self.outlier = window, explore_every, margin, outlier
+        self.samples: dict[int, list[float]] = {}
+        self._trial: int | None = None          # grid index on trial, or None
+        self._held = 0                          # windows held since the last trial
+        self._count = 0                         # steps since the last decision
+        self._explored = False
+        self._up = True
+
+    @property
+    def share(self) -> float:
+        return self.grid[self.index if self._trial is None else self._trial]
+
+    def _median(self, i: int) -> float | None:
+        s = self.samples.get(i)
+        return sorted(s)[len(s) // 2] if s and len(s) >= self.window else None
+
+    def observe(self, step_seconds: float) -> float:
+        """One decode step's wall time at the current share; returns the share for the next step."""
+        ref = self._median(self.index)
+        if ref is not None and step_seconds > self.outlier * ref:
+            return self.share                                   # not a decode step's time
+        bucket = self.samples.setdefault(self.index if self._trial is None else self._trial, [])
+        bucket.append(step_seconds)
+        del bucket[:-self.window]
+        self._count += 1
+        if self._count < self.window:
+            return self.share
+        self._count = 0                                         # a decision once per window
+        if self._trial is not None:
+            if self._median(self._trial) < (1.0 - self.margin) * self._median(self.index):
+                # the neighbour is faster: move there, and try the next one in that direction straight away
+                self._up = self._trial > self.index
+                self.index = self._trial
+                self._held = self.explore_every
+            self._trial = None
+            return self.share
+        self._held += 1
+        if self._held > self.explore_every or not self._explored:
+            step = 1 if self._up else -1
+            if not 0 <= self.index + step < len(self.grid):
+                step = -step
+            self._up = not self._up
+            if 0 <= self.index + step < len(self.grid):
+                self._trial = self.index + step
+                self.samples.pop(self._trial, None)             # measured afresh
+            self._held, self._explored = 0, True
+        return self.share
