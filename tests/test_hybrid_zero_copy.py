@@ -242,3 +242,20 @@ def test_a_learned_share_reaches_the_gpu_side_and_the_books():
     tier.flush_step_log()
     assert tier.counters.total.cpu_experts >= 2
     tier.close()
+
+
+def test_an_unloaded_tier_stops_its_worker_and_is_freed():
+    """The service unloads a model by dropping the engine: the CPU worker must not keep the tier (its pinned
+    experts, its VRAM pool) alive, and its thread ends."""
+    import gc
+    import weakref
+
+    cpu = torch.device("cpu")
+    _, tier = _tier(cpu, slots=2, cpu_share=0.5)
+    thread, gone = tier._worker._thread, weakref.ref(tier)
+    assert thread.is_alive()
+    del tier
+    gc.collect()
+    assert gone() is None
+    thread.join(timeout=3.0)
+    assert not thread.is_alive()

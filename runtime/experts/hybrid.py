@@ -24,6 +24,7 @@ from __future__ import annotations
 import logging
 import math
 import time
+import weakref
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -206,8 +207,18 @@ class HybridExperts:
         if (share > 0 or self._share_control is not None) and (not self.cuda or handoff_triton.HAVE_TRITON):
             self._box = Mailbox(max_tokens=ZERO_COPY_MAX_TOKENS, top_k=self.options.top_k,
                                 hidden=store.layout.hidden, device=self.device, share=share)
-            self._worker = CpuShareWorker(self._box, lambda li, x, tok, experts, w: self.cpu.run(
-                store.layers[li], x, tok, experts, w))
+            # the worker thread holds the tier only weakly, and the tier's finaliser stops the thread: a model
+            # that is unloaded (the service drops the engine) frees its pinned experts and VRAM pool
+            tier, layers = weakref.ref(self), store.layers
+
+            def compute(li, x, tok, experts, w):
+                me = tier()
+                if me is None:
+                    raise RuntimeError("the expert tier was unloaded")
+                return me.cpu.run(layers[li], x, tok, experts, w)
+
+            self._worker = CpuShareWorker(self._box, compute)
+            weakref.finalize(self, self._worker.close)
             self._err_host = torch.zeros(1, dtype=torch.int32, pin_memory=self.cuda)
         else:
             self._share_control = None
