@@ -199,10 +199,10 @@ def sweep(*, tokens: list[int], budget_s: float) -> list[dict]:
 def glue() -> list[dict]:
     """The fused decode glue against what it replaces, per layer at qwen3-30b-a3b's shape, in CUDA graphs of
     CALLS calls: the router (GEMM + route vs route_linear) and k/v into the cache (norm_rope + 2 index_copy_
-    vs norm_rope_store)."""
+    vs norm_rope_store) and decode attention (SDPA with the additive mask vs decode_attention)."""
     import torch.nn.functional as F
 
-    from runtime.kernels import norm_rope_triton as nr, router_triton as rk
+    from runtime.kernels import decode_attention_triton as da, norm_rope_triton as nr, router_triton as rk
 
     dev, dt = torch.device("cuda"), torch.bfloat16
     rows = []
@@ -225,6 +225,14 @@ def glue() -> list[dict]:
         values.index_copy_(1, at, v.transpose(0, 1))
 
     pairs["k/v into the cache"] = (separate, lambda: nr.norm_rope_store(k, v, cos, sin, keys, values, at, weight=w))
+    q = torch.randn(1, 32, hd, device=dev, dtype=dt)
+    mask = torch.zeros(1, 32, 1, cap, device=dev, dtype=dt)
+    mask[..., 701:] = float("-inf")
+    da.decode_attention(q, keys, values, at, scale=hd ** -0.5, bucket=cap)   # its counter, before any capture
+    pairs["attention (1K, pos 700)"] = (
+        lambda: F.scaled_dot_product_attention(q.view(1, 32, 1, hd), keys[None], values[None], attn_mask=mask,
+                                               scale=hd ** -0.5, enable_gqa=True),
+        lambda: da.decode_attention(q, keys, values, at, scale=hd ** -0.5, bucket=cap))
     print("\n== decode glue at qwen3-30b-a3b's shape, per layer call (recorded in a graph)")
     for name, (before, after) in pairs.items():
         us = [_graph_us(lambda fn=fn: [fn() for _ in range(CALLS)]) for fn in (before, after)]

@@ -521,6 +521,41 @@ def test_route_linear_is_one_launch_and_refuses_bad_shapes(monkeypatch):
         router_k.route_linear(torch.randn(router_k.LINEAR_MAX_ROWS + 1, 2048), weight.float(), None, 8)
 
 
+def case_decode_attention_matches_sdpa(h, hkv, hd, bucket, dtype):
+    from runtime.kernels import decode_attention_triton as da
+    import torch.nn.functional as F
+    dtype = getattr(torch, dtype)
+    gen = torch.Generator().manual_seed(h * hd + bucket)
+    cap = bucket + 8                                                          # the cache's rows: more than the bucket
+    keys = torch.randn(hkv, cap, hd, generator=gen).to(dtype)
+    values = torch.randn(hkv, cap, hd, generator=gen).to(dtype)
+    for pos in sorted({0, 5, bucket // 2 + 3, bucket - 1}):
+        q = torch.randn(1, h, hd, generator=gen).to(dtype)
+        got = da.decode_attention(q, keys, values, torch.tensor([pos]), scale=hd ** -0.5, bucket=bucket)
+        mask = (torch.arange(bucket) <= pos)[None, :]
+        want = F.scaled_dot_product_attention(q.float().transpose(0, 1)[None], keys[None, :, :bucket].float(),
+                                              values[None, :, :bucket].float(), attn_mask=mask, scale=hd ** -0.5,
+                                              enable_gqa=True)[0].transpose(0, 1)
+        tol = 1e-5 if dtype == torch.float32 else 2e-2                        # p rounded to bf16 before p.v
+        assert got.shape == q.shape and got.dtype == dtype
+        assert _rel(got, want) < tol, (pos, _rel(got, want))
+        assert int(da._counters[q.device].abs().sum()) == 0                  # counts back at zero
+    # keys past the query's row are never read: NaN there changes nothing
+    keys[:, bucket // 2 + 4:] = float("nan")
+    values[:, bucket // 2 + 4:] = float("nan")
+    q = torch.randn(1, h, hd, generator=gen).to(dtype)
+    got = da.decode_attention(q, keys, values, torch.tensor([bucket // 2 + 3]), scale=hd ** -0.5, bucket=bucket)
+    assert torch.isfinite(got).all()
+
+
+@pytest.mark.parametrize("h, hkv, hd, bucket, dtype", [(8, 2, 64, 32, "float32"), (8, 2, 64, 256, "bfloat16"),
+                                                       (32, 4, 128, 128, "float32")])
+def test_decode_attention_matches_sdpa(interpreter, h, hkv, hd, bucket, dtype):
+    """The split-KV decode kernel against SDPA over the bucket with the key mask: one split and several,
+    GQA 4:1 and 8:1, fp32 and bf16; only keys up to the query's row are read (NaN past it stays out)."""
+    interpreter.run("decode_attention_matches_sdpa", h=h, hkv=hkv, hd=hd, bucket=bucket, dtype=dtype)
+
+
 def test_router_rejects_bad_arguments():
     _, router_k = _kernels()
     route = router_k.route
@@ -613,6 +648,12 @@ def test_kernels_compile_for_h200_without_spilling(tmp_path, monkeypatch):
                   dict(x_ptr="*bf16", x_stride=2048, gate_ptr="*bf16", gate_stride=2048, bias_ptr="*bf16",
                        logits_ptr="*fp32", count_ptr="*i32", ids_ptr="*i64", w_ptr="*bf16", D=2048, E=128),
                   dict(K=8, MODE=0, RENORM=True, HAS_BIAS=False, ROWS=2, BLOCK_D=2048, BLOCK_E=128, BLOCK_K=8), 4))
+    from runtime.kernels import decode_attention_triton as attn_k
+    cases.append((attn_k._decode_attention_kernel,                                           # decode attention
+                  dict(q_ptr="*bf16", k_ptr="*bf16", v_ptr="*bf16", rows_ptr="*i64", out_ptr="*bf16", part_o="*fp32",
+                       part_ml="*fp32", count_ptr="*i32", k_head_stride=2048 * 128, k_row_stride=128, scale_log2=0.1,
+                       G=8, HD=128),
+                  dict(CHUNK=64, SPLITS=16, BLOCK_S=64, BLOCK_G=16, BLOCK_D=128, DOT_FP32=False), 4))
     for fn, args, constexprs, warps in cases:
         regs, local, sass = _compile_sm90(fn, args, constexprs, warps, tmp_path)
         assert local == 0, (fn.__name__, constexprs, regs, local)               # no spills
@@ -745,3 +786,37 @@ def test_route_linear_on_cuda(device):
         graph.replay()
         want_ids, want_w = router_k.route_linear(x1, weight, None, 8)
         assert torch.equal(g_ids, want_ids) and torch.equal(g_w, want_w)
+
+
+@pytest.mark.cuda
+def test_decode_attention_on_cuda(device):
+    """Compiled (`pytest --device cuda`) at qwen3-30b-a3b's attention (32 q heads over 4 kv heads of 128, bf16,
+    a 1K bucket in a 2K cache): against SDPA with the key mask at several positions, and recorded once in a
+    CUDA graph that replays at other positions (the row is read on the device, the counts reset)."""
+    if device != "cuda" or not torch.cuda.is_available():
+        pytest.skip("compiled kernels run on the GPU machine: pytest --device cuda")
+    import torch.nn.functional as F
+    from runtime.kernels import decode_attention_triton as da
+
+    gen = torch.Generator().manual_seed(31)
+    keys = torch.randn(4, 2048, 128, generator=gen).cuda().bfloat16()
+    values = torch.randn(4, 2048, 128, generator=gen).cuda().bfloat16()
+    q = torch.randn(1, 32, 128, generator=gen).cuda().bfloat16()
+    row = torch.tensor([0], device="cuda")
+
+    def want(pos):
+        mask = (torch.arange(1024, device="cuda") <= pos)[None, :]
+        return F.scaled_dot_product_attention(q.transpose(0, 1)[None], keys[None, :, :1024], values[None, :, :1024],
+                                              attn_mask=mask, scale=128 ** -0.5, enable_gqa=True)[0].transpose(0, 1)
+
+    for pos in (0, 63, 64, 700, 1023):
+        row.fill_(pos)
+        got = da.decode_attention(q, keys, values, row, scale=128 ** -0.5, bucket=1024)
+        assert _rel(got, want(pos)) < 2e-2, (pos, _rel(got, want(pos)))
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = da.decode_attention(q, keys, values, row, scale=128 ** -0.5, bucket=1024)
+    for pos in (5, 999, 130):
+        row.fill_(pos)
+        graph.replay()
+        assert _rel(out, want(pos)) < 2e-2, pos

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from runtime.experts.interface import Experts
-from runtime.kernels import fallback, norm_rope_triton, router_triton
+from runtime.kernels import decode_attention_triton, fallback, norm_rope_triton, router_triton
 from runtime.models.base import Batch
 
 # ---------------------------------------------------------------------------------------------- norms
@@ -257,19 +257,27 @@ def attend_static(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache, stat
     k, v go to row `static.write_at` of the cache's buffers and the query attends over the first
     `static.bucket` rows, masked past its own position. q [1, H, hd], k/v [1, Hkv, hd] -> [1, H, hd].
     With `rope` (and `cos_sin`, optionally `k_norm`) k arrives as projected and is normed, rotated and written
-    by `store_rotated_kv` (one launch on a GPU); without, k is already rotated. The cache's offset is advanced
-    by the caller."""
+    by `store_rotated_kv` (one launch on a GPU); without, k is already rotated. On a GPU the attention itself
+    is runtime/kernels/decode_attention_triton.py (one launch, only the keys up to the query's row), SDPA over
+    the bucket with the step's mask elsewhere. The cache's offset is advanced by the caller."""
     if rope is not None:
         store_rotated_kv(k, v, cache, static.write_at, k_norm, rope, cos_sin)
     else:
         cache.keys.index_copy_(1, static.write_at, k.transpose(0, 1))
         cache.values.index_copy_(1, static.write_at, v.transpose(0, 1))
-    keys, values = cache.keys[:, :static.bucket], cache.values[:, :static.bucket]      # [Hkv, bucket, hd]
-    h, hd, hkv = q.shape[1], q.shape[2], keys.shape[0]
-    o = F.scaled_dot_product_attention(q.reshape(1, h, 1, hd), keys[None], values[None],
-                                       attn_mask=_additive_mask(static, q.dtype, h), scale=scale,
-                                       enable_gqa=h != hkv)                              # [1, H, 1, hd]
-    return o.reshape(1, h, hd)
+    def reference() -> torch.Tensor:
+        keys, values = cache.keys[:, :static.bucket], cache.values[:, :static.bucket]  # [Hkv, bucket, hd]
+        h, hd, hkv = q.shape[1], q.shape[2], keys.shape[0]
+        o = F.scaled_dot_product_attention(q.reshape(1, h, 1, hd), keys[None], values[None],
+                                           attn_mask=_additive_mask(static, q.dtype, h), scale=scale,
+                                           enable_gqa=h != hkv)                          # [1, H, 1, hd]
+        return o.reshape(1, h, hd)
+
+    if decode_attention_triton.available(q) and q.dtype == cache.keys.dtype:
+        # one launch that reads only the keys up to the query's row (no mask; SDPA took two cuDNN kernels)
+        return fallback.run("decode_attention", lambda: decode_attention_triton.decode_attention(
+            q, cache.keys, cache.values, static.write_at, scale=scale, bucket=static.bucket), reference)
+    return reference()
 
 
 def _additive_mask(static, dtype: torch.dtype, heads: int) -> torch.Tensor:
