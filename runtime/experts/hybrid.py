@@ -759,7 +759,8 @@ def hybrid_experts_factory(package, spec: ExpertSpec, *, device, dtype, vram_bud
                            cpu_experts_per_layer: int | None = None, progress=None, context_length: int = 8192,
                            max_sequences: int = 1, hardware=None, slots: int | None = None, policy: str = "lru",
                            routing_stats_path: Path | None = None, prefetch: bool = False,
-                           dense_bytes_on_device: int = 0, **_unused):
+                           dense_bytes_on_device: int = 0, zero_copy: bool | None = None,
+                           cpu_share: float | None = None, **_unused):
     """The engine's seam (runtime/engine.py `experts_factory`): plan, then build the tier the plan asks for.
 
     "gpu" -> every expert resident on the device (resident.py); "hybrid"/"cpu" -> HybridExperts with the
@@ -804,7 +805,8 @@ def hybrid_experts_factory(package, spec: ExpertSpec, *, device, dtype, vram_bud
     if hot_all:
         hot = hot_all
     options = HybridOptions(slots=n_slots, policy=policy, hot_set=hot, cpu_gbps=hw.cpu_gbps or 20.0,
-                            h2d_gbps=hw.h2d_gbps or 20.0, top_k=shape.top_k)
+                            h2d_gbps=hw.h2d_gbps or 20.0, top_k=shape.top_k, zero_copy=zero_copy,
+                            cpu_share=cpu_share)
     prefetcher = None
     if prefetch:
         from runtime.experts.prefetch import NextLayerPrefetcher
