@@ -73,3 +73,42 @@ def test_static_attention_stores_rotated_kv_and_builds_the_mask_once(device):
     assert torch.equal(fused.values[:, :bucket], plain.values[:, :bucket])
     assert torch.equal(fused.values[:, pos], v[0])
     assert got.shape == (1, h, hd) and torch.equal(got, want)
+
+
+def test_static_attention_falls_back_to_the_torch_path_when_its_kernels_fail(monkeypatch):
+    """As on a GPU whose Triton cannot compile: the fused k/v store and the decode attention kernel fail once,
+    their families switch off (runtime/kernels/fallback.py), and attend_static answers with the torch path's
+    values, the cache written as that path writes it."""
+    import torch
+
+    from runtime.decode_graph import StaticKV
+    from runtime.kernels import decode_attention_triton, fallback, norm_rope_triton
+    from runtime.kv_cache import KVCache
+    from runtime.models.blocks import Rotary, attend_static, norm_and_rotate
+
+    monkeypatch.setattr(fallback, "disabled", {})
+
+    def no_toolchain(*args, **kwargs):
+        raise RuntimeError("triton: no C compiler")
+
+    gen = torch.Generator().manual_seed(8)
+    rope = Rotary(head_dim=32, theta=10000.0)
+    rope.init_buffers(device="cpu")
+    write_at, key_pos = torch.tensor([3]), torch.arange(8)
+    static = StaticKV(write_at=write_at, key_pos=key_pos, bucket=8, mask=(key_pos <= write_at)[None, :])
+    cos_sin = rope.cos_sin(write_at, torch.float32)
+    q, k, v = (torch.randn(1, h, 32, generator=gen) for h in (4, 2, 2))
+    want_cache = KVCache(2, 32, device="cpu", dtype=torch.float32)
+    want_cache.reserve(8)
+    want = attend_static(q, norm_and_rotate(k, None, rope, cos_sin), v, want_cache, static, scale=0.2)
+    monkeypatch.setattr(norm_rope_triton, "available", lambda x: True)
+    monkeypatch.setattr(decode_attention_triton, "available", lambda x: True)
+    monkeypatch.setattr(norm_rope_triton, "norm_rope_store", no_toolchain)
+    monkeypatch.setattr(norm_rope_triton, "norm_rope", no_toolchain)
+    monkeypatch.setattr(decode_attention_triton, "decode_attention", no_toolchain)
+    cache = KVCache(2, 32, device="cpu", dtype=torch.float32)
+    cache.reserve(8)
+    got = attend_static(q, k, v, cache, static, scale=0.2, rope=rope, cos_sin=cos_sin)
+    assert torch.equal(got, want) and torch.equal(cache.keys, want_cache.keys)
+    assert torch.equal(cache.values, want_cache.values)
+    assert set(fallback.disabled) == {"norm_rope", "decode_attention"}
