@@ -289,3 +289,26 @@ def test_the_engine_generates_the_same_tokens_through_zero_copy_decode(ftw_packa
     c = experts.counters.total
     assert c.hits > 0 and c.cpu_experts > 0 and c.fetched_experts > 0
     experts.close()
+
+
+def test_the_compiled_worker_loop_answers_with_the_int8_kernels_result():
+    """Real layer widths take the int8 kernel: the worker then serves requests in compiled code (no Python
+    between a request and its answer) and answers exactly what the executor computes for the same misses."""
+    cpu = torch.device("cpu")
+    store = HostExpertStore.synthetic(layers=2, num_experts=6, hidden=512, intermediate=512, codec="int4",
+                                      group=64, weight_std=0.05, seed=9)
+    tier = HybridExperts(store, ExpertSpec(), device=cpu, dtype=torch.float32,
+                         options=HybridOptions(slots=0, top_k=2, zero_copy=True, cpu_share=1.0))
+    assert tier.cpu.int8 and tier._worker.int8_args is not None
+    gen = torch.Generator().manual_seed(4)
+    for step in range(4):
+        layer = step % 2
+        x = torch.randn(2, 512, generator=gen)
+        ids = torch.tensor([[1, 4], [4, 5]]) if step % 2 else torch.tensor([[0, 3], [2, 0]])
+        w = torch.softmax(torch.randn(2, 2, generator=gen), dim=-1)
+        got = tier(layer, x, ids, w)
+        tok, kk = np.nonzero(np.ones((2, 2), dtype=bool))
+        want = tier.cpu.run(layer, x, tok, ids.numpy()[tok, kk], w.numpy()[tok, kk])
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+    assert tier._worker.served == 4 and tier._worker.error is None
+    tier.close()

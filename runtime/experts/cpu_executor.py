@@ -157,7 +157,26 @@ class CpuExecutor:
                 uniq, starts, d_scale, bias["down"], y)
         return torch.from_numpy(y)
 
-    def _kernel_int8(self, layer, x: np.ndarray, tokens, experts, weights, out: np.ndarray) -> None:
+    def int8_args(self) -> tuple:
+        """Everything `cpu_kernels_int8.moe_layer_int8` takes besides one call's activations and assignments, for
+        every layer at once, so compiled code can call it (cpu_share.py's worker loop): (codec, flat layer
+        buffers as a numba typed List [L] of [E * nbytes] uint8, gate/up/down scales [L, E], nbytes, offsets,
+        has_bias, expert width, group, scale table, activation, alpha, limit). Only for the int8 path."""
+        from numba.typed import List
+
+        if not self.int8:
+            raise ValueError("int8_args: this executor does not run the int8 kernel")
+        bufs, scales = List(), []
+        for layer in self.store.layers:
+            bufs.append(self._layer_flat(layer))
+            scales.append(self._global_scales(layer, self.store.layer_parts(layer)))
+        g, u, d = (np.ascontiguousarray(np.stack([sc[j] for sc in scales]), dtype=np.float32) for j in range(3))
+        lay = self.store.layout
+        return (self._int8_codec(), bufs, g, u, d, lay.nbytes, self._int8_offsets(), lay.has_bias, lay.intermediate,
+                lay.group, self._scale_table, _ACTIVATIONS[self.spec.activation], np.float32(self.spec.swiglu_alpha),
+                np.float32(self.spec.swiglu_limit))
+
+    def _int8_offsets(self) -> np.ndarray:
         lay = self.store.layout
         offs = self._offsets.get(lay.codec)
         if offs is None:
@@ -165,11 +184,24 @@ class CpuExecutor:
             names = [f"{m}{k}" for m in ("gate", "up", "down") for k in ("", "_scales", "_mins")]
             offs = self._offsets[lay.codec] = np.array(
                 [off(n) for n in names + ["gate_bias", "up_bias", "down_bias"]], dtype=np.int64)
+        return offs
+
+    def _layer_flat(self, layer: int) -> np.ndarray:
         flat = self._flat.get(layer)
         if flat is None:
             flat = self._flat[layer] = _writable_alias(self.store.layer_buffer(layer).reshape(-1))  # [E * nbytes]
+        return flat
+
+    def _int8_codec(self) -> int:
+        lay = self.store.layout
+        return 0 if lay.codec == "int4" else (2 if lay.scale_format == "e8m0" else 1)
+
+    def _kernel_int8(self, layer, x: np.ndarray, tokens, experts, weights, out: np.ndarray) -> None:
+        lay = self.store.layout
+        offs = self._int8_offsets()
+        flat = self._layer_flat(layer)
         g_scale, u_scale, d_scale = self._global_scales(layer, self.store.layer_parts(layer))
-        codec = 0 if lay.codec == "int4" else (2 if lay.scale_format == "e8m0" else 1)
+        codec = self._int8_codec()
         self._k8.moe_layer_int8(codec, flat, flat.view(np.uint16), flat.view(np.float32),
                                 lay.nbytes, offs, lay.has_bias, lay.intermediate, lay.group, self._scale_table,
                                 x, tokens, experts, weights, g_scale, u_scale, d_scale,

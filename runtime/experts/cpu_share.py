@@ -46,6 +46,8 @@ try:
     from numba.core import cgutils
     from numba.core.extending import intrinsic
 
+    from runtime.experts.cpu_kernels_int8 import moe_layer_int8
+
     @intrinsic
     def _load_acquire(typingctx, arr, index):
         """arr[index] (int64) as an atomic acquire load: never hoisted out of a polling loop."""
@@ -84,6 +86,44 @@ try:
     def publish(word, value):
         """word[0] = value with release semantics (the answer's rows are visible before it)."""
         _store_release(word, 0, value)
+
+    @njit(nogil=True, cache=True)
+    def serve_int8(req, resp, meta, ids, weights, x, out, last, spins, codec, bufs, g_scale, u_scale, d_scale,
+                   nbytes, offs, has_bias, inter, group, table, activation, alpha, limit):
+        """The worker's whole request loop in compiled code, without the GIL: poll the request word, gather the
+        CPU's assignments, run the int8 kernel over the layer's blocks, answer. Returns the last ticket served
+        once `spins` polls saw nothing new (the Python side then checks its stop flag and naps)."""
+        k = ids.shape[0] // x.shape[0]
+        while True:
+            seq = _load_acquire(req, 0)
+            n = 0
+            while seq == last and n < spins:
+                seq = _load_acquire(req, 0)
+                n += 1
+            if seq == last:
+                return last
+            li, t = meta[0], meta[1]
+            a = 0
+            for j in range(t * k):
+                if ids[j] >= 0:
+                    a += 1
+            tok = np.empty(a, dtype=np.int64)
+            exp = np.empty(a, dtype=np.int64)
+            w = np.empty(a, dtype=np.float32)
+            a = 0
+            for j in range(t * k):
+                if ids[j] >= 0:
+                    tok[a], exp[a], w[a] = j // k, ids[j], weights[j]
+                    a += 1
+            rows = out[:t]
+            rows[:] = 0.0
+            if a:
+                buf = bufs[li]
+                moe_layer_int8(codec, buf, buf.view(np.uint16), buf.view(np.float32), nbytes, offs, has_bias, inter,
+                               group, table, x[:t], tok, exp, w, g_scale[li], u_scale[li], d_scale[li], activation,
+                               alpha, limit, rows)
+            _store_release(resp, 0, seq)
+            last = seq
 
     HAVE_NUMBA = True
 except ImportError:           # numba absent: the worker polls in Python (tests; the real path needs numba)
@@ -130,8 +170,12 @@ class CpuShareWorker:
     """Serves the mailbox's requests with `compute(layer_index, x [T, D] fp32, tokens [A], experts [A],
     weights [A]) -> [T, D] fp32` until `close()`. A daemon thread; `error` holds the first failure."""
 
-    def __init__(self, box: Mailbox, compute, *, name: str = "cpu-experts"):
+    def __init__(self, box: Mailbox, compute, *, name: str = "cpu-experts", int8_args: tuple | None = None,
+                 threads: int = 0):
+        """`int8_args` (CpuExecutor.int8_args()): serve requests in compiled code (`serve_int8`), no Python
+        between a request and its answer; else each request goes through `compute` in Python."""
         self.box, self.compute = box, compute
+        self.int8_args, self.threads = int8_args, threads
         self.error: BaseException | None = None
         self.served = 0
         self.busy_seconds = 0.0
@@ -145,6 +189,40 @@ class CpuShareWorker:
         self._thread.start()
 
     def _run(self) -> None:
+        if self.threads:
+            import numba
+            numba.set_num_threads(self.threads)          # per calling thread: set it where the kernel runs
+        if self.int8_args is not None and HAVE_NUMBA:
+            self._run_compiled()
+        else:
+            self._run_python()
+
+    def _run_compiled(self) -> None:
+        b = self.box._np
+        last = int(b["req"][0])
+        idle_since = time.monotonic()
+        while not self._stop.is_set():
+            quiet = time.monotonic() - idle_since > QUIET_AFTER_S
+            t0 = time.perf_counter()
+            try:
+                seq = int(serve_int8(b["req"], b["resp"], b["meta"], b["ids"], b["weights"], b["x"], b["out"], last,
+                                     1000 if quiet else SPIN_CHUNK, *self.int8_args))
+            except BaseException as exc:  # noqa: BLE001  (answer anyway: the GPU is waiting)
+                seq = int(b["req"][0])
+                b["out"][:] = 0.0
+                publish(b["resp"], seq)
+                if self.error is None:
+                    self.error = exc
+                    log.error("the CPU expert worker failed (%s); its share goes back to the GPU", exc)
+            if seq == last:
+                time.sleep(QUIET_SLEEP_S if quiet else IDLE_SLEEP_S)
+                continue
+            self.served += seq - last                    # tickets are consecutive: one per request
+            self.busy_seconds += time.perf_counter() - t0
+            last = seq
+            idle_since = time.monotonic()
+
+    def _run_python(self) -> None:
         b = self.box._np
         last = int(b["req"][0])
         idle_since = time.monotonic()

@@ -217,7 +217,8 @@ class HybridExperts:
                     raise RuntimeError("the expert tier was unloaded")
                 return me.cpu.run(layers[li], x, tok, experts, w)
 
-            self._worker = CpuShareWorker(self._box, compute)
+            self._worker = CpuShareWorker(self._box, compute, int8_args=self.cpu.int8_args() if self.cpu.int8 else None,
+                                          threads=self.cpu.threads)
             weakref.finalize(self, self._worker.close)
             self._err_host = torch.zeros(1, dtype=torch.int32, pin_memory=self.cuda)
         else:
