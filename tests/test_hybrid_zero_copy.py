@@ -312,3 +312,40 @@ def test_the_compiled_worker_loop_answers_with_the_int8_kernels_result():
         torch.testing.assert_close(got, want, rtol=0, atol=0)
     assert tier._worker.served == 4 and tier._worker.error is None
     tier.close()
+
+
+def test_the_compiled_worker_answers_inside_a_cuda_graph(device):
+    """On the GPU machine, at a real layer width (the int8 kernel, the compiled worker loop): a recorded step
+    whose misses are split between the GPU (in place over PCIe) and the CPU worker matches the fp32 reference
+    within the int8 activations' rounding, replay after replay."""
+    if device != "cuda":
+        pytest.skip("needs the GPU machine (--device cuda)")
+    dev = torch.device("cuda")
+    store = HostExpertStore.synthetic(layers=1, num_experts=16, hidden=512, intermediate=512, codec="int4",
+                                      group=64, weight_std=0.05, seed=9, pin=True)
+    tier = HybridExperts(store, ExpertSpec(), device=dev, dtype=torch.bfloat16,
+                         options=HybridOptions(slots=4, top_k=4, cpu_share=0.5))
+    assert tier.zero_copy and tier._worker.int8_args is not None
+    x = torch.randn(1, 512, device=dev, dtype=torch.bfloat16)
+    ids = torch.tensor([[0, 5, 9, 12]], device=dev)
+    w = torch.full((1, 4), 0.25, device=dev)
+    out = torch.empty_like(x)
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        out.copy_(tier._zero_copy_decode(0, x, ids, w))
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        out.copy_(tier._zero_copy_decode(0, x, ids, w))
+    for step in range(5):
+        ids.copy_(torch.tensor([[step, 5 + step, 9, 15 - step]]))
+        tier.begin_step()
+        g.replay()
+        tier.end_step()
+        torch.cuda.synchronize()
+        want = _reference(store, 0, x.float().cpu(), ids.cpu(), w.cpu())
+        err = (out.float().cpu() - want).norm() / want.norm()
+        assert err < 0.03, (step, float(err))
+    assert tier._worker.served >= 5 and int(tier._box.error[0]) == 0
+    tier.close()
