@@ -19,19 +19,22 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv > "$OUT/mac
 if [ "${1:-a}" = a ]; then
   timeout 250 python3 -m pytest -q -p no:cacheprovider --device cuda tests/test_kernels_interpreted.py \
     tests/test_kernels_fused.py tests/test_decode_graph.py tests/test_hybrid_kernels.py tests/test_hybrid_experts.py \
-    tests/test_engine_generation.py tests/test_engine_default_tier.py tests/test_models_gdn.py > "$OUT/cuda_tests.log" 2>&1
+    tests/test_engine_generation.py tests/test_engine_default_tier.py tests/test_models_gdn.py \
+    tests/test_hybrid_zero_copy.py > "$OUT/cuda_tests.log" 2>&1
   echo "pytest rc=$?" >> "$OUT/cuda_tests.log"; tail -4 "$OUT/cuda_tests.log"
   timeout 150 python3 -m runtime.experts.bench probe --only-numba --layers 8 --out "$OUT" > "$OUT/probe.txt" 2>&1
   echo "probe rc=$?"; grep -i "gb/s\|gbps\|read" "$OUT/probe.txt" | head -30
   timeout 120 python3 benchmarks/profile_decode_step.py --layers 4 > "$OUT/profile_step.txt" 2>&1
   grep -v "/layer " "$OUT/profile_step.txt" | head -40
 else
-  timeout 250 python3 -m runtime.experts.bench model --models qwen3-30b-a3b --budgets 4 8 24 0 \
-    --routings uniform skewed --tokens 24 --warmup 6 --prefill 1024 8192 16384 --prefill-budgets 8 0 \
-    --ttft-context 20000 --out "$OUT" 2>&1 | tee "$OUT/bench_model_q3.txt" | grep -v "^{"
+  # decode rows through graphs only (eager rows cost minutes); the CPU share learned (auto; printed with a *),
+  # fixed 0 and 0.3
+  timeout 250 python3 -m runtime.experts.bench model --models qwen3-30b-a3b --budgets 8 4 0 \
+    --routings uniform skewed --split auto --cpu-share auto 0 0.3 --modes graphs --tokens 32 --warmup 8 \
+    --prefill 8192 16384 --prefill-budgets 8 --ttft-context 20000 --out "$OUT" 2>&1 | tee "$OUT/bench_model_q3.txt" | grep -v "^{"
   mv "$OUT/model.json" "$OUT/model_q3.json" 2>/dev/null
   timeout 120 python3 -m runtime.experts.bench model --models qwen3.6-35b-a3b --budgets 8 0 --routings uniform \
-    --tokens 24 --warmup 6 --prefill 8192 --prefill-budgets 8 --ttft-context 0 --out "$OUT" 2>&1 \
+    --modes graphs --tokens 24 --warmup 6 --prefill 8192 8192 --prefill-budgets 8 --ttft-context 0 --out "$OUT" 2>&1 \
     | tee "$OUT/bench_model_q36.txt" | grep -v "^{"
   mv "$OUT/model.json" "$OUT/model_q36.json" 2>/dev/null
   timeout 70 python3 benchmarks/bench_load.py --gib 18.6 --methods read --threads 16 --json "$OUT/load.json" \

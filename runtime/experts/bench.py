@@ -518,13 +518,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "a decode row for each")
     m.add_argument("--modes", nargs="+", default=["graphs", "eager"], choices=["graphs", "eager"],
                    help="decode rows through recorded graphs, the eager forward, or both")
-    m.add_argument("--cpu-share", nargs="+", type=float, default=[0.0],
-                   help="zero-copy decode: the CPU's share of misses (-1: balance the two bandwidths); several: a "
-                        "row each")
+    m.add_argument("--cpu-share", nargs="+", type=_share, default=[None],
+                   help="zero-copy decode: the CPU's share of misses: auto (learned from step times, the default), "
+                        "a number (fixed), -1 (balance the two bandwidths); several: a row each")
     m.add_argument("--trace", type=int, default=0,
                    help="record this many graph decode steps of each hybrid row with torch.profiler (Chrome "
                         "trace, gzipped, under --out)")
     m.add_argument("--out", type=Path, default=None)
+
+
+def _share(text: str) -> float | None:
+    return None if text == "auto" else float(text)
 
 
 def run(args) -> int:

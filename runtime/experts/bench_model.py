@@ -190,7 +190,8 @@ def run_model(name: str, args, hw, report: dict) -> None:
                              "kind": "decode b1 " + ("graphs" if use_graphs else "eager"), "slots": slots,
                              "tok_s": tok_s, "ceiling_tok_s": ceiling, "of_ceiling": tok_s / ceiling,
                              "hit_rate": c["hit_rate"], "cpu_share": c["cpu_share"],
-                             "split": (f"zero-copy cpu {hybrid.cpu_share:.2f}" if hybrid.zero_copy
+                             "split": (f"zero-copy cpu {hybrid.cpu_share:.2f}{'*' if share is None else ''}"
+                                       if hybrid.zero_copy
                                        else hybrid.split.mode) + ("" if split == "auto" else " (forced)"),
                              "peak_vram_gib": torch.cuda.max_memory_allocated() / GiB if device.type == "cuda" else 0,
                              "host_rss_gib": host_rss() / GiB, "host_us_per_call": host_breakdown(c),
