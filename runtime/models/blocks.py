@@ -265,6 +265,7 @@ def attend_static(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache, stat
     else:
         cache.keys.index_copy_(1, static.write_at, k.transpose(0, 1))
         cache.values.index_copy_(1, static.write_at, v.transpose(0, 1))
+
     def reference() -> torch.Tensor:
         keys, values = cache.keys[:, :static.bucket], cache.values[:, :static.bucket]  # [Hkv, bucket, hd]
         h, hd, hkv = q.shape[1], q.shape[2], keys.shape[0]
