@@ -162,8 +162,8 @@ if HAVE_TRITON:
         anywhere in the pool.
 
         q_row [R] int64: byte offset of row r's codes; s_row, m_row [R]: offset of its first scale / min
-        (fp16 elements for int4, bytes for e8m0); rmask [R]: rows that exist (the others load nothing and
-        give 0); x_rows [R]: pointer to row r's input (natural order, 16-bit or fp32; rows may share one).
+        (fp16 elements for int4, bytes for e8m0); rmask [R]: rows that count (the others read nothing from
+        the pool); x_rows [R]: pointer to row r's input (natural order, 16-bit or fp32; rows may share one).
         A step covers BLOCK_K bytes of each row as NG whole groups of GB bytes: scales and mins are loaded
         once per group and broadcast over it. Products accumulate elementwise in a [R, NG, GB] tile, reduced
         once after the loop: a reduction per step would cost shuffles and barriers on every round trip.
@@ -172,7 +172,10 @@ if HAVE_TRITON:
         the next step asks for its own. Two ways to keep more in flight (tuned by benchmarks/sweep_pool_kernels.py):
         STEPS > 0, the row is exactly that many steps, unrolled into straight-line code whose loads ptxas may
         issue early (as far as registers allow; STEPS == 0: a loop); PREFETCH, the codes of step i + 1 are
-        requested before step i's arithmetic (a software pipeline one step deep, in either form)."""
+        requested before step i's arithmetic (a software pipeline one step deep, in either form).
+        EVEN: every row holds whole steps (no mask past a row's end); ROWS_ALL: every row counts (no row mask
+        on the pool's bytes). Inputs are never masked by row: every x_rows entry points at a real input, and
+        the caller drops the sums of rows that do not count."""
         GB: tl.constexpr = GROUP // 2
         NG: tl.constexpr = BLOCK_K // GB
         acc = tl.zeros((ROWS, NG, GB), dtype=tl.float32)
