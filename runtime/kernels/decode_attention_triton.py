@@ -110,9 +110,15 @@ def _interpreted() -> bool:
     return os.environ.get("TRITON_INTERPRET") == "1"
 
 
+# Off by default until it has run on a GPU: it was written and tested in Triton's interpreter only (where bf16
+# tl.dot is not trustworthy), and a wrong attention would not raise - the torch fallback only catches failures.
+# FREETOKEN_DECODE_ATTENTION=1 turns it on (benchmarks/sweep_pool_kernels.py and the CUDA tests call it directly).
+ENABLED = os.environ.get("FREETOKEN_DECODE_ATTENTION", "0") == "1"
+
+
 def available(q: torch.Tensor) -> bool:
-    """Whether the kernel runs for this query (a CUDA tensor and Triton installed)."""
-    return HAVE_TRITON and q.is_cuda
+    """Whether the kernel runs for this query (enabled, a CUDA tensor and Triton installed)."""
+    return ENABLED and HAVE_TRITON and q.is_cuda
 
 
 def decode_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, row: torch.Tensor, *,
