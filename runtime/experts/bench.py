@@ -516,6 +516,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     m.add_argument("--split", nargs="+", default=["auto"], choices=["auto", "balanced", "cpu", "fetch"],
                    help="how decode misses are split between PCIe and the CPU (auto: learned online); several: "
                         "a decode row for each")
+    m.add_argument("--batch", type=int, default=0, help="also a decode row of this many sequences (eager; 0: none)")
     m.add_argument("--modes", nargs="+", default=["graphs", "eager"], choices=["graphs", "eager"],
                    help="decode rows through recorded graphs, the eager forward, or both")
     m.add_argument("--cpu-share", nargs="+", type=_share, default=[None],

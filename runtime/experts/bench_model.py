@@ -30,11 +30,13 @@ class RoutedExperts:
     """The benchmark's routing instead of the router's: decode ids come from a device table indexed by a device
     step counter (so a recorded graph reads the right row at every replay); prefill ids from a per-layer table."""
 
-    def __init__(self, inner, layers: list[int], decode_ids: torch.Tensor, prefill_ids: torch.Tensor):
+    def __init__(self, inner, layers: list[int], decode_ids: torch.Tensor, prefill_ids: torch.Tensor,
+                 batch_ids: torch.Tensor | None = None):
         self.inner = inner
         self.index = {layer: i for i, layer in enumerate(layers)}
         self.decode_ids = decode_ids            # [S, L, 1, K] int64 on the device
         self.prefill_ids = prefill_ids          # [L, Tmax, K] int64 on the device
+        self.batch_ids = batch_ids              # [S, L, B, K]: a decode step of B sequences (or None)
         self.step = torch.zeros(1, dtype=torch.long, device=decode_ids.device)
 
     def __call__(self, layer, hidden, topk_ids, topk_weights):
@@ -42,6 +44,8 @@ class RoutedExperts:
         t = hidden.shape[0]
         if t == 1:
             ids = self.decode_ids.index_select(0, self.step)[0, i]                          # [1, K]
+        elif self.batch_ids is not None and t == self.batch_ids.shape[2]:
+            ids = self.batch_ids.index_select(0, self.step)[0, i]                           # [B, K]
         else:
             ids = self.prefill_ids[i, :t]                                                    # [T, K]
         return self.inner(layer, hidden, ids, topk_weights)
@@ -102,6 +106,23 @@ def decode_rate(model, graphs, cache, *, steps: int, warmup: int, experts=None, 
         token = int(logits.argmax()) % 1000
     sync()
     return steps / (time.perf_counter() - t0)
+
+
+def decode_rate_batch(model, caches, *, steps: int, warmup: int, experts, device) -> float:
+    """Decode tok/s (all sequences together) for len(caches) sequences stepping together, eagerly (the engine's
+    batched path; CUDA graphs cover batch 1 only)."""
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    tokens = [100 + i for i in range(len(caches))]
+    t0 = None
+    for s in range(warmup + steps):
+        if s == warmup:
+            sync()
+            t0 = time.perf_counter()
+        experts.step.fill_(s)
+        logits = model(Batch.build([([tok], c) for tok, c in zip(tokens, caches)], device=device))
+        tokens = [int(x) % 1000 for x in logits.argmax(-1).tolist()]
+    sync()
+    return steps * len(caches) / (time.perf_counter() - t0)
 
 
 def prefill(model, cache, n: int, *, chunk: int, device) -> float:
@@ -173,8 +194,12 @@ def run_model(name: str, args, hw, report: dict) -> None:
             import numpy as np
             dec = np.stack([np.stack([router.route(lay, 1) for lay in range(layers)]) for _ in range(steps)])
             pre = np.stack([router.route(lay, args.chunk) for lay in range(layers)])
+            bat = None
+            if args.batch > 1:
+                bat = torch.from_numpy(np.stack([np.stack([router.route(lay, args.batch) for lay in range(layers)])
+                                                 for _ in range(steps)])).to(device)                # [S, L, B, K]
             experts = RoutedExperts(hybrid, moe_layers, torch.from_numpy(dec).to(device),
-                                    torch.from_numpy(pre).to(device))
+                                    torch.from_numpy(pre).to(device), bat)
             model.set_experts(experts)
             for use_graphs in [m == "graphs" for m in args.modes if graphs.capture or m == "eager"]:
                 cache = model.new_cache(device=device, dtype=dtype)
@@ -205,6 +230,28 @@ def run_model(name: str, args, hw, report: dict) -> None:
                         f"trace_{name}_{label.replace(' ', '')}_{routing}_{split}{share}.json.gz"))
                 cache.release()                 # a state slot goes back to the pool
                 del cache
+            if args.batch > 1:
+                caches = [model.new_cache(device=device, dtype=dtype) for _ in range(args.batch)]
+                for c_ in caches:
+                    prefill(model, c_, args.context, chunk=args.chunk, device=device)
+                hybrid.counters.end_step()
+                tok_s = decode_rate_batch(model, caches, steps=args.tokens, warmup=args.warmup, experts=experts,
+                                          device=device)
+                hybrid.flush_step_log()
+                c = hybrid.counters.end_step()
+                miss_bytes = (c["cpu_experts"] + c["fetched_experts"]) * store.block_nbytes / steps   # per step
+                ceiling = args.batch / (miss_bytes / ((hw.h2d_gbps + hw.cpu_gbps) * 1e9) + dense_s)
+                rows.append({"model": name, "budget": label, "routing": routing, "kind": f"decode b{args.batch} eager",
+                             "slots": slots, "tok_s": tok_s, "ceiling_tok_s": ceiling, "of_ceiling": tok_s / ceiling,
+                             "hit_rate": c["hit_rate"], "cpu_share": c["cpu_share"],
+                             "split": ("zero-copy" if hybrid.zero_copy else hybrid.split.mode),
+                             "peak_vram_gib": torch.cuda.max_memory_allocated() / GiB if device.type == "cuda" else 0,
+                             "host_rss_gib": host_rss() / GiB, "host_us_per_call": host_breakdown(c),
+                             "misses_per_token": (c["cpu_experts"] + c["fetched_experts"]) / steps / args.batch})
+                print(_fmt(rows[-1]), flush=True)
+                for c_ in caches:
+                    c_.release()
+                del caches
             if (routing, split, share) == (args.routings[0], splits[0], shares[0]) and budget_gib in args.prefill_budgets:
                 for n in args.prefill:
                     cache = model.new_cache(device=device, dtype=dtype)
