@@ -37,6 +37,21 @@ def _tier(device, *, slots, layers=3, experts=8, top_k=2, hot=(), pin=False, **o
         **options))
 
 
+def _recorded_call(tier, x, ids, w):
+    """A layer-0 zero-copy call recorded as a CUDA graph (run once eagerly on a side stream first, as
+    decode_graph does): (its output buffer, the graph)."""
+    out = torch.empty_like(x)
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        out.copy_(tier._zero_copy_decode(0, x, ids, w))
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        out.copy_(tier._zero_copy_decode(0, x, ids, w))
+    return out, g
+
+
 def test_miss_table_is_the_complement_of_the_slot_table():
     """Every table write keeps miss_table[l, e] == (e if not published else -1), on the host mirror's terms."""
     cache = SlotCache(directory=SlotDirectory(4, LRUPolicy()), layers=[3, 5], num_experts=6, block_nbytes=8,
@@ -139,15 +154,7 @@ def test_zero_copy_graph_step_on_cuda_matches_eager(device, share):
     x = torch.randn(1, 64, device=dev, dtype=torch.bfloat16)
     ids = torch.tensor([[0, 3]], device=dev)
     w = torch.full((1, 2), 0.5, device=dev)
-    out = torch.empty_like(x)
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        out.copy_(tier._zero_copy_decode(0, x, ids, w))
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        out.copy_(tier._zero_copy_decode(0, x, ids, w))
+    out, g = _recorded_call(tier, x, ids, w)
     for step in range(6):
         ids.copy_(torch.tensor([[step % 8, (step + 3) % 8]]))
         tier.begin_step()
@@ -329,15 +336,7 @@ def test_the_compiled_worker_answers_inside_a_cuda_graph(device):
     x = torch.randn(1, 512, device=dev, dtype=torch.bfloat16)
     ids = torch.tensor([[0, 5, 9, 12]], device=dev)
     w = torch.full((1, 4), 0.25, device=dev)
-    out = torch.empty_like(x)
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        out.copy_(tier._zero_copy_decode(0, x, ids, w))
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        out.copy_(tier._zero_copy_decode(0, x, ids, w))
+    out, g = _recorded_call(tier, x, ids, w)
     for step in range(5):
         ids.copy_(torch.tensor([[step, 5 + step, 9, 15 - step]]))
         tier.begin_step()
