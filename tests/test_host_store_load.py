@@ -162,3 +162,8 @@ def test_page_locking_registers_exactly_the_store_and_unregisters_when_the_last_
         buf = HostBuffer(1 << 20)
         assert buf.pin() is False and not buf.pinned
     assert "cudaHostRegister of 0.00 GiB failed (error 2)" in caplog.text
+    # a driver that refuses the mapping but locks the pages: pinned (DMA copies), zero-copy not offered
+    rt.cudaHostRegister = lambda ptr, size, flags: calls.append(("register", ptr, size, flags)) or (1 if flags else 0)
+    calls.clear()
+    buf = HostBuffer(1 << 20)
+    assert buf.pin() is True and [c[3] for c in calls] == [3, 0]

@@ -66,8 +66,12 @@ class HostBuffer:
             log.warning("cannot page-lock %.2f GiB of experts: CUDA is not available", self.nbytes / 2**30)
             return False
         ptr = self.array.ctypes.data
-        # portable (every device) and mapped: the GPU may read experts in place (hybrid.py's zero-copy misses)
-        err = torch.cuda.cudart().cudaHostRegister(ptr, self.nbytes, HOST_REGISTER_PORTABLE | HOST_REGISTER_MAPPED)
+        # portable (every device) and mapped: the GPU may read experts in place (hybrid.py's zero-copy misses).
+        # A driver that refuses the mapping may still lock the pages (DMA copies work, zero-copy then does not)
+        cudart = torch.cuda.cudart()
+        err = cudart.cudaHostRegister(ptr, self.nbytes, HOST_REGISTER_PORTABLE | HOST_REGISTER_MAPPED)
+        if int(err) != 0:
+            err = cudart.cudaHostRegister(ptr, self.nbytes, 0)
         if int(err) != 0:
             log.warning("cudaHostRegister of %.2f GiB failed (error %s): experts stay pageable",
                         self.nbytes / 2**30, int(err))
