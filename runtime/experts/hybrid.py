@@ -270,15 +270,17 @@ class HybridExperts:
             if self.options.slots:
                 out = out.add_(fwd(cache.pool, self.layout, self.spec, x, hit, topk_weights))
             return handoff_triton.collect(out, self._box) if self.cuda else collect_reference(out, self._box)
-        out = fwd(self._host_layers[li], self.layout, self.spec, x, topk_ids, topk_weights,
-                  slot_table=cache.miss_rows[li]) if fwd is not pool_forward else \
-            pool_forward(self._host_layers[li], self.layout, self.spec, x, cache.miss_rows[li][topk_ids], topk_weights)
+        out = self._looked_up(self._host_layers[li], x, topk_ids, topk_weights, cache.miss_rows[li])
         if self.options.slots:
-            hits = fwd(cache.pool, self.layout, self.spec, x, topk_ids, topk_weights,
-                       slot_table=cache.table_rows[li]) if fwd is not pool_forward else \
-                pool_forward(cache.pool, self.layout, self.spec, x, cache.table_rows[li][topk_ids], topk_weights)
-            out = out.add_(hits)
+            out = out.add_(self._looked_up(cache.pool, x, topk_ids, topk_weights, cache.table_rows[li]))
         return out
+
+    def _looked_up(self, pool, x, topk_ids, topk_weights, table_row) -> torch.Tensor:
+        """The pool kernels over `pool` with `table_row` [E] turning expert ids into its rows (-1: skipped); the
+        Triton kernels look the ids up themselves (no gather launch)."""
+        if self._pool_forward is pool_forward:
+            return pool_forward(pool, self.layout, self.spec, x, table_row[topk_ids], topk_weights)
+        return self._pool_forward(pool, self.layout, self.spec, x, topk_ids, topk_weights, slot_table=table_row)
 
     def _zero_copy_decode(self, layer, hidden, topk_ids, topk_weights) -> torch.Tensor:
         li = self.cache.layer_index[layer]
