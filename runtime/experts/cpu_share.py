@@ -176,6 +176,14 @@ class CpuShareWorker:
         between a request and its answer; else each request goes through `compute` in Python."""
         self.box, self.compute = box, compute
         self.int8_args, self.threads = int8_args, threads
+        # compile (or load from numba's cache) the polling code here, while the model loads: compiled in the
+        # thread at its first request, it would keep the GPU waiting for seconds (past collect's bounded wait)
+        b = box._np
+        spin_until_changed(b["req"], int(b["req"][0]), 0)
+        publish(np.zeros(1, dtype=np.int64), 0)
+        if int8_args is not None and HAVE_NUMBA:
+            serve_int8(b["req"], b["resp"], b["meta"], b["ids"], b["weights"], b["x"], b["out"], int(b["req"][0]), 0,
+                       *int8_args)
         self.error: BaseException | None = None
         self.served = 0
         self.busy_seconds = 0.0
