@@ -200,22 +200,18 @@ class CpuShareWorker:
         if self.threads:
             import numba
             numba.set_num_threads(self.threads)          # per calling thread: set it where the kernel runs
-        if self.int8_args is not None and HAVE_NUMBA:
-            self._run_compiled()
-        else:
-            self._run_python()
-
-    def _run_compiled(self) -> None:
+        serve = self._serve_compiled if self.int8_args is not None and HAVE_NUMBA else self._serve_python
         b = self.box._np
         last = int(b["req"][0])
         idle_since = time.monotonic()
         while not self._stop.is_set():
+            # spin hard while requests come (a decode step sends one per layer); after a quiet spell only look
+            # now and then, so an idle app does not keep a core busy (the first request then waits <= 5 ms)
             quiet = time.monotonic() - idle_since > QUIET_AFTER_S
             t0 = time.perf_counter()
             try:
-                seq = int(serve_int8(b["req"], b["resp"], b["meta"], b["ids"], b["weights"], b["x"], b["out"], last,
-                                     1000 if quiet else SPIN_CHUNK, *self.int8_args))
-            except BaseException as exc:  # noqa: BLE001  (answer anyway: the GPU is waiting)
+                seq = serve(last, 1000 if quiet else SPIN_CHUNK)
+            except BaseException as exc:  # noqa: BLE001  (answer anyway, with zeros: the GPU is waiting)
                 seq = int(b["req"][0])
                 b["out"][:] = 0.0
                 publish(b["resp"], seq)
@@ -230,41 +226,31 @@ class CpuShareWorker:
             last = seq
             idle_since = time.monotonic()
 
-    def _run_python(self) -> None:
+    def _serve_compiled(self, last: int, spins: int) -> int:
+        """Every request that comes within `spins` polls, in compiled code; the last ticket answered."""
         b = self.box._np
-        last = int(b["req"][0])
-        idle_since = time.monotonic()
-        while not self._stop.is_set():
-            # spin hard while requests come (a decode step sends one per layer); after a quiet spell only look
-            # now and then, so an idle app does not keep a core busy (the first request then waits <= 5 ms)
-            quiet = time.monotonic() - idle_since > QUIET_AFTER_S
-            seq = int(spin_until_changed(b["req"], last, 1000 if quiet else SPIN_CHUNK))
-            if seq == last:
-                time.sleep(QUIET_SLEEP_S if quiet else IDLE_SLEEP_S)
-                continue
-            last = seq
-            t0 = time.perf_counter()
-            li, t = int(b["meta"][0]), int(b["meta"][1])
-            k = len(b["ids"]) // len(b["x"])
-            ids = b["ids"][:t * k].reshape(t, k)
-            out = b["out"][:t]
-            try:
-                tok, kk = np.nonzero(ids >= 0)
-                if len(tok):
-                    y = self.compute(li, torch.from_numpy(b["x"][:t]), tok, ids[tok, kk],
-                                     b["weights"][:t * k].reshape(t, k)[tok, kk])
-                    out[:] = y.numpy() if isinstance(y, torch.Tensor) else y
-                else:
-                    out[:] = 0.0
-            except BaseException as exc:  # noqa: BLE001  (answer anyway: the GPU is waiting)
-                out[:] = 0.0
-                if self.error is None:
-                    self.error = exc
-                    log.error("the CPU expert worker failed (%s); its share goes back to the GPU", exc)
-            publish(b["resp"], seq)
-            self.served += 1
-            self.busy_seconds += time.perf_counter() - t0
-            idle_since = time.monotonic()
+        return int(serve_int8(b["req"], b["resp"], b["meta"], b["ids"], b["weights"], b["x"], b["out"], last, spins,
+                              *self.int8_args))
+
+    def _serve_python(self, last: int, spins: int) -> int:
+        """At most one request, through `compute`; its ticket (== last when none came)."""
+        b = self.box._np
+        seq = int(spin_until_changed(b["req"], last, spins))
+        if seq == last:
+            return last
+        li, t = int(b["meta"][0]), int(b["meta"][1])
+        k = len(b["ids"]) // len(b["x"])
+        ids = b["ids"][:t * k].reshape(t, k)
+        out = b["out"][:t]
+        tok, kk = np.nonzero(ids >= 0)
+        if len(tok):
+            y = self.compute(li, torch.from_numpy(b["x"][:t]), tok, ids[tok, kk],
+                             b["weights"][:t * k].reshape(t, k)[tok, kk])
+            out[:] = y.numpy() if isinstance(y, torch.Tensor) else y
+        else:
+            out[:] = 0.0
+        publish(b["resp"], seq)
+        return seq
 
     def close(self) -> None:
         self._stop.set()
