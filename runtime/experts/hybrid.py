@@ -534,18 +534,10 @@ class HybridExperts:
 
     def _host_buffer(self, name: str, shape, dtype: torch.dtype) -> torch.Tensor:
         """A page-locked [rows, ...] buffer reused across calls, viewed at `shape` (grown when rows exceed)."""
-        buf = self._pinned.get(name)
-        if buf is None or buf.dtype != dtype or buf.shape[1:] != shape[1:] or buf.shape[0] < shape[0]:
-            rows = max(shape[0], 8 if buf is None else 2 * buf.shape[0])
-            buf = self._pinned[name] = torch.empty((rows, *shape[1:]), dtype=dtype, pin_memory=self.cuda)
-        return buf[:shape[0]]
+        return _reused(self._pinned, name, shape, dtype, pin_memory=self.cuda)
 
     def _device_buffer(self, name: str, shape, dtype: torch.dtype) -> torch.Tensor:
-        buf = self._on_device.get(name)
-        if buf is None or buf.dtype != dtype or buf.shape[1:] != shape[1:] or buf.shape[0] < shape[0]:
-            rows = max(shape[0], 8 if buf is None else 2 * buf.shape[0])
-            buf = self._on_device[name] = torch.empty((rows, *shape[1:]), dtype=dtype, device=self.device)
-        return buf[:shape[0]]
+        return _reused(self._on_device, name, shape, dtype, device=self.device)
 
     def _gpu_forward(self, hidden, slots, topk_weights) -> torch.Tensor:
         try:
@@ -840,6 +832,16 @@ def _build_hybrid(store, spec, *, device, dtype, options, routing, prefetcher=No
             slots = smaller
             if device.type == "cuda":
                 torch.cuda.empty_cache()
+
+
+def _reused(buffers: dict[str, torch.Tensor], name: str, shape, dtype: torch.dtype, **alloc) -> torch.Tensor:
+    """buffers[name] viewed at `shape`, (re)allocated with `alloc` when it is missing, of another dtype or row
+    shape, or too short (then at least twice as many rows, so growth is rare)."""
+    buf = buffers.get(name)
+    if buf is None or buf.dtype != dtype or buf.shape[1:] != shape[1:] or buf.shape[0] < shape[0]:
+        rows = max(shape[0], 8 if buf is None else 2 * buf.shape[0])
+        buf = buffers[name] = torch.empty((rows, *shape[1:]), dtype=dtype, **alloc)
+    return buf[:shape[0]]
 
 
 class _NoEvent:
