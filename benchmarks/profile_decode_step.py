@@ -20,17 +20,24 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 
-def graph_time(fn, *, repeats: int = 50) -> float:
-    """Seconds per call of fn recorded as a CUDA graph (warmed on a side stream first)."""
+def record_graph(fn, *, warmup: int = 1) -> "torch.cuda.CUDAGraph":
+    """fn recorded as a CUDA graph, after `warmup` eager calls on a side stream (compiles and cuBLAS set-up happen
+    there, outside the capture, as runtime/decode_graph.py does)."""
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(s):
-        for _ in range(3):
+        for _ in range(warmup):
             fn()
     torch.cuda.current_stream().wait_stream(s)
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g):
         fn()
+    return g
+
+
+def graph_time(fn, *, repeats: int = 50) -> float:
+    """Seconds per call of fn recorded as a CUDA graph (warmed on a side stream first)."""
+    g = record_graph(fn, warmup=3)
     g.replay()
     torch.cuda.synchronize()
     t0 = time.perf_counter()

@@ -97,14 +97,9 @@ def _compile_worker(job: tuple[str, list[int], str, int, int]) -> int:
 
 def _graph_us(fn, *, replays: int = REPLAYS) -> float:
     """µs per call of fn (which makes CALLS calls) recorded as one CUDA graph; the best of `replays` replays."""
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        fn()                                    # compile and warm up outside the capture
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        fn()
+    from benchmarks.profile_decode_step import record_graph
+
+    g = record_graph(fn)                        # compiled and warmed up outside the capture
     g.replay()
     torch.cuda.synchronize()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
