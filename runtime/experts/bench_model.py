@@ -200,6 +200,18 @@ def run_model(name: str, args, hw, report: dict) -> None:
                                                  for _ in range(steps)])).to(device)                # [S, L, B, K]
             experts = RoutedExperts(hybrid, moe_layers, torch.from_numpy(dec).to(device),
                                     torch.from_numpy(pre).to(device), bat)
+
+            def decode_row(c: dict, tok_s: float, sequences: int, kind: str, split_label: str) -> dict:
+                """A decode row from the tier's counters over the row's `steps` steps of `sequences` tokens; the
+                ceiling is the step's miss bytes over both links' rates plus the dense step."""
+                misses = (c["cpu_experts"] + c["fetched_experts"]) / steps                     # per step
+                ceiling = sequences / (misses * store.block_nbytes / ((hw.h2d_gbps + hw.cpu_gbps) * 1e9) + dense_s)
+                return {"model": name, "budget": label, "routing": routing, "kind": kind, "slots": slots,
+                        "tok_s": tok_s, "ceiling_tok_s": ceiling, "of_ceiling": tok_s / ceiling,
+                        "hit_rate": c["hit_rate"], "cpu_share": c["cpu_share"], "split": split_label,
+                        "peak_vram_gib": torch.cuda.max_memory_allocated() / GiB if device.type == "cuda" else 0,
+                        "host_rss_gib": host_rss() / GiB, "host_us_per_call": host_breakdown(c),
+                        "misses_per_token": misses / sequences}
             model.set_experts(experts)
             for use_graphs in [m == "graphs" for m in args.modes if graphs.capture or m == "eager"]:
                 cache = model.new_cache(device=device, dtype=dtype)
@@ -209,18 +221,10 @@ def run_model(name: str, args, hw, report: dict) -> None:
                                     use_graphs=use_graphs, device=device)
                 hybrid.flush_step_log()
                 c = hybrid.counters.end_step()
-                miss_bytes = (c["cpu_experts"] + c["fetched_experts"]) * store.block_nbytes / (steps)
-                ceiling = 1.0 / (miss_bytes / ((hw.h2d_gbps + hw.cpu_gbps) * 1e9) + dense_s)
-                rows.append({"model": name, "budget": label, "routing": routing,
-                             "kind": "decode b1 " + ("graphs" if use_graphs else "eager"), "slots": slots,
-                             "tok_s": tok_s, "ceiling_tok_s": ceiling, "of_ceiling": tok_s / ceiling,
-                             "hit_rate": c["hit_rate"], "cpu_share": c["cpu_share"],
-                             "split": (f"zero-copy cpu {hybrid.cpu_share:.2f}{'*' if share is None else ''}"
-                                       if hybrid.zero_copy
-                                       else hybrid.split.mode) + ("" if split == "auto" else " (forced)"),
-                             "peak_vram_gib": torch.cuda.max_memory_allocated() / GiB if device.type == "cuda" else 0,
-                             "host_rss_gib": host_rss() / GiB, "host_us_per_call": host_breakdown(c),
-                             "misses_per_token": (c["cpu_experts"] + c["fetched_experts"]) / steps})
+                rows.append(decode_row(c, tok_s, 1, "decode b1 " + ("graphs" if use_graphs else "eager"),
+                                       (f"zero-copy cpu {hybrid.cpu_share:.2f}{'*' if share is None else ''}"
+                                        if hybrid.zero_copy else hybrid.split.mode)
+                                       + ("" if split == "auto" else " (forced)")))
                 print(_fmt(rows[-1]), flush=True)
                 if c["decode_calls"]:
                     print("    host µs per decode call: " + "  ".join(
@@ -239,15 +243,8 @@ def run_model(name: str, args, hw, report: dict) -> None:
                                           device=device)
                 hybrid.flush_step_log()
                 c = hybrid.counters.end_step()
-                miss_bytes = (c["cpu_experts"] + c["fetched_experts"]) * store.block_nbytes / steps   # per step
-                ceiling = args.batch / (miss_bytes / ((hw.h2d_gbps + hw.cpu_gbps) * 1e9) + dense_s)
-                rows.append({"model": name, "budget": label, "routing": routing, "kind": f"decode b{args.batch} eager",
-                             "slots": slots, "tok_s": tok_s, "ceiling_tok_s": ceiling, "of_ceiling": tok_s / ceiling,
-                             "hit_rate": c["hit_rate"], "cpu_share": c["cpu_share"],
-                             "split": ("zero-copy" if hybrid.zero_copy else hybrid.split.mode),
-                             "peak_vram_gib": torch.cuda.max_memory_allocated() / GiB if device.type == "cuda" else 0,
-                             "host_rss_gib": host_rss() / GiB, "host_us_per_call": host_breakdown(c),
-                             "misses_per_token": (c["cpu_experts"] + c["fetched_experts"]) / steps / args.batch})
+                rows.append(decode_row(c, tok_s, args.batch, f"decode b{args.batch} eager",
+                                       "zero-copy" if hybrid.zero_copy else hybrid.split.mode))
                 print(_fmt(rows[-1]), flush=True)
                 for c_ in caches:
                     c_.release()
