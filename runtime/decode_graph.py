@@ -2,24 +2,34 @@
 
 Why: at batch 1 a decode step of a 48-layer MoE model is ~1,000 small kernels; launched one by one from
 Python that costs ~5-15 µs of host time each, so the step is bound by the host, not by the GPU (docs/hybrid.md
-measured ~0.44 ms of fixed cost per MoE layer). A CUDA graph replays the recorded kernels in one call.
+measured ~0.44 ms of fixed cost per MoE layer). A CUDA graph replays the recorded kernels in one call. The same
+holds for a step of B sequences decoding together (sub-agents, parallel tool calls): eagerly it costs what a
+batch-1 step costs plus per-sequence attention launches; recorded, it costs one replay.
 
-How: a step of one sequence decoding one token runs over *static* tensors (token id, position, a key mask) and
-over that sequence's KV buffers viewed at a fixed length (the bucket: the cache's length rounded up to
-`BUCKET` tokens, masked beyond the current position). The recorded kernels depend only on addresses and
-shapes, so a graph is keyed by the addresses of the sequence's KV buffers and the bucket: any cache whose
-buffers sit at those addresses can replay it, and a new bucket or a grown buffer captures a new graph.
+How: a step of B sequences each decoding one token runs over *static* tensors (token ids, positions, per-sequence
+key masks) and over each sequence's KV buffers viewed at a fixed length (its bucket: its cache's length rounded
+up to `BUCKET` tokens, masked beyond its current position). The recorded kernels depend only on addresses and
+shapes, so a graph is keyed by B, every sequence's bucket and the addresses of every sequence's KV buffers and
+state slot: any caches whose buffers sit at those addresses can replay it, and a new bucket, a grown buffer or
+a different set of sequences records a new graph.
 
-Experts that need the host (the hybrid tier reads the router's choice to split hits from misses) cut the
-step into pieces: piece i ends with layer i's router output in static tensors, the experts run eagerly on
-them and write a static output, piece i+1 continues from it. Experts whose `graph_safe` is true (every expert
-resident on the GPU, no host decision) are recorded inside the graph, and the whole step is one replay.
+Why one graph per exact B rather than B rounded up to 1/2/4/8 with dummy rows: the key names every sequence's
+buffers anyway, so a sequence that finishes (or joins) changes the key whatever B is padded to, and a padded
+graph would never be reused across batch sizes. Padding would only add work: a dummy row needs a KV buffer and a
+state slot of its own (the engine reserves one slot per sequence it may run), and its token is routed to K
+experts, which in the hybrid tier are real misses read over PCIe.
+
+Experts that need the host (the hybrid tier reads the router's choice to split hits from misses), or that cannot
+take B tokens inside a graph (`graph_tokens`, below: the zero-copy tier covers a few tokens per call), cut the
+step into pieces: piece i ends with layer i's router output in static tensors, the experts run eagerly on them
+and write a static output, piece i+1 continues from it. Experts whose calls may be recorded (every expert
+resident on the GPU, or zero-copy reads for a few tokens) are recorded inside the graph, and the whole step is
+one replay.
 
 On a CPU device (tests) or with `capture=False` the same static path runs eagerly, which is how it is tested
 against the ordinary forward. Which models: attention without a sliding window or sinks (Qwen3-MoE,
 Mixtral without a window) and Gated DeltaNet layers whose states live in a slot pool (Qwen3-Next, Qwen3.5/3.6:
-read and written in place in the slot); others (gpt-oss) decode eagerly. Batch 1 only (the desktop case); batches of
-several sequences decode eagerly.
+read and written in place in the slots); others (gpt-oss) decode eagerly.
 """
 from __future__ import annotations
 
@@ -36,6 +46,7 @@ log = logging.getLogger(__name__)
 
 BUCKET = 1024          # KV tokens attended per graph: a new graph every BUCKET tokens of a conversation
 MAX_GRAPHS = 8         # captured graphs kept (least recently used dropped first)
+MAX_BATCH = 8          # sequences a recorded step may hold (the engine passes its own max_batch)
 
 
 class GraphCaptureError(RuntimeError):
@@ -44,7 +55,9 @@ class GraphCaptureError(RuntimeError):
 
 @dataclass
 class StaticKV:
-    """What the static attention path reads instead of host integers: the row to write, the visible keys."""
+    """What the static attention path reads for one sequence instead of host integers: the row to write, the
+    visible keys. A step of B sequences carries B of them (`Batch.static_kv`), each viewing its own row of the
+    step's position buffer."""
     write_at: torch.Tensor             # [1] int64: the new token's row in the KV buffers (= its position)
     key_pos: torch.Tensor              # [bucket] int64: 0..bucket-1
     bucket: int
@@ -65,19 +78,20 @@ class _Boundary:
 class _Captured:
     pieces: list                               # CUDAGraph per piece (len(boundaries) + 1)
     boundaries: list[_Boundary]
-    logits: torch.Tensor                       # [1, V] written by the last piece
+    logits: torch.Tensor                       # [B, V] written by the last piece
     keep: list = field(default_factory=list)   # tensors the pieces read (kept alive with the graph)
 
 
 class _CuttingExperts:
-    """Stands in for the experts while a step is recorded: ends the current piece at each host-needing
-    expert call, hands back a static output (filled at replay time) and starts the next piece."""
+    """Stands in for the experts while a step is recorded: ends the current piece at each expert call that cannot
+    be recorded (the tier needs the host, or cannot take this many tokens inside a graph), hands back a static
+    output (filled at replay time) and starts the next piece."""
 
     def __init__(self, runner: "DecodeGraphs", inner):
         self.runner, self.inner = runner, inner
 
     def __call__(self, layer, hidden, topk_ids, topk_weights):
-        if graph_safe(self.inner, layer):
+        if graph_takes(self.inner, layer, hidden.shape[0]):
             return self.inner(layer, hidden, topk_ids, topk_weights)
         return self.runner._cut(layer, hidden, topk_ids, topk_weights)
 
@@ -111,6 +125,22 @@ def graph_safe(experts, layer: int) -> bool:
     return bool(safe(layer)) if callable(safe) else False
 
 
+def graph_tokens(experts, layer: int) -> int | None:
+    """How many tokens one call for `layer` may carry inside a CUDA graph: None for any number, 0 for none.
+    A tier says so with an optional `graph_tokens` (a method of the layer, or a plain attribute); one that only
+    says `graph_safe` promises what batch-1 decode needs, a single token (docs/contracts.md)."""
+    if not hasattr(experts, "graph_tokens"):
+        return 1 if graph_safe(experts, layer) else 0
+    tokens = experts.graph_tokens
+    return tokens(layer) if callable(tokens) else tokens
+
+
+def graph_takes(experts, layer: int, tokens: int) -> bool:
+    """Whether a call of `tokens` tokens for `layer` may be recorded inside a CUDA graph."""
+    limit = graph_tokens(experts, layer)
+    return limit is None or tokens <= limit
+
+
 def supports(model: CausalLM) -> str | None:
     """None when the static decode path covers this model, else why not (for the log)."""
     if any(kind == "linear_attention" for kind in model.layer_kinds) and getattr(model, "state_pool", None) is None:
@@ -125,37 +155,65 @@ def supports(model: CausalLM) -> str | None:
     return None
 
 
+def bucket_of(position: int, bucket: int = BUCKET) -> int:
+    """KV rows a sequence attends over when its new token sits at `position`: the length rounded up to `bucket`."""
+    return -(-(position + 1) // bucket) * bucket
+
+
 class DecodeGraphs:
-    """Batch-1 decode through recorded graphs (CUDA) or the same static path run eagerly (`capture=False`)."""
+    """Decode steps of 1..max_batch sequences (one token each) through recorded graphs (CUDA), or the same static
+    path run eagerly (`capture=False`)."""
 
     def __init__(self, model: CausalLM, *, device: torch.device, capture: bool | None = None,
-                 bucket: int = BUCKET, max_graphs: int = MAX_GRAPHS):
+                 bucket: int = BUCKET, max_graphs: int = MAX_GRAPHS, max_batch: int = MAX_BATCH):
+        if max_batch < 1:
+            raise ValueError(f"max_batch must be at least 1, got {max_batch}")
         self.model, self.device = model, torch.device(device)
         self.capture = self.device.type == "cuda" if capture is None else capture
-        self.bucket, self.max_graphs = bucket, max_graphs
-        self.input_ids = torch.zeros(1, dtype=torch.long, device=self.device)      # [1]
-        self.positions = torch.zeros(1, dtype=torch.long, device=self.device)      # [1]
+        self.bucket, self.max_graphs, self.max_batch = bucket, max_graphs, max_batch
+        # row 0 token ids, row 1 positions; a step of B sequences uses the first B columns (one upload per step
+        # from a page-locked staging copy: no host sync, and a graph reads the same addresses at every replay)
+        self._inputs = torch.zeros(2, max_batch, dtype=torch.long, device=self.device)            # [2, Bmax]
+        pin = self.device.type == "cuda"
+        self._staging = torch.zeros(2, max_batch, dtype=torch.long, pin_memory=pin)               # [2, Bmax]
+        self._staged = None                  # event: the last upload has left the staging copy
         self._key_pos: dict[int, torch.Tensor] = {}
+        self._slot_index: dict[tuple[int, ...], torch.Tensor] = {}
         self._graphs: OrderedDict[tuple, _Captured] = OrderedDict()
         self._pool = torch.cuda.graph_pool_handle() if self.capture else None
         self._recording: dict | None = None
         self._stream = None
         self.counters = dict(steps=0, captures=0, pieces=0, failures=0)
+        self.batch_steps: dict[int, int] = {}          # B -> steps of B sequences taken through this runner
         self.disabled: str | None = None
 
     # --------------------------------------------------------------------------------------- public
+    def covers(self, batch_size: int) -> bool:
+        return 1 <= batch_size <= self.max_batch
+
     def decode(self, token: int, cache) -> torch.Tensor:
         """Logits [1, V] fp32 for `token` appended to `cache` (a SequenceCache at offset = its position);
         advances the cache by one token, as the ordinary forward does."""
-        pos = cache.offset
-        bucket = -(-(pos + 1) // self.bucket) * self.bucket
-        for layer in cache.layers:
-            if hasattr(layer, "reserve"):            # KV buffers; state slots have a fixed size
-                layer.reserve(bucket)
-        self.input_ids.fill_(int(token))
-        self.positions.fill_(pos)
+        return self.decode_batch([token], [cache])
+
+    def decode_batch(self, tokens: list[int], caches: list) -> torch.Tensor:
+        """Logits [B, V] fp32, row i for `tokens[i]` appended to `caches[i]` (each at its own offset = position);
+        advances every cache by one token, as the ordinary forward does."""
+        b = len(caches)
+        if not self.covers(b) or len(tokens) != b:
+            raise ValueError(f"a recorded decode step takes 1..{self.max_batch} sequences with one token each, "
+                             f"got {len(tokens)} tokens for {b} caches")
+        if len({id(c) for c in caches}) != b:
+            raise ValueError("a sequence's cache appears twice in one decode step")
+        positions = [c.offset for c in caches]
+        buckets = tuple(bucket_of(p, self.bucket) for p in positions)
+        for cache, bucket in zip(caches, buckets):
+            for layer in cache.layers:
+                if hasattr(layer, "reserve"):        # KV buffers; state slots have a fixed size
+                    layer.reserve(bucket)
+        self._upload(tokens, positions)
         if self.capture:
-            key = (bucket, tuple(p for layer in cache.layers for p in _addresses(layer)))
+            key = (b, buckets, tuple(p for cache in caches for layer in cache.layers for p in _addresses(layer)))
             graph = self._graphs.get(key)
             if graph is None:
                 # a new shape: this step runs eagerly on the capture stream (its warm-up: cuBLAS and Triton
@@ -163,14 +221,16 @@ class DecodeGraphs:
                 stream = self._capture_stream()
                 stream.wait_stream(torch.cuda.current_stream(self.device))
                 with torch.cuda.stream(stream):
-                    logits = self._forward(cache, bucket, self.model.experts)
+                    logits = self._forward(caches, buckets, self.model.experts)
                 torch.cuda.current_stream(self.device).wait_stream(stream)
                 try:
-                    self._graphs[key] = self._record(cache, bucket)
+                    self._graphs[key] = self._record(caches, buckets)
                 except Exception as exc:                           # noqa: BLE001  (reported, decode goes on)
                     self.counters["failures"] += 1
-                    _advance(cache)                                # the eager step did run: count its token
-                    err = GraphCaptureError(f"recording the decode step as a CUDA graph failed: {exc}")
+                    for cache in caches:
+                        _advance(cache)                            # the eager step did run: count its token
+                    err = GraphCaptureError(f"recording the decode step of {b} sequence(s) as a CUDA graph "
+                                            f"failed: {exc}")
                     err.logits = logits.float()
                     raise err from exc
                 while len(self._graphs) > self.max_graphs:
@@ -184,30 +244,70 @@ class DecodeGraphs:
                 logits = self._replay(graph)
                 _hook(experts, "end_step")
         else:
-            logits = self._forward(cache, bucket, self.model.experts)
-        _advance(cache)
+            logits = self._forward(caches, buckets, self.model.experts)
+        for cache in caches:
+            _advance(cache)
         self.counters["steps"] += 1
+        self.batch_steps[b] = self.batch_steps.get(b, 0) + 1
         return logits.float()
 
     def stats(self) -> dict:
         return {**self.counters, "graphs": len(self._graphs), "bucket": self.bucket, "captured": self.capture,
+                "max_batch": self.max_batch, "batch_steps": dict(sorted(self.batch_steps.items())),
                 "disabled": self.disabled}
 
     # ------------------------------------------------------------------------------------- internals
-    def _static_batch(self, cache, bucket: int) -> Batch:
-        key_pos = self._key_pos.get(bucket)
-        if key_pos is None:
-            key_pos = self._key_pos[bucket] = torch.arange(bucket, device=self.device)
-        static = StaticKV(write_at=self.positions, key_pos=key_pos, bucket=bucket)
-        return Batch(self.input_ids, self.positions, [1], [cache], static_kv=static)
+    def _upload(self, tokens: list[int], positions: list[int]) -> None:
+        """Token ids and positions of this step into the static device buffers: one copy, no host sync."""
+        b = len(tokens)
+        if self._staged is not None:
+            self._staged.synchronize()        # the previous upload has read the staging copy (long since, normally)
+        self._staging[0, :b] = torch.tensor(tokens, dtype=torch.long)
+        self._staging[1, :b] = torch.tensor(positions, dtype=torch.long)
+        self._inputs[:, :b].copy_(self._staging[:, :b], non_blocking=True)
+        if self.device.type == "cuda":
+            self._staged = torch.cuda.Event()
+            self._staged.record(torch.cuda.current_stream(self.device))
 
-    def _forward(self, cache, bucket: int, experts) -> torch.Tensor:
-        batch = self._static_batch(cache, bucket)
-        batch.static_kv.mask = (batch.static_kv.key_pos <= batch.static_kv.write_at)[None, :]   # [1, bucket]
+    def _slots(self, caches) -> torch.Tensor | None:
+        """The sequences' state-slot indices [B] on the device (made once per set of slots, outside any recording:
+        a graph reads it at every replay), or None for a model without state slots."""
+        if len(caches) == 1:
+            return None
+        first = next((layer for layer in caches[0].layers if hasattr(layer, "slot")), None)
+        if first is None:
+            return None
+        slots = []
+        for cache in caches:
+            layer = next(layer for layer in cache.layers if hasattr(layer, "slot"))
+            slots.append(layer.slot)
+        key = tuple(slots)
+        index = self._slot_index.get(key)
+        if index is None:
+            if len(self._slot_index) >= 4 * self.max_graphs:
+                self._slot_index.clear()      # graphs keep the ones they read (_Captured.keep)
+            index = self._slot_index[key] = torch.tensor(slots, dtype=torch.long, device=self.device)
+        return index
+
+    def _static_batch(self, caches, buckets) -> Batch:
+        b = len(caches)
+        statics = []
+        for i, bucket in enumerate(buckets):
+            key_pos = self._key_pos.get(bucket)
+            if key_pos is None:
+                key_pos = self._key_pos[bucket] = torch.arange(bucket, device=self.device)
+            statics.append(StaticKV(write_at=self._inputs[1, i:i + 1], key_pos=key_pos, bucket=bucket))
+        return Batch(self._inputs[0, :b], self._inputs[1, :b], [1] * b, list(caches), static_kv=statics,
+                     static_slots=self._slots(caches))
+
+    def _forward(self, caches, buckets, experts) -> torch.Tensor:
+        batch = self._static_batch(caches, buckets)
+        for static in batch.static_kv:
+            static.mask = (static.key_pos <= static.write_at)[None, :]                     # [1, bucket]
         real = self.model.experts
         self.model.set_experts(experts)
         try:
-            return self.model(batch, all_logits=True)                # N = 1: every row is the last
+            return self.model(batch, all_logits=True)                # N = B: every row is a last one
         finally:
             self.model.set_experts(real)
 
@@ -216,8 +316,10 @@ class DecodeGraphs:
             self._stream = torch.cuda.Stream(self.device)
         return self._stream
 
-    def _record(self, cache, bucket: int) -> _Captured:
-        """Capture one step as graph pieces cut at host-needing expert calls (nothing runs while recording)."""
+    def _record(self, caches, buckets) -> _Captured:
+        """Capture one step as graph pieces cut at expert calls that cannot be recorded (nothing runs while
+        recording)."""
+        slots = self._slots(caches)               # made (if new) before the recording: an upload cannot be recorded
         stream = self._capture_stream()
         stream.wait_stream(torch.cuda.current_stream(self.device))
         self._recording = {"pieces": [torch.cuda.CUDAGraph()], "boundaries": []}
@@ -225,7 +327,7 @@ class DecodeGraphs:
             with torch.cuda.stream(stream):
                 self._recording["pieces"][0].capture_begin(pool=self._pool)
                 try:
-                    logits = self._forward(cache, bucket, _CuttingExperts(self, self.model.experts))
+                    logits = self._forward(caches, buckets, _CuttingExperts(self, self.model.experts))
                 finally:
                     self._recording["pieces"][-1].capture_end()
         finally:
@@ -233,7 +335,8 @@ class DecodeGraphs:
             rec, self._recording = self._recording, None
         self.counters["captures"] += 1
         self.counters["pieces"] += len(rec["pieces"])
-        return _Captured(pieces=rec["pieces"], boundaries=rec["boundaries"], logits=logits)
+        return _Captured(pieces=rec["pieces"], boundaries=rec["boundaries"], logits=logits,
+                         keep=[] if slots is None else [slots])
 
     def _cut(self, layer, hidden, topk_ids, topk_weights) -> torch.Tensor:
         rec = self._recording

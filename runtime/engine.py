@@ -135,8 +135,9 @@ def kv_bytes_per_sequence(model: CausalLM, tokens: int, dtype: torch.dtype) -> i
     return total
 
 
-def _decode_graphs(model: CausalLM, device: torch.device, wanted: bool | None):
-    """The batch-1 decode-graph runner when asked for (or by default on CUDA) and the model is covered."""
+def _decode_graphs(model: CausalLM, device: torch.device, wanted: bool | None, max_batch: int):
+    """The decode-graph runner (steps of 1..max_batch decoding sequences) when asked for (or by default on CUDA)
+    and the model is covered."""
     from runtime.decode_graph import DecodeGraphs, supports
 
     if wanted is False or (wanted is None and device.type != "cuda"):
@@ -145,7 +146,7 @@ def _decode_graphs(model: CausalLM, device: torch.device, wanted: bool | None):
     if why_not is not None:
         log.info("decode steps run without CUDA graphs: %s", why_not)
         return None
-    return DecodeGraphs(model, device=device)
+    return DecodeGraphs(model, device=device, max_batch=max_batch)
 
 
 def default_experts_factory(device: torch.device) -> "ExpertsFactory":
@@ -172,7 +173,7 @@ class Engine:
                  prefill_chunk: int, plan: dict, prefix_cache_device: torch.device | None = None,
                  decode_graphs=None):
         self.model, self.package = model, package
-        self.graphs = decode_graphs          # runtime.decode_graph.DecodeGraphs, or None: batch-1 decode steps
+        self.graphs = decode_graphs          # runtime.decode_graph.DecodeGraphs, or None: steps of decoding sequences
         self.tokenizer, self.chat_template = tokenizer, chat_template
         self.device, self.dtype = device, dtype
         self.context_length = context_length
@@ -225,7 +226,8 @@ class Engine:
         """Build from anything FTWPackage-shaped: config, model_type, generation_config, tokenizer_dir,
         dense_names()/dense(name), experts (an ExpertStore), path.
 
-        `cuda_graphs`: batch-1 decode steps replayed from CUDA graphs (runtime/decode_graph.py). None: on
+        `cuda_graphs`: decode steps (every running sequence feeding one token) replayed from CUDA graphs
+        (runtime/decode_graph.py). None: on
         for a CUDA device when the model is covered; True on a CPU device runs the same static path eagerly
         (what the tests compare with the ordinary forward); False: always the ordinary forward."""
         from runtime.text.chat_template import ChatTemplate, ChatTemplateError
@@ -299,7 +301,7 @@ class Engine:
                 "load_seconds": round(time.perf_counter() - t0, 3)}
         if experts_plan:
             plan["experts"] = experts_plan
-        graphs = _decode_graphs(model, dev, cuda_graphs)
+        graphs = _decode_graphs(model, dev, cuda_graphs, max_batch)
         plan["decode_graphs"] = graphs is not None and graphs.capture
         return cls(model=model, package=package, tokenizer=tokenizer, chat_template=chat_template, device=dev,
                    dtype=dtype, context_length=context_length, max_batch=max_batch,
@@ -405,14 +407,15 @@ class Engine:
         return events
 
     def _forward(self, work: list[tuple[Sequence, int]]) -> torch.Tensor:
-        """The model over this step's tokens: one sequence's single token through the recorded decode graphs
-        when they cover it, else the ordinary ragged-batch forward."""
-        if self.graphs is not None and len(work) == 1 and work[0][1] == 1:
+        """The model over this step's tokens: a step where every sequence feeds one token (all decoding) through
+        the recorded decode graphs when they cover it, else the ordinary ragged-batch forward."""
+        if self.graphs is not None and all(n == 1 for _, n in work) and self.graphs.covers(len(work)):
             from runtime.decode_graph import GraphCaptureError
 
-            seq = work[0][0]
+            seqs = [seq for seq, _ in work]
             try:
-                return self.graphs.decode(seq.tokens[seq.computed], seq.payload.cache)
+                return self.graphs.decode_batch([seq.tokens[seq.computed] for seq in seqs],
+                                                [seq.payload.cache for seq in seqs])
             except GraphCaptureError as exc:
                 # this step already ran (eagerly, before the recording): keep its result, stop recording
                 log.warning("%s; decoding without CUDA graphs from now on", exc)

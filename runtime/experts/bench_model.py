@@ -19,7 +19,7 @@ import time
 
 import torch
 
-from runtime.decode_graph import DecodeGraphs, graph_safe
+from runtime.decode_graph import DecodeGraphs, graph_safe, graph_tokens
 from runtime.experts.bench import CONFIGS, SHAPES, Router
 from runtime.models.base import Batch
 
@@ -53,6 +53,9 @@ class RoutedExperts:
     def graph_safe(self, layer: int) -> bool:
         return graph_safe(self.inner, layer)
 
+    def graph_tokens(self, layer: int) -> int | None:
+        return graph_tokens(self.inner, layer)
+
     def begin_step(self) -> None:
         self.inner.begin_step()
 
@@ -68,6 +71,9 @@ class NoExperts:
 
     def graph_safe(self, layer: int) -> bool:
         return True
+
+    def graph_tokens(self, layer: int) -> int | None:
+        return None
 
 
 def random_model(config: dict, *, device, dtype):
@@ -108,9 +114,11 @@ def decode_rate(model, graphs, cache, *, steps: int, warmup: int, experts=None, 
     return steps / (time.perf_counter() - t0)
 
 
-def decode_rate_batch(model, caches, *, steps: int, warmup: int, experts, device) -> float:
-    """Decode tok/s (all sequences together) for len(caches) sequences stepping together, eagerly (the engine's
-    batched path; CUDA graphs cover batch 1 only)."""
+def decode_rate_batch(model, graphs, caches, *, steps: int, warmup: int, experts, use_graphs: bool,
+                      device) -> float:
+    """Decode tok/s (all sequences together) for len(caches) sequences stepping together, as the engine steps
+    them: through the recorded graphs of B sequences (runtime/decode_graph.py) or the eager ragged forward. Each
+    step samples every sequence (one sync per step)."""
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     tokens = [100 + i for i in range(len(caches))]
     t0 = None
@@ -119,7 +127,10 @@ def decode_rate_batch(model, caches, *, steps: int, warmup: int, experts, device
             sync()
             t0 = time.perf_counter()
         experts.step.fill_(s)
-        logits = model(Batch.build([([tok], c) for tok, c in zip(tokens, caches)], device=device))
+        if use_graphs:
+            logits = graphs.decode_batch(tokens, caches)
+        else:
+            logits = model(Batch.build([([tok], c) for tok, c in zip(tokens, caches)], device=device))
         tokens = [int(x) % 1000 for x in logits.argmax(-1).tolist()]
     sync()
     return steps * len(caches) / (time.perf_counter() - t0)
@@ -157,9 +168,9 @@ def run_model(name: str, args, hw, report: dict) -> None:
                                    block_nbytes=store.block_nbytes)
     model = random_model(cfg, device=device, dtype=dtype)
     if callable(getattr(model, "attach_state_pool", None)):
-        model.attach_state_pool(2, device=device, dtype=dtype)   # as the engine does: states in slots
+        model.attach_state_pool(max(2, args.batch), device=device, dtype=dtype)   # as the engine does: states in slots
     moe_layers = store.layers
-    graphs = DecodeGraphs(model, device=device)
+    graphs = DecodeGraphs(model, device=device, max_batch=max(1, args.batch))
     steps = args.warmup + args.tokens
 
     # the dense floor: the recorded step with experts that cost nothing
@@ -182,13 +193,15 @@ def run_model(name: str, args, hw, report: dict) -> None:
         label = "unlimited" if budget is None else f"{budget_gib:g} GiB"
         splits = args.split if slots < layers * e else args.split[:1]     # a split needs misses
         shares = list(args.cpu_share)
-        for routing, split, share in [(r, sp, sh) for r in args.routings for sp in splits
-                                      for sh in (shares if sp == "auto" else shares[:1])]:
+        gathers = getattr(args, "gather", ["on"])
+        for routing, split, share, gather in [(r, sp, sh, g) for r in args.routings for sp in splits
+                                              for sh in (shares if sp == "auto" else shares[:1]) for g in gathers]:
             if device.type == "cuda":
                 torch.cuda.empty_cache()
                 torch.cuda.reset_peak_memory_stats()
             hybrid = HybridExperts(store, ExpertSpec(), device=device, dtype=dtype, options=HybridOptions(
                 slots=slots, top_k=k, cpu_gbps=hw.cpu_gbps, h2d_gbps=hw.h2d_gbps, split=split, cpu_share=share,
+                zero_copy_gather=gather == "on",
                 hot_set=tuple((lay, x) for lay in moe_layers for x in range(e)) if slots >= layers * e else ()))
             router = Router(routing, layers=layers, experts=e, k=k, seed=1)
             import numpy as np
@@ -222,7 +235,8 @@ def run_model(name: str, args, hw, report: dict) -> None:
                 hybrid.flush_step_log()
                 c = hybrid.counters.end_step()
                 rows.append(decode_row(c, tok_s, 1, "decode b1 " + ("graphs" if use_graphs else "eager"),
-                                       (f"zero-copy cpu {hybrid.cpu_share:.2f}{'*' if share is None else ''}"
+                                       (f"zero-copy{'' if gather == 'on' else ' in place'} cpu "
+                                        f"{hybrid.cpu_share:.2f}{'*' if share is None else ''}"
                                         if hybrid.zero_copy else hybrid.split.mode)
                                        + ("" if split == "auto" else " (forced)")))
                 print(_fmt(rows[-1]), flush=True)
@@ -234,17 +248,23 @@ def run_model(name: str, args, hw, report: dict) -> None:
                         f"trace_{name}_{label.replace(' ', '')}_{routing}_{split}{share}.json.gz"))
                 cache.release()                 # a state slot goes back to the pool
                 del cache
-            if args.batch > 1:
+            for use_graphs in [m == "graphs" for m in args.modes if args.batch > 1 and (graphs.capture or m == "eager")]:
                 caches = [model.new_cache(device=device, dtype=dtype) for _ in range(args.batch)]
                 for c_ in caches:
                     prefill(model, c_, args.context, chunk=args.chunk, device=device)
                 hybrid.counters.end_step()
-                tok_s = decode_rate_batch(model, caches, steps=args.tokens, warmup=args.warmup, experts=experts,
-                                          device=device)
+                captures = graphs.counters["captures"]
+                tok_s = decode_rate_batch(model, graphs, caches, steps=args.tokens, warmup=args.warmup,
+                                          experts=experts, use_graphs=use_graphs, device=device)
                 hybrid.flush_step_log()
                 c = hybrid.counters.end_step()
-                rows.append(decode_row(c, tok_s, args.batch, f"decode b{args.batch} eager",
+                # honest label: a graph row whose experts cannot take B tokens inside a graph is piece-wise
+                whole = all(graph_tokens(experts, layer) is None or graph_tokens(experts, layer) >= args.batch
+                            for layer in moe_layers)
+                kind = f"decode b{args.batch} " + (("graphs" if whole else "pieces") if use_graphs else "eager")
+                rows.append(decode_row(c, tok_s, args.batch, kind,
                                        "zero-copy" if hybrid.zero_copy else hybrid.split.mode))
+                rows[-1]["captures"] = graphs.counters["captures"] - captures
                 print(_fmt(rows[-1]), flush=True)
                 for c_ in caches:
                     c_.release()

@@ -182,6 +182,14 @@ class HybridExperts:
         from the step's routing log, in `begin_step` / `end_step`)."""
         return self.cuda and (self._all_resident or self.zero_copy)
 
+    def graph_tokens(self, layer: int) -> int | None:
+        """Tokens one call may carry inside a CUDA graph (runtime/decode_graph.py records a step of B decoding
+        sequences as one call of B tokens per layer): any when every expert lives in the pool, up to
+        ZERO_COPY_MAX_TOKENS on the zero-copy path (more take the host-driven path), none otherwise."""
+        if not self.graph_safe(layer):
+            return 0
+        return None if self._all_resident else ZERO_COPY_MAX_TOKENS
+
     # ------------------------------------------------------------------ few tokens, zero-copy
     def _init_zero_copy(self) -> None:
         """Zero-copy decode: the GPU computes every expert of a call itself, hits from the VRAM pool and misses

@@ -97,6 +97,11 @@ class ResidentExperts:
         """The grouped path never needs the host, so a CUDA graph may record it (the looped one reads counts)."""
         return self.grouped
 
+    def graph_tokens(self, layer: int) -> int | None:
+        """Any number of tokens per call on the grouped path (a decode step of B sequences may be recorded whole),
+        none on the looped one."""
+        return None if self.grouped else 0
+
     def __call__(self, layer: int, hidden: torch.Tensor, topk_ids: torch.Tensor,
                  topk_weights: torch.Tensor) -> torch.Tensor:
         stacked = self.layers.get(layer)

@@ -192,9 +192,13 @@ class Batch:
     lengths: list[int]                   # [B] new tokens per sequence
     caches: list[Any]                    # [B] SequenceCache (runtime.kv_cache), updated in place
     starts: list[int] = field(default_factory=list)
-    # set by runtime/decode_graph.py: attention writes and reads the KV buffers at device-side positions
-    # (a fixed-length view, masked) instead of host integers, so the step can be recorded as a CUDA graph
+    # set by runtime/decode_graph.py: a list of B `StaticKV` (one per sequence, each decoding one token): attention
+    # writes and reads the KV buffers at device-side positions (a fixed-length view, masked) instead of host
+    # integers, so the step can be recorded as a CUDA graph
     static_kv: Any = None
+    # set by runtime/decode_graph.py for a static step: the sequences' state-slot indices [B] on the device
+    # (linear-attention layers gather and scatter their states with it), or None
+    static_slots: Any = None
 
     @classmethod
     def build(cls, chunks: list[tuple[list[int], Any]], *, device: torch.device | str) -> "Batch":
@@ -207,8 +211,8 @@ class Batch:
             pos.extend(range(cache.offset, cache.offset + len(tokens)))
             lengths.append(len(tokens))
             caches.append(cache)
-        return cls(torch.tensor(ids, dtype=torch.long, device=device),
-                   torch.tensor(pos, dtype=torch.long, device=device), lengths, caches)
+        both = torch.tensor([ids, pos], dtype=torch.long, device=device)      # [2, N]: one upload, not two
+        return cls(both[0], both[1], lengths, caches)
 
     def __post_init__(self):
         if not self.starts:
@@ -297,6 +301,7 @@ class CausalLM(nn.Module, abc.ABC):
 
     def forward(self, batch: Batch, *, all_logits: bool = False) -> torch.Tensor:
         hidden = self.forward_hidden(batch)                           # [N, D]
-        if not all_logits:
+        if not all_logits and batch.num_tokens != len(batch.lengths):
+            # (a step of single tokens, N == B, needs no select: every row is a last one, and no index upload)
             hidden = hidden.index_select(0, batch.last_rows())       # [B, D]
         return self.logits(hidden).float()

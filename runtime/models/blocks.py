@@ -242,13 +242,31 @@ def attend_batch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: Batch
                  sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Store k, v in each sequence's cache and attend: q [N, H, hd], k/v [N, Hkv, hd] -> [N, H, hd]."""
     if batch.static_kv is not None:
-        return attend_static(q, k, v, batch.caches[0].layers[layer], batch.static_kv, scale=scale)
-    out = torch.empty_like(q)
+        return attend_static_batch(q, k, v, batch, layer, scale=scale)
+    outs = []
     for rows, cache in batch.segments(layer):
         keys, values = cache.update_and_fetch(k[rows].transpose(0, 1), v[rows].transpose(0, 1))  # [Hkv, S, hd]
         o = attend(q[rows].transpose(0, 1), keys, values, scale=scale, sliding_window=sliding_window, sinks=sinks)
-        out[rows] = o.transpose(0, 1)                                                          # [T, H, hd]
-    return out
+        outs.append(o.transpose(0, 1))                                                         # [T, H, hd]
+    # sequences' rows are laid end to end in order: one cat, not a copy into a preallocated output per sequence
+    return outs[0] if len(outs) == 1 else torch.cat(outs)
+
+
+def attend_static_batch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: Batch, layer: int, *,
+                        scale: float, k_norm: RMSNorm | None = None, rope: Rotary | None = None,
+                        cos_sin=None) -> torch.Tensor:
+    """The static decode step of B sequences, one new token each (row i is sequence i): `attend_static` per
+    sequence over its own KV buffers, at its own row and bucket (`batch.static_kv[i]`). q [B, H, hd],
+    k/v [B, Hkv, hd] -> [B, H, hd]; cos_sin [B, 1, rd/2] x2 when k arrives unrotated."""
+    statics, caches = batch.static_kv, batch.caches
+    if len(caches) == 1:
+        return attend_static(q, k, v, caches[0].layers[layer], statics[0], scale=scale, k_norm=k_norm, rope=rope,
+                             cos_sin=cos_sin)
+    outs = [attend_static(q[i:i + 1], k[i:i + 1], v[i:i + 1], cache.layers[layer], static, scale=scale,
+                          k_norm=k_norm, rope=rope,
+                          cos_sin=None if cos_sin is None else (cos_sin[0][i:i + 1], cos_sin[1][i:i + 1]))
+            for i, (cache, static) in enumerate(zip(caches, statics))]
+    return torch.cat(outs)                                                                     # [B, H, hd]
 
 
 def attend_static(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache, static, *, scale: float,
@@ -380,8 +398,8 @@ class Attention(nn.Module):
         q = norm_and_rotate(q, self.q_norm, rope, cos_sin)
         if batch.static_kv is not None:
             # the static decode step: k's norm+rope and both cache writes in one launch (on a GPU)
-            o = attend_static(q, k, v, batch.caches[0].layers[layer], batch.static_kv, scale=self.scale,
-                              k_norm=self.k_norm, rope=rope, cos_sin=cos_sin)
+            o = attend_static_batch(q, k, v, batch, layer, scale=self.scale, k_norm=self.k_norm, rope=rope,
+                                    cos_sin=cos_sin)
         else:
             k = norm_and_rotate(k, self.k_norm, rope, cos_sin)
             o = attend_batch(q, k, v, batch, layer, scale=self.scale, sliding_window=self.sliding_window,

@@ -169,7 +169,7 @@ def linear_attention(gdn: GatedDeltaNet, x: torch.Tensor, batch: Batch, layer: i
     path); prefill chunks run one sequence at a time, in the chunked form.
     """
     if batch.static_kv is not None:
-        return _linear_attention_static(gdn, x, batch.caches[0].layers[layer])
+        return _linear_attention_static(gdn, x, batch, layer)
     out = torch.empty_like(x)
     decoding = []
     for rows, cache in batch.segments(layer):
@@ -185,7 +185,7 @@ def linear_attention(gdn: GatedDeltaNet, x: torch.Tensor, batch: Batch, layer: i
         caches = [cache for _, cache in decoding]
         pool = _common_pool(caches)
         if pool is not None:     # every sequence in one slot pool: one gather and one scatter per layer
-            slots = torch.tensor([c.slot for c in caches], device=pool.device)
+            slots = _slot_index(batch, caches, pool)
             conv, rec = pool.gather(caches[0].layer, slots)                          # [B, C, W-1], [B, Hv, dk, dv]
         else:
             states = [_slot_states(gdn, cache, x.device, x.dtype) for cache in caches]
@@ -211,14 +211,42 @@ def linear_attention(gdn: GatedDeltaNet, x: torch.Tensor, batch: Batch, layer: i
     return out
 
 
-def _linear_attention_static(gdn: GatedDeltaNet, x: torch.Tensor, cache) -> torch.Tensor:
-    """One sequence, one token, states read and written in place in the sequence's state slot (the decode
-    path runtime/decode_graph.py records as a CUDA graph: fixed addresses, no host work; the caller advances
-    the cache). x [1, D] -> [1, D]."""
-    conv_view, rec_view = cache.states[CONV], cache.states[RECURRENT]           # [C, W-1], [Hv, dk, dv]
-    y, conv, rec = gdn(x[:, None], conv_view[None], rec_view[None])            # [1, 1, D]
-    conv_view.copy_(conv[0])
-    rec_view.copy_(rec[0])
+def _slot_index(batch: Batch, caches, pool: StatePool) -> torch.Tensor:
+    """The decoding sequences' slot indices on the device [B], uploaded once per step, not once per linear layer
+    (on a GPU each upload from a Python list waits for the stream: a host sync in every layer). A sequence holds
+    the same slot in every linear layer, so the index is the same for all of them."""
+    slots = [c.slot for c in caches]
+    memo = batch.__dict__.setdefault("_slot_index", {})
+    index = memo.get(tuple(slots))
+    if index is None:
+        index = memo[tuple(slots)] = torch.tensor(slots, device=pool.device)
+    return index
+
+
+def _linear_attention_static(gdn: GatedDeltaNet, x: torch.Tensor, batch: Batch, layer: int) -> torch.Tensor:
+    """B sequences, one token each (row i is sequence i), states read and written in place in the sequences'
+    state slots (the decode path runtime/decode_graph.py records as a CUDA graph: fixed addresses, no host work;
+    the caller advances the caches). x [B, D] -> [B, D]. Several sequences gather their states from the pool
+    with the step's device slot index (`batch.static_slots`) and scatter them back: four launches per layer
+    whatever B."""
+    caches = [c.layers[layer] for c in batch.caches]
+    if len(caches) == 1:
+        conv_view, rec_view = caches[0].states[CONV], caches[0].states[RECURRENT]   # [C, W-1], [Hv, dk, dv]
+        y, conv, rec = gdn(x[:, None], conv_view[None], rec_view[None])            # [1, 1, D]
+        conv_view.copy_(conv[0])
+        rec_view.copy_(rec[0])
+        return y[:, 0]
+    pool = _common_pool(caches)
+    if pool is None or batch.static_slots is None:
+        raise ValueError("a static decode step of several sequences needs their linear-attention states in one "
+                         "slot pool and the step's slot index (runtime/decode_graph.py sets both)")
+    g = caches[0].layer
+    conv_all, rec_all = pool.conv[:, g], pool.recurrent[:, g]                     # [S, C, W-1], [S, Hv, dk, dv]
+    conv_in = conv_all.index_select(0, batch.static_slots)                          # [B, C, W-1]
+    rec_in = rec_all.index_select(0, batch.static_slots)                            # [B, Hv, dk, dv]
+    y, conv, rec = gdn(x[:, None], conv_in, rec_in)                                 # [B, 1, D]
+    conv_all.index_copy_(0, batch.static_slots, conv.to(conv_all.dtype))
+    rec_all.index_copy_(0, batch.static_slots, rec.float())
     return y[:, 0]
 
 
