@@ -171,11 +171,11 @@ class DecodeGraphs:
         self.model, self.device = model, torch.device(device)
         self.capture = self.device.type == "cuda" if capture is None else capture
         self.bucket, self.max_graphs, self.max_batch = bucket, max_graphs, max_batch
-        # row 0 token ids, row 1 positions; a step of B sequences uses the first B columns (one upload per step
-        # from a page-locked staging copy: no host sync, and a graph reads the same addresses at every replay)
-        self._inputs = torch.zeros(2, max_batch, dtype=torch.long, device=self.device)            # [2, Bmax]
+        # a step of B sequences: token ids in [0:B], positions in [B:2B] (one contiguous upload per step from a
+        # page-locked staging copy: no host sync; a graph of B sequences reads the same addresses at every replay)
+        self._inputs = torch.zeros(2 * max_batch, dtype=torch.long, device=self.device)           # [2 Bmax]
         pin = self.device.type == "cuda"
-        self._staging = torch.zeros(2, max_batch, dtype=torch.long, pin_memory=pin)               # [2, Bmax]
+        self._staging = torch.zeros(2 * max_batch, dtype=torch.long, pin_memory=pin)              # [2 Bmax]
         self._staged = None                  # event: the last upload has left the staging copy
         self._key_pos: dict[int, torch.Tensor] = {}
         self._slot_index: dict[tuple[int, ...], torch.Tensor] = {}
@@ -262,9 +262,8 @@ class DecodeGraphs:
         b = len(tokens)
         if self._staged is not None:
             self._staged.synchronize()        # the previous upload has read the staging copy (long since, normally)
-        self._staging[0, :b] = torch.tensor(tokens, dtype=torch.long)
-        self._staging[1, :b] = torch.tensor(positions, dtype=torch.long)
-        self._inputs[:, :b].copy_(self._staging[:, :b], non_blocking=True)
+        self._staging[:2 * b] = torch.tensor(tokens + positions, dtype=torch.long)
+        self._inputs[:2 * b].copy_(self._staging[:2 * b], non_blocking=True)
         if self.device.type == "cuda":
             self._staged = torch.cuda.Event()
             self._staged.record(torch.cuda.current_stream(self.device))
@@ -296,8 +295,8 @@ class DecodeGraphs:
             key_pos = self._key_pos.get(bucket)
             if key_pos is None:
                 key_pos = self._key_pos[bucket] = torch.arange(bucket, device=self.device)
-            statics.append(StaticKV(write_at=self._inputs[1, i:i + 1], key_pos=key_pos, bucket=bucket))
-        return Batch(self._inputs[0, :b], self._inputs[1, :b], [1] * b, list(caches), static_kv=statics,
+            statics.append(StaticKV(write_at=self._inputs[b + i:b + i + 1], key_pos=key_pos, bucket=bucket))
+        return Batch(self._inputs[:b], self._inputs[b:2 * b], [1] * b, list(caches), static_kv=statics,
                      static_slots=self._slots(caches))
 
     def _forward(self, caches, buckets, experts) -> torch.Tensor:
