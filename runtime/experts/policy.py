@@ -8,6 +8,8 @@
   evicted and hit/miss counters. It decides; slot_cache.py moves bytes and mirrors the map on the GPU.
 - `SplitController`: what share of a layer's misses to fetch over PCIe instead of computing on the CPU,
   from observed rates, re-calibrated online, and never worse than either pure strategy.
+- `ShareController`: zero-copy decode's CPU share of misses, learned from step times; `ShareMemory` keeps
+  what it learned beside the routing statistics, per model, VRAM budget, slot count and machine.
 
 Keys are (layer, expert) tuples.
 """
@@ -15,8 +17,10 @@ from __future__ import annotations
 
 import heapq
 import json
+import logging
 import math
 import os
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Container, Iterable, Protocol
@@ -24,6 +28,7 @@ from typing import Container, Iterable, Protocol
 import numpy as np
 
 Key = tuple[int, int]
+log = logging.getLogger(__name__)
 
 
 def _layer_row(rows: dict[int, np.ndarray], layer: int, size: int, dtype) -> np.ndarray:
@@ -459,65 +464,314 @@ class SplitController:
         self.step_time[self.mode] = step_seconds if fresh else (1 - a) * prev + a * step_seconds
 
 
+SHARE_GRID = tuple(round(0.1 * i, 1) for i in range(11))     # the CPU shares a ShareController chooses among
+
+
+def _median(values: list[float]) -> float:
+    return sorted(values)[len(values) // 2]
+
+
 class ShareController:
     """The CPU's share of zero-copy decode misses, learned from decode step times (hybrid.py, cpu_share.py).
 
     Zero-copy decode records the whole step in one graph, so the only signal is the step itself: the host times
-    each step (begin to begin) and this controller hill-climbs over a grid of shares. It holds the current share
-    for `window` steps, then tries a neighbour (one grid step up or down, alternately) for a window, and moves
-    when the neighbour's median step time is lower by more than `margin`. Steps much longer than the current
-    median (a pause between requests, a new CUDA graph) are not samples. Starting at 0 costs nothing where the
-    CPU cannot help (the H200's PCIe 5 link: measured slower with any share); where the link is slow next to RAM
-    (a laptop's PCIe 4.0 x8 beside DDR5) it climbs to the share that finishes both sides together."""
+    each step (begin to begin) and this controller climbs over a grid of shares. It holds a share and keeps the
+    median of its last `window` steps; an exploration cycle puts a neighbour on trial for a window, and moves when
+    the trial's median is lower by more than the margin (`margin`, or more when the step times are noisy: a
+    noisy pair of medians must not make it wander). A neighbour within the margin either way is a plateau: the
+    next share in that direction is tried too, so a gentle slope (the H200: ~2 % per grid step) is still climbed.
+    Cycles also probe both pure modes (0: the GPU reads every miss; 1: the CPU computes every miss) -- first
+    soon after start, then every `probe_every` cycles -- and jump to one that is faster: a curve with a local
+    minimum cannot hold the controller at a share slower than either pure mode. A trial much slower than the
+    held share (`abort`) ends after `abort_after` steps. After a cycle that found nothing the wait to the next
+    doubles, up to `explore_max` windows, so a settled controller explores rarely but never stops.
 
-    def __init__(self, *, start: float = 0.0, grid: tuple[float, ...] = (0.0, 0.2, 0.4, 0.6, 0.8, 1.0),
-                 window: int = 12, explore_every: int = 16, margin: float = 0.03, outlier: float = 3.0):
+    Steps much longer than the held share's median (a pause between requests, a new CUDA graph) are not
+    samples of the held share; on trial they are kept (the median shrugs off one), because a trial share that
+    is itself that slow must end rather than wait forever for a "normal" sample.
+
+    `to_state` / `from_state`: what ShareMemory persists (the held share and the medians it trusts), so the
+    next load of the same model on the same machine starts at the share it ended at."""
+
+    def __init__(self, *, start: float = 0.0, grid: tuple[float, ...] = SHARE_GRID, window: int = 12,
+                 explore_every: int = 16, explore_max: int = 128, probe_every: int = 4, margin: float = 0.03,
+                 outlier: float = 3.0, abort: float = 0.25, abort_after: int = 4,
+                 remembered: dict[float, float] | None = None):
+        if not grid or window < 1 or not 1 <= abort_after <= window:
+            raise ValueError(f"ShareController needs a grid, window >= 1 and 1 <= abort_after <= window "
+                             f"(got {len(grid)} shares, window {window}, abort_after {abort_after})")
         self.grid = tuple(sorted(grid))
-        self.index = min(range(len(self.grid)), key=lambda i: abs(self.grid[i] - start))
-        self.window, self.explore_every, self.margin, self.outlier = window, explore_every, margin, outlier
-        self.samples: dict[int, list[float]] = {}
-        self._trial: int | None = None          # grid index on trial, or None
-        self._held = 0                          # windows held since the last trial
-        self._count = 0                         # steps since the last decision
-        self._explored = False
+        self.index = self._nearest(start)
+        self.window, self.explore_every, self.explore_max = window, explore_every, explore_max
+        self.probe_every, self.margin, self.outlier = probe_every, margin, outlier
+        self.abort, self.abort_after = abort, abort_after
+        self.samples: dict[int, list[float]] = {}   # grid index -> its last `window` step times (this run)
+        self.medians: dict[int, float] = {}         # grid index -> the median it trusts (measured or remembered)
+        self.measured: set[int] = set()             # grid indices measured in this run
+        self.steps = self.moves = 0
+        self._trial: int | None = None              # grid index on trial
+        self._count = 0                             # samples since the last decision (held or on trial)
+        self._queue: list[int] = []                 # neighbours to try next (the climb)
+        self._probes: list[int] = []                # pure modes to try once the climb is done
+        self._rejected: set[int] = set()            # tried since the last move and not faster
+        self._cycles = 0
         self._up = True
+        for share, seconds in (remembered or {}).items():
+            i = self._nearest(share)
+            if abs(self.grid[i] - share) < 1e-6:
+                self.medians[i] = float(seconds)
+        # a fresh controller explores after its first window; a remembered one holds a while first (rarely)
+        self._wait = explore_every if self.medians else 0
+        self._interval = 2 * explore_every if self.medians else explore_every
 
+    # ------------------------------------------------------------------------------------------ reading
     @property
     def share(self) -> float:
+        """The share for the next step (the trial's while one runs)."""
         return self.grid[self.index if self._trial is None else self._trial]
 
-    def _median(self, i: int) -> float | None:
-        s = self.samples.get(i)
-        return sorted(s)[len(s) // 2] if s and len(s) >= self.window else None
+    @property
+    def held_share(self) -> float:
+        """The best share found (what is persisted): the one held between trials."""
+        return self.grid[self.index]
 
+    @property
+    def settled(self) -> bool:
+        """Nothing left to try in this cycle, both neighbours of the held share were tried since the last move
+        and were not faster, and both pure modes have a median: what a benchmark waits for before it times the
+        converged controller."""
+        last = len(self.grid) - 1
+        neighbours = {i for i in (self.index - 1, self.index + 1) if 0 <= i <= last}
+        return (self._trial is None and not self._queue and not self._probes and neighbours <= self._rejected
+                and all(i in self.medians for i in (0, last) if i != self.index))
+
+    # ------------------------------------------------------------------------------------------ learning
     def observe(self, step_seconds: float) -> float:
         """One decode step's wall time at the current share; returns the share for the next step."""
-        ref = self._median(self.index)
-        if ref is not None and step_seconds > self.outlier * ref:
-            return self.share                                   # not a decode step's time
-        bucket = self.samples.setdefault(self.index if self._trial is None else self._trial, [])
+        step_seconds = float(step_seconds)
+        self.steps += 1
+        ref = self._fresh(self.index)
+        if self._trial is None and ref is not None and step_seconds > self.outlier * ref:
+            return self.share                                    # not a decode step's time
+        on = self.index if self._trial is None else self._trial
+        bucket = self.samples.setdefault(on, [])
         bucket.append(step_seconds)
         del bucket[:-self.window]
         self._count += 1
+        if self._trial is not None:
+            aborted = self.abort_after <= self._count < self.window and _median(bucket) > (1 + self.abort) * ref
+            if aborted or self._count >= self.window:
+                self._end_trial(aborted)
+            return self.share
         if self._count < self.window:
             return self.share
-        self._count = 0                                         # a decision once per window
-        if self._trial is not None:
-            if self._median(self._trial) < (1.0 - self.margin) * self._median(self.index):
-                # the neighbour is faster: move there, and try the next one in that direction straight away
-                self._up = self._trial > self.index
-                self.index = self._trial
-                self._held = self.explore_every
-            self._trial = None
-            return self.share
-        self._held += 1
-        if self._held > self.explore_every or not self._explored:
-            step = 1 if self._up else -1
-            if not 0 <= self.index + step < len(self.grid):
-                step = -step
-            self._up = not self._up
-            if 0 <= self.index + step < len(self.grid):
-                self._trial = self.index + step
-                self.samples.pop(self._trial, None)             # measured afresh
-            self._held, self._explored = 0, True
+        self._count = 0                                          # a decision once per window
+        self.medians[self.index] = _median(bucket)
+        self.measured.add(self.index)
+        if self._queue or self._probes:
+            self._next_trial()
+        elif self._wait > 0:
+            self._wait -= 1
+        else:
+            self._start_cycle()
         return self.share
+
+    def noise_margin(self) -> float:
+        """The relative gap two window medians must show to count: `margin`, or 2.5 standard errors of their
+        difference estimated from the held share's spread (interquartile range), whichever is larger."""
+        s = sorted(self.samples.get(self.index, ()))
+        n = len(s)
+        if n < 4:
+            return self.margin
+        sigma = (s[(3 * n) // 4] - s[n // 4]) / 1.349 / max(s[n // 2], 1e-12)
+        return max(self.margin, min(0.5, 2.5 * 1.2533 * sigma * math.sqrt(2.0 / n)))
+
+    def _fresh(self, i: int) -> float | None:
+        s = self.samples.get(i)
+        return _median(s) if s and len(s) >= self.window else None
+
+    def _nearest(self, share: float) -> int:
+        return min(range(len(self.grid)), key=lambda i: abs(self.grid[i] - share))
+
+    def _start_cycle(self) -> None:
+        self._cycles += 1
+        last = len(self.grid) - 1
+        sides = [i for i in ((self.index + 1, self.index - 1) if self._up else (self.index - 1, self.index + 1))
+                 if 0 <= i <= last]
+        if all(i in self.medians for i in sides):            # the side remembered faster first
+            sides.sort(key=self.medians.__getitem__)
+        self._up = not self._up
+        probes = [i for i in (0, last) if i != self.index and i not in sides]
+        if any(i not in self.medians for i in (0, last)):
+            self._queue = probes + sides        # the first look: the pure modes first (a jump saves a long climb)
+        else:
+            self._queue = sides
+            self._probes = probes if self._cycles % self.probe_every == 0 else []
+        self._next_trial()
+
+    def _next_trial(self) -> None:
+        while self._queue or self._probes:
+            i = (self._queue or self._probes).pop(0)
+            if i != self.index:
+                self._trial, self._count = i, 0
+                self.samples.pop(i, None)                         # measured afresh
+                return
+        # the cycle is over: wait longer before the next one unless it moved
+        self._wait, self._interval = self._interval, min(2 * self._interval, self.explore_max)
+
+    def _end_trial(self, aborted: bool) -> None:
+        trial, held = self._trial, self.index
+        self._trial, self._count = None, 0
+        med, ref = _median(self.samples[trial]), self._fresh(held)
+        self.medians[trial] = med
+        self.measured.add(trial)
+        margin = self.noise_margin()
+        if not aborted and med < (1.0 - margin) * ref:
+            # faster: hold it, and carry on in that direction (and check the near side of a jump)
+            step = 1 if trial > held else -1
+            self.index, self._up = trial, step > 0
+            self.moves += 1
+            self._rejected = {held}
+            self._queue = [i for i in (trial + step, trial - step) if 0 <= i < len(self.grid) and i != held]
+            self._interval = self.explore_every
+        else:
+            self._rejected.add(trial)
+            if not aborted and abs(trial - held) == 1 and med < (1.0 + margin) * ref:
+                # a plateau says little about the slope: look one share further that way
+                further = 2 * trial - held
+                if 0 <= further < len(self.grid) and further not in self._queue:
+                    self._queue.insert(0, further)
+        self._next_trial()
+
+    # ------------------------------------------------------------------------------------------ persisting
+    def to_state(self) -> dict:
+        """The held share and the medians it trusts (seconds per step, keyed by share)."""
+        return {"share": self.held_share, "grid": list(self.grid),
+                "medians": {f"{self.grid[i]:g}": t for i, t in sorted(self.medians.items())}}
+
+    @classmethod
+    def from_state(cls, state: dict, **options) -> "ShareController":
+        """A controller that starts at a persisted share and remembers its medians. Raises ValueError on a state
+        that is not one (ShareMemory reports it and starts afresh)."""
+        share = state.get("share") if isinstance(state, dict) else None
+        medians = state.get("medians") if isinstance(state, dict) else None
+        if not isinstance(share, (int, float)) or not 0.0 <= share <= 1.0:
+            raise ValueError(f"share {share!r} is not a number in [0, 1]")
+        if not isinstance(medians, dict):
+            raise ValueError("medians is not a mapping")
+        remembered = {}
+        for key, seconds in medians.items():
+            s = float(key)
+            if not (0.0 <= s <= 1.0 and isinstance(seconds, (int, float)) and math.isfinite(seconds) and seconds > 0):
+                raise ValueError(f"median {key!r}: {seconds!r} is not a step time")
+            remembered[s] = float(seconds)
+        return cls(start=float(share), remembered=remembered, **options)
+
+
+SHARE_STATE_VERSION = 1
+SHARE_STATE_KEEP = 8        # entries kept per file (budgets and slot counts a user switches between)
+
+
+def share_state_path(routing_stats_path: Path) -> Path:
+    """Where the learned CPU share is remembered: beside the routing statistics (`x.json` -> `x.cpu_share.json`)."""
+    return routing_stats_path.with_name(routing_stats_path.stem + ".cpu_share.json")
+
+
+def cpu_model_name() -> str:
+    """The CPU's model name (Linux: /proc/cpuinfo; elsewhere what the platform module says)."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
+            for line in f:
+                if line.lower().startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    import platform
+    return platform.processor() or platform.machine() or "unknown CPU"
+
+
+def model_fingerprint(model_type: str, config: dict, experts: dict) -> str:
+    """A short id of a model's computation: its type, config and expert layout (not where its folder is)."""
+    import hashlib
+    blob = json.dumps({"model_type": model_type, "config": config, "experts": experts}, sort_keys=True, default=str)
+    return f"{model_type}:{hashlib.sha256(blob.encode()).hexdigest()[:16]}"
+
+
+class ShareMemory:
+    """The learned CPU share of one model on one machine at one VRAM budget and slot count, kept in a small JSON
+    file beside the model's routing statistics, so the next load starts where the last one ended.
+
+    The file holds up to SHARE_STATE_KEEP entries, each under its key (model, VRAM budget, slots, CPU model, GPU
+    name): another budget, slot count, machine or model never reuses an entry. Writes are atomic (a temporary
+    file, then a rename); a damaged or foreign file is ignored with a log line and replaced at the next save."""
+
+    def __init__(self, path: Path, *, model: str, vram_budget: int | None, machine: str, slots: int = 0):
+        self.path = Path(path)
+        self.key = {"model": model, "vram_budget": vram_budget, "slots": int(slots), "machine": machine}
+        self._saved_share: float | None = None
+
+    def for_slots(self, slots: int) -> "ShareMemory":
+        """The same memory for the slot count the tier was really built with (an OOM retry shrinks it)."""
+        return ShareMemory(self.path, slots=slots, **{k: self.key[k] for k in ("model", "vram_budget", "machine")})
+
+    def _entries(self) -> list[dict]:
+        """The file's entries; [] (logged) when it is missing, damaged or not one of ours."""
+        if not self.path.exists():
+            return []
+        try:
+            data = json.loads(self.path.read_text(encoding="utf-8"))
+            if not isinstance(data, dict) or data.get("version") != SHARE_STATE_VERSION:
+                raise ValueError(f"not a version-{SHARE_STATE_VERSION} CPU-share file")
+            entries = data["entries"]
+            if not isinstance(entries, list) or not all(isinstance(e, dict) and isinstance(e.get("key"), dict)
+                                                        for e in entries):
+                raise ValueError("entries are not keyed records")
+            return entries
+        except (OSError, UnicodeDecodeError, ValueError, KeyError, TypeError) as exc:
+            log.warning("learned CPU share %s ignored (%s): learning it afresh", self.path, exc)
+            return []
+
+    def controller(self, **options) -> ShareController:
+        """A controller that starts at the remembered share for this key, or a fresh one (starting at 0)."""
+        for entry in self._entries():
+            if entry["key"] == self.key:
+                try:
+                    ctl = ShareController.from_state(entry.get("state"), **options)
+                except (ValueError, TypeError) as exc:
+                    log.warning("learned CPU share in %s ignored (%s): learning it afresh", self.path, exc)
+                    break
+                self._saved_share = ctl.held_share
+                log.info("CPU share %.2f remembered from %s", ctl.held_share, self.path)
+                return ctl
+        else:
+            if self.path.exists():
+                log.info("no CPU share learned for this model, VRAM budget, slot count and machine in %s: "
+                         "learning it from 0", self.path)
+        return ShareController(**options)
+
+    def save(self, controller: ShareController) -> None:
+        """Write the controller's state under this key (other keys kept). Nothing when it measured nothing."""
+        if not controller.measured:
+            return
+        entries = [e for e in self._entries() if e["key"] != self.key]
+        entries = ([{"key": self.key, "state": controller.to_state(), "saved": round(time.time())}]
+                   + entries)[:SHARE_STATE_KEEP]
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = self.path.with_name(f"{self.path.name}.{os.getpid()}.tmp")
+        try:
+            tmp.write_text(json.dumps({"version": SHARE_STATE_VERSION, "entries": entries}, indent=1),
+                           encoding="utf-8")
+            os.replace(tmp, self.path)
+        finally:
+            if tmp.exists():
+                tmp.unlink()
+        self._saved_share = controller.held_share
+
+    def save_if_moved(self, controller: ShareController) -> None:
+        """Save when the held share differs from the one last saved or loaded (cheap to call every step)."""
+        if controller.held_share != self._saved_share and controller.measured:
+            try:
+                self.save(controller)
+            except OSError as exc:              # a full or read-only disk must not stop decoding
+                log.warning("could not save the learned CPU share to %s (%s)", self.path, exc)
+                self._saved_share = controller.held_share
