@@ -549,7 +549,7 @@ def parse_args(argv):
                     help="where the package is written (reused when complete and of the same shape)")
     ap.add_argument("--vram-budget", type=float, nargs="+", default=[8.0, 0.0], metavar="GIB",
                     help="VRAM budgets to load at, in GiB; 0 = no cap (default: 8 0)")
-    ap.add_argument("--out", type=Path, help="write every figure here (JSON)")
+    ap.add_argument("--out", help="write every figure here (JSON; a folder: cold_load.json inside it)")
     ap.add_argument("--device", default="auto", choices=["auto", "cuda", "cpu"], help="as `freetoken serve --device`")
     ap.add_argument("--context", type=int, default=32768, help="context length (serve's default: 32768)")
     ap.add_argument("--max-batch", type=int, default=8, help="sequences (serve's default: 8)")
@@ -585,10 +585,29 @@ def measure_in_subprocess(args, package: Path, budget_gib: float) -> dict:
         return json.loads(out.read_text())
 
 
+def report_path(text: str | None) -> Path | None:
+    """Where `--out` writes: the file named, or cold_load.json inside a folder (one that exists, or a name given
+    with a trailing separator). Settled before the runs: a path that cannot be written fails now, not after
+    minutes of loading."""
+    if not text:
+        return None
+    out = Path(text)
+    if out.is_dir() or text.endswith(("/", os.sep)):
+        out = out / "cold_load.json"
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise SystemExit(f"--out {text}: cannot write there ({exc})") from None
+    if out.is_dir():
+        raise SystemExit(f"--out {text}: {out} is a folder")
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.child:
         return run_child(args)
+    args.out = report_path(args.out)
     shape = PackageShape(layers=args.layers, experts=args.experts, vocab=args.vocab)
     written = write_package(args.folder, shape)
     warm = None
@@ -605,12 +624,14 @@ def main(argv: list[str] | None = None) -> int:
     print_report(rows)
     if args.out:
         commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True)
-        args.out.write_text(json.dumps({
+        tmp = args.out.with_name(args.out.name + ".partial")       # renamed when whole: never a half-written report
+        tmp.write_text(json.dumps({
             "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "commit": commit.stdout.strip() or None,
             "command": " ".join([Path(sys.argv[0]).name] + (argv if argv is not None else sys.argv[1:])),
             "shape": asdict(shape), "package": written, "warm_read": warm, "rows": rows,
             "targets": {"load_to_first_token_s": TARGET_LOAD_TO_FIRST_TOKEN_S,
                         "rss_over_package_bytes": TARGET_RSS_OVER_PACKAGE}}, indent=1, default=str))
+        os.replace(tmp, args.out)
         print(f"\nwrote {args.out}")
     return 0
 
