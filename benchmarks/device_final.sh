@@ -29,11 +29,11 @@ if [ "${1:-a}" = a ]; then
 else
   # decode rows through graphs only (eager rows cost minutes); the CPU share learned (auto; printed with a *),
   # fixed 0 and 0.3
-  timeout 250 python3 -m runtime.experts.bench model --models qwen3-30b-a3b --budgets 8 4 0 \
+  timeout 330 python3 -m runtime.experts.bench model --models qwen3-30b-a3b --budgets 8 4 0 \
     --routings uniform skewed --split auto --cpu-share auto 0 0.3 --modes graphs --batch 4 --tokens 32 --warmup 8 \
     --prefill 8192 16384 32768 --prefill-budgets 8 --ttft-context 20000 --out "$OUT" 2>&1 | tee "$OUT/bench_model_q3.txt" | grep -v "^{"
   mv "$OUT/model.json" "$OUT/model_q3.json" 2>/dev/null
-  timeout 120 python3 -m runtime.experts.bench model --models qwen3.6-35b-a3b --budgets 8 0 --routings uniform \
+  timeout 150 python3 -m runtime.experts.bench model --models qwen3.6-35b-a3b --budgets 8 0 --routings uniform \
     --modes graphs --tokens 24 --warmup 6 --prefill 8192 8192 --prefill-budgets 8 --ttft-context 0 --out "$OUT" 2>&1 \
     | tee "$OUT/bench_model_q36.txt" | grep -v "^{"
   mv "$OUT/model.json" "$OUT/model_q36.json" 2>/dev/null

@@ -69,16 +69,18 @@ def test_miss_table_is_the_complement_of_the_slot_table():
         assert np.array_equal(cache.table.numpy(), cache.host_table)
 
 
-@pytest.mark.parametrize("share", [0.0, 0.5])
-def test_zero_copy_decode_is_exact_and_keeps_its_books_between_steps(share):
+@pytest.mark.parametrize("share,gather", [(0.0, True), (0.5, True), (0.0, False)])
+def test_zero_copy_decode_is_exact_and_keeps_its_books_between_steps(share, gather):
     """Results equal the dequantized reference through misses, hits and promotions, with the CPU worker taking
     its share of misses through the mailbox or not; the step log gives the same hit/miss counts as the host
     path's definition (distinct experts per layer call against the table the step ran with) and the same CPU
     count as the handoff's rule (the first round(n_miss * share) misses); promoted experts become hits in later
     steps; the tier says it may be recorded in graphs only on CUDA."""
     cpu = torch.device("cpu")
-    store, tier = _tier(cpu, slots=6, hot=[(0, 0), (0, 1)], promote_bytes_per_step=1 << 20, cpu_share=share)
+    store, tier = _tier(cpu, slots=6, hot=[(0, 0), (0, 1)], promote_bytes_per_step=1 << 20, cpu_share=share,
+                        zero_copy_gather=gather)
     assert (tier._worker is not None) == (share > 0) and tier.cpu_share == share
+    assert (tier._scratch is not None) == gather
     want_cpu = 0
     assert tier.zero_copy and not tier.graph_safe(0)
     tier.cuda = True
@@ -140,15 +142,15 @@ def test_zero_copy_is_off_when_asked_or_for_many_tokens():
     assert on.counters.total.decode_calls == 1
 
 
-@pytest.mark.parametrize("share", [0.0, 0.5])
-def test_zero_copy_graph_step_on_cuda_matches_eager(device, share):
+@pytest.mark.parametrize("share,gather", [(0.0, True), (0.5, True), (0.0, False), (0.5, False)])
+def test_zero_copy_graph_step_on_cuda_matches_eager(device, share, gather):
     """On the GPU machine: the Triton kernels read misses from page-locked host memory inside a recorded graph
     (with the CPU worker answering its share through the mailbox, or not); replays with changed routing and a
     promotion published between steps give the reference's results."""
     if device != "cuda":
         pytest.skip("needs the GPU machine (--device cuda)")
     dev = torch.device("cuda")
-    store, tier = _tier(dev, slots=6, hot=[(0, 0), (1, 1)], pin=True, cpu_share=share)
+    store, tier = _tier(dev, slots=6, hot=[(0, 0), (1, 1)], pin=True, cpu_share=share, zero_copy_gather=gather)
     assert (tier._worker is not None) == (share > 0)
     assert tier.zero_copy and tier.graph_safe(0)
     x = torch.randn(1, 64, device=dev, dtype=torch.bfloat16)

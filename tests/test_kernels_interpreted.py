@@ -295,6 +295,42 @@ def test_pool_kernels_look_up_slots_in_the_table(interpreter):
     interpreter.run("pool_looks_up_slots_in_the_table")
 
 
+def case_gather_copies_the_missed_blocks():
+    from runtime.kernels import gather_triton as gk
+    gen = torch.Generator().manual_seed(5)
+    for nbytes in (96, 50):                       # 16-byte rows (4-byte words) and odd rows (single bytes)
+        src = torch.randint(0, 256, (10, nbytes), generator=gen, dtype=torch.uint8)
+        ids = torch.tensor([[3, -1, 7], [0, 9, -1]])
+        got, want = torch.full((8, nbytes), 7, dtype=torch.uint8), torch.full((8, nbytes), 7, dtype=torch.uint8)
+        slots = gk.gather_blocks(src, ids, got, chunk_bytes=32)           # several chunks per block
+        assert torch.equal(slots, torch.tensor([[0, -1, 2], [3, 4, -1]]))
+        assert torch.equal(slots, gk.gather_blocks_reference(src, ids, want))
+        assert torch.equal(got, want)
+        assert torch.equal(got[0], src[3]) and torch.equal(got[4], src[9])
+        assert bool((got[1] == 7).all()) and bool((got[5:] == 7).all())   # nothing written where nothing copied
+        # expert ids looked up in a layer's miss row (expert -> host row, -1 resident); ids outside it skipped
+        table = torch.tensor([9, -1, 8, 7, -1, 6, 5, 4, 3, 2])
+        e = torch.tensor([[0, 1, 2], [11, -1, 5]])
+        got, want = torch.zeros(6, nbytes, dtype=torch.uint8), torch.zeros(6, nbytes, dtype=torch.uint8)
+        slots = gk.gather_blocks(src, e, got, table=table)
+        assert torch.equal(slots, torch.tensor([[0, -1, 2], [-1, -1, 5]]))
+        assert torch.equal(slots, gk.gather_blocks_reference(src, e, want, table=table))
+        assert torch.equal(got, want) and torch.equal(got[5], src[6])
+    try:
+        gk.gather_blocks(src, ids, torch.zeros(5, 50, dtype=torch.uint8))
+    except ValueError as exc:
+        assert "cannot hold 6 blocks" in str(exc)
+    else:
+        raise AssertionError("a scratch too small for the call was accepted")
+
+
+def test_gather_copies_the_missed_blocks(interpreter):
+    """The zero-copy decode's gather kernel copies block ids[t, k] (or table[ids]) to scratch row t*K + k, in
+    chunks, for 16-byte and odd block sizes; rows of -1 (hits, the CPU's share, ids outside the table) are
+    neither read nor written; the slots it returns are what the pool kernels take; the torch reference agrees."""
+    interpreter.run("gather_copies_the_missed_blocks")
+
+
 def test_pool_tile_plan_fills_the_gpu_at_batch_one_and_stays_in_budget():
     """qwen3-30b-a3b's shape (D 2048, I 768, K 8) and qwen3.5's (I 512, K 10) on 132 SMs: batch 1 gets
     narrow tiles and at least PROGRAMS_PER_SM programs per SM where the outputs allow; every plan keeps

@@ -5,7 +5,8 @@ import json
 
 import pytest
 
-from runtime.experts.planner import (GiB, HOST_RESERVE, STAGING_RING_BLOCKS_PER_LAYER, Hardware, ModelShape,
+from runtime.experts.planner import (DECODE_SCRATCH_TOKENS, GiB, HOST_RESERVE, STAGING_RING_BLOCKS_PER_LAYER,
+                                     Hardware, ModelShape,
                                      expert_block_bytes, plan_memory)
 
 # The real configs' fields the planner reads (Qwen3-30B-A3B and Qwen3.6-35B-A3B, from their config.json).
@@ -93,7 +94,9 @@ def test_hybrid_fills_the_budget_with_slots():
     assert plan.expert_slots == (plan.vram_budget - fixed) // shape.expert_block_bytes
     assert 0 < plan.expert_slots < shape.total_experts
     assert plan.vram_budget - plan.vram_planned < shape.expert_block_bytes   # no slot left on the table
-    assert plan.stream_buffer_bytes == STAGING_RING_BLOCKS_PER_LAYER * shape.layer_experts_bytes
+    # prefill's double buffer and zero-copy decode's scratch for a call's missed blocks
+    assert plan.stream_buffer_bytes == (STAGING_RING_BLOCKS_PER_LAYER * shape.layer_experts_bytes
+                                        + DECODE_SCRATCH_TOKENS * shape.top_k * shape.expert_block_bytes)
     assert plan.experts_pinned and plan.experts_in_ram_bytes == shape.experts_bytes
     assert plan.cpu_experts_per_layer == pytest.approx((6144 - plan.expert_slots) / 48)
     lines = plan.summary_lines()

@@ -522,6 +522,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     m.add_argument("--cpu-share", nargs="+", type=_share, default=[None],
                    help="zero-copy decode: the CPU's share of misses: auto (learned from step times, the default), "
                         "a number (fixed), -1 (balance the two bandwidths); several: a row each")
+    m.add_argument("--gather", nargs="+", default=["on"], choices=["on", "off"],
+                   help="zero-copy decode: missed blocks copied into VRAM by one copy kernel before the pool "
+                        "kernels (on) or read in place by them over PCIe (off); both: a row each")
     m.add_argument("--trace", type=int, default=0,
                    help="record this many graph decode steps of each hybrid row with torch.profiler (Chrome "
                         "trace, gzipped, under --out)")

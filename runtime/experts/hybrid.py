@@ -35,16 +35,17 @@ from runtime.experts.cpu_executor import CpuExecutor
 from runtime.experts.cpu_share import CpuShareWorker, Mailbox, collect_reference, cpu_share_counts, handoff_reference
 from runtime.experts.host_store import HostExpertStore
 from runtime.experts.interface import ExpertSpec
+from runtime.experts.planner import DECODE_SCRATCH_TOKENS
 from runtime.experts.policy import Key, RoutingStats, ShareController, SlotDirectory, SplitController, make_policy
 from runtime.experts.slot_cache import SlotCache
 from runtime.experts.stats import ExpertStats
 from runtime.experts.transport import Transport
-from runtime.kernels import handoff_triton, int4_pool_triton
+from runtime.kernels import gather_triton, handoff_triton, int4_pool_triton
 from runtime.kernels.expert_pool import pool_forward, pool_forward_grouped
 
 log = logging.getLogger(__name__)
 
-ZERO_COPY_MAX_TOKENS = 4               # zero-copy reads an expert per assignment: only for a few tokens
+ZERO_COPY_MAX_TOKENS = DECODE_SCRATCH_TOKENS   # zero-copy moves an expert per assignment: only a few tokens
 ZERO_COPY_OF_H2D = 0.75                # the pool kernels reading host memory in place: ~41 of 55 GB/s (H200)
 CPU_KERNEL_OF_READ = 0.55              # the int8 CPU kernel: ~52 of ~95 GB/s of the host's read bandwidth
 STREAM_TOKENS_PER_ACTIVE_SHARE = 32   # stream a layer when tokens >= 32 * E / K (each byte serves enough tokens)
@@ -92,6 +93,8 @@ class HybridOptions:
                                                 # fixed (0: the GPU reads every miss; < 0: the bandwidth balance)
     fill_pool: bool | None = None               # fill free slots at load (None: on a GPU; CPU tests keep the
                                                 # pool to its hot set so they can reason about its contents)
+    zero_copy_gather: bool = True               # zero-copy misses copied into VRAM scratch by one copy kernel
+                                                # before the pool kernels run (False: read in place over PCIe)
 
 
 class HybridExperts:
@@ -205,6 +208,9 @@ class HybridExperts:
         self._log = torch.full(shape, -1, dtype=torch.int64, device=self.device)       # [L, T, K] ids of a step
         self._log_host = torch.empty(shape, dtype=torch.int64, pin_memory=self.cuda)
         self._log_copy = None                   # (event, table snapshot) of a log copy not yet accounted
+        # a call's missed blocks, copied from host memory by gather_triton (the planner counts these bytes)
+        self._scratch = torch.empty((ZERO_COPY_MAX_TOKENS * self.options.top_k, store.block_nbytes),
+                                    dtype=torch.uint8, device=self.device) if self.options.zero_copy_gather else None
         self._snapshot = self.cache.host_table.copy()        # the table the current step runs against
         self._promote_step_blocks = self.options.promote_bytes_per_step // max(1, store.block_nbytes)
         self._box = self._worker = None
@@ -265,7 +271,7 @@ class HybridExperts:
     def _zero_copy_forward(self, li: int, x: torch.Tensor, topk_ids: torch.Tensor,
                            topk_weights: torch.Tensor) -> torch.Tensor:
         """x [T, D] (compute dtype) -> [T, D]: misses over PCIe from host memory, then hits from the pool."""
-        cache, fwd = self.cache, self._pool_forward
+        cache = self.cache
         if self._box is not None:
             # the GPU splits the misses and hands the CPU its share (mailbox), computes the rest and the hits,
             # then waits for the CPU's rows: all in kernels, so this too records into the step's graph
@@ -274,14 +280,31 @@ class HybridExperts:
                 hit, zc = handoff_triton.handoff(li, ids, topk_weights, x, cache.table_rows[li], self._box)
             else:
                 hit, zc = handoff_reference(li, ids, topk_weights, x, cache.table_rows[li], self._box)
-            out = fwd(self._host_layers[li], self.layout, self.spec, x, zc, topk_weights)
+            out = self._misses(li, x, zc, topk_weights)
             if self.options.slots:
-                out = out.add_(fwd(cache.pool, self.layout, self.spec, x, hit, topk_weights))
+                out = out.add_(self._pool_forward(cache.pool, self.layout, self.spec, x, hit, topk_weights))
             return handoff_triton.collect(out, self._box) if self.cuda else collect_reference(out, self._box)
-        out = self._looked_up(self._host_layers[li], x, topk_ids, topk_weights, cache.miss_rows[li])
+        out = self._misses(li, x, topk_ids, topk_weights, table_row=cache.miss_rows[li])
         if self.options.slots:
             out = out.add_(self._looked_up(cache.pool, x, topk_ids, topk_weights, cache.table_rows[li]))
         return out
+
+    def _misses(self, li: int, x: torch.Tensor, rows: torch.Tensor, topk_weights: torch.Tensor, *,
+                table_row: torch.Tensor | None = None) -> torch.Tensor:
+        """The missed experts' part of a zero-copy call: `rows` [T, K] are host rows of the layer (-1: not a
+        miss the GPU computes), or expert ids looked up in `table_row`. Copied into the VRAM scratch by one
+        gather launch, then computed there (a copy kernel keeps far more reads in flight over PCIe than the
+        compute kernels do), or computed in place from host memory."""
+        host = self._host_layers[li]
+        if self._scratch is None:
+            if table_row is None:
+                return self._pool_forward(host, self.layout, self.spec, x, rows, topk_weights)
+            return self._looked_up(host, x, rows, topk_weights, table_row)
+        if self.cuda:
+            slots = gather_triton.gather_blocks(host, rows, self._scratch, table=table_row)
+        else:
+            slots = gather_triton.gather_blocks_reference(host, rows, self._scratch, table=table_row)
+        return self._pool_forward(self._scratch, self.layout, self.spec, x, slots, topk_weights)
 
     def _looked_up(self, pool, x, topk_ids, topk_weights, table_row) -> torch.Tensor:
         """The pool kernels over `pool` with `table_row` [E] turning expert ids into its rows (-1: skipped); the
@@ -727,7 +750,8 @@ class HybridExperts:
 
     @property
     def nbytes(self) -> int:
-        return self.cache.nbytes + (0 if self._stage is None else self._stage.numel())
+        scratch = getattr(self, "_scratch", None)
+        return self.cache.nbytes + sum(0 if b is None else b.numel() for b in (self._stage, scratch))
 
     def plan(self) -> dict:
         """What the engine's plan carries under "experts" (and the planner's own plan, when it made this)."""

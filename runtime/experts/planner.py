@@ -31,6 +31,8 @@ PREFILL_CHUNK_TOKENS = 8192           # prefill runs in chunks this long on a GP
                                       # expert byte streamed over PCIe serves 8K tokens; issue 10 asks 4-16K)
 ACTIVATION_BYTES_PER_TOKEN_PER_D = 24  # a chunk's hidden, residual, norm, attention and MoE buffers (bf16)
 STAGING_RING_BLOCKS_PER_LAYER = 2     # the pinned ring double-buffers one layer's worth of missed blocks
+DECODE_SCRATCH_TOKENS = 4             # zero-copy decode: calls of up to 4 tokens copy their missed blocks into
+                                      # VRAM scratch (top_k blocks per token) before computing them
 
 
 def _align(n: int, to: int = BLOCK_ALIGN) -> int:
@@ -298,7 +300,7 @@ class Plan:
     state_slots: int
     state_bytes: int
     workspace_bytes: int                  # activations for one prefill chunk
-    stream_buffer_bytes: int              # double buffer for prefill expert streaming (hybrid only)
+    stream_buffer_bytes: int              # double buffer for prefill expert streaming + decode scratch (hybrid)
     expert_block_bytes: int
     expert_total: int                     # L x E
     expert_slots: int                     # slots in the VRAM pool
@@ -326,7 +328,7 @@ class Plan:
         if self.state_slots:
             lines.append(f"{self.state_slots} state slots — {_fmt_bytes(self.state_bytes)}")
         if self.stream_buffer_bytes:
-            lines.append(f"prefill stream buffers — {_fmt_bytes(self.stream_buffer_bytes)}")
+            lines.append(f"expert stream buffers (prefill, decode) — {_fmt_bytes(self.stream_buffer_bytes)}")
         if self.backend != "gpu":
             where = "pinned RAM" if self.experts_pinned else \
                 f"mapped file, {_fmt_bytes(self.staging_ring_bytes)} pinned staging ring"
@@ -389,7 +391,8 @@ def plan_memory(shape: ModelShape, hw: Hardware, *, context_length: int = 8192, 
                     estimated_decode_tok_s=_decode_estimate(shape, hw, slots=shape.total_experts), notes=notes, **base)
 
     # 2. Hybrid: dense, KV, states and a slot pool on the GPU; every expert in host memory.
-    stream = STAGING_RING_BLOCKS_PER_LAYER * shape.layer_experts_bytes
+    stream = STAGING_RING_BLOCKS_PER_LAYER * shape.layer_experts_bytes \
+        + DECODE_SCRATCH_TOKENS * shape.top_k * shape.expert_block_bytes
     gpu_ok = hw.has_cuda and fixed_gpu + stream + shape.expert_block_bytes * shape.top_k <= budget
     if hw.has_cuda and not gpu_ok:
         notes.append(f"dense weights, KV and buffers ({_fmt_bytes(fixed_gpu + stream)}) exceed the VRAM budget "

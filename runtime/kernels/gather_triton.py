@@ -1,0 +1,102 @@
+"""Triton kernel: copy a decode call's missed expert blocks from page-locked host memory into VRAM scratch.
+
+Why: zero-copy decode (runtime/experts/hybrid.py) lets the pool kernels read missed experts in place over
+PCIe. Those kernels are shaped for VRAM (few programs per expert row, a dequantize between loads), so over
+PCIe they keep too few reads in flight: measured 41 of the link's 55 GB/s on the H200. A pure copy kernel
+can keep megabytes in flight (every program loads its whole chunk before storing any of it), and the pool
+kernels then read the blocks from VRAM at ~1 TB/s. It is also shaped by bytes, not by experts: when the CPU
+takes a share of the misses, the GPU's part still spreads over every SM.
+
+    grid (A, cdiv(words, CHUNK)):  a = assignment (token t = a // K, k = a % K), c = chunk of the block
+        row = rows[a]          (or table[ids[a]] with a table: the layer's miss row, expert id -> host row;
+                                an id outside the table counts as -1)
+        row < 0: nothing (a hit, or the CPU's); else dst[a, chunk c] = src[row, chunk c]
+        programs of chunk 0 also write slots[a] = a if row >= 0 else -1: the scratch rows the pool kernels read
+
+Nothing on the host depends on the data: the launch records in a CUDA graph. Words are 4 bytes when a block
+is a multiple of 16 bytes (16-byte vector loads), else single bytes.
+"""
+from __future__ import annotations
+
+import torch
+
+try:
+    import triton
+    import triton.language as tl
+    HAVE_TRITON = True
+except ImportError:
+    HAVE_TRITON = False
+
+CHUNK_BYTES = 32 << 10      # bytes one program copies: loaded all at once, so ~32 KB per program in flight
+NUM_WARPS = 4
+
+
+if HAVE_TRITON:
+    @triton.jit
+    def _gather_kernel(src_ptr, ids_ptr, table_ptr, E, dst_ptr, slots_ptr, words, LOOKUP: tl.constexpr,
+                       CHUNK: tl.constexpr):
+        a = tl.program_id(0)
+        c = tl.program_id(1)
+        if LOOKUP:
+            e = tl.load(ids_ptr + a)
+            inside = (e >= 0) & (e < E)                    # an id outside the table: skipped, never read past it
+            row = tl.load(table_ptr + tl.where(inside, e, 0))
+            row = tl.where(inside, row, -1)
+        else:
+            row = tl.load(ids_ptr + a)
+        if c == 0:
+            tl.store(slots_ptr + a, tl.where(row >= 0, a, -1).to(slots_ptr.dtype.element_ty))
+        if row >= 0:
+            idx = c * CHUNK + tl.arange(0, CHUNK)
+            inside = idx < words
+            # one load of the whole chunk before any store: all its reads are in flight together
+            v = tl.load(src_ptr + row.to(tl.int64) * words + idx, mask=inside)
+            tl.store(dst_ptr + a.to(tl.int64) * words + idx, v, mask=inside)
+
+
+def _words(t: torch.Tensor) -> torch.Tensor:
+    """A [N, nbytes] uint8 tensor viewed as 4-byte words when its rows allow 16-byte loads."""
+    nbytes = t.shape[1]
+    if nbytes % 16 == 0 and t.data_ptr() % 16 == 0:
+        return t.view(torch.int32)
+    return t
+
+
+def gather_blocks(src: torch.Tensor, ids: torch.Tensor, scratch: torch.Tensor, *,
+                  table: torch.Tensor | None = None, chunk_bytes: int = CHUNK_BYTES) -> torch.Tensor:
+    """src [E, nbytes] uint8 (host memory the GPU may read: page-locked and mapped), ids [T, K] int64 host rows
+    (-1: skip), or expert ids looked up in `table` [E] (expert -> host row, -1: skip); scratch [>= T*K, nbytes]
+    uint8 on the device. Copies block ids[t, k] to scratch row t*K + k and returns slots [T, K] int64: that row,
+    or -1 where nothing was copied (what `pool_forward_triton(scratch, ..., slots)` takes). One launch."""
+    t, k = ids.shape
+    nbytes = src.shape[1]
+    if scratch.shape[0] < t * k or scratch.shape[1] != nbytes or scratch.dtype != torch.uint8 or src.dtype != torch.uint8:
+        raise ValueError(f"gather_blocks: scratch {scratch.dtype} {tuple(scratch.shape)} cannot hold {t * k} blocks "
+                         f"of {nbytes} bytes from src {src.dtype} {tuple(src.shape)}")
+    if not ids.is_contiguous():
+        ids = ids.contiguous()
+    slots = torch.empty((t, k), dtype=torch.int64, device=scratch.device)
+    if t * k == 0:
+        return slots
+    s, d = _words(src), _words(scratch)
+    words = s.shape[1]
+    chunk = triton.next_power_of_2(max(1, chunk_bytes // s.element_size()))
+    _gather_kernel[(t * k, triton.cdiv(words, chunk))](
+        s, ids, table if table is not None else ids, 0 if table is None else table.shape[0], d, slots, words, LOOKUP=table is not None, CHUNK=chunk,
+        num_warps=NUM_WARPS)
+    return slots
+
+
+def gather_blocks_reference(src: torch.Tensor, ids: torch.Tensor, scratch: torch.Tensor, *,
+                            table: torch.Tensor | None = None) -> torch.Tensor:
+    """The same in torch (CPU tests and devices without Triton)."""
+    t, k = ids.shape
+    if table is not None:
+        inside = (ids >= 0) & (ids < table.shape[0])
+        ids = torch.where(inside, table[ids.clamp(0, table.shape[0] - 1)], -1)
+    rows = ids.reshape(-1)
+    take = rows >= 0
+    a = torch.arange(t * k, device=ids.device)
+    if bool(take.any()):
+        scratch[a[take].to(scratch.device)] = src[rows[take].to(src.device)].to(scratch.device)
+    return torch.where(take, a, -1).view(t, k).to(scratch.device)
