@@ -26,6 +26,22 @@ if [ "${1:-a}" = a ]; then
   echo "probe rc=$?"; grep -i "gb/s\|gbps\|read" "$OUT/probe.txt" | head -30
   timeout 120 python3 benchmarks/profile_decode_step.py --layers 4 > "$OUT/profile_step.txt" 2>&1
   grep -v "/layer " "$OUT/profile_step.txt" | head -40
+elif [ "$1" = c ]; then
+  # the gather kernel (session 4): CUDA tests of zero-copy and batched graphs, the three ways misses cross
+  # PCIe, then decode rows with gather on/off at shares 0 and 0.3, batch 4 through graphs
+  timeout 200 python3 -m pytest -q -p no:cacheprovider --device cuda tests/test_hybrid_zero_copy.py \
+    tests/test_decode_graph_batch.py tests/test_decode_graph.py > "$OUT/cuda_tests.log" 2>&1
+  echo "pytest rc=$?" >> "$OUT/cuda_tests.log"; tail -4 "$OUT/cuda_tests.log"
+  timeout 100 python3 benchmarks/bench_zero_copy_reads.py --models qwen3-30b-a3b --out "$OUT/zc_reads.json" \
+    2>&1 | tee "$OUT/zc_reads.txt"
+  timeout 240 python3 -m runtime.experts.bench model --models qwen3-30b-a3b --budgets 8 4 --routings uniform \
+    --cpu-share 0 0.3 --gather on off --modes graphs --batch 4 --tokens 32 --warmup 8 --prefill-budgets 99 \
+    --ttft-context 0 --out "$OUT" 2>&1 | tee "$OUT/bench_model_q3.txt" | grep -v "^{"
+  mv "$OUT/model.json" "$OUT/model_q3.json" 2>/dev/null
+  timeout 100 python3 -m runtime.experts.bench model --models qwen3.6-35b-a3b --budgets 8 --routings uniform \
+    --cpu-share 0 --gather on off --modes graphs --tokens 24 --warmup 6 --prefill-budgets 99 --ttft-context 0 \
+    --out "$OUT" 2>&1 | tee "$OUT/bench_model_q36.txt" | grep -v "^{"
+  mv "$OUT/model.json" "$OUT/model_q36.json" 2>/dev/null
 else
   # decode rows through graphs only (eager rows cost minutes); the CPU share learned (auto; printed with a *),
   # fixed 0 and 0.3
