@@ -24,6 +24,8 @@ from runtime.experts.bench import CONFIGS, SHAPES, Router
 from runtime.models.base import Batch
 
 GiB = 1 << 30
+SHARE_WARMUP_MAX_STEPS = 960    # `--cpu-share auto`: decode steps at most before a row is timed (simulated
+                                # H200 and laptop curves settle in 50-200; tests/test_share_controller.py)
 
 
 class RoutedExperts:
@@ -226,10 +228,20 @@ def run_model(name: str, args, hw, report: dict) -> None:
                         "host_rss_gib": host_rss() / GiB, "host_us_per_call": host_breakdown(c),
                         "misses_per_token": misses / sequences}
             model.set_experts(experts)
-            for use_graphs in [m == "graphs" for m in args.modes if graphs.capture or m == "eager"]:
+            modes = [m == "graphs" for m in args.modes if graphs.capture or m == "eager"]
+            ctl = hybrid.share_controller                 # --cpu-share auto on zero-copy: learned, else None
+            if ctl is not None and modes:
+                warm = warm_up_share(ctl, model, graphs, experts, router, args, layers=layers, steps=steps,
+                                     use_graphs=modes[0], device=device, dtype=dtype)
+                print(f"    learned CPU share: {'settled' if ctl.settled else 'NOT settled'} at "
+                      f"{ctl.held_share:.2f} after {warm} warm-up steps (" + ", ".join(
+                          f"{ctl.grid[i]:g}: {1e3 * t:.2f} ms" for i, t in sorted(ctl.medians.items())) + ")",
+                      flush=True)
+            for use_graphs in modes:
                 cache = model.new_cache(device=device, dtype=dtype)
                 prefill(model, cache, args.context, chunk=args.chunk, device=device)
                 hybrid.counters.end_step()
+                used = ShareLog(ctl) if ctl is not None else None
                 tok_s = decode_rate(model, graphs, cache, steps=args.tokens, warmup=args.warmup, experts=experts,
                                     use_graphs=use_graphs, device=device)
                 hybrid.flush_step_log()
@@ -240,9 +252,14 @@ def run_model(name: str, args, hw, report: dict) -> None:
                                         if hybrid.zero_copy else hybrid.split.mode)
                                        + ("" if split == "auto" else " (forced)")))
                 print(_fmt(rows[-1]), flush=True)
-                if c["decode_calls"]:
-                    print("    host µs per decode call: " + "  ".join(
-                        f"{key} {v:.0f}" for key, v in rows[-1]["host_us_per_call"].items()), flush=True)
+                if used is not None:
+                    counts, text = used.close(untimed=args.warmup)
+                    rows[-1].update(share_warmup_steps=warm, share_settled=ctl.settled, share_steps=counts)
+                    print(f"    learned CPU share used: {text}; the CPU took {100 * c['cpu_share']:.1f} % of the "
+                          "misses", flush=True)
+                line = host_line(rows[-1]["host_us_per_call"]) if c["decode_calls"] else None
+                if line:
+                    print(line, flush=True)
                 if use_graphs and args.trace and args.out and slots < layers * e:
                     trace_decode(graphs, cache, experts, args.trace, args.out / (
                         f"trace_{name}_{label.replace(' ', '')}_{routing}_{split}{share}.json.gz"))
@@ -292,6 +309,82 @@ def run_model(name: str, args, hw, report: dict) -> None:
             del experts, hybrid
     report.setdefault("rows", []).extend(rows)
     report.setdefault("models", {})[name] = {"dense_ms_per_token": dense_s * 1e3, "store_gib": store.nbytes / GiB}
+
+
+class ShareLog:
+    """The CPU share each decode step of a row ran at: wraps the learned controller's `observe` (called at every
+    step boundary with the step that just ended) until `close`."""
+
+    def __init__(self, ctl):
+        self.ctl, self.shares = ctl, []
+        observe = ctl.observe
+
+        def logged(step_seconds: float) -> float:
+            self.shares.append(ctl.share)
+            return observe(step_seconds)
+
+        ctl.observe = logged
+
+    def close(self, *, untimed: int) -> tuple[dict[str, int], str]:
+        """Give the controller its own observe back; ({share: timed steps}, "0.3 in 31 of 31 timed steps, ...").
+        Entry i is step i - 1 (a step is timed at the next one's boundary; entry 0 is the step before the row),
+        so the first `untimed` + 1 entries are left out, and the row's last step, never closed, is not counted."""
+        del self.ctl.observe
+        timed = self.shares[untimed + 1:]
+        counts: dict[str, int] = {}
+        for s in timed:
+            counts[f"{s:g}"] = counts.get(f"{s:g}", 0) + 1
+        parts = [f"{s} in {n}" for s, n in sorted(counts.items(), key=lambda kv: -kv[1])]
+        text = (parts[0] + f" of {len(timed)} timed steps" + "".join(", " + p for p in parts[1:])) if parts else \
+            "no step boundary seen"
+        return counts, text
+
+
+def settle_share(ctl, run_round, *, max_steps: int = SHARE_WARMUP_MAX_STEPS) -> int:
+    """Decode rounds (`run_round()` runs some steps and returns how many) until the learned CPU share has settled
+    (both neighbours of its share and both pure modes tried, nothing left on trial) or `max_steps` ran; returns
+    the steps run. The row then times the converged controller, as a user's second minute sees it, not its
+    first steps (where trials cost time and it has not moved yet)."""
+    done = 0
+    while done < max_steps and not ctl.settled:
+        ran = run_round()
+        if ran <= 0:
+            break
+        done += ran
+    return done
+
+
+def warm_up_share(ctl, model, graphs, experts, router, args, *, layers: int, steps: int, use_graphs: bool, device,
+                  dtype) -> int:
+    """`settle_share` over rounds of the row's own decode (a fresh cache of `--context` tokens, `steps` steps)
+    with fresh routing from the row's router: more of the same traffic. The table the recorded graphs read is
+    written in place and restored afterwards, so the timed steps see the row's routing."""
+    import numpy as np
+
+    timed_ids = experts.decode_ids.clone()
+
+    def run_round() -> int:
+        ids = np.stack([np.stack([router.route(lay, 1) for lay in range(layers)]) for _ in range(steps)])
+        experts.decode_ids.copy_(torch.from_numpy(ids))
+        cache = model.new_cache(device=device, dtype=dtype)
+        prefill(model, cache, args.context, chunk=args.chunk, device=device)
+        decode_rate(model, graphs, cache, steps=steps - args.warmup, warmup=args.warmup, experts=experts,
+                    use_graphs=use_graphs, device=device)
+        cache.release()
+        return steps
+
+    try:
+        return settle_share(ctl, run_round)
+    finally:
+        experts.decode_ids.copy_(timed_ids)
+
+
+def host_line(us: dict[str, float]) -> str | None:
+    """The "host µs per decode call" line, or None when every value would print as 0 (zero-copy graphs: the
+    calls run inside the recorded step, nothing times them on the host)."""
+    if not any(round(v) for v in us.values()):
+        return None
+    return "    host µs per decode call: " + "  ".join(f"{key} {v:.0f}" for key, v in us.items())
 
 
 def host_breakdown(c: dict) -> dict:

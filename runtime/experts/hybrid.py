@@ -36,7 +36,8 @@ from runtime.experts.cpu_share import CpuShareWorker, Mailbox, collect_reference
 from runtime.experts.host_store import HostExpertStore
 from runtime.experts.interface import ExpertSpec
 from runtime.experts.planner import DECODE_SCRATCH_TOKENS
-from runtime.experts.policy import Key, RoutingStats, ShareController, SlotDirectory, SplitController, make_policy
+from runtime.experts.policy import (Key, RoutingStats, ShareController, ShareMemory, SlotDirectory, SplitController,
+                                    cpu_model_name, make_policy, model_fingerprint, share_state_path)
 from runtime.experts.slot_cache import SlotCache
 from runtime.experts.stats import ExpertStats
 from runtime.experts.transport import Transport
@@ -102,13 +103,15 @@ class HybridExperts:
 
     def __init__(self, store: HostExpertStore, spec: ExpertSpec, *, device: torch.device | str,
                  dtype: torch.dtype, options: HybridOptions, routing_stats: RoutingStats | None = None,
-                 prefetcher=None):
+                 prefetcher=None, share_memory: ShareMemory | None = None):
         self.store, self.spec, self.options = store, spec, options
         self.device = torch.device(device)
         self.dtype = dtype
         self.layout = store.layout
         self.cuda = self.device.type == "cuda"
         self._box = self._worker = None         # zero-copy decode's CPU share (mailbox, worker thread)
+        # where the learned share is remembered (keyed by the slots this tier really has), or None
+        self.share_memory = None if share_memory is None else share_memory.for_slots(options.slots)
         self.cpu_share = 0.0
         directory = SlotDirectory(options.slots, make_policy(options.policy), pinned=options.hot_set)
         self.transport = Transport(store, self.device)
@@ -215,8 +218,11 @@ class HybridExperts:
         self._promote_step_blocks = self.options.promote_bytes_per_step // max(1, store.block_nbytes)
         self._box = self._worker = None
         fixed = self.options.cpu_share
-        self._share_control = ShareController() if fixed is None and (self.cpu.int8 or self.cpu.fast) else None
-        share = 0.0 if fixed is None else self._default_cpu_share() if fixed < 0 else float(fixed)
+        self._share_control = None
+        if fixed is None and (self.cpu.int8 or self.cpu.fast):      # learned: where the last load left it, or 0
+            self._share_control = self.share_memory.controller() if self.share_memory else ShareController()
+        share = (self._share_control.share if self._share_control else 0.0) if fixed is None else \
+            self._default_cpu_share() if fixed < 0 else float(fixed)
         self._step_started = None
         if (share > 0 or self._share_control is not None) and (not self.cuda or handoff_triton.HAVE_TRITON):
             self._box = Mailbox(max_tokens=ZERO_COPY_MAX_TOKENS, top_k=self.options.top_k,
@@ -264,6 +270,8 @@ class HybridExperts:
             self._worker.close()
             self._worker = None
         if getattr(self, "_box", None) is not None:
+            if self._share_control is not None and self.share_memory is not None:
+                self.share_memory.save_if_moved(self._share_control)
             self._box.set_share(0.0)
             self.cpu_share = 0.0
             self._share_control = None
@@ -345,6 +353,8 @@ class HybridExperts:
                 if share != self.cpu_share:
                     self._box.set_share(share)           # before this step's work on the stream
                     self.cpu_share = share
+                if self.share_memory is not None:
+                    self.share_memory.save_if_moved(self._share_control)   # a new best share outlives a crash
         self._step_started = now
         self._snapshot = self.cache.host_table.copy()
 
@@ -778,8 +788,16 @@ class HybridExperts:
         """What the engine's stats() carries under "experts"."""
         return self.stats_dict()
 
+    @property
+    def share_controller(self) -> ShareController | None:
+        """The learned CPU share's controller (zero-copy with a CPU kernel and no fixed share), else None."""
+        return getattr(self, "_share_control", None)
+
     def save_routing(self, path: Path) -> None:
+        """The routing statistics to `path`, and the learned CPU share where it is remembered."""
         self.routing.save(path)
+        if self.share_controller is not None and self.share_memory is not None:
+            self.share_memory.save(self.share_controller)
 
 
 def hybrid_experts_factory(package, spec: ExpertSpec, *, device, dtype, vram_budget: int | None = None,
@@ -792,7 +810,9 @@ def hybrid_experts_factory(package, spec: ExpertSpec, *, device, dtype, vram_bud
 
     "gpu" -> every expert resident on the device (resident.py); "hybrid"/"cpu" -> HybridExperts with the
     planned slot count (`slots` overrides it, e.g. a CPU-device pool in tests). Routing statistics saved by
-    earlier runs at `routing_stats_path` seed the pinned hot set, so the cache starts warm.
+    earlier runs at `routing_stats_path` seed the pinned hot set, so the cache starts warm; beside them
+    (`policy.share_state_path`) the learned CPU share of zero-copy decode is remembered per model, VRAM budget,
+    slot count and machine, so a learned share (`cpu_share=None`) starts where the last load of it ended.
     `dense_bytes_on_device`: what the engine already placed on the GPU (the plan counts it itself)."""
     from runtime.experts.planner import Hardware, ModelShape, plan_memory
     from runtime.experts.resident import ResidentExperts
@@ -840,22 +860,30 @@ def hybrid_experts_factory(package, spec: ExpertSpec, *, device, dtype, vram_bud
         prefetcher = NextLayerPrefetcher.from_package(package, store.layers, top_k=shape.top_k, device=device)
         if prefetcher is None:
             log.warning("next-layer prefetch is off: this package's router weights were not found")
+    memory = None
+    if routing_stats_path and cpu_share is None:
+        # the learned CPU share is remembered beside the routing statistics, for this model, budget and machine
+        memory = ShareMemory(share_state_path(Path(routing_stats_path)), vram_budget=vram_budget,
+                             model=model_fingerprint(getattr(package, "model_type", ""), dict(package.config),
+                                                     {"codec": store.codec, "block_nbytes": store.block_nbytes,
+                                                      "layers": list(store.layers), "experts": store.num_experts}),
+                             machine=f"{cpu_model_name()} | {hw.gpu_name or device.type}")
     experts = _build_hybrid(store, spec, device=device, dtype=dtype, options=options, routing=stats,
-                            prefetcher=prefetcher)
+                            prefetcher=prefetcher, share_memory=memory)
     experts.planned = plan.to_dict()
     if progress:
         progress(1, 1)
     return experts
 
 
-def _build_hybrid(store, spec, *, device, dtype, options, routing, prefetcher=None):
+def _build_hybrid(store, spec, *, device, dtype, options, routing, prefetcher=None, share_memory=None):
     """Build, shrinking the pool when the device runs out of memory (and saying so) instead of failing."""
     slots = options.slots
     while True:
         try:
             return HybridExperts(store, spec, device=device, dtype=dtype,
                                  options=HybridOptions(**{**options.__dict__, "slots": slots}), routing_stats=routing,
-                                 prefetcher=prefetcher)
+                                 prefetcher=prefetcher, share_memory=share_memory)
         except torch.OutOfMemoryError:
             if slots == 0:
                 raise
