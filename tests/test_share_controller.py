@@ -130,13 +130,16 @@ def test_a_trial_share_too_slow_to_count_as_a_sample_still_ends():
 
 
 def test_ignores_pauses_between_requests():
-    """A pause (seconds between two requests) measured as one "step" must not count against the held share."""
+    """A pause (seconds between two requests) measured as one "step" must not count against the held share, nor
+    a time that is not one."""
     ctl = ShareController(window=4)
     for _ in range(4):
         ctl.observe(0.02)
     assert ctl.medians[0] == pytest.approx(0.02)
     ctl.observe(5.0)
-    assert max(ctl.samples[0]) == pytest.approx(0.02)
+    for broken in (float("nan"), float("inf"), 0.0, -0.01):            # a clock that went wrong
+        ctl.observe(broken)
+    assert max(ctl.samples[0]) == pytest.approx(0.02) and min(ctl.samples[0]) == pytest.approx(0.02)
 
 
 def test_rejects_a_window_it_cannot_fill():
@@ -399,8 +402,9 @@ def test_bench_model_warms_the_learned_share_up_before_timing(monkeypatch):
 
     monkeypatch.setattr(bench_model, "decode_rate", fake_decode_rate)
     monkeypatch.setattr(bench_model, "prefill", lambda *a, **k: 0.0)
-    cache = SimpleNamespace(release=lambda: None)
-    model = SimpleNamespace(new_cache=lambda **k: cache)
+    made, released = [], []
+    model = SimpleNamespace(new_cache=lambda **k: made.append(SimpleNamespace(release=lambda: released.append(1)))
+                            or made[-1])
     row_ids = torch.zeros(40, 3, 1, 8, dtype=torch.long)
     experts = SimpleNamespace(decode_ids=row_ids.clone())
 
@@ -415,6 +419,7 @@ def test_bench_model_warms_the_learned_share_up_before_timing(monkeypatch):
     assert ran == 40 * len(tables) and ran <= bench_model.SHARE_WARMUP_MAX_STEPS
     assert not torch.equal(tables[0], row_ids) and not torch.equal(tables[0], tables[-1])   # fresh routing
     assert torch.equal(experts.decode_ids, row_ids)                                         # the row's back
+    assert len(made) == 1 and len(released) == 1       # one cache for every round: graphs recorded once a bucket
 
     log = bench_model.ShareLog(ctl)
     for _ in range(8 + 1 + 32):                    # the step before the row, 8 untimed, 32 timed

@@ -356,26 +356,27 @@ def settle_share(ctl, run_round, *, max_steps: int = SHARE_WARMUP_MAX_STEPS) -> 
 
 def warm_up_share(ctl, model, graphs, experts, router, args, *, layers: int, steps: int, use_graphs: bool, device,
                   dtype) -> int:
-    """`settle_share` over rounds of the row's own decode (a fresh cache of `--context` tokens, `steps` steps)
-    with fresh routing from the row's router: more of the same traffic. The table the recorded graphs read is
-    written in place and restored afterwards, so the timed steps see the row's routing."""
+    """`settle_share` over rounds of `steps` decode steps on one cache (`--context` tokens, then growing: a
+    graph is recorded once per KV bucket, not once per round), each round with fresh routing from the row's
+    router: more of the same traffic. The table the recorded graphs read is written in place and restored
+    afterwards, so the timed steps see the row's routing."""
     import numpy as np
 
     timed_ids = experts.decode_ids.clone()
+    cache = model.new_cache(device=device, dtype=dtype)
+    prefill(model, cache, args.context, chunk=args.chunk, device=device)
 
     def run_round() -> int:
         ids = np.stack([np.stack([router.route(lay, 1) for lay in range(layers)]) for _ in range(steps)])
         experts.decode_ids.copy_(torch.from_numpy(ids))
-        cache = model.new_cache(device=device, dtype=dtype)
-        prefill(model, cache, args.context, chunk=args.chunk, device=device)
         decode_rate(model, graphs, cache, steps=steps - args.warmup, warmup=args.warmup, experts=experts,
                     use_graphs=use_graphs, device=device)
-        cache.release()
         return steps
 
     try:
         return settle_share(ctl, run_round)
     finally:
+        cache.release()                       # a state slot goes back to the pool
         experts.decode_ids.copy_(timed_ids)
 
 

@@ -549,6 +549,8 @@ class ShareController:
     def observe(self, step_seconds: float) -> float:
         """One decode step's wall time at the current share; returns the share for the next step."""
         step_seconds = float(step_seconds)
+        if not (math.isfinite(step_seconds) and step_seconds > 0):
+            return self.share                                    # a clock that went wrong is no sample
         self.steps += 1
         ref = self._fresh(self.index)
         if self._trial is None and ref is not None and step_seconds > self.outlier * ref:
