@@ -186,10 +186,18 @@ class DecodeGraphs:
         self.counters = dict(steps=0, captures=0, pieces=0, failures=0)
         self.batch_steps: dict[int, int] = {}          # B -> steps of B sequences taken through this runner
         self.disabled: str | None = None
+        self.batch_disabled: str | None = None          # why steps of several sequences stopped being recorded
 
     # --------------------------------------------------------------------------------------- public
     def covers(self, batch_size: int) -> bool:
         return 1 <= batch_size <= self.max_batch
+
+    def stop_batching(self, reason: str) -> None:
+        """Steps of several sequences go eagerly from now on (a batched recording failed); batch 1 keeps its
+        graphs, and the batched ones are dropped (their memory goes back to the pool)."""
+        self.max_batch, self.batch_disabled = 1, reason
+        for key in [key for key in self._graphs if key[0] > 1]:
+            del self._graphs[key]
 
     def decode(self, token: int, cache) -> torch.Tensor:
         """Logits [1, V] fp32 for `token` appended to `cache` (a SequenceCache at offset = its position);
@@ -254,7 +262,7 @@ class DecodeGraphs:
     def stats(self) -> dict:
         return {**self.counters, "graphs": len(self._graphs), "bucket": self.bucket, "captured": self.capture,
                 "max_batch": self.max_batch, "batch_steps": dict(sorted(self.batch_steps.items())),
-                "disabled": self.disabled}
+                "disabled": self.disabled, "batch_disabled": self.batch_disabled}
 
     # ------------------------------------------------------------------------------------- internals
     def _upload(self, tokens: list[int], positions: list[int]) -> None:

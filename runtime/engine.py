@@ -417,7 +417,12 @@ class Engine:
                 return self.graphs.decode_batch([seq.tokens[seq.computed] for seq in seqs],
                                                 [seq.payload.cache for seq in seqs])
             except GraphCaptureError as exc:
-                # this step already ran (eagerly, before the recording): keep its result, stop recording
+                # this step already ran (eagerly, before the recording): keep its result, stop recording. A
+                # failure at B > 1 stops only the batched recordings: batch-1 decode keeps its graphs
+                if len(seqs) > 1:
+                    log.warning("%s; steps of several sequences decode without CUDA graphs from now on", exc)
+                    self.graphs.stop_batching(str(exc))
+                    return exc.logits
                 log.warning("%s; decoding without CUDA graphs from now on", exc)
                 self.graphs.disabled = str(exc)
                 logits, self.graphs = exc.logits, None

@@ -101,6 +101,43 @@ def test_concurrent_requests_decode_as_each_alone_and_drop_to_smaller_batches(fa
     assert steps == {3: 3, 2: 3, 1: 3}, steps
 
 
+def test_a_failed_batched_recording_keeps_batch1_graphs_and_the_tokens(ftw_packages, device, monkeypatch):
+    """A recording of a step of several sequences that fails (as a capture error does on the GPU: the step itself
+    ran eagerly first) keeps that step's result; later steps of several sequences go eagerly, batch-1 steps still
+    through the graphs, and every request gives the tokens it gives alone."""
+    from runtime.decode_graph import GraphCaptureError
+
+    path = ftw_packages("qwen3_moe")
+    prompts = [random_prompt(n, seed=40 + n) for n in (6, 9)]
+    budgets = (5, 9)
+    alone = _engine(path, device, cuda_graphs=False, prefix_cache_bytes=0)
+    want = [alone.generate(p, SamplingParams(temperature=0.0, max_tokens=m, stop_token_ids=[])).tokens
+            for p, m in zip(prompts, budgets)]
+    eng = _engine(path, device, cuda_graphs=True, prefix_cache_bytes=0, max_batch=4)
+    graphs = eng.graphs
+    real = graphs.decode_batch
+
+    def failing_when_batched(tokens, caches):
+        logits = real(tokens, caches)
+        if len(caches) > 1:
+            err = GraphCaptureError("recording the decode step of 2 sequence(s) as a CUDA graph failed: test")
+            err.logits = logits
+            raise err
+        return logits
+
+    monkeypatch.setattr(graphs, "decode_batch", failing_when_batched)
+    ids = [eng.add_request(p, SamplingParams(temperature=0.0, max_tokens=m, stop_token_ids=[]))
+           for p, m in zip(prompts, budgets)]
+    while eng.has_work():
+        eng.step()
+    assert [eng.result(rid).tokens for rid in ids] == want
+    stats = eng.stats()["decode_graphs"]
+    assert eng.graphs is graphs and stats["max_batch"] == 1 and "test" in stats["batch_disabled"]
+    assert stats["disabled"] is None
+    # one batched step (the failing one), then 3 more of the two went eagerly; the longer one's last 4 alone
+    assert stats["batch_steps"] == {2: 1, 1: 4}, stats["batch_steps"]
+
+
 def test_graph_tokens_says_how_many_tokens_a_tier_takes_inside_a_graph():
     """A tier that only says graph_safe promises one token (batch-1 decode); `graph_tokens` (method or attribute)
     widens or narrows that; a tier that says nothing is never recorded."""
