@@ -61,18 +61,20 @@ def simulate(cost, *, steps: int, noise: float = 0.03, seed: int = 0, ctl: Share
 
 # ------------------------------------------------------------------------------------------- convergence
 
-@pytest.mark.parametrize("cost, best", [(h200, {0.2, 0.3}), (h200_gentle, {0.2, 0.3}), (laptop, {0.8})],
-                         ids=["h200", "h200-gentle", "laptop"])
-def test_converges_and_a_long_run_costs_what_the_best_fixed_share_costs(cost, best):
-    """From 0 it settles at the curve's best share within a few hundred steps; over a long run (the climb, every
-    trial and probe included) the average step costs within 2 % of the best fixed share, and once settled within
-    1 %; a probe of a share far slower than the held one (share 1 on the H200: 2x) ends after a few steps."""
+@pytest.mark.parametrize("cost, best, settle_by", [(h200, {0.2, 0.3}, 400), (h200_gentle, {0.2, 0.3}, 4000),
+                                                   (laptop, {0.8}, 400)], ids=["h200", "h200-gentle", "laptop"])
+def test_converges_and_a_long_run_costs_what_the_best_fixed_share_costs(cost, best, settle_by):
+    """From 0 it settles at the curve's best share (within a few hundred steps where the gain is clear; on the
+    gentle curve, 3 % in all, the noise-widened margin may hold it at 0 for a while); over a long run (the climb,
+    every trial and probe included, and the first window spent cold at 0: 3.6x the best on the laptop) the
+    average step costs within 3 % of the best fixed share, and in its second half within 1 %; a probe of a share far slower than the held one (share 1 on the H200: 2x) ends after a few
+    steps."""
     for seed in range(3):
         ctl, spent, held = simulate(cost, steps=4000, seed=seed)
         assert ctl.held_share in best and ctl.settled, (seed, ctl.held_share)
         settled_at = int(np.flatnonzero(held != held[-1]).max(initial=-1)) + 1
-        assert settled_at < 400, settled_at
-        assert spent.mean() < 1.02 * best_fixed(cost), spent.mean() / best_fixed(cost)
+        assert settled_at < settle_by, settled_at
+        assert spent.mean() < 1.03 * best_fixed(cost), spent.mean() / best_fixed(cost)
         assert spent[2000:].mean() < 1.01 * best_fixed(cost)
         assert spent.mean() < min(cost(0.0), cost(1.0))          # better than either pure mode
     if cost is h200:
@@ -133,6 +135,9 @@ def test_ignores_pauses_between_requests():
     """A pause (seconds between two requests) measured as one "step" must not count against the held share, nor
     a time that is not one."""
     ctl = ShareController(window=4)
+    for _ in range(4):                                                  # cold: the first window after a load
+        ctl.observe(0.5)
+    assert ctl.samples == {}
     for _ in range(4):
         ctl.observe(0.02)
     assert ctl.medians[0] == pytest.approx(0.02)

@@ -488,14 +488,16 @@ class ShareController:
 
     Steps much longer than the held share's median (a pause between requests, a new CUDA graph) are not
     samples of the held share; on trial they are kept (the median shrugs off one), because a trial share that
-    is itself that slow must end rather than wait forever for a "normal" sample.
+    is itself that slow must end rather than wait forever for a "normal" sample. The first `cold_steps` (a
+    window) after construction are not samples either: right after a load, steps run cold, and a cold first
+    window at the start share would make any share on trial look faster than it is.
 
     `to_state` / `from_state`: what ShareMemory persists (the held share and the medians it trusts), so the
     next load of the same model on the same machine starts at the share it ended at."""
 
     def __init__(self, *, start: float = 0.0, grid: tuple[float, ...] = SHARE_GRID, window: int = 12,
                  explore_every: int = 16, explore_max: int = 128, probe_every: int = 4, margin: float = 0.03,
-                 outlier: float = 3.0, abort: float = 0.25, abort_after: int = 4,
+                 outlier: float = 3.0, abort: float = 0.25, abort_after: int = 4, cold_steps: int | None = None,
                  remembered: dict[float, float] | None = None):
         if not grid or window < 1 or not 1 <= abort_after <= window:
             raise ValueError(f"ShareController needs a grid, window >= 1 and 1 <= abort_after <= window "
@@ -509,6 +511,8 @@ class ShareController:
         self.medians: dict[int, float] = {}         # grid index -> the median it trusts (measured or remembered)
         self.measured: set[int] = set()             # grid indices measured in this run
         self.steps = self.moves = 0
+        # the first steps after a load run cold (allocator, caches, the worker's first requests): not samples
+        self._cold = window if cold_steps is None else cold_steps
         self._trial: int | None = None              # grid index on trial
         self._count = 0                             # samples since the last decision (held or on trial)
         self._queue: list[int] = []                 # neighbours to try next (the climb)
@@ -552,6 +556,9 @@ class ShareController:
         if not (math.isfinite(step_seconds) and step_seconds > 0):
             return self.share                                    # a clock that went wrong is no sample
         self.steps += 1
+        if self._cold > 0:
+            self._cold -= 1
+            return self.share
         ref = self._fresh(self.index)
         if self._trial is None and ref is not None and step_seconds > self.outlier * ref:
             return self.share                                    # not a decode step's time
