@@ -97,9 +97,11 @@ class _CuttingExperts:
 
 
 def _addresses(layer) -> tuple[int, ...]:
-    """Where a layer cache's tensors live: KV buffers, or a state slot's conv and recurrent views."""
+    """Where a layer cache's tensors live and how they are laid out: KV buffers (with their capacity, which sets
+    the strides the recorded kernels use: a finished sequence's buffer address may come back for a new one of
+    another size), or a state slot's conv and recurrent views (fixed shapes)."""
     if hasattr(layer, "keys"):
-        return layer.keys.data_ptr(), layer.values.data_ptr()
+        return layer.keys.data_ptr(), layer.values.data_ptr(), layer.keys.shape[1]
     return tuple(t.data_ptr() for t in layer.states.values())
 
 
