@@ -35,7 +35,7 @@ def _prefilled(model, eng, lengths, *, seed):
     return pairs, last
 
 
-@pytest.mark.parametrize("family", ["qwen3_moe", "qwen3_next", "qwen3_5_moe"])
+@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral", "qwen3_next", "qwen3_5_moe"])
 def test_static_batched_steps_match_the_ragged_forward(family, ftw_packages, device):
     """B = 2, 3, 4 sequences of unequal lengths decode 9 steps together: the static batched step's logits equal the
     ordinary ragged forward's row for row, while each sequence crosses a bucket boundary at its own step, and
