@@ -641,7 +641,7 @@ def _compile_sm90(fn, args: dict, constexprs: dict, warps: int, tmp_path: Path) 
 def test_kernels_compile_for_h200_without_spilling(tmp_path, monkeypatch):
     """The interpreter does not check GPU code generation (layouts of reshape/split, register use): compile
     the variants the engine launches at qwen3-30b-a3b's shape (int4/64, K 8) and an MXFP4 K-10 one for
-    sm_90 with the ptxas Triton ships, with bf16, fp16 and fp32 activations. No register spills, and the
+    sm_90 with the ptxas Triton ships, with bf16, fp16 and fp32 activations, and the zero-copy gather. No register spills, and the
     packed codes are read 16 bytes per load (a select over offsets, once, hid their alignment and made it
     16 byte loads)."""
     from runtime.experts.host_store import BlockLayout
@@ -690,6 +690,12 @@ def test_kernels_compile_for_h200_without_spilling(tmp_path, monkeypatch):
                        part_ml="*fp32", count_ptr="*i32", k_head_stride=2048 * 128, k_row_stride=128, scale_log2=0.1,
                        G=8, HD=128),
                   dict(CHUNK=64, SPLITS=16, BLOCK_S=64, BLOCK_G=16, BLOCK_D=128, DOT_FP32=False), 4))
+    from runtime.kernels import gather_triton as gather_k
+    for lookup in (False, True):                                                              # zero-copy gather
+        cases.append((gather_k._gather_kernel,
+                      dict(src_ptr="*i32", ids_ptr="*i64", table_ptr="*i64", E=128, dst_ptr="*i32", slots_ptr="*i64",
+                           words=2654208 // 4),
+                      dict(LOOKUP=lookup, CHUNK=gather_k.CHUNK_BYTES // 4), gather_k.NUM_WARPS))
     for fn, args, constexprs, warps in cases:
         regs, local, sass = _compile_sm90(fn, args, constexprs, warps, tmp_path)
         assert local == 0, (fn.__name__, constexprs, regs, local)               # no spills

@@ -39,9 +39,9 @@ if HAVE_TRITON:
         c = tl.program_id(1)
         if LOOKUP:
             e = tl.load(ids_ptr + a)
-            inside = (e >= 0) & (e < E)                    # an id outside the table: skipped, never read past it
-            row = tl.load(table_ptr + tl.where(inside, e, 0))
-            row = tl.where(inside, row, -1)
+            known = (e >= 0) & (e < E)                     # an id outside the table: skipped, never read past it
+            row = tl.load(table_ptr + tl.where(known, e, 0))
+            row = tl.where(known, row, -1)
         else:
             row = tl.load(ids_ptr + a)
         if c == 0:
