@@ -96,13 +96,25 @@ class _CuttingExperts:
         return self.runner._cut(layer, hidden, topk_ids, topk_weights)
 
 
-def _addresses(layer) -> tuple[int, ...]:
-    """Where a layer cache's tensors live and how they are laid out: KV buffers (with their capacity, which sets
-    the strides the recorded kernels use: a finished sequence's buffer address may come back for a new one of
-    another size), or a state slot's conv and recurrent views (fixed shapes)."""
-    if hasattr(layer, "keys"):
-        return layer.keys.data_ptr(), layer.values.data_ptr(), layer.keys.shape[1]
-    return tuple(t.data_ptr() for t in layer.states.values())
+def _layout(cache, bucket: int) -> tuple[int, ...]:
+    """Room for `bucket` rows in every KV buffer of a sequence, then where its layer caches live and how they are
+    laid out (one pass over the layers: this runs for every sequence at every step, on the host's critical path).
+    KV buffers: their addresses and capacity (which sets the strides the recorded kernels use: a finished
+    sequence's buffer address may come back for a new one of another size). A state slot: its pool's tensors and
+    the slot (the views it hands out are fixed by those; making them would cost a tensor view per layer)."""
+    out: list[int] = []
+    for layer in cache.layers:
+        keys = getattr(layer, "keys", None)
+        if keys is not None:
+            if keys.shape[1] < bucket:
+                layer.reserve(bucket)                # grows (moves) the buffers: a new key, a new graph
+                keys = layer.keys
+            out += (keys.data_ptr(), layer.values.data_ptr(), keys.shape[1])
+        elif hasattr(layer, "slot"):
+            out += (layer.pool.conv.data_ptr(), layer.pool.recurrent.data_ptr(), layer.slot, layer.layer)
+        else:
+            out += (t.data_ptr() for t in layer.states.values())
+    return tuple(out)
 
 
 def _advance(cache) -> None:
@@ -217,13 +229,10 @@ class DecodeGraphs:
             raise ValueError("a sequence's cache appears twice in one decode step")
         positions = [c.offset for c in caches]
         buckets = tuple(bucket_of(p, self.bucket) for p in positions)
-        for cache, bucket in zip(caches, buckets):
-            for layer in cache.layers:
-                if hasattr(layer, "reserve"):        # KV buffers; state slots have a fixed size
-                    layer.reserve(bucket)
+        layouts = tuple(_layout(cache, bucket) for cache, bucket in zip(caches, buckets))   # reserves the buckets
         self._upload(tokens, positions)
         if self.capture:
-            key = (b, buckets, tuple(p for cache in caches for layer in cache.layers for p in _addresses(layer)))
+            key = (b, buckets, layouts)
             graph = self._graphs.get(key)
             if graph is None:
                 # a new shape: this step runs eagerly on the capture stream (its warm-up: cuBLAS and Triton
