@@ -525,6 +525,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     m.add_argument("--gather", nargs="+", default=["on"], choices=["on", "off"],
                    help="zero-copy decode: missed blocks copied into VRAM by one copy kernel before the pool "
                         "kernels (on) or read in place by them over PCIe (off); both: a row each")
+    m.add_argument("--cpu-threads", nargs="+", type=int, default=[0],
+                   help="threads of the CPU kernel for rows with a CPU share (0: numba's default, every core); "
+                        "several: a row each")
     m.add_argument("--trace", type=int, default=0,
                    help="record this many graph decode steps of each hybrid row with torch.profiler (Chrome "
                         "trace, gzipped, under --out)")

@@ -195,15 +195,17 @@ def run_model(name: str, args, hw, report: dict) -> None:
         label = "unlimited" if budget is None else f"{budget_gib:g} GiB"
         splits = args.split if slots < layers * e else args.split[:1]     # a split needs misses
         shares = list(args.cpu_share)
-        gathers = getattr(args, "gather", ["on"])
-        for routing, split, share, gather in [(r, sp, sh, g) for r in args.routings for sp in splits
-                                              for sh in (shares if sp == "auto" else shares[:1]) for g in gathers]:
+        gathers, thread_counts = getattr(args, "gather", ["on"]), getattr(args, "cpu_threads", [0])
+        for routing, split, share, gather, threads in [
+                (r, sp, sh, g, th) for r in args.routings for sp in splits
+                for sh in (shares if sp == "auto" else shares[:1]) for g in gathers
+                for th in (thread_counts if sh != 0 else thread_counts[:1])]:
             if device.type == "cuda":
                 torch.cuda.empty_cache()
                 torch.cuda.reset_peak_memory_stats()
             hybrid = HybridExperts(store, ExpertSpec(), device=device, dtype=dtype, options=HybridOptions(
                 slots=slots, top_k=k, cpu_gbps=hw.cpu_gbps, h2d_gbps=hw.h2d_gbps, split=split, cpu_share=share,
-                zero_copy_gather=gather == "on",
+                zero_copy_gather=gather == "on", cpu_threads=threads or None,
                 hot_set=tuple((lay, x) for lay in moe_layers for x in range(e)) if slots >= layers * e else ()))
             router = Router(routing, layers=layers, experts=e, k=k, seed=1)
             import numpy as np
@@ -242,6 +244,7 @@ def run_model(name: str, args, hw, report: dict) -> None:
                 prefill(model, cache, args.context, chunk=args.chunk, device=device)
                 hybrid.counters.end_step()
                 used = ShareLog(ctl) if ctl is not None else None
+                worker_before = worker_counts(hybrid)
                 tok_s = decode_rate(model, graphs, cache, steps=args.tokens, warmup=args.warmup, experts=experts,
                                     use_graphs=use_graphs, device=device)
                 hybrid.flush_step_log()
@@ -249,9 +252,11 @@ def run_model(name: str, args, hw, report: dict) -> None:
                 rows.append(decode_row(c, tok_s, 1, "decode b1 " + ("graphs" if use_graphs else "eager"),
                                        (f"zero-copy{'' if gather == 'on' else ' in place'} cpu "
                                         f"{hybrid.cpu_share:.2f}{'*' if share is None else ''}"
+                                        + (f" {threads} thr" if threads else "")
                                         if hybrid.zero_copy else hybrid.split.mode)
                                        + ("" if split == "auto" else " (forced)")))
                 print(_fmt(rows[-1]), flush=True)
+                print_worker_line(hybrid, worker_before, rows[-1], steps=args.tokens + args.warmup)
                 if used is not None:
                     counts, text = used.close(untimed=args.warmup)
                     rows[-1].update(share_warmup_steps=warm, share_settled=ctl.settled, share_steps=counts)
@@ -271,6 +276,7 @@ def run_model(name: str, args, hw, report: dict) -> None:
                     prefill(model, c_, args.context, chunk=args.chunk, device=device)
                 hybrid.counters.end_step()
                 captures = graphs.counters["captures"]
+                worker_before = worker_counts(hybrid)
                 tok_s = decode_rate_batch(model, graphs, caches, steps=args.tokens, warmup=args.warmup,
                                           experts=experts, use_graphs=use_graphs, device=device)
                 hybrid.flush_step_log()
@@ -280,13 +286,18 @@ def run_model(name: str, args, hw, report: dict) -> None:
                             for layer in moe_layers)
                 kind = f"decode b{args.batch} " + (("graphs" if whole else "pieces") if use_graphs else "eager")
                 rows.append(decode_row(c, tok_s, args.batch, kind,
-                                       "zero-copy" if hybrid.zero_copy else hybrid.split.mode))
+                                       f"zero-copy{'' if gather == 'on' else ' in place'} cpu {hybrid.cpu_share:.2f}"
+                                       + (f" {threads} thr" if threads else "") if hybrid.zero_copy
+                                       else hybrid.split.mode))
                 rows[-1]["captures"] = graphs.counters["captures"] - captures
                 print(_fmt(rows[-1]), flush=True)
+                print_worker_line(hybrid, worker_before, rows[-1], steps=args.tokens + args.warmup)
                 for c_ in caches:
                     c_.release()
                 del caches
-            if (routing, split, share) == (args.routings[0], splits[0], shares[0]) and budget_gib in args.prefill_budgets:
+            first = (routing, split, share, gather, threads) == (args.routings[0], splits[0], shares[0], gathers[0],
+                                                                  thread_counts[0])
+            if first and budget_gib in args.prefill_budgets:
                 for n in args.prefill:
                     cache = model.new_cache(device=device, dtype=dtype)
                     hybrid.counters.end_step()
@@ -378,6 +389,28 @@ def warm_up_share(ctl, model, graphs, experts, router, args, *, layers: int, ste
     finally:
         cache.release()                       # a state slot goes back to the pool
         experts.decode_ids.copy_(timed_ids)
+
+
+def worker_counts(hybrid) -> tuple[int, float]:
+    """(requests served, seconds busy) of the tier's CPU-share worker so far; (0, 0) without one."""
+    w = getattr(hybrid, "_worker", None)
+    return (0, 0.0) if w is None else (w.served, w.busy_seconds)
+
+
+def print_worker_line(hybrid, before: tuple[int, float], row: dict, *, steps: int) -> None:
+    """Under a row with a CPU share: the worker's requests and its busy µs per request (from seeing a request to
+    answering it) over the row's warm-up and timed steps, beside the step's time per layer, so a reader sees
+    whether the CPU's part or the GPU's bounds a layer."""
+    served, busy = worker_counts(hybrid)
+    n = served - before[0]
+    if n <= 0:
+        return
+    us = 1e6 * (busy - before[1]) / n
+    per_layer = 1e6 / max(row["tok_s"], 1e-9) * (int(row["kind"].split()[1][1:]) if row["kind"].startswith("decode b")
+                                                 else 1) / max(1, len(hybrid.store.layers))
+    row.update(worker_requests=n, worker_us_per_request=us)
+    print(f"    CPU worker: {n} requests ({n / steps:.1f} per step), {us:.0f} µs busy each; a layer's share of the "
+          f"step: {per_layer:.0f} µs", flush=True)
 
 
 def host_line(us: dict[str, float]) -> str | None:
