@@ -350,3 +350,15 @@ def test_the_compiled_worker_answers_inside_a_cuda_graph(device):
         assert err < 0.03, (step, float(err))
     assert tier._worker.served >= 5 and int(tier._box.error[0]) == 0
     tier.close()
+
+
+def test_the_share_worker_leaves_two_cores_to_the_decoding_and_polling_threads():
+    """The worker's kernel threads when none were asked for: a 16-core host runs 14 beside the decoding thread's
+    spinning sync and the polling loop; small machines keep at least one."""
+    from runtime.experts.cpu_share import default_worker_threads
+
+    assert [default_worker_threads(c) for c in (16, 8, 3, 2, 1)] == [14, 6, 1, 1, 1]
+    cpu = torch.device("cpu")
+    _, tier = _tier(cpu, slots=2, cpu_share=0.5)
+    assert tier._worker.threads == (tier.cpu.threads or default_worker_threads())
+    tier.close()

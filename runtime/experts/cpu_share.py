@@ -25,6 +25,7 @@ same protocol runs with torch/numpy stand-ins for the two kernels (`handoff_refe
 from __future__ import annotations
 
 import logging
+import os
 import sys
 import threading
 import time
@@ -164,6 +165,15 @@ class Mailbox:
 
     def set_share(self, share: float) -> None:
         self.share.fill_(float(share))
+
+
+def default_worker_threads(cores: int | None = None) -> int:
+    """Kernel threads for the CPU-share worker when none were asked for: every core but two. During a decode
+    step two threads are busy beside the kernel's own: the decoding thread (CUDA's default sync spins while it
+    waits for the GPU) and this worker's polling loop. A parallel region waits for its slowest thread, so one
+    kernel thread the OS has to park behind them stalls the whole request, and with it the GPU's collect."""
+    cores = cores or os.cpu_count() or 1
+    return max(1, cores - 2)
 
 
 class CpuShareWorker:

@@ -32,7 +32,8 @@ import numpy as np
 import torch
 
 from runtime.experts.cpu_executor import CpuExecutor
-from runtime.experts.cpu_share import CpuShareWorker, Mailbox, collect_reference, cpu_share_counts, handoff_reference
+from runtime.experts.cpu_share import (CpuShareWorker, Mailbox, collect_reference, cpu_share_counts,
+                                       default_worker_threads, handoff_reference)
 from runtime.experts.host_store import HostExpertStore
 from runtime.experts.interface import ExpertSpec
 from runtime.experts.planner import DECODE_SCRATCH_TOKENS
@@ -238,7 +239,7 @@ class HybridExperts:
                 return me.cpu.run(layers[li], x, tok, experts, w)
 
             self._worker = CpuShareWorker(self._box, compute, int8_args=self.cpu.int8_args() if self.cpu.int8 else None,
-                                          threads=self.cpu.threads)
+                                          threads=self.cpu.threads or default_worker_threads())
             weakref.finalize(self, self._worker.close)
             self._err_host = torch.zeros(1, dtype=torch.int32, pin_memory=self.cuda)
         else:
