@@ -259,6 +259,7 @@ def test_a_failed_write_leaves_the_old_file_and_no_temporary(tmp_path, monkeypat
     assert memory.path.read_bytes() == before and sorted(p.name for p in tmp_path.iterdir()) == [memory.path.name]
     with caplog.at_level(logging.WARNING, logger="runtime.experts.policy"):
         memory.save_if_moved(h)
+        assert memory.try_save(h) is False
     assert "could not save" in caplog.text and memory.path.read_bytes() == before
 
 
@@ -334,7 +335,10 @@ def test_the_tier_remembers_its_share_across_loads(tmp_path):
     assert json.loads(path.read_text())["entries"][0]["state"]["share"] == 0.8
     tier.save_routing(tmp_path / "routing.json")
     assert (tmp_path / "routing.json").is_file()
-    tier.close()
+    for _ in range(40):                                                 # more steps: fresher medians, same share
+        ctl.observe(1.0)
+    tier.close()                                                        # saves them on unload
+    assert json.loads(path.read_text())["entries"][0]["state"] == ctl.to_state()
 
     store, again = _tier(_memory(tmp_path, slots=0), cpu_share=None)
     assert again.share_controller.held_share == 0.8 and again.cpu_share == 0.8

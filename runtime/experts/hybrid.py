@@ -272,7 +272,7 @@ class HybridExperts:
             self._worker = None
         if getattr(self, "_box", None) is not None:
             if self._share_control is not None and self.share_memory is not None:
-                self.share_memory.save_if_moved(self._share_control)
+                self.share_memory.try_save(self._share_control)      # the medians of this run too
             self._box.set_share(0.0)
             self.cpu_share = 0.0
             self._share_control = None

@@ -776,11 +776,17 @@ class ShareMemory:
                 tmp.unlink()
         self._saved_share = controller.held_share
 
+    def try_save(self, controller: ShareController) -> bool:
+        """`save`, logging instead of raising when the disk refuses (decoding and unloading must go on)."""
+        try:
+            self.save(controller)
+            return True
+        except OSError as exc:
+            log.warning("could not save the learned CPU share to %s (%s)", self.path, exc)
+            self._saved_share = controller.held_share          # not again at every step
+            return False
+
     def save_if_moved(self, controller: ShareController) -> None:
         """Save when the held share differs from the one last saved or loaded (cheap to call every step)."""
         if controller.held_share != self._saved_share and controller.measured:
-            try:
-                self.save(controller)
-            except OSError as exc:              # a full or read-only disk must not stop decoding
-                log.warning("could not save the learned CPU share to %s (%s)", self.path, exc)
-                self._saved_share = controller.held_share
+            self.try_save(controller)
