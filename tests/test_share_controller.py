@@ -67,8 +67,8 @@ def test_converges_and_a_long_run_costs_what_the_best_fixed_share_costs(cost, be
     """From 0 it settles at the curve's best share (within a few hundred steps where the gain is clear; on the
     gentle curve, 3 % in all, the noise-widened margin may hold it at 0 for a while); over a long run (the climb,
     every trial and probe included, and the first window spent cold at 0: 3.6x the best on the laptop) the
-    average step costs within 3 % of the best fixed share, and in its second half within 1 %; a probe of a share far slower than the held one (share 1 on the H200: 2x) ends after a few
-    steps."""
+    average step costs within 3 % of the best fixed share, and in its second half within 1 %; a probe of a share
+    far slower than the held one (share 1 on the H200: 2x) ends after a few steps."""
     for seed in range(3):
         ctl, spent, held = simulate(cost, steps=4000, seed=seed)
         assert ctl.held_share in best and ctl.settled, (seed, ctl.held_share)
