@@ -91,7 +91,8 @@ class HybridOptions:
                                                 # memory (None: on CUDA when possible and split is auto/fetch)
     promote_bytes_per_step: int = 16 << 20      # zero-copy mode: promotions decided once per decode step
     cpu_share: float | None = None              # zero-copy mode: the CPU's share of misses; None: learned from
-                                                # step times, starting at 0 (policy.ShareController); a number:
+                                                # step times (policy.ShareController), starting at 0 or, with a
+                                                # share_memory, where the last load ended; a number:
                                                 # fixed (0: the GPU reads every miss; < 0: the bandwidth balance)
     fill_pool: bool | None = None               # fill free slots at load (None: on a GPU; CPU tests keep the
                                                 # pool to its hot set so they can reason about its contents)
