@@ -396,7 +396,9 @@ class Engine:
             ready_rows.append(row)
             ready.append(seq)
         if ready:
-            chosen = sample_batch(logits[ready_rows], [seq.payload.sampler for seq in ready]).tolist()
+            # (a pure decode step samples every row: no index upload and gather then)
+            rows = logits if len(ready_rows) == logits.shape[0] else logits[ready_rows]
+            chosen = sample_batch(rows, [seq.payload.sampler for seq in ready]).tolist()
             now = time.perf_counter()
             for seq, token in zip(ready, chosen):
                 events.append(self._accept(seq, int(token), now))
