@@ -227,9 +227,9 @@ class Engine:
         dense_names()/dense(name), experts (an ExpertStore), path.
 
         `cuda_graphs`: decode steps (every running sequence feeding one token) replayed from CUDA graphs
-        (runtime/decode_graph.py). None: on
-        for a CUDA device when the model is covered; True on a CPU device runs the same static path eagerly
-        (what the tests compare with the ordinary forward); False: always the ordinary forward."""
+        (runtime/decode_graph.py). None: on for a CUDA device when the model is covered; True on a CPU device
+        runs the same static path eagerly (what the tests compare with the ordinary forward); False: always the
+        ordinary forward."""
         from runtime.text.chat_template import ChatTemplate, ChatTemplateError
         from runtime.text.tokenizer import Tokenizer
 
