@@ -362,3 +362,27 @@ def test_the_share_worker_leaves_two_cores_to_the_decoding_and_polling_threads()
     _, tier = _tier(cpu, slots=2, cpu_share=0.5)
     assert tier._worker.threads == (tier.cpu.threads or default_worker_threads())
     tier.close()
+
+
+def test_a_request_sent_while_the_worker_thread_starts_is_answered(monkeypatch):
+    """The tier sends its first request right after building the worker (its probe call on a GPU): a thread that
+    read the last answered ticket only once running took that request for an old one and never answered it."""
+    import time
+
+    from runtime.experts.cpu_share import CpuShareWorker
+
+    run = CpuShareWorker._run
+
+    def slow_start(self, *args):
+        time.sleep(0.3)                         # the request below lands before the loop starts
+        return run(self, *args)
+
+    monkeypatch.setattr(CpuShareWorker, "_run", slow_start)
+    store, tier = _tier(torch.device("cpu"), slots=0, cpu_share=1.0)
+    x, ids, w = torch.randn(1, 64), torch.tensor([[2, 5]]), torch.full((1, 2), 0.5)
+    t0 = time.monotonic()
+    got = tier(0, x, ids, w)
+    assert time.monotonic() - t0 < 5 and int(tier._box.error[0]) == 0
+    torch.testing.assert_close(got, _reference(store, 0, x, ids, w), rtol=1e-4, atol=1e-5)
+    assert tier._worker.served == 1
+    tier.close()

@@ -203,16 +203,17 @@ class CpuShareWorker:
         # switch interval (5 ms by default) - longer than the whole answer should take
         self._switch_interval = sys.getswitchinterval()
         sys.setswitchinterval(min(self._switch_interval, GIL_SWITCH_S))
-        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        # the last ticket already answered, read before the thread starts: read in the thread, a request sent
+        # while it starts up (the tier's probe call right after construction) would count as already answered
+        self._thread = threading.Thread(target=self._run, args=(int(b["req"][0]),), name=name, daemon=True)
         self._thread.start()
 
-    def _run(self) -> None:
+    def _run(self, last: int) -> None:
         if self.threads:
             import numba
             numba.set_num_threads(self.threads)          # per calling thread: set it where the kernel runs
         serve = self._serve_compiled if self.int8_args is not None and HAVE_NUMBA else self._serve_python
         b = self.box._np
-        last = int(b["req"][0])
         idle_since = time.monotonic()
         while not self._stop.is_set():
             # spin hard while requests come (a decode step sends one per layer); after a quiet spell only look
@@ -224,9 +225,10 @@ class CpuShareWorker:
             except BaseException as exc:  # noqa: BLE001  (answer anyway, with zeros: the GPU is waiting)
                 seq = int(b["req"][0])
                 b["out"][:] = 0.0
-                publish(b["resp"], seq)
-                if self.error is None:
+                if self.error is None:           # set before the answer: whoever sees the zeros sees why
                     self.error = exc
+                publish(b["resp"], seq)
+                if self.error is exc:
                     log.error("the CPU expert worker failed (%s); its share goes back to the GPU", exc)
             if seq == last:
                 time.sleep(QUIET_SLEEP_S if quiet else IDLE_SLEEP_S)
