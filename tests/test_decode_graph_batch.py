@@ -198,8 +198,12 @@ def test_recorded_batch4_step_on_cuda_matches_eager(family, whole, ftw_packages,
     equal the ordinary forward's, and each graph is recorded once per (batch, buckets) and then replayed."""
     if device != "cuda":
         pytest.skip("needs the GPU machine (--device cuda)")
-    eng = _engine(ftw_packages(family), device, cuda_graphs=False, max_batch=8)
+    from runtime.engine import resident_experts_factory
+
+    eng = _engine(ftw_packages(family), device, cuda_graphs=False, max_batch=8,
+                  experts_factory=resident_experts_factory)
     model = eng.model
+    assert not model.experts.grouped         # fp32: the looped path, which reads counts on the host
     if whole:
         model.set_experts(_GatheredExperts(model.experts))
     graphs = DecodeGraphs(model, device=eng.device, bucket=BUCKET, max_batch=4)
