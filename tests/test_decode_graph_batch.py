@@ -101,6 +101,26 @@ def test_concurrent_requests_decode_as_each_alone_and_drop_to_smaller_batches(fa
     assert steps == {3: 3, 2: 3, 1: 3}, steps
 
 
+def test_a_request_joining_mid_way_mixes_one_eager_step_then_decodes_batched(ftw_packages, device):
+    """Two requests decode together; a third joins after three steps (its prompt step carries the others' decode
+    tokens: eager), then all three decode through the batched step; each gives the tokens it gives alone."""
+    path = ftw_packages("qwen3_next")
+    prompts = [random_prompt(n, seed=60 + n) for n in (7, 4, 10)]
+    sampling = SamplingParams(temperature=0.0, max_tokens=8, stop_token_ids=[])
+    alone = _engine(path, device, cuda_graphs=False, prefix_cache_bytes=0)
+    want = [alone.generate(p, sampling).tokens for p in prompts]
+    eng = _engine(path, device, cuda_graphs=True, prefix_cache_bytes=0, max_batch=4)
+    ids = [eng.add_request(p, sampling) for p in prompts[:2]]
+    for _ in range(3):
+        eng.step()
+    ids.append(eng.add_request(prompts[2], sampling))
+    while eng.has_work():
+        eng.step()
+    assert [eng.result(rid).tokens for rid in ids] == want
+    # steps 2-3: the first two together; step 4 (the join) eager; steps 5-8: three; then the third alone
+    assert eng.stats()["decode_graphs"]["batch_steps"] == {2: 2, 3: 4, 1: 3}
+
+
 def test_a_failed_batched_recording_keeps_batch1_graphs_and_the_tokens(ftw_packages, device, monkeypatch):
     """A recording of a step of several sequences that fails (as a capture error does on the GPU: the step itself
     ran eagerly first) keeps that step's result; later steps of several sequences go eagerly, batch-1 steps still
