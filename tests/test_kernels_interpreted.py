@@ -830,6 +830,48 @@ def test_route_linear_on_cuda(device):
         assert torch.equal(g_ids, want_ids) and torch.equal(g_w, want_w)
 
 
+def test_sparse_moe_fuses_the_routings_route_linear_covers():
+    """SparseMoE hands decode-sized CUDA calls to route_linear for the routings it covers, with their options."""
+    from functools import partial
+
+    from runtime.models.blocks import _fused_routing
+
+    assert _fused_routing(partial(route_softmax_topk, renormalize=True)) == ("softmax_topk", True)
+    assert _fused_routing(partial(route_softmax_topk, renormalize=False)) == ("softmax_topk", False)
+    assert _fused_routing(route_topk_softmax) == ("topk_softmax", False)
+    assert _fused_routing(lambda logits, k, **kw: route_topk_softmax(logits, k)) is None       # unknown: unfused
+    assert _fused_routing(partial(route_softmax_topk, renormalize=True, out_dtype=torch.float32)) is None
+
+
+@pytest.mark.cuda
+def test_sparse_moe_fused_router_on_cuda(device):
+    """On the GPU machine: a qwen3-30b-a3b-sized SparseMoE routes decode tokens through route_linear and gives
+    the unfused Linear + routing's experts and weights (rows without a near-tie at the k-th), prefill-sized
+    calls keep the unfused path."""
+    if device != "cuda" or not torch.cuda.is_available():
+        pytest.skip("compiled kernels run on the GPU machine: pytest --device cuda")
+    from functools import partial
+
+    from runtime.models.blocks import SparseMoE
+
+    torch.manual_seed(3)
+    moe = SparseMoE(hidden_size=2048, num_experts=128, top_k=8,
+                    routing=partial(route_softmax_topk, renormalize=True)).cuda().bfloat16()
+    seen = []
+    experts = lambda layer, x, ids, w: seen.append((ids, w)) or x                    # noqa: E731
+    for n in (1, 4, 100):
+        x = torch.randn(n, 2048, device="cuda", dtype=torch.bfloat16)
+        moe(x, 0, experts)
+        ids, w = seen[-1]
+        ref_ids, ref_w = route_softmax_topk(moe.gate(x), 8, renormalize=True, out_dtype=x.dtype)
+        same = (ids.sort(1).values == ref_ids.sort(1).values).all(1)
+        assert same.float().mean() >= 0.75, (n, same)
+        torch.testing.assert_close(w[same].float().sort(1).values, ref_w[same].float().sort(1).values,
+                                   rtol=2e-2, atol=2e-3)
+        if n == 100:
+            assert torch.equal(ids, ref_ids)                                         # unfused: the same code
+
+
 @pytest.mark.cuda
 def test_decode_attention_on_cuda(device):
     """Compiled (`pytest --device cuda`) at qwen3-30b-a3b's attention (32 q heads over 4 kv heads of 128, bf16,
