@@ -44,19 +44,19 @@ elif [ "$1" = c ]; then
   mv "$OUT/model.json" "$OUT/model_q36.json" 2>/dev/null
 elif [ "$1" = d ]; then
   # session 4's last run: the fixed gather, the fused router, the worker's threads and the learned share
-  timeout 100 python3 -m pytest -q -p no:cacheprovider --device cuda tests/test_hybrid_zero_copy.py \
+  timeout 80 python3 -m pytest -q -p no:cacheprovider --device cuda tests/test_hybrid_zero_copy.py \
     tests/test_kernels_interpreted.py -k "cuda" > "$OUT/cuda_tests.log" 2>&1
   echo "pytest rc=$?" >> "$OUT/cuda_tests.log"; tail -3 "$OUT/cuda_tests.log"
   python3 -c "import numba; numba.njit(parallel=True)(lambda a: a.sum())(__import__('numpy').ones(9)); print('numba threading layer:', numba.threading_layer(), numba.get_num_threads())"
-  timeout 190 python3 -m runtime.experts.bench model --models qwen3-30b-a3b --budgets 8 --routings uniform \
+  timeout 170 python3 -m runtime.experts.bench model --models qwen3-30b-a3b --budgets 8 --routings uniform \
     --cpu-share auto 0 0.3 --cpu-threads 0 16 --modes graphs --batch 4 --tokens 32 --warmup 8 \
     --prefill-budgets 99 --ttft-context 0 --out "$OUT" 2>&1 | tee "$OUT/bench_q3_8.txt" | grep -v "^{"
   mv "$OUT/model.json" "$OUT/model_q3_8.json" 2>/dev/null
-  timeout 130 python3 -m runtime.experts.bench model --models qwen3-30b-a3b --budgets 4 12 24 0 --routings uniform \
+  timeout 110 python3 -m runtime.experts.bench model --models qwen3-30b-a3b --budgets 4 12 0 --routings uniform \
     --cpu-share 0 0.3 --modes graphs --batch 4 --tokens 32 --warmup 8 --prefill-budgets 99 --ttft-context 0 \
     --out "$OUT" 2>&1 | tee "$OUT/bench_q3_more.txt" | grep -v "^{"
   mv "$OUT/model.json" "$OUT/model_q3_more.json" 2>/dev/null
-  timeout 70 python3 -m runtime.experts.bench model --models qwen3.6-35b-a3b --budgets 8 --routings uniform \
+  timeout 60 python3 -m runtime.experts.bench model --models qwen3.6-35b-a3b --budgets 8 --routings uniform \
     --cpu-share 0 0.3 --modes graphs --tokens 24 --warmup 6 --prefill-budgets 99 --ttft-context 0 \
     --out "$OUT" 2>&1 | tee "$OUT/bench_q36.txt" | grep -v "^{"
 else
