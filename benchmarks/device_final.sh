@@ -44,7 +44,7 @@ elif [ "$1" = c ]; then
   mv "$OUT/model.json" "$OUT/model_q36.json" 2>/dev/null
 elif [ "$1" = d ]; then
   # session 4's last run: the fixed gather, the fused router, the worker's threads and the learned share
-  timeout 80 python3 -m pytest -q -p no:cacheprovider --device cuda tests/test_hybrid_zero_copy.py \
+  timeout 100 python3 -m pytest -q -p no:cacheprovider --device cuda tests/test_hybrid_zero_copy.py tests/test_decode_graph_batch.py \
     tests/test_kernels_interpreted.py -k "cuda" > "$OUT/cuda_tests.log" 2>&1
   echo "pytest rc=$?" >> "$OUT/cuda_tests.log"; tail -3 "$OUT/cuda_tests.log"
   python3 -c "import numba; numba.njit(parallel=True)(lambda a: a.sum())(__import__('numpy').ones(9)); print('numba threading layer:', numba.threading_layer(), numba.get_num_threads())"
