@@ -386,3 +386,27 @@ def test_a_request_sent_while_the_worker_thread_starts_is_answered(monkeypatch):
     torch.testing.assert_close(got, _reference(store, 0, x, ids, w), rtol=1e-4, atol=1e-5)
     assert tier._worker.served == 1
     tier.close()
+
+
+def test_the_kernel_warm_up_runs_on_one_thread_and_leaves_the_thread_count_alone():
+    """Loading compiles the CPU kernels by running them once on one thread (no pool of kernel threads is left
+    to the loading thread beside the share worker's); the thread's count and the executor's are as before."""
+    numba = pytest.importorskip("numba")
+    store = HostExpertStore.synthetic(layers=1, num_experts=4, hidden=256, intermediate=256, codec="int4", group=64)
+    from runtime.experts.cpu_executor import CpuExecutor
+    cpu = CpuExecutor(store, ExpertSpec(), threads=2)
+    seen = []
+    real = numba.set_num_threads
+
+    def spy(n):
+        seen.append((n, numba.get_num_threads()))
+        real(n)
+
+    numba.set_num_threads(2)
+    try:
+        numba.set_num_threads = spy
+        cpu.warm_up(store.layers[0])
+    finally:
+        numba.set_num_threads = real
+    assert seen and seen[0][0] == 1                      # the kernel ran with one thread...
+    assert numba.get_num_threads() == 2 and cpu.threads == 2   # ...and the counts are back

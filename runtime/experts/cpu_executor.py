@@ -77,6 +77,23 @@ class CpuExecutor:
         self._flat: dict[int, np.ndarray] = {}
 
     # ------------------------------------------------------------------ public
+    def warm_up(self, layer: int) -> None:
+        """Compile (or load from numba's cache) the kernels for this layout by running them once, on ONE thread:
+        a parallel region run here would leave the calling thread its own pool of kernel threads for good
+        (libgomp keeps a pool per thread that ran one), and beside the CPU-share worker's pool that is more
+        threads than cores - libgomp then stops spinning between regions (throttled) and every request pays
+        the threads' wake-up."""
+        saved = self.threads
+        before = ck.numba.get_num_threads() if ck.HAVE_NUMBA else 0
+        self.threads = 1 if ck.HAVE_NUMBA else 0
+        try:
+            self.run(layer, torch.zeros(1, self.store.layout.hidden), np.zeros(1, np.int64), np.zeros(1, np.int64),
+                     np.ones(1, np.float32))
+        finally:
+            self.threads = saved
+            if before:
+                ck.numba.set_num_threads(before)
+
     def run(self, layer: int, x: torch.Tensor, tokens: np.ndarray, experts: np.ndarray,
             weights: np.ndarray) -> torch.Tensor:
         """x [T, D] float32 CPU; tokens, experts [A] int64; weights [A] float32 -> [T, D] float32:

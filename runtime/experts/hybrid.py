@@ -127,8 +127,7 @@ class HybridExperts:
         if options.slots < len(store.layers) * store.num_experts:
             # misses may run on the CPU: compile (or load from numba's cache) the kernel now, while the
             # model loads, not during the first answer (a first compile takes ~20 s)
-            self.cpu.run(store.layers[0], torch.zeros(1, store.layout.hidden), np.zeros(1, np.int64),
-                         np.zeros(1, np.int64), np.ones(1, np.float32))
+            self.cpu.warm_up(store.layers[0])
         self.split = SplitController(cpu_gbps=options.cpu_gbps, pcie_gbps=options.h2d_gbps if options.slots else 0.0)
         self.counters = ExpertStats()
         self.routing = routing_stats if routing_stats is not None else RoutingStats()
