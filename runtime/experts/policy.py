@@ -464,6 +464,7 @@ class SplitController:
         self.step_time[self.mode] = step_seconds if fresh else (1 - a) * prev + a * step_seconds
 
 
+SHARE_SCAN = (0.0, 0.3, 0.5, 0.8, 1.0)   # shares a fresh controller measures before it climbs from the best
 SHARE_GRID = tuple(round(0.1 * i, 1) for i in range(11))     # the CPU shares a ShareController chooses among
 
 
@@ -498,12 +499,17 @@ class ShareController:
     def __init__(self, *, start: float = 0.0, grid: tuple[float, ...] = SHARE_GRID, window: int = 12,
                  explore_every: int = 16, explore_max: int = 128, probe_every: int = 4, margin: float = 0.03,
                  outlier: float = 3.0, abort: float = 0.25, abort_after: int = 4, cold_steps: int | None = None,
-                 remembered: dict[float, float] | None = None):
+                 remembered: dict[float, float] | None = None, scan: tuple[float, ...] = SHARE_SCAN):
         if not grid or window < 1 or not 1 <= abort_after <= window:
             raise ValueError(f"ShareController needs a grid, window >= 1 and 1 <= abort_after <= window "
                              f"(got {len(grid)} shares, window {window}, abort_after {abort_after})")
         self.grid = tuple(sorted(grid))
         self.index = self._nearest(start)
+        # measured once when the first look moves nowhere: the pure modes and a few shares between (the curve
+        # need not be convex: on the H200 one expert handed to the CPU cost more than none while two paid off,
+        # so 0.1-0.2 were slower than both 0 and 0.3 and a climb from 0 stopped at 0)
+        last = len(self.grid) - 1
+        self._scan = sorted({0, last} | {self._nearest(v) for v in scan})
         self.window, self.explore_every, self.explore_max = window, explore_every, explore_max
         self.probe_every, self.margin, self.outlier = probe_every, margin, outlier
         self.abort, self.abort_after = abort, abort_after
@@ -519,6 +525,8 @@ class ShareController:
         self._probes: list[int] = []                # pure modes to try once the climb is done
         self._rejected: set[int] = set()            # tried since the last move and not faster
         self._cycles = 0
+        self._scanned = bool(remembered)            # the scan's shares measured once (see _next_trial); a
+                                                    # remembered controller had its scan in an earlier run
         self._up = True
         for share, seconds in (remembered or {}).items():
             i = self._nearest(share)
@@ -547,7 +555,8 @@ class ShareController:
         last = len(self.grid) - 1
         neighbours = {i for i in (self.index - 1, self.index + 1) if 0 <= i <= last}
         return (self._trial is None and not self._queue and not self._probes and neighbours <= self._rejected
-                and all(i in self.medians for i in (0, last) if i != self.index))
+                and all(i in self.medians for i in ((0, last) if self.moves or not self._scanned else self._scan)
+                        if i != self.index))
 
     # ------------------------------------------------------------------------------------------ learning
     def observe(self, step_seconds: float) -> float:
@@ -619,6 +628,11 @@ class ShareController:
         self._next_trial()
 
     def _next_trial(self) -> None:
+        if not (self._queue or self._probes) and not self._scanned and self.moves == 0:
+            # the first look moved nowhere: measure the scan's shares between once, since a curve that rises
+            # next to the held share may still fall further on (a local minimum, as measured on the H200)
+            self._scanned = True
+            self._probes = [i for i in self._scan if i not in self.medians and i != self.index]
         while self._queue or self._probes:
             i = (self._queue or self._probes).pop(0)
             if i != self.index:
