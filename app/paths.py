@@ -6,7 +6,9 @@ folder alone can also be moved by FREETOKEN_MODELS_DIR or the `models_dir` setti
 """
 from __future__ import annotations
 
+import hashlib
 import os
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -50,3 +52,14 @@ def user_paths(models_dir: str | os.PathLike | None = None) -> Paths:
     if override:
         paths = Paths(paths.config, paths.data, Path(override).expanduser(), paths.cache, paths.logs)
     return paths
+
+
+def model_state_dir(paths: Paths, package: str | os.PathLike) -> Path:
+    """The folder where a model's learned state lives (the expert tier's routing statistics and learned CPU
+    share: the engine reads it at load so the VRAM cache starts warm). One per package folder, under the data
+    folder: its name (characters outside [A-Za-z0-9._-] replaced, so nothing escapes the folder) plus a hash of
+    the package's full path, so two packages of the same name never share statistics."""
+    resolved = Path(package).expanduser().resolve()
+    name = re.sub(r"[^A-Za-z0-9._-]", "_", resolved.name)[:60].strip(".") or "model"
+    digest = hashlib.sha256(str(resolved).encode("utf-8")).hexdigest()[:12]
+    return paths.data / "model-state" / f"{name}-{digest}"

@@ -39,6 +39,7 @@ log = logging.getLogger(__name__)
 DEFAULT_PREFIX_CACHE_BYTES = 1 << 30        # prefix cache on the compute device (CPU engines)
 HOST_PREFIX_CACHE_BYTES = 4 << 30           # prefix cache of a GPU engine, kept in host RAM
 CPU_PREFILL_CHUNK = 512        # prompt tokens per step on a CPU device (GPU: the planner's chunk)
+ROUTING_STATS_FILE = "routing.json"     # in a load's state_dir: the expert tier's routing statistics
 MAX_KEPT_RESULTS = 1024          # finished requests whose GenerationResult waits for result()
 
 ProgressFn = Callable[[int, int, str], None]      # (done, total, stage)
@@ -173,6 +174,7 @@ class Engine:
                  prefill_chunk: int, plan: dict, prefix_cache_device: torch.device | None = None,
                  decode_graphs=None):
         self.model, self.package = model, package
+        self.routing_stats_path: Path | None = None   # where save_learned_state writes (set by from_package)
         self.graphs = decode_graphs          # runtime.decode_graph.DecodeGraphs, or None: steps of decoding sequences
         self.tokenizer, self.chat_template = tokenizer, chat_template
         self.device, self.dtype = device, dtype
@@ -201,7 +203,7 @@ class Engine:
              cpu_experts_per_layer: int | None = None, progress: ProgressFn | None = None,
              experts_factory: ExpertsFactory | None = None, prefix_cache_bytes: int | None = None,
              prefix_cache_device: str | None = None, prefill_chunk: int | None = None,
-             cuda_graphs: bool | None = None) -> "Engine":
+             cuda_graphs: bool | None = None, state_dir: str | Path | None = None) -> "Engine":
         """Open an FTW package and build an engine over it (see `from_package`)."""
         from runtime.ftw.reader import FTWError, FTWPackage
 
@@ -214,7 +216,7 @@ class Engine:
                                 cpu_experts_per_layer=cpu_experts_per_layer, progress=progress,
                                 experts_factory=experts_factory, prefix_cache_bytes=prefix_cache_bytes,
                                 prefix_cache_device=prefix_cache_device, prefill_chunk=prefill_chunk,
-                                cuda_graphs=cuda_graphs)
+                                cuda_graphs=cuda_graphs, state_dir=state_dir)
 
     @classmethod
     def from_package(cls, package, *, device: str = "auto", dtype: torch.dtype | None = None,
@@ -222,14 +224,18 @@ class Engine:
                      cpu_experts_per_layer: int | None = None, progress: ProgressFn | None = None,
                      experts_factory: ExpertsFactory | None = None, prefix_cache_bytes: int | None = None,
                      prefix_cache_device: str | None = None, prefill_chunk: int | None = None,
-                     cuda_graphs: bool | None = None) -> "Engine":
+                     cuda_graphs: bool | None = None, state_dir: str | Path | None = None) -> "Engine":
         """Build from anything FTWPackage-shaped: config, model_type, generation_config, tokenizer_dir,
         dense_names()/dense(name), experts (an ExpertStore), path.
 
         `cuda_graphs`: decode steps (every running sequence feeding one token) replayed from CUDA graphs
         (runtime/decode_graph.py). None: on for a CUDA device when the model is covered; True on a CPU device
         runs the same static path eagerly (what the tests compare with the ordinary forward); False: always the
-        ordinary forward."""
+        ordinary forward.
+
+        `state_dir`: a folder for what this model's expert tier learns while it runs (routing statistics, the
+        learned CPU share; `save_learned_state`), read back at the next load so its VRAM cache starts warm. The
+        caller picks it per model (the app: its data folder); None keeps nothing."""
         from runtime.text.chat_template import ChatTemplate, ChatTemplateError
         from runtime.text.tokenizer import Tokenizer
 
@@ -266,12 +272,14 @@ class Engine:
         if dev.type == "cuda":
             model.fuse_projections()          # fewer, larger GEMMs: a GPU's decode step is bound by launches
         factory = experts_factory or default_experts_factory(dev)
+        routing_path = Path(state_dir) / ROUTING_STATS_FILE if state_dir else None
+        learned = {"routing_stats_path": routing_path} if routing_path else {}
         try:
             # the dense weights are on the device already; the planner counts them itself, so it is told
             experts = factory(package, model.expert_spec(), device=dev, dtype=dtype, vram_budget=vram_budget,
                               cpu_experts_per_layer=cpu_experts_per_layer, progress=stage("experts"),
                               context_length=context_length, max_sequences=max_batch,
-                              dense_bytes_on_device=report.nbytes if dev.type == "cuda" else 0)
+                              dense_bytes_on_device=report.nbytes if dev.type == "cuda" else 0, **learned)
         except MemoryError as exc:   # the plan (or the device) says the experts do not fit
             raise EngineError(f"the model does not fit on this machine: {exc}") from exc
         model.set_experts(experts)
@@ -303,10 +311,22 @@ class Engine:
             plan["experts"] = experts_plan
         graphs = _decode_graphs(model, dev, cuda_graphs, max_batch)
         plan["decode_graphs"] = graphs is not None and graphs.capture
-        return cls(model=model, package=package, tokenizer=tokenizer, chat_template=chat_template, device=dev,
-                   dtype=dtype, context_length=context_length, max_batch=max_batch,
-                   prefix_cache_bytes=prefix_cache_bytes, prefix_cache_device=prefix_dev, prefill_chunk=prefill_chunk,
-                   plan=plan, decode_graphs=graphs)
+        engine = cls(model=model, package=package, tokenizer=tokenizer, chat_template=chat_template, device=dev,
+                     dtype=dtype, context_length=context_length, max_batch=max_batch,
+                     prefix_cache_bytes=prefix_cache_bytes, prefix_cache_device=prefix_dev,
+                     prefill_chunk=prefill_chunk, plan=plan, decode_graphs=graphs)
+        engine.routing_stats_path = routing_path
+        return engine
+
+    def save_learned_state(self) -> bool:
+        """Write what the expert tier learned (routing statistics, and beside them the learned CPU share) to the
+        state folder given at load, atomically, so the next load of this model starts with its hot experts in
+        VRAM. False when there is nowhere to write or the tier learns nothing (every expert resident)."""
+        tier = getattr(self.model, "experts", None)
+        if self.routing_stats_path is None or not callable(getattr(tier, "save_routing", None)):
+            return False
+        tier.save_routing(self.routing_stats_path)
+        return True
 
     # -------------------------------------------------------------------------------------- requests
 

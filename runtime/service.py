@@ -28,6 +28,8 @@ log = logging.getLogger(__name__)
 
 DEFAULT_MAX_QUEUE = 64          # admitted requests (running + waiting) before Overloaded
 DEFAULT_STATS_INTERVAL_S = 1.0
+LEARNED_STATE_SAVE_S = 60.0      # the expert tier's learned state is written at most this often while idle,
+                                 # and always at unload: a crash loses at most a minute of it
 
 
 # ---- what the service tells a job's sink ------------------------------------------------------------------
@@ -150,6 +152,7 @@ class LoadOptions:
     max_batch: int = 8
     vram_budget: int | None = None
     cpu_experts_per_layer: int | None = None
+    state_dir: str | None = None        # the model's learned state (routing statistics): see Engine.load
 
     @classmethod
     def from_dict(cls, options: dict | None) -> "LoadOptions":
@@ -167,6 +170,8 @@ def _default_engine_loader(path, options: LoadOptions, progress):
                   cpu_experts_per_layer=options.cpu_experts_per_layer, progress=progress)
     if options.context_length:
         kwargs["context_length"] = options.context_length
+    if options.state_dir:
+        kwargs["state_dir"] = options.state_dir
     return Engine.load(path, **kwargs)
 
 
@@ -199,6 +204,7 @@ class Service:
         self._by_rid: dict[Any, GenerateJob] = {}     # engine request id -> job (service thread only)
         self._keys = itertools.count(1)
         self._engine = None                           # service thread only
+        self._saved_at = time.monotonic()             # when the learned state was last written
         self._model: ModelInfo | None = None
         self._state = "empty"                         # empty | loading | ready | failed
         self._load_error: str | None = None
@@ -320,9 +326,24 @@ class Service:
                 if time.monotonic() >= next_stats:
                     self._publish_stats()
                     next_stats = time.monotonic() + self.stats_interval_s
+                    if not busy and time.monotonic() - self._saved_at >= LEARNED_STATE_SAVE_S:
+                        self._save_learned_state()
         finally:
             self._fail_all("engine_error", "the engine service stopped")
+            self._save_learned_state()
             self._engine = None
+
+    def _save_learned_state(self) -> None:
+        """Write the engine's learned state (routing statistics) where the load asked; a failure (a full disk)
+        is logged and costs only that state, never a request."""
+        self._saved_at = time.monotonic()
+        save = getattr(self._engine, "save_learned_state", None)
+        if not callable(save):
+            return
+        try:
+            save()
+        except Exception:            # noqa: BLE001  (the next load then starts colder: say so, carry on)
+            log.exception("saving the model's learned state failed")
 
     def _drain_inbox(self, block_s: float) -> bool:
         """Run every queued command; False once 'stop' arrived."""
@@ -345,6 +366,7 @@ class Service:
 
     def _do_load(self, path, options: LoadOptions, on_progress, on_done) -> None:
         self._fail_all("engine_error", "the model was replaced while this request ran")
+        self._save_learned_state()
         self._engine = None
         self._model = None
         try:
@@ -371,6 +393,7 @@ class Service:
 
     def _do_unload(self, on_done) -> None:
         self._fail_all("no_model", "the model was unloaded")
+        self._save_learned_state()
         self._engine = None
         with self._lock:
             self._model, self._state = None, "empty"

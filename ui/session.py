@@ -13,6 +13,8 @@ from typing import Any, Callable
 
 from PySide6.QtCore import QObject, Signal
 
+from app.paths import model_state_dir, user_paths
+
 log = logging.getLogger(__name__)
 
 STATS_INTERVAL_S = 1.0
@@ -142,6 +144,8 @@ class EngineSession(QObject):
         self.ensure_worker()
         self.model_path = str(model_path)
         self.load_options = dict(options or {})
+        # what the model's expert tier learns (routing statistics) is kept per model, so it starts warm next time
+        self.load_options.setdefault("state_dir", str(model_state_dir(user_paths(), self.model_path)))
         self.crash_reason = ""
         self._set_state("loading")
         request_id = self.client.request("load", model=self.model_path, options=self.load_options)

@@ -68,7 +68,7 @@ def run(args) -> int:
     import signal
     import threading
 
-    from app.paths import user_paths
+    from app.paths import model_state_dir, user_paths
     from app.resolve import ResolveError, resolve_model
     from app.settings import Settings
 
@@ -100,7 +100,8 @@ def run(args) -> int:
     from runtime.service import LoadOptions, Service, ServiceError
 
     options = LoadOptions(device=args.device or settings.get("device"), max_batch=args.max_batch,
-                          context_length=args.context or settings.get("context_length"), vram_budget=budget)
+                          context_length=args.context or settings.get("context_length"), vram_budget=budget,
+                          state_dir=str(model_state_dir(paths, package)))
     service = Service(max_queue=args.max_queue)
     try:
         try:

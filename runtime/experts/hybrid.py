@@ -848,7 +848,12 @@ def hybrid_experts_factory(package, spec: ExpertSpec, *, device, dtype, vram_bud
                  store.nbytes / 1e9, "page-locked" if ls["pinned"] else "pageable (pinning refused)",
                  ls["allocate"] + ls["copy"] + ls["pin"], ls["method"], ls["threads"], ls["pin"])
     n_slots = plan.expert_slots if slots is None else slots
-    stats = RoutingStats.load(routing_stats_path) if routing_stats_path else RoutingStats()
+    stats = RoutingStats()
+    if routing_stats_path:
+        try:
+            stats = RoutingStats.load(Path(routing_stats_path))
+        except ValueError as exc:        # learned statistics, not the user's data: start cold, overwrite later
+            log.warning("%s; the expert cache starts cold", exc)
     hot = tuple(stats.hot_set(min(n_slots, len(stats.counts)) // 2))     # half the pool warm, half adaptive
     if hot_all:
         hot = hot_all
