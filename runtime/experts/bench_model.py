@@ -228,7 +228,8 @@ def run_model(name: str, args, hw, report: dict) -> None:
                         "hit_rate": c["hit_rate"], "cpu_share": c["cpu_share"], "split": split_label,
                         "peak_vram_gib": torch.cuda.max_memory_allocated() / GiB if device.type == "cuda" else 0,
                         "host_rss_gib": host_rss() / GiB, "host_us_per_call": host_breakdown(c),
-                        "misses_per_token": misses / sequences}
+                        "misses_per_token": misses / sequences,
+                        "distinct_per_layer": distinct_per_layer(dec if sequences == 1 else bat.cpu().numpy())}
             model.set_experts(experts)
             modes = [m == "graphs" for m in args.modes if graphs.capture or m == "eager"]
             ctl = hybrid.share_controller                 # --cpu-share auto on zero-copy: learned, else None
@@ -308,7 +309,7 @@ def run_model(name: str, args, hw, report: dict) -> None:
                                  "hit_rate": c["hit_rate"], "cpu_share": c["cpu_share"],
                                  "split": "stream" if c["stream_calls"] else hybrid.split.mode,
                                  "peak_vram_gib": torch.cuda.max_memory_allocated() / GiB if device.type == "cuda" else 0,
-                                 "host_rss_gib": host_rss() / GiB})
+                                 "host_rss_gib": host_rss() / GiB, "distinct_per_layer": distinct_per_layer(pre[None])})
                     print(_fmt(rows[-1]), flush=True)
                     cache.release()                 # a state slot goes back to the pool
                     del cache
@@ -483,11 +484,23 @@ def ttft_rows(model, graphs, experts, hybrid, args, *, name, label, slots, devic
     return rows
 
 
+def distinct_per_layer(ids) -> float:
+    """ids [S, L, T, K] (S steps or chunks, L layers, T tokens of a call, K experts each) -> the mean number of
+    distinct experts one layer call touches: what a cache and a stream see (issue 10 asks for it beside every
+    figure: a routing that sends every token to the same few experts flatters both)."""
+    import numpy as np
+
+    ids = np.asarray(ids)
+    flat = ids.reshape(ids.shape[0] * ids.shape[1], -1)                     # [S*L, T*K]
+    return float(np.mean([len(np.unique(row)) for row in flat])) if flat.size else 0.0
+
+
 def _fmt(r: dict) -> str:
+    distinct = f"  E/layer {r['distinct_per_layer']:>5.1f}" if "distinct_per_layer" in r else ""
     return (f"{r['model']:<16} {r['budget']:>9} {r['routing']:<7} {r['kind']:<18} slots {r['slots']:>5}  "
             f"{r['tok_s']:>9.1f} tok/s  ceiling {r['ceiling_tok_s']:>8.1f}  {100 * r['of_ceiling']:>5.1f}%  "
             f"hit {100 * r['hit_rate']:>5.1f}%  cpu {100 * r['cpu_share']:>5.1f}%  split {r['split']:<8} "
-            f"VRAM {r['peak_vram_gib']:>6.2f} GiB  RSS {r['host_rss_gib']:>6.2f} GiB")
+            f"VRAM {r['peak_vram_gib']:>6.2f} GiB  RSS {r['host_rss_gib']:>6.2f} GiB{distinct}")
 
 
 def cmd_model(args) -> dict:
