@@ -34,20 +34,9 @@ LAYERS = 6              # store layers the calls rotate over (6 x ~340 MB for th
 
 
 def _graph_us(fn) -> float:
-    from benchmarks.profile_decode_step import record_graph
+    from benchmarks.profile_decode_step import best_replay_us
 
-    g = record_graph(fn)
-    g.replay()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    best = float("inf")
-    for _ in range(REPLAYS):
-        start.record()
-        g.replay()
-        end.record()
-        end.synchronize()
-        best = min(best, start.elapsed_time(end) * 1e3 / CALLS)
-    return best
+    return best_replay_us(fn, calls=CALLS, replays=REPLAYS)
 
 
 def run(models: list[str], tokens: list[int]) -> list[dict]:

@@ -97,20 +97,9 @@ def _compile_worker(job: tuple[str, list[int], str, int, int]) -> int:
 
 def _graph_us(fn, *, replays: int = REPLAYS) -> float:
     """µs per call of fn (which makes CALLS calls) recorded as one CUDA graph; the best of `replays` replays."""
-    from benchmarks.profile_decode_step import record_graph
+    from benchmarks.profile_decode_step import best_replay_us
 
-    g = record_graph(fn)                        # compiled and warmed up outside the capture
-    g.replay()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    best = float("inf")
-    for _ in range(replays):
-        start.record()
-        g.replay()
-        end.record()
-        end.synchronize()
-        best = min(best, start.elapsed_time(end) * 1e3 / CALLS)
-    return best
+    return best_replay_us(fn, calls=CALLS, replays=replays)
 
 
 def sweep(*, tokens: list[int], budget_s: float) -> list[dict]:
