@@ -1,0 +1,62 @@
+"""What a second libgomp pool costs a thread's parallel regions (the CPU-share worker's situation).
+
+    python benchmarks/omp_pools.py MAIN_THREADS WORKER_THREADS
+
+numba's OpenMP layer gives every thread that runs a parallel region its own pool of threads, kept until that
+thread ends. libgomp counts the threads of every pool; once they outnumber the cores it stops spinning between
+regions ("throttled"), so each region wakes its sleeping threads. Here a worker thread runs 300 small parallel
+regions 0.4 ms apart (a decode step's layer calls) after the main thread ran one with MAIN_THREADS threads (1: no
+main pool). Prints the median and p90 µs per region. The hybrid tier's load-time compile used to leave such a
+main pool (fixed in 766334e: it now runs on one thread).
+"""
+from __future__ import annotations
+
+import sys
+import threading
+import time
+
+import numba
+import numpy as np
+from numba import njit, prange
+
+REGIONS = 300
+GAP_S = 0.0004              # between regions: the GPU's part of a layer at 8 GiB
+
+
+@njit(parallel=True, nogil=True)
+def _work(a):
+    s = 0.0
+    for i in prange(a.shape[0]):
+        s += a[i] * 2.0
+    return s
+
+
+def main(argv: list[str]) -> int:
+    main_threads, worker_threads = int(argv[0]), int(argv[1])
+    a = np.ones(20000)
+    numba.set_num_threads(main_threads)
+    _work(a)                                    # compiles; with main_threads > 1 the main thread keeps a pool
+    times: list[float] = []
+
+    def worker() -> None:
+        numba.set_num_threads(worker_threads)
+        for _ in range(REGIONS):
+            t0 = time.perf_counter()
+            _work(a)
+            times.append(time.perf_counter() - t0)
+            until = time.perf_counter() + GAP_S
+            while time.perf_counter() < until:
+                pass
+
+    thread = threading.Thread(target=worker)
+    thread.start()
+    thread.join()
+    times.sort()
+    print(f"threading layer {numba.threading_layer()}; main pool of {main_threads}, worker pool of "
+          f"{worker_threads}: median {1e6 * times[len(times) // 2]:.1f} µs, p90 {1e6 * times[int(0.9 * len(times))]:.1f}"
+          " µs per region")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main(sys.argv[1:] or ["1", "2"]))
