@@ -410,3 +410,25 @@ def test_the_kernel_warm_up_runs_on_one_thread_and_leaves_the_thread_count_alone
         numba.set_num_threads = real
     assert seen and seen[0][0] == 1                      # the kernel ran with one thread...
     assert numba.get_num_threads() == 2 and cpu.threads == 2   # ...and the counts are back
+
+
+def test_with_a_worker_the_decoding_thread_leaves_the_cores_to_its_pool(monkeypatch):
+    """While a CPU-share worker runs, the host-driven path (calls of more than 4 tokens) computes its CPU misses on
+    the decoding thread with only the cores the worker leaves (a second full pool would make libgomp stop spinning
+    for both); results stay exact; without a worker the executor's own count applies."""
+    numba = pytest.importorskip("numba")
+    import os
+
+    cpu = torch.device("cpu")
+    store, tier = _tier(cpu, slots=2, cpu_share=0.5)
+    worker = tier._worker.threads
+    assert tier._host_threads == max(1, (os.cpu_count() or 1) - worker - 1)
+    seen = []
+    real = numba.set_num_threads
+    monkeypatch.setattr(numba, "set_num_threads", lambda n: seen.append(n) or real(1))
+    x, w = torch.randn(6, 64), torch.full((6, 2), 0.5)
+    ids = torch.tensor([[1, 4], [4, 7], [2, 3], [5, 6], [0, 7], [3, 6]])
+    torch.testing.assert_close(tier(1, x, ids, w), _reference(store, 1, x, ids, w), rtol=1e-4, atol=1e-5)
+    assert seen and set(seen) == {tier._host_threads}
+    tier.close()
+    assert tier._worker is None

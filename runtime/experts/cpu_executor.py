@@ -95,15 +95,17 @@ class CpuExecutor:
                 ck.numba.set_num_threads(before)
 
     def run(self, layer: int, x: torch.Tensor, tokens: np.ndarray, experts: np.ndarray,
-            weights: np.ndarray) -> torch.Tensor:
+            weights: np.ndarray, *, threads: int | None = None) -> torch.Tensor:
         """x [T, D] float32 CPU; tokens, experts [A] int64; weights [A] float32 -> [T, D] float32:
-        out[t] = sum over assignments a of token t of weights[a] * expert_{experts[a]}(x[t])."""
+        out[t] = sum over assignments a of token t of weights[a] * expert_{experts[a]}(x[t]).
+        `threads`: this call's kernel threads (default: the executor's)."""
         x = x.to(torch.float32).contiguous()
         out = torch.zeros_like(x)
         if len(experts) == 0:
             return out
-        if self.threads:               # numba's thread count is per calling thread: set it where the work runs
-            ck.numba.set_num_threads(self.threads)
+        threads = threads or self.threads
+        if threads:                    # numba's thread count is per calling thread: set it where the work runs
+            ck.numba.set_num_threads(threads)
         if self.int8:                  # the kernel groups the assignments itself (no numpy calls per layer)
             self._kernel_int8(layer, x.numpy(), np.ascontiguousarray(tokens, dtype=np.int64),
                               np.ascontiguousarray(experts, dtype=np.int64),

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 import time
 import weakref
 from dataclasses import dataclass
@@ -112,6 +113,7 @@ class HybridExperts:
         self.layout = store.layout
         self.cuda = self.device.type == "cuda"
         self._box = self._worker = None         # zero-copy decode's CPU share (mailbox, worker thread)
+        self._host_threads = None               # the decoding thread's kernel threads while a worker runs
         # where the learned share is remembered (keyed by the slots this tier really has), or None
         self.share_memory = None if share_memory is None else share_memory.for_slots(options.slots)
         self.cpu_share = 0.0
@@ -231,15 +233,20 @@ class HybridExperts:
             # the worker thread holds the tier only weakly, and the tier's finaliser stops the thread: a model
             # that is unloaded (the service drops the engine) frees its pinned experts and VRAM pool
             tier, layers = weakref.ref(self), store.layers
+            worker_threads = self.cpu.threads or default_worker_threads()
 
             def compute(li, x, tok, experts, w):
                 me = tier()
                 if me is None:
                     raise RuntimeError("the expert tier was unloaded")
-                return me.cpu.run(layers[li], x, tok, experts, w)
+                return me.cpu.run(layers[li], x, tok, experts, w, threads=worker_threads)
 
             self._worker = CpuShareWorker(self._box, compute, int8_args=self.cpu.int8_args() if self.cpu.int8 else None,
-                                          threads=self.cpu.threads or default_worker_threads())
+                                          threads=worker_threads)
+            # the host-driven path's CPU work (calls of 5 tokens up to the streaming threshold) runs on the
+            # decoding thread: with a pool of its own beside the worker's that outnumbered the cores, libgomp
+            # would stop spinning between regions for both (benchmarks/omp_pools.py), so it gets the cores left
+            self._host_threads = max(1, (os.cpu_count() or 1) - worker_threads - 1)
             weakref.finalize(self, self._worker.close)
             self._err_host = torch.zeros(1, dtype=torch.int32, pin_memory=self.cuda)
         else:
@@ -470,7 +477,8 @@ class HybridExperts:
             tok, kk = np.nonzero(published[ids_h] < 0)                          # [A]
             cpu_ids = ids_h[tok, kk]
             c0 = time.perf_counter()
-            cpu_out = self.cpu.run(layer, x_h, tok, cpu_ids, w_h[tok, kk])      # [T, D] float32, host
+            cpu_out = self.cpu.run(layer, x_h, tok, cpu_ids, w_h[tok, kk],      # [T, D] float32, host
+                                   threads=self._host_threads if self._worker is not None else None)
             cpu_s = time.perf_counter() - c0
             back = self._upload(cpu_out) if self._staged_io else cpu_out.to(self.dtype)
             upload_s = time.perf_counter() - c0 - cpu_s
