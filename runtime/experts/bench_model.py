@@ -399,9 +399,10 @@ def worker_counts(hybrid) -> tuple[int, float]:
 
 
 def print_worker_line(hybrid, before: tuple[int, float], row: dict, *, steps: int) -> None:
-    """Under a row with a CPU share: the worker's requests and its busy µs per request (from seeing a request to
-    answering it) over the row's warm-up and timed steps, beside the step's time per layer, so a reader sees
-    whether the CPU's part or the GPU's bounds a layer."""
+    """Under a row with a CPU share: the worker's requests and its µs per request over the row's warm-up and timed
+    steps, beside the step's time per layer. The worker's clock starts when it starts polling, so a request's time
+    includes the wait for it: close to the layer time when requests come back to back (it does not isolate the
+    kernel; docs/hybrid.md)."""
     served, busy = worker_counts(hybrid)
     n = served - before[0]
     if n <= 0:
@@ -410,8 +411,8 @@ def print_worker_line(hybrid, before: tuple[int, float], row: dict, *, steps: in
     per_layer = 1e6 / max(row["tok_s"], 1e-9) * (int(row["kind"].split()[1][1:]) if row["kind"].startswith("decode b")
                                                  else 1) / max(1, len(hybrid.store.layers))
     row.update(worker_requests=n, worker_us_per_request=us)
-    print(f"    CPU worker: {n} requests ({n / steps:.1f} per step), {us:.0f} µs busy each; a layer's share of the "
-          f"step: {per_layer:.0f} µs", flush=True)
+    print(f"    CPU worker: {n} requests ({n / steps:.1f} per step), {us:.0f} µs each from its poll to its answer "
+          f"(the wait for the request included); a layer's share of the step: {per_layer:.0f} µs", flush=True)
 
 
 def host_line(us: dict[str, float]) -> str | None:
