@@ -223,8 +223,11 @@ def run_model(name: str, args, hw, report: dict) -> None:
                 ceiling is the step's miss bytes over both links' rates plus the dense step."""
                 misses = (c["cpu_experts"] + c["fetched_experts"]) / steps                     # per step
                 ceiling = sequences / (misses * store.block_nbytes / ((hw.h2d_gbps + hw.cpu_gbps) * 1e9) + dense_s)
+                laptop = sequences / (misses * store.block_nbytes / (LAPTOP_LINKS_GBPS * 1e9) + dense_s)
                 return {"model": name, "budget": label, "routing": routing, "kind": kind, "slots": slots,
                         "tok_s": tok_s, "ceiling_tok_s": ceiling, "of_ceiling": tok_s / ceiling,
+                        # issue 10's projection: the same share of a ceiling with a laptop's links
+                        "laptop_tok_s": laptop * tok_s / ceiling,
                         "hit_rate": c["hit_rate"], "cpu_share": c["cpu_share"], "split": split_label,
                         "peak_vram_gib": torch.cuda.max_memory_allocated() / GiB if device.type == "cuda" else 0,
                         "host_rss_gib": host_rss() / GiB, "host_us_per_call": host_breakdown(c),
@@ -485,6 +488,9 @@ def ttft_rows(model, graphs, experts, hybrid, args, *, name, label, slots, devic
     return rows
 
 
+LAPTOP_LINKS_GBPS = 12.0 + 60.0     # a laptop's PCIe 4.0 x8 beside DDR5 (issue 10's projection), same dense step
+
+
 def distinct_per_layer(ids) -> float:
     """ids [S, L, T, K] (S steps or chunks, L layers, T tokens of a call, K experts each) -> the mean number of
     distinct experts one layer call touches: what a cache and a stream see (issue 10 asks for it beside every
@@ -498,6 +504,8 @@ def distinct_per_layer(ids) -> float:
 
 def _fmt(r: dict) -> str:
     distinct = f"  E/layer {r['distinct_per_layer']:>5.1f}" if "distinct_per_layer" in r else ""
+    if r.get("laptop_tok_s"):
+        distinct += f"  laptop {r['laptop_tok_s']:>6.1f} tok/s"
     return (f"{r['model']:<16} {r['budget']:>9} {r['routing']:<7} {r['kind']:<18} slots {r['slots']:>5}  "
             f"{r['tok_s']:>9.1f} tok/s  ceiling {r['ceiling_tok_s']:>8.1f}  {100 * r['of_ceiling']:>5.1f}%  "
             f"hit {100 * r['hit_rate']:>5.1f}%  cpu {100 * r['cpu_share']:>5.1f}%  split {r['split']:<8} "
