@@ -3,6 +3,7 @@
 #   (device) bash benchmarks/device_final.sh a   # CUDA tests of the kernels/graphs/engine, CPU-kernel probe,
 #                                                # decode-step profile
 #   (device) bash benchmarks/device_final.sh b   # freetoken bench model (both shapes) and the expert load
+#   (device) bash benchmarks/device_final.sh e   # next session's first run (see the branch below)
 # carry .site (numba, llvmlite, fla-core, platformdirs unpacked, xz). Results under $OUT. Build .site once (the
 # wheels alone pass the 64 MiB carry limit; unpacked and xz-compressed they take ~44 MB):
 #   pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
@@ -59,6 +60,23 @@ elif [ "$1" = d ]; then
   timeout 60 python3 -m runtime.experts.bench model --models qwen3.6-35b-a3b --budgets 8 --routings uniform \
     --cpu-share 0 0.3 --modes graphs --tokens 24 --warmup 6 --prefill-budgets 99 --ttft-context 0 \
     --out "$OUT" 2>&1 | tee "$OUT/bench_q36.txt" | grep -v "^{"
+elif [ "$1" = e ]; then
+  # for the next session (written in session 4, not run): the CPU share after the one-thread warm-up and the host
+  # path's thread count (does one CPU expert still cost more than none?), the learned share's scan, qwen3.6 with
+  # the gather, and the 24 GiB budget
+  timeout 60 python3 benchmarks/omp_pools.py 1 14 > "$OUT/omp_pools.txt" 2>&1
+  timeout 60 python3 benchmarks/omp_pools.py 16 14 >> "$OUT/omp_pools.txt" 2>&1; cat "$OUT/omp_pools.txt"
+  timeout 200 python3 -m runtime.experts.bench model --models qwen3-30b-a3b --budgets 8 --routings uniform \
+    --cpu-share 0 0.1 0.2 0.3 0.4 0.5 auto --modes graphs --batch 4 --tokens 32 --warmup 8 --prefill-budgets 99 \
+    --ttft-context 0 --out "$OUT" 2>&1 | tee "$OUT/bench_q3_shares.txt" | grep -v "^{"
+  mv "$OUT/model.json" "$OUT/model_q3_shares.json" 2>/dev/null
+  timeout 150 python3 -m runtime.experts.bench model --models qwen3.6-35b-a3b --budgets 8 --routings uniform \
+    --cpu-share 0 0.3 auto --gather on off --modes graphs --tokens 24 --warmup 6 --prefill-budgets 99 \
+    --ttft-context 0 --out "$OUT" 2>&1 | tee "$OUT/bench_q36.txt" | grep -v "^{"
+  mv "$OUT/model.json" "$OUT/model_q36.json" 2>/dev/null
+  timeout 120 python3 -m runtime.experts.bench model --models qwen3-30b-a3b --budgets 24 4 --routings uniform \
+    skewed --cpu-share 0 auto --modes graphs --batch 4 --tokens 32 --warmup 8 --prefill-budgets 99 \
+    --ttft-context 0 --out "$OUT" 2>&1 | tee "$OUT/bench_q3_24.txt" | grep -v "^{"
 else
   # decode rows through graphs only (eager rows cost minutes); the CPU share learned (auto; printed with a *),
   # fixed 0 and 0.3
