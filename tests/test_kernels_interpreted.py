@@ -316,6 +316,18 @@ def case_gather_copies_the_missed_blocks():
         assert torch.equal(slots, torch.tensor([[0, -1, 2], [-1, -1, 5]]))
         assert torch.equal(slots, gk.gather_blocks_reference(src, e, want, table=table))
         assert torch.equal(got, want) and torch.equal(got[5], src[6])
+        # tokens of a call that share an expert: copied once, the later assignments point at the first one's row
+        ids = torch.tensor([[3, 7, -1], [7, 3, 5]])
+        got, want = torch.full((6, nbytes), 7, dtype=torch.uint8), torch.full((6, nbytes), 7, dtype=torch.uint8)
+        slots = gk.gather_blocks(src, ids, got)
+        assert torch.equal(slots, torch.tensor([[0, 1, -1], [1, 0, 5]]))
+        assert torch.equal(slots, gk.gather_blocks_reference(src, ids, want)) and torch.equal(got, want)
+        assert bool((got[2:5] == 7).all()) and torch.equal(got[5], src[5])          # rows 3 and 4: not copied
+        e = torch.tensor([[0, 2, 5], [5, 2, 1]])                                     # 1: resident (-1)
+        got, want = torch.zeros(6, nbytes, dtype=torch.uint8), torch.zeros(6, nbytes, dtype=torch.uint8)
+        slots = gk.gather_blocks(src, e, got, table=table)
+        assert torch.equal(slots, torch.tensor([[0, 1, 2], [2, 1, -1]]))
+        assert torch.equal(slots, gk.gather_blocks_reference(src, e, want, table=table)) and torch.equal(got, want)
     try:
         gk.gather_blocks(src, ids, torch.zeros(5, 50, dtype=torch.uint8))
     except ValueError as exc:
@@ -327,7 +339,8 @@ def case_gather_copies_the_missed_blocks():
 def test_gather_copies_the_missed_blocks(interpreter):
     """The zero-copy decode's gather kernel copies block ids[t, k] (or table[ids]) to scratch row t*K + k, in
     chunks, for 16-byte and odd block sizes; rows of -1 (hits, the CPU's share, ids outside the table) are
-    neither read nor written; the slots it returns are what the pool kernels take; the torch reference agrees."""
+    neither read nor written; an expert several tokens share is copied once and its later assignments get the
+    first one's row; the slots it returns are what the pool kernels take; the torch reference agrees."""
     interpreter.run("gather_copies_the_missed_blocks")
 
 
@@ -695,7 +708,7 @@ def test_kernels_compile_for_h200_without_spilling(tmp_path, monkeypatch):
         cases.append((gather_k._gather_kernel,
                       dict(src_ptr="*i32", ids_ptr="*i64", table_ptr="*i64", E=128, dst_ptr="*i32", slots_ptr="*i64",
                            words=2654208 // 4),
-                      dict(LOOKUP=lookup, CHUNK=gather_k.CHUNK_BYTES // 4), gather_k.NUM_WARPS))
+                      dict(LOOKUP=lookup, CHUNK=gather_k.CHUNK_BYTES // 4, ABLOCK=32), gather_k.NUM_WARPS))
     for fn, args, constexprs, warps in cases:
         regs, local, sass = _compile_sm90(fn, args, constexprs, warps, tmp_path)
         assert local == 0, (fn.__name__, constexprs, regs, local)               # no spills

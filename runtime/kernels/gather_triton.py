@@ -10,8 +10,9 @@ takes a share of the misses, the GPU's part still spreads over every SM.
     grid (A, cdiv(words, CHUNK)):  a = assignment (token t = a // K, k = a % K), c = chunk of the block
         row = rows[a]          (or table[ids[a]] with a table: the layer's miss row, expert id -> host row;
                                 an id outside the table counts as -1)
-        row < 0: nothing (a hit, or the CPU's); else dst[a, chunk c] = src[row, chunk c]
-        programs of chunk 0 also write slots[a] = a if row >= 0 else -1: the scratch rows the pool kernels read
+        owner = the first a' <= a with ids[a'] == ids[a] (tokens of a call that share an expert copy it once)
+        row < 0: nothing (a hit, or the CPU's); owner == a: dst[a, chunk c] = src[row, chunk c]
+        programs of chunk 0 also write slots[a] = owner if row >= 0 else -1: the scratch rows the pool kernels read
 
 Nothing on the host depends on the data: the launch records in a CUDA graph. Words are 4 bytes when a block
 is a multiple of 16 bytes (16-byte vector loads), else single bytes.
@@ -34,19 +35,23 @@ NUM_WARPS = 4
 if HAVE_TRITON:
     @triton.jit
     def _gather_kernel(src_ptr, ids_ptr, table_ptr, E, dst_ptr, slots_ptr, words, LOOKUP: tl.constexpr,
-                       CHUNK: tl.constexpr):
+                       CHUNK: tl.constexpr, ABLOCK: tl.constexpr):
         a = tl.program_id(0)
         c = tl.program_id(1)
+        key = tl.load(ids_ptr + a)                         # an expert id (LOOKUP) or a host row
         if LOOKUP:
-            e = tl.load(ids_ptr + a)
-            known = (e >= 0) & (e < E)                     # an id outside the table: skipped, never read past it
-            row = tl.load(table_ptr + tl.where(known, e, 0))
+            known = (key >= 0) & (key < E)                 # an id outside the table: skipped, never read past it
+            row = tl.load(table_ptr + tl.where(known, key, 0))
             row = tl.where(known, row, -1)
         else:
-            row = tl.load(ids_ptr + a)
+            row = key
+        # the call's first assignment of this expert owns the copy; later ones (other tokens) share its row
+        j = tl.arange(0, ABLOCK)
+        earlier = tl.load(ids_ptr + j, mask=j < a, other=-1)
+        owner = tl.min(tl.where((earlier == key) & (j < a), j, a))
         if c == 0:
-            tl.store(slots_ptr + a, tl.where(row >= 0, a, -1).to(slots_ptr.dtype.element_ty))
-        if row >= 0:
+            tl.store(slots_ptr + a, tl.where(row >= 0, owner, -1).to(slots_ptr.dtype.element_ty))
+        if (row >= 0) & (owner == a):
             idx = c * CHUNK + tl.arange(0, CHUNK)
             inside = idx < words
             # one load of the whole chunk before any store: all its reads are in flight together
@@ -66,8 +71,9 @@ def gather_blocks(src: torch.Tensor, ids: torch.Tensor, scratch: torch.Tensor, *
                   table: torch.Tensor | None = None, chunk_bytes: int = CHUNK_BYTES) -> torch.Tensor:
     """src [E, nbytes] uint8 (host memory the GPU may read: page-locked and mapped), ids [T, K] int64 host rows
     (-1: skip), or expert ids looked up in `table` [E] (expert -> host row, -1: skip); scratch [>= T*K, nbytes]
-    uint8 on the device. Copies block ids[t, k] to scratch row t*K + k and returns slots [T, K] int64: that row,
-    or -1 where nothing was copied (what `pool_forward_triton(scratch, ..., slots)` takes). One launch."""
+    uint8 on the device. Copies block ids[t, k] to scratch row t*K + k, once per distinct id (a later assignment
+    of the same expert shares the first one's row), and returns slots [T, K] int64: the row holding the block, or
+    -1 where there is none (what `pool_forward_triton(scratch, ..., slots)` takes). One launch."""
     t, k = ids.shape
     nbytes = src.shape[1]
     if scratch.shape[0] < t * k or scratch.shape[1] != nbytes or scratch.dtype != torch.uint8 or src.dtype != torch.uint8:
@@ -82,8 +88,8 @@ def gather_blocks(src: torch.Tensor, ids: torch.Tensor, scratch: torch.Tensor, *
     words = s.shape[1]
     chunk = triton.next_power_of_2(max(1, chunk_bytes // s.element_size()))
     _gather_kernel[(t * k, triton.cdiv(words, chunk))](
-        s, ids, table if table is not None else ids, 0 if table is None else table.shape[0], d, slots, words, LOOKUP=table is not None, CHUNK=chunk,
-        num_warps=NUM_WARPS)
+        s, ids, table if table is not None else ids, 0 if table is None else table.shape[0], d, slots, words,
+        LOOKUP=table is not None, CHUNK=chunk, ABLOCK=max(16, triton.next_power_of_2(t * k)), num_warps=NUM_WARPS)
     return slots
 
 
@@ -91,12 +97,15 @@ def gather_blocks_reference(src: torch.Tensor, ids: torch.Tensor, scratch: torch
                             table: torch.Tensor | None = None) -> torch.Tensor:
     """The same in torch (CPU tests and devices without Triton)."""
     t, k = ids.shape
+    keys = ids.reshape(-1).tolist()
     if table is not None:
         inside = (ids >= 0) & (ids < table.shape[0])
         ids = torch.where(inside, table[ids.clamp(0, table.shape[0] - 1)], -1)
-    rows = ids.reshape(-1)
-    take = rows >= 0
-    a = torch.arange(t * k, device=ids.device)
-    if bool(take.any()):
-        scratch[a[take].to(scratch.device)] = src[rows[take].to(src.device)].to(scratch.device)
-    return torch.where(take, a, -1).view(t, k).to(scratch.device)
+    rows = ids.reshape(-1).tolist()
+    slots, first = [], {}
+    for a, (key, row) in enumerate(zip(keys, rows)):
+        owner = first.setdefault(key, a)
+        slots.append(owner if row >= 0 else -1)
+        if row >= 0 and owner == a:
+            scratch[a] = src[row].to(scratch.device)
+    return torch.tensor(slots, dtype=torch.int64, device=scratch.device).view(t, k)
