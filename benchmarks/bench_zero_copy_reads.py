@@ -13,8 +13,8 @@ CALLS calls over different experts (several layers of the store: no call finds i
   dma        one cudaMemcpyAsync per missed block (copy engines; needs the host to know the misses, so not a
              decode-step option: the link's practical limit), then the pool kernels over the scratch
 
-Prints us per call and GB/s of missed expert bytes, per way and per number of misses (a CPU share leaves the GPU
-fewer). Chunk sizes of the gather kernel are swept too.
+Prints us per call and GB/s of distinct missed expert bytes (an expert several tokens share counts once), per way
+and per number of misses (a CPU share leaves the GPU fewer). Chunk sizes of the gather kernel are swept too.
 """
 from __future__ import annotations
 
@@ -74,7 +74,8 @@ def run(models: list[str], tokens: list[int]) -> list[dict]:
                     a = torch.arange(t * k).view(t, k)
                     calls.append((hosts[c % len(hosts)], r.to(dev), r.flatten().tolist(),
                                   torch.where(r >= 0, a, -1).to(dev)))
-                nbytes = m * nb
+                # bytes of distinct missed blocks per call: the gather copies an expert shared by tokens once
+                nbytes = sum(len({row for row in flat if row >= 0}) for _, _, flat, _ in calls) / CALLS * nb
 
                 def in_place():
                     for host, r, _, _ in calls:
