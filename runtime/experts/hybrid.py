@@ -477,8 +477,8 @@ class HybridExperts:
             tok, kk = np.nonzero(published[ids_h] < 0)                          # [A]
             cpu_ids = ids_h[tok, kk]
             c0 = time.perf_counter()
-            cpu_out = self.cpu.run(layer, x_h, tok, cpu_ids, w_h[tok, kk],      # [T, D] float32, host
-                                   threads=self._host_threads if self._worker is not None else None)
+            beside = {"threads": self._host_threads} if self._worker is not None else {}
+            cpu_out = self.cpu.run(layer, x_h, tok, cpu_ids, w_h[tok, kk], **beside)   # [T, D] float32, host
             cpu_s = time.perf_counter() - c0
             back = self._upload(cpu_out) if self._staged_io else cpu_out.to(self.dtype)
             upload_s = time.perf_counter() - c0 - cpu_s
