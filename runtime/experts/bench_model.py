@@ -395,27 +395,30 @@ def warm_up_share(ctl, model, graphs, experts, router, args, *, layers: int, ste
         experts.decode_ids.copy_(timed_ids)
 
 
-def worker_counts(hybrid) -> tuple[int, float]:
-    """(requests served, seconds busy) of the tier's CPU-share worker so far; (0, 0) without one."""
+def worker_counts(hybrid) -> tuple[int, float, float]:
+    """(requests served, seconds in its serving calls, seconds from seeing requests to answering them: 0 where
+    the cycle counter is unavailable) of the tier's CPU-share worker so far; zeros without one."""
     w = getattr(hybrid, "_worker", None)
-    return (0, 0.0) if w is None else (w.served, w.busy_seconds)
+    return (0, 0.0, 0.0) if w is None else (w.served, w.busy_seconds, w.kernel_seconds or 0.0)
 
 
 def print_worker_line(hybrid, before: tuple[int, float], row: dict, *, steps: int) -> None:
-    """Under a row with a CPU share: the worker's requests and its µs per request over the row's warm-up and timed
-    steps, beside the step's time per layer. The worker's clock starts when it starts polling, so a request's time
-    includes the wait for it: close to the layer time when requests come back to back (it does not isolate the
-    kernel; docs/hybrid.md)."""
-    served, busy = worker_counts(hybrid)
+    """Under a row with a CPU share: the worker's requests and the µs each took from the worker seeing it to its
+    answer (the compiled loop's cycle counter: the kernel and the answer, not the wait), beside the step's time
+    per layer, so a reader sees whether the CPU's part bounds a layer; also the µs of its serving calls, waits
+    included (close to the layer time when requests come back to back)."""
+    served, busy, kernel = worker_counts(hybrid)
     n = served - before[0]
     if n <= 0:
         return
     us = 1e6 * (busy - before[1]) / n
+    kernel_us = 1e6 * (kernel - before[2]) / n
     per_layer = 1e6 / max(row["tok_s"], 1e-9) * (int(row["kind"].split()[1][1:]) if row["kind"].startswith("decode b")
                                                  else 1) / max(1, len(hybrid.store.layers))
-    row.update(worker_requests=n, worker_us_per_request=us)
-    print(f"    CPU worker: {n} requests ({n / steps:.1f} per step), {us:.0f} µs each from its poll to its answer "
-          f"(the wait for the request included); a layer's share of the step: {per_layer:.0f} µs", flush=True)
+    row.update(worker_requests=n, worker_us_per_request=us, worker_kernel_us_per_request=kernel_us)
+    print(f"    CPU worker: {n} requests ({n / steps:.1f} per step), {kernel_us:.0f} µs each from seeing it to "
+          f"answering (cycle counter; {us:.0f} µs with the waits); a layer's share of the step: {per_layer:.0f} µs",
+          flush=True)
 
 
 def host_line(us: dict[str, float]) -> str | None:

@@ -88,12 +88,28 @@ try:
         """word[0] = value with release semantics (the answer's rows are visible before it)."""
         _store_release(word, 0, value)
 
+    @intrinsic
+    def _cycles(typingctx):
+        """The CPU's cycle counter (rdtsc on x86; 0 where LLVM has none): a clock compiled code can read."""
+        sig = types.int64()
+
+        def codegen(context, builder, sig, args):
+            fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(ir.IntType(64), []),
+                                                "llvm.readcyclecounter")
+            return builder.call(fn, [])
+        return sig, codegen
+
     @njit(nogil=True, cache=True)
-    def serve_int8(req, resp, meta, ids, weights, x, out, last, spins, codec, bufs, g_scale, u_scale, d_scale,
-                   nbytes, offs, has_bias, inter, group, table, activation, alpha, limit):
+    def read_cycles():
+        return _cycles()
+
+    @njit(nogil=True, cache=True)
+    def serve_int8(req, resp, meta, ids, weights, x, out, last, spins, clock, codec, bufs, g_scale, u_scale,
+                   d_scale, nbytes, offs, has_bias, inter, group, table, activation, alpha, limit):
         """The worker's whole request loop in compiled code, without the GIL: poll the request word, gather the
         CPU's assignments, run the int8 kernel over the layer's blocks, answer. Returns the last ticket served
-        once `spins` polls saw nothing new (the Python side then checks its stop flag and naps)."""
+        once `spins` polls saw nothing new (the Python side then checks its stop flag and naps). clock [2] int64
+        accumulates the cycles from seeing a request to answering it, and the requests answered."""
         k = ids.shape[0] // x.shape[0]
         while True:
             seq = _load_acquire(req, 0)
@@ -103,6 +119,7 @@ try:
                 n += 1
             if seq == last:
                 return last
+            c0 = _cycles()
             li, t = meta[0], meta[1]
             a = 0
             for j in range(t * k):
@@ -124,6 +141,8 @@ try:
                                group, table, x[:t], tok, exp, w, g_scale[li], u_scale[li], d_scale[li], activation,
                                alpha, limit, rows)
             _store_release(resp, 0, seq)
+            clock[0] += _cycles() - c0
+            clock[1] += 1
             last = seq
 
     HAVE_NUMBA = True
@@ -138,6 +157,16 @@ except ImportError:           # numba absent: the worker polls in Python (tests;
 
     def publish(word, value):
         word[0] = value
+
+
+def _cycle_rate(seconds: float = 0.02) -> float:
+    """Cycles per second of `read_cycles`, against perf_counter over `seconds` (0 where the counter reads 0)."""
+    read_cycles()                                   # compiled (or loaded) before the clock starts
+    t0, c0 = time.perf_counter(), int(read_cycles())
+    while time.perf_counter() - t0 < seconds:
+        pass
+    t1, c1 = time.perf_counter(), int(read_cycles())
+    return (c1 - c0) / (t1 - t0) if c1 > c0 else 0.0
 
 
 class Mailbox:
@@ -191,9 +220,12 @@ class CpuShareWorker:
         b = box._np
         spin_until_changed(b["req"], int(b["req"][0]), 0)
         publish(np.zeros(1, dtype=np.int64), 0)
+        self._clock = np.zeros(2, dtype=np.int64)       # compiled serving: cycles busy, requests answered
+        self._cycles_per_s = 0.0
         if int8_args is not None and HAVE_NUMBA:
             serve_int8(b["req"], b["resp"], b["meta"], b["ids"], b["weights"], b["x"], b["out"], int(b["req"][0]), 0,
-                       *int8_args)
+                       self._clock, *int8_args)
+            self._cycles_per_s = _cycle_rate()
         self.error: BaseException | None = None
         self.served = 0
         self.busy_seconds = 0.0
@@ -242,7 +274,15 @@ class CpuShareWorker:
         """Every request that comes within `spins` polls, in compiled code; the last ticket answered."""
         b = self.box._np
         return int(serve_int8(b["req"], b["resp"], b["meta"], b["ids"], b["weights"], b["x"], b["out"], last, spins,
-                              *self.int8_args))
+                              self._clock, *self.int8_args))
+
+    @property
+    def kernel_seconds(self) -> float | None:
+        """Compiled serving: seconds from seeing requests to answering them (the kernel and the answer, not the
+        wait for the request), by the CPU's cycle counter; None where that clock is unavailable."""
+        if not self._cycles_per_s:
+            return None
+        return float(self._clock[0]) / self._cycles_per_s
 
     def _serve_python(self, last: int, spins: int) -> int:
         """At most one request, through `compute`; its ticket (== last when none came)."""
