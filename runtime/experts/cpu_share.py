@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import logging
 import os
+import platform
 import sys
 import threading
 import time
@@ -40,6 +41,7 @@ IDLE_SLEEP_S = 0.0005         # then it naps this long between spins: an idle ap
 GIL_SWITCH_S = 5e-5           # the interpreter's thread switch interval while a worker runs
 QUIET_AFTER_S = 0.05          # no request for this long: poll lazily...
 QUIET_SLEEP_S = 0.005         # ...every 5 ms
+_HAVE_TSC = platform.machine().lower() in ("x86_64", "amd64")   # rdtsc: readable from user space
 
 try:
     from llvmlite import ir
@@ -90,10 +92,13 @@ try:
 
     @intrinsic
     def _cycles(typingctx):
-        """The CPU's cycle counter (rdtsc on x86; 0 where LLVM has none): a clock compiled code can read."""
+        """The CPU's time-stamp counter (rdtsc) on x86, a clock compiled code can read; 0 elsewhere (on ARM the
+        cycle counter register may trap in user space)."""
         sig = types.int64()
 
         def codegen(context, builder, sig, args):
+            if not _HAVE_TSC:
+                return context.get_constant(types.int64, 0)
             fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(ir.IntType(64), []),
                                                 "llvm.readcyclecounter")
             return builder.call(fn, [])
