@@ -31,21 +31,27 @@ GPU, HYBRID, CPU, NO_FIT, UNKNOWN = "gpu", "hybrid", "cpu", "does_not_fit", "unk
 @dataclass(frozen=True)
 class CostModel:
     """Peak rates x efficiencies (low, high). Every pair is a calibration; see docs/library.md."""
-    # Calibrated on the hybrid benchmark (docs/hybrid.md, H200 + 16-core Xeon, 2026-11-30; the ranges
-    # bracket the measured qwen3-30b-a3b int4 rows: decode b1 16.5 tok/s at 8 GiB, 20.1 at 12 GiB, 38-43
-    # all in VRAM; prefill 16K at 8 GiB 9,696 tok/s). Re-fit when those rows change (docs/library.md).
-    # Share of the machine's measured memory-read bandwidth the CPU expert kernel reaches at batch 1
-    # (measured: 21.8 of 106 GB/s at 16 threads; whole CPU-miss steps reach 14% of their ceiling).
+    # Refitted on the fourth hybrid pass (docs/hybrid.md, "Fourth session"; H200 + 16-core Xeon, 2026-11-30,
+    # commit cc44398): the ranges bracket the measured qwen3-30b-a3b int4 rows, decode b1 51.3-55.5 tok/s at
+    # 8 GiB, 63.3-73.1 at 12 GiB, 272-292 all in VRAM; prefill at 8 GiB 19,019 (16K) - 21,636 (8K) tok/s.
+    # Re-fit when those rows change (docs/library.md).
+    # Share of the machine's measured memory-read bandwidth the CPU expert kernel reaches when the CPU computes
+    # every miss (CPU-only plans; first pass: 21.8 of 106 GB/s at 16 threads, whole steps at 14% of their
+    # ceiling; not re-measured since the int8 kernel).
     cpu_kernel_efficiency: tuple[float, float] = (0.14, 0.21)
-    # Share of the PCIe link estimate (lanes x per-lane rate) that pinned expert copies reach in decode.
-    h2d_efficiency: tuple[float, float] = (0.20, 0.35)
+    # ...and the bandwidth a GPU plan's CPU share adds beside the GPU's own reads: small on a fast link (the H200:
+    # +8 % at share 0.3), more where PCIe is slow next to RAM.
+    cpu_share_efficiency: tuple[float, float] = (0.03, 0.06)
+    # Share of the PCIe link estimate (lanes x per-lane rate) that decode's missed experts reach: the zero-copy
+    # gather kernel moves 48.8 GB/s with its compute on the H200's 51.2 GB/s estimate.
+    h2d_efficiency: tuple[float, float] = (0.93, 0.97)
     # Share of peak VRAM bandwidth a batch-1 decode step reaches (small GEMVs, attention, launches).
     gpu_bandwidth_efficiency: tuple[float, float] = (0.45, 0.75)
-    # Fixed cost of one MoE layer in a decode step beyond its bytes (routing, table lookups, launches,
-    # the CPU/GPU hand-off), seconds: (slow end, fast end). It is what bounds the all-in-VRAM rows.
-    decode_layer_overhead_s: tuple[float, float] = (0.55e-3, 0.40e-3)
-    # Share of the PCIe link that layer-by-layer expert streaming reaches in prefill.
-    prefill_stream_efficiency: tuple[float, float] = (0.30, 0.37)
+    # Fixed cost of one MoE layer in a decode step beyond its bytes (kernel gaps inside the step's CUDA graph,
+    # small kernels), seconds: (slow end, fast end). It is what bounds the all-in-VRAM rows.
+    decode_layer_overhead_s: tuple[float, float] = (0.060e-3, 0.040e-3)
+    # Share of the PCIe link that layer-by-layer expert streaming reaches in prefill (per uncached byte).
+    prefill_stream_efficiency: tuple[float, float] = (0.55, 0.65)
     # Dense bf16 tensor throughput for prefill when NVML cannot tell (TFLOP/s), and the share reached.
     gpu_tflops_default: float = 40.0
     gpu_flops_efficiency: tuple[float, float] = (0.30, 0.60)
@@ -181,11 +187,15 @@ def _decode_range(shape, plan, machine: Machine, cost: CostModel, dense_read: fl
     all_on_gpu = per_token_blocks * shape.expert_block_bytes + dense_read
     cpu_dense = dense_read if plan.dense_on == "cpu" else 0.0
     rates = []
+    gpu_plan = hw.has_cuda and plan.dense_on == "cuda"
     for i in (0, 1):
         cpu_bw = machine.cpu_read_gbps * cost.cpu_kernel_efficiency[i] * GB
         pcie = hw.h2d_gbps * cost.h2d_efficiency[i] * GB if hw.has_cuda else 0.0
+        # a GPU plan reads misses over PCIe and hands the CPU only the share that pays; a CPU plan's kernel
+        # computes every miss
+        miss_cpu_bw = machine.cpu_read_gbps * cost.cpu_share_efficiency[i] * GB if gpu_plan else cpu_bw
         gpu_bw = machine.gpu_gbps * cost.gpu_bandwidth_efficiency[i] * GB
-        t_miss = miss_bytes / (cpu_bw + pcie) if miss_bytes else 0.0
+        t_miss = miss_bytes / (miss_cpu_bw + pcie) if miss_bytes else 0.0
         t_cpu_dense = cpu_dense / cpu_bw if cpu_dense else 0.0
         t_gpu = gpu_bytes / gpu_bw if gpu_bytes else 0.0
         t_disk = disk_bytes / (cost.disk_gbps[i] * GB) if disk_bytes else 0.0

@@ -83,11 +83,27 @@ def test_experts_read_from_disk_slow_decode_down():
 
 def test_cost_model_efficiencies_bound_the_range():
     m = machine()
-    wide = fit("qwen3-30b-a3b-instruct-2507", m, cost=CostModel(cpu_kernel_efficiency=(0.1, 1.0)))
-    narrow = fit("qwen3-30b-a3b-instruct-2507", m, cost=CostModel(cpu_kernel_efficiency=(0.5, 0.5),
+    wide = fit("qwen3-30b-a3b-instruct-2507", m, cost=CostModel(cpu_share_efficiency=(0.01, 1.0),
+                                                                 h2d_efficiency=(0.5, 1.0)))
+    narrow = fit("qwen3-30b-a3b-instruct-2507", m, cost=CostModel(cpu_share_efficiency=(0.3, 0.3),
                                                                    h2d_efficiency=(0.8, 0.8),
                                                                    gpu_bandwidth_efficiency=(0.6, 0.6)))
+    assert wide.verdict == HYBRID
     assert wide.decode_tok_s[0] < narrow.decode_tok_s[0] <= narrow.decode_tok_s[1] < wide.decode_tok_s[1]
+
+
+def test_a_gpu_plan_reads_misses_over_pcie_and_a_cpu_plan_on_the_cpu_kernel():
+    """A hybrid plan's misses come over PCIe with a small CPU share beside (the kernel's own efficiency does not
+    move it); a CPU-only plan's come from the CPU kernel alone (the share's efficiency does not move it)."""
+    gpu, cpu = machine(), machine(cuda=False)
+    qwen = "qwen3-30b-a3b-instruct-2507"
+    base, fast_kernel, fast_share = CostModel(), CostModel(cpu_kernel_efficiency=(0.6, 0.6)), \
+        CostModel(cpu_share_efficiency=(0.6, 0.6))
+    assert fit(qwen, gpu).verdict == HYBRID and fit(qwen, cpu).verdict == CPU
+    assert fit(qwen, gpu, cost=fast_kernel).decode_tok_s == fit(qwen, gpu, cost=base).decode_tok_s
+    assert fit(qwen, gpu, cost=fast_share).decode_tok_s[0] > fit(qwen, gpu, cost=base).decode_tok_s[0]
+    assert fit(qwen, cpu, cost=fast_share).decode_tok_s == fit(qwen, cpu, cost=base).decode_tok_s
+    assert fit(qwen, cpu, cost=fast_kernel).decode_tok_s[0] > fit(qwen, cpu, cost=base).decode_tok_s[0]
 
 
 def test_this_machine_without_a_gpu_gets_cpu_only_badges(tmp_path):
