@@ -158,7 +158,8 @@ def estimate(config: dict, *, codec: str, machine: Machine, context_length: int,
     # dense weights a token reads: all but the input embedding table (one row of it) and the vision tower/MTP
     dense_read = max(0, (counts.active - shape.moe_layers * shape.top_k * counts.per_expert)) * shape.dense_bytes_per_param
     fit.decode_tok_s = _decode_range(shape, plan, machine, cost, dense_read)
-    fit.prefill_tok_s = _prefill_range(shape, plan, machine, cost, active)
+    fit.prefill_tok_s = _prefill_range(shape, plan, machine, cost, active,
+                                       expert_params=shape.moe_layers * shape.top_k * counts.per_expert)
     if plan.backend == GPU:
         fit.badge = "Runs fully on the GPU"
     elif plan.backend == HYBRID:
@@ -207,9 +208,11 @@ def _decode_range(shape, plan, machine: Machine, cost: CostModel, dense_read: fl
     return rates[0], rates[1]
 
 
-def _prefill_range(shape, plan, machine: Machine, cost: CostModel, active_params: int) -> tuple[float, float]:
+def _prefill_range(shape, plan, machine: Machine, cost: CostModel, active_params: int, *,
+                   expert_params: int = 0) -> tuple[float, float]:
     """tokens/s over a long prompt. GPU paths: compute, or the PCIe stream of uncached experts per chunk,
-    whichever is slower. CPU only: compute on the cores."""
+    whichever is slower; a hybrid plan without room for the stream buffers computes its experts on the cores.
+    CPU only: compute on the cores."""
     from runtime.experts.planner import PREFILL_CHUNK_TOKENS
 
     hw = machine.hardware
@@ -221,6 +224,11 @@ def _prefill_range(shape, plan, machine: Machine, cost: CostModel, active_params
             rates.append(gflops * 1e9 / flops_per_token)
             continue
         t_compute = flops_per_token / (machine.gpu_tflops * cost.gpu_flops_efficiency[i] * 1e12)
+        if plan.backend == HYBRID and not getattr(plan, "prefill_streaming", True):
+            cpu_flops = machine.cpu_cores * cost.cpu_gflops_per_core[i] * 1e9
+            rates.append(1.0 / max(t_compute, 2.0 * expert_params * (1 - plan.expert_slots / plan.expert_total)
+                                   / cpu_flops))
+            continue
         chunk = min(PREFILL_CHUNK_TOKENS, plan.kv_tokens)      # the planner's streaming unit
         streamed = max(0, plan.experts_bytes - plan.pool_bytes)
         t_stream = (streamed / (hw.h2d_gbps * cost.prefill_stream_efficiency[i] * GB) / chunk

@@ -145,3 +145,15 @@ def test_a_family_the_catalog_cannot_count_gets_placement_without_speed():
     result = estimate(config, codec="int4", machine=machine(), context_length=4096)
     assert result.verdict == HYBRID and result.badge.startswith("Hybrid")
     assert result.decode_tok_s is None and "no speed estimate" in result.notes[-1]
+
+
+def test_a_plan_without_stream_buffers_prefills_on_the_cores():
+    """Where VRAM holds the dense weights and KV but not the prefill stream buffers, the plan stays hybrid (decode
+    from the GPU) and the prefill estimate is the cores' expert compute, far below a streaming plan's."""
+    qwen = "qwen3-30b-a3b-instruct-2507"
+    tight = fit(qwen, machine(vram_gib=4.5), context=4096)
+    roomy = fit(qwen, machine(vram_gib=8), context=4096)
+    assert tight.verdict == roomy.verdict == HYBRID
+    assert tight.plan["prefill_streaming"] is False and roomy.plan["prefill_streaming"] is True
+    assert tight.prefill_tok_s[1] < roomy.prefill_tok_s[0] / 3
+    assert tight.decode_tok_s[0] > fit(qwen, machine(vram_gib=4.5, cuda=False), context=4096).decode_tok_s[1]

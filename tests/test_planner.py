@@ -197,3 +197,57 @@ def test_bad_config_names_the_field():
         ModelShape.from_config(QWEN3_30B, codec="int3")
     with pytest.raises(ValueError, match="context_length"):
         plan_memory(ModelShape.from_config(QWEN3_30B), gpu(8), context_length=0)
+
+
+def test_without_room_for_the_stream_buffers_the_dense_weights_stay_on_the_gpu():
+    """A 4 GiB budget at a 4K context: dense weights + KV + workspace fit, two layers of prefill stream buffers do
+    not. The plan keeps the GPU (decode reads misses over PCIe into the small decode scratch) with streaming off
+    and says so, instead of falling back to the CPU; a context that leaves no room even for that falls back."""
+    from runtime.experts.planner import DECODE_SCRATCH_TOKENS, STAGING_RING_BLOCKS_PER_LAYER
+
+    shape = ModelShape.from_config(QWEN3_30B, codec="int4")
+    budget = 4 * GiB
+    plan = plan_memory(shape, gpu(80), context_length=4096, vram_budget=budget)
+    scratch = DECODE_SCRATCH_TOKENS * shape.top_k * shape.expert_block_bytes
+    fixed = plan.dense_bytes + plan.kv_bytes + plan.workspace_bytes
+    assert fixed + scratch + STAGING_RING_BLOCKS_PER_LAYER * shape.layer_experts_bytes > budget   # the premise
+    assert plan.backend == "hybrid" and plan.dense_on == "cuda" and not plan.prefill_streaming
+    assert plan.stream_buffer_bytes == scratch and plan.vram_planned <= budget
+    assert plan.expert_slots == (budget - fixed - scratch) // shape.expert_block_bytes
+    assert any("prefill stream buffers" in note for note in plan.notes)
+    roomy = plan_memory(shape, gpu(80), context_length=4096, vram_budget=6 * GiB)
+    assert roomy.backend == "hybrid" and roomy.prefill_streaming
+    tight = plan_memory(shape, gpu(80), context_length=16384, vram_budget=budget)
+    assert tight.backend == "cpu" and tight.dense_on == "cpu"
+
+
+def test_a_plan_without_streaming_builds_a_tier_that_never_streams(monkeypatch):
+    """hybrid_experts_factory turns the plan's `prefill_streaming=False` into a stream threshold no call reaches
+    (a long prompt's layer calls then take the host-driven path, their experts on the CPU); a plan with streaming
+    keeps the computed threshold."""
+    import dataclasses
+
+    import torch
+
+    from runtime.experts import planner
+    from runtime.experts.host_store import HostExpertStore
+    from runtime.experts.hybrid import NEVER_STREAM, hybrid_experts_factory
+    from runtime.experts.interface import ExpertSpec
+
+    store = HostExpertStore.synthetic(layers=2, num_experts=8, hidden=64, intermediate=64, codec="int4")
+
+    class Package:
+        config = {"model_type": "qwen3_moe", "num_hidden_layers": 2, "hidden_size": 64, "num_experts": 8,
+                  "num_experts_per_tok": 2, "moe_intermediate_size": 64, "num_attention_heads": 4,
+                  "num_key_value_heads": 2, "head_dim": 16, "vocab_size": 128, "intermediate_size": 128}
+        experts = store
+
+    monkeypatch.setattr(HostExpertStore, "from_ftw", staticmethod(lambda experts: experts))
+    real = planner.plan_memory
+    for streaming in (False, True):
+        monkeypatch.setattr(planner, "plan_memory", lambda *a, s=streaming, **k: dataclasses.replace(
+            real(*a, **k), backend="hybrid", prefill_streaming=s))
+        tier = hybrid_experts_factory(Package(), ExpertSpec(), device="cpu", dtype=torch.float32, slots=4,
+                                      hardware=gpu(8))
+        assert (tier.stream_threshold == NEVER_STREAM) == (not streaming)
+        assert tier.stream_threshold < 10 ** 6 or not streaming

@@ -49,6 +49,7 @@ from runtime.kernels.expert_pool import pool_forward, pool_forward_grouped
 log = logging.getLogger(__name__)
 
 ZERO_COPY_MAX_TOKENS = DECODE_SCRATCH_TOKENS   # zero-copy moves an expert per assignment: only a few tokens
+NEVER_STREAM = 1 << 62                 # a stream threshold no call reaches
 ZERO_COPY_OF_H2D = 0.75                # the pool kernels reading host memory in place: ~41 of 55 GB/s (H200)
 CPU_KERNEL_OF_READ = 0.55              # the int8 CPU kernel: ~52 of ~95 GB/s of the host's read bandwidth
 STREAM_TOKENS_PER_ACTIVE_SHARE = 32   # stream a layer when tokens >= 32 * E / K (each byte serves enough tokens)
@@ -867,7 +868,9 @@ def hybrid_experts_factory(package, spec: ExpertSpec, *, device, dtype, vram_bud
         hot = hot_all
     options = HybridOptions(slots=n_slots, policy=policy, hot_set=hot, cpu_gbps=hw.cpu_gbps or 20.0,
                             h2d_gbps=hw.h2d_gbps or 20.0, top_k=shape.top_k, zero_copy=zero_copy,
-                            cpu_share=cpu_share)
+                            cpu_share=cpu_share,
+                            # no room was planned for the stream buffers: prompts' experts stay on the CPU
+                            stream_threshold=None if plan.prefill_streaming else NEVER_STREAM)
     prefetcher = None
     if prefetch:
         from runtime.experts.prefetch import NextLayerPrefetcher

@@ -315,6 +315,8 @@ class Plan:
     shortfall_bytes: int = 0              # does_not_fit: what is missing
     short_of: str = ""                    # "vram" | "ram" | ""
     estimated_decode_tok_s: float = 0.0   # uniform routing, bandwidth-bound; 0 when unknown
+    prefill_streaming: bool = True        # hybrid: prompt chunks stream layers of experts to the GPU (False: no
+                                          # room for the buffers; their experts run on the CPU instead)
     notes: list[str] = field(default_factory=list)
 
     def summary_lines(self) -> list[str]:
@@ -391,9 +393,18 @@ def plan_memory(shape: ModelShape, hw: Hardware, *, context_length: int = 8192, 
                     estimated_decode_tok_s=_decode_estimate(shape, hw, slots=shape.total_experts), notes=notes, **base)
 
     # 2. Hybrid: dense, KV, states and a slot pool on the GPU; every expert in host memory.
-    stream = STAGING_RING_BLOCKS_PER_LAYER * shape.layer_experts_bytes \
-        + DECODE_SCRATCH_TOKENS * shape.top_k * shape.expert_block_bytes
+    scratch = DECODE_SCRATCH_TOKENS * shape.top_k * shape.expert_block_bytes
+    stream = STAGING_RING_BLOCKS_PER_LAYER * shape.layer_experts_bytes + scratch
     gpu_ok = hw.has_cuda and fixed_gpu + stream + shape.expert_block_bytes * shape.top_k <= budget
+    streaming = True
+    if hw.has_cuda and not gpu_ok and fixed_gpu + scratch <= budget:
+        # no room for two layers of streaming buffers, but the dense weights, KV and decode's scratch fit: keep
+        # them on the GPU (decode reads every miss over PCIe, far faster than the CPU-only plan) and let long
+        # prompts' experts run on the CPU instead of streaming
+        gpu_ok, streaming, stream = True, False, scratch
+        buffers = _fmt_bytes(STAGING_RING_BLOCKS_PER_LAYER * shape.layer_experts_bytes)
+        notes.append(f"no room for the prefill stream buffers ({buffers}): prompts' experts run on the CPU (slow "
+                     f"prefill); a shorter context or a larger VRAM budget makes room")
     if hw.has_cuda and not gpu_ok:
         notes.append(f"dense weights, KV and buffers ({_fmt_bytes(fixed_gpu + stream)}) exceed the VRAM budget "
                      f"({_fmt_bytes(budget)}): falling back to the CPU")
@@ -405,6 +416,7 @@ def plan_memory(shape: ModelShape, hw: Hardware, *, context_length: int = 8192, 
         pool = slots * shape.expert_block_bytes
         plan = Plan(backend="hybrid", vram_planned=fixed_gpu + stream + pool, dense_on="cuda",
                     stream_buffer_bytes=stream, expert_slots=int(slots), pool_bytes=int(pool),
+                    prefill_streaming=streaming,
                     cpu_experts_per_layer=(shape.total_experts - slots) / shape.moe_layers,
                     estimated_decode_tok_s=_decode_estimate(shape, hw, slots=int(slots)), notes=notes, **host, **base)
     else:
