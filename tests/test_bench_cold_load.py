@@ -312,8 +312,10 @@ def test_load_time_probe_does_not_count_the_dense_weights_twice(monkeypatch):
     assert as_before.vram_free == before_load - dense - cached
     wrong = plan_memory(shape, as_before, context_length=8192, max_sequences=1)
     right = plan_memory(shape, at_load, context_length=8192, max_sequences=1)
-    assert wrong.backend == "cpu"                               # what the engine did
-    assert right.backend == "hybrid" and right.expert_slots > 500
+    # what the engine did: CPU-only (since the planner keeps a GPU plan without prefill streaming where only the
+    # stream buffers do not fit: that, with next to no slots)
+    assert wrong.backend == "cpu" or (not wrong.prefill_streaming and wrong.expert_slots < 100)
+    assert right.backend == "hybrid" and right.prefill_streaming and right.expert_slots > 500
     assert right.vram_planned <= before_load                    # and it does fit what was free
 
 
