@@ -247,6 +247,7 @@ class Engine:
                 else DEFAULT_PREFIX_CACHE_BYTES
         if dtype is None:
             dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
+        chunk_given = prefill_chunk is not None
         if prefill_chunk is None:
             # a GPU prefills in the chunk the planner reserved activations for: every expert byte streamed over
             # PCIe (hybrid) then serves thousands of tokens; a CPU keeps chunks short (steps stay responsive)
@@ -309,6 +310,10 @@ class Engine:
                 "load_seconds": round(time.perf_counter() - t0, 3)}
         if experts_plan:
             plan["experts"] = experts_plan
+        planned_chunk = ((experts_plan or {}).get("planner") or {}).get("prefill_chunk")
+        if not chunk_given and planned_chunk and planned_chunk < prefill_chunk:
+            prefill_chunk = int(planned_chunk)        # a tight VRAM budget: the workspace the planner could fit
+        plan["prefill_chunk"] = prefill_chunk
         graphs = _decode_graphs(model, dev, cuda_graphs, max_batch)
         plan["decode_graphs"] = graphs is not None and graphs.capture
         engine = cls(model=model, package=package, tokenizer=tokenizer, chat_template=chat_template, device=dev,

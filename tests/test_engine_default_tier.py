@@ -37,3 +37,24 @@ def test_a_gpu_plan_keeps_quantized_experts_packed_in_a_pool_that_holds_them_all
     assert all(experts.cache.layer_resident(layer) for layer in experts.store.layers)
     assert eng.generate(prompt, sampling).tokens == want
     assert experts.counters.total.cpu_experts == 0 and experts.counters.total.misses == 0
+
+
+def test_the_engine_prefills_in_the_shorter_chunk_a_tight_plan_asks_for(ftw_packages, monkeypatch):
+    """A plan that could only fit a shorter prefill chunk's workspace (a tight VRAM budget) sets the engine's
+    chunk, unless the caller chose one; greedy answers do not depend on the chunk."""
+    import dataclasses
+    import functools
+
+    from runtime.engine import Engine, SamplingParams
+    from runtime.experts import planner
+
+    path = ftw_packages("qwen3_moe", "int4")
+    real = planner.plan_memory
+    monkeypatch.setattr(planner, "plan_memory", lambda *a, **k: dataclasses.replace(real(*a, **k), prefill_chunk=3))
+    factory = functools.partial(hybrid_experts_factory, slots=6)
+    tight = Engine.load(path, device="cpu", experts_factory=factory)
+    chosen = Engine.load(path, device="cpu", experts_factory=factory, prefill_chunk=5)
+    assert tight.plan["prefill_chunk"] == 3 and tight.scheduler.config.prefill_chunk == 3
+    assert chosen.plan["prefill_chunk"] == 5 and chosen.scheduler.config.prefill_chunk == 5
+    prompt, greedy = [3, 17, 42, 5, 99, 7, 64, 12], SamplingParams(temperature=0.0, max_tokens=4, stop_token_ids=[])
+    assert tight.generate(prompt, greedy).tokens == chosen.generate(prompt, greedy).tokens

@@ -251,3 +251,23 @@ def test_a_plan_without_streaming_builds_a_tier_that_never_streams(monkeypatch):
                                       hardware=gpu(8))
         assert (tier.stream_threshold == NEVER_STREAM) == (not streaming)
         assert tier.stream_threshold < 10 ** 6 or not streaming
+
+
+def test_a_tight_budget_prefills_in_shorter_chunks_before_it_gives_up_streaming():
+    """Where the default 8K-token chunk's workspace is what does not fit, the plan halves the chunk (down to
+    MIN_PREFILL_CHUNK) and keeps streaming; the chunk is the longest that fits, its workspace is what the plan
+    counts, and a note says so. Only when no chunk fits with the stream buffers does streaming go."""
+    from runtime.experts.planner import ACTIVATION_BYTES_PER_TOKEN_PER_D, MIN_PREFILL_CHUNK
+
+    shape = ModelShape.from_config(QWEN3_30B, codec="int4")
+    per_token = shape.hidden_size * ACTIVATION_BYTES_PER_TOKEN_PER_D
+    plan = plan_memory(shape, gpu(80), context_length=8192, vram_budget=int(4.5 * GiB))
+    assert plan.backend == "hybrid" and plan.prefill_streaming
+    assert MIN_PREFILL_CHUNK <= plan.prefill_chunk < 8192 and plan.workspace_bytes == plan.prefill_chunk * per_token
+    assert plan.vram_planned <= plan.vram_budget
+    assert plan.vram_planned - plan.pool_bytes + plan.prefill_chunk * per_token > plan.vram_budget   # twice: no
+    assert any(f"chunks of {plan.prefill_chunk:,} tokens" in note for note in plan.notes)
+    roomy = plan_memory(shape, gpu(80), context_length=8192, vram_budget=8 * GiB)
+    assert roomy.prefill_chunk == 8192 and roomy.prefill_streaming
+    tight = plan_memory(shape, gpu(80), context_length=8192, vram_budget=4 * GiB)
+    assert tight.backend == "hybrid" and not tight.prefill_streaming and tight.prefill_chunk < 8192

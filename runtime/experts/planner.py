@@ -30,6 +30,7 @@ HOST_RESERVE = 2 * GiB                # the OS, the app itself and Python's heap
 PREFILL_CHUNK_TOKENS = 8192           # prefill runs in chunks this long on a GPU (the streaming unit: each
                                       # expert byte streamed over PCIe serves 8K tokens; issue 10 asks 4-16K)
 ACTIVATION_BYTES_PER_TOKEN_PER_D = 24  # a chunk's hidden, residual, norm, attention and MoE buffers (bf16)
+MIN_PREFILL_CHUNK = 1024              # the shortest chunk a tight VRAM budget prefills in before giving up streaming
 STAGING_RING_BLOCKS_PER_LAYER = 2     # the pinned ring double-buffers one layer's worth of missed blocks
 DECODE_SCRATCH_TOKENS = 4             # zero-copy decode: calls of up to 4 tokens copy their missed blocks into
                                       # VRAM scratch (top_k blocks per token) before computing them
@@ -317,6 +318,7 @@ class Plan:
     estimated_decode_tok_s: float = 0.0   # uniform routing, bandwidth-bound; 0 when unknown
     prefill_streaming: bool = True        # hybrid: prompt chunks stream layers of experts to the GPU (False: no
                                           # room for the buffers; their experts run on the CPU instead)
+    prefill_chunk: int = 8192             # prompt tokens a step: the workspace above is sized for it
     notes: list[str] = field(default_factory=list)
 
     def summary_lines(self) -> list[str]:
@@ -384,6 +386,8 @@ def plan_memory(shape: ModelShape, hw: Hardware, *, context_length: int = 8192, 
                 workspace_bytes=workspace, expert_block_bytes=shape.expert_block_bytes,
                 expert_total=shape.total_experts, experts_bytes=shape.experts_bytes)
 
+    base["prefill_chunk"] = chunk
+
     # 1. Everything on the GPU.
     if hw.has_cuda and cpu_experts_per_layer in (None, 0) and fixed_gpu + shape.experts_bytes <= budget:
         return Plan(backend="gpu", vram_planned=fixed_gpu + shape.experts_bytes, dense_on="cuda",
@@ -394,17 +398,31 @@ def plan_memory(shape: ModelShape, hw: Hardware, *, context_length: int = 8192, 
 
     # 2. Hybrid: dense, KV, states and a slot pool on the GPU; every expert in host memory.
     scratch = DECODE_SCRATCH_TOKENS * shape.top_k * shape.expert_block_bytes
-    stream = STAGING_RING_BLOCKS_PER_LAYER * shape.layer_experts_bytes + scratch
-    gpu_ok = hw.has_cuda and fixed_gpu + stream + shape.expert_block_bytes * shape.top_k <= budget
-    streaming = True
-    if hw.has_cuda and not gpu_ok and fixed_gpu + scratch <= budget:
-        # no room for two layers of streaming buffers, but the dense weights, KV and decode's scratch fit: keep
-        # them on the GPU (decode reads every miss over PCIe, far faster than the CPU-only plan) and let long
-        # prompts' experts run on the CPU instead of streaming
-        gpu_ok, streaming, stream = True, False, scratch
-        buffers = _fmt_bytes(STAGING_RING_BLOCKS_PER_LAYER * shape.layer_experts_bytes)
-        notes.append(f"no room for the prefill stream buffers ({buffers}): prompts' experts run on the CPU (slow "
-                     f"prefill); a shorter context or a larger VRAM budget makes room")
+    ring = STAGING_RING_BLOCKS_PER_LAYER * shape.layer_experts_bytes
+    stream = ring + scratch
+    gpu_ok, streaming = False, True
+    if hw.has_cuda:
+        # where the dense part and two layers of stream buffers do not fit, first prefill in shorter chunks
+        # (less activation workspace; streaming still moves each expert byte for >= MIN_PREFILL_CHUNK tokens),
+        # then without streaming (prompts' experts on the CPU: slow prefill, but decode still reads its misses
+        # over PCIe from a GPU holding the dense weights - far faster than the CPU-only plan)
+        shorter = [c for c in (chunk >> i for i in range(8)) if c >= min(chunk, MIN_PREFILL_CHUNK)]
+        for streams, c in [(True, c) for c in shorter] + [(False, c) for c in shorter]:
+            need = fixed_gpu - workspace + c * shape.hidden_size * ACTIVATION_BYTES_PER_TOKEN_PER_D \
+                + (ring + scratch + shape.expert_block_bytes * shape.top_k if streams else scratch)
+            if need <= budget:
+                gpu_ok, streaming = True, streams
+                break
+        if gpu_ok and c != chunk:
+            notes.append(f"prompts prefill in chunks of {c:,} tokens (not {chunk:,}) to fit the VRAM budget")
+            fixed_gpu += (c - chunk) * shape.hidden_size * ACTIVATION_BYTES_PER_TOKEN_PER_D
+            chunk, workspace = c, c * shape.hidden_size * ACTIVATION_BYTES_PER_TOKEN_PER_D
+            base["workspace_bytes"] = workspace
+        if gpu_ok and not streaming:
+            stream = scratch
+            notes.append(f"no room for the prefill stream buffers ({_fmt_bytes(ring)}): prompts' experts run on the "
+                         f"CPU (slow prefill); a shorter context or a larger VRAM budget makes room")
+    base["prefill_chunk"] = chunk
     if hw.has_cuda and not gpu_ok:
         notes.append(f"dense weights, KV and buffers ({_fmt_bytes(fixed_gpu + stream)}) exceed the VRAM budget "
                      f"({_fmt_bytes(budget)}): falling back to the CPU")
