@@ -205,6 +205,7 @@ class Service:
         self._keys = itertools.count(1)
         self._engine = None                           # service thread only
         self._saved_at = time.monotonic()             # when the learned state was last written
+        self._unsaved = False                         # steps ran since then (an idle engine learns nothing)
         self._model: ModelInfo | None = None
         self._state = "empty"                         # empty | loading | ready | failed
         self._load_error: str | None = None
@@ -338,8 +339,9 @@ class Service:
         is logged and costs only that state, never a request."""
         self._saved_at = time.monotonic()
         save = getattr(self._engine, "save_learned_state", None)
-        if not callable(save):
+        if not callable(save) or not self._unsaved:
             return
+        self._unsaved = False
         try:
             save()
         except Exception:            # noqa: BLE001  (the next load then starts colder: say so, carry on)
@@ -429,6 +431,7 @@ class Service:
         self._finish(job, "cancelled", stop_sequence=None)
 
     def _step(self) -> None:
+        self._unsaved = True
         try:
             events = self._engine.step()
         except Exception as exc:

@@ -368,7 +368,8 @@ def plan_memory(shape: ModelShape, hw: Hardware, *, context_length: int = 8192, 
     kv = shape.kv_bytes(context_length, max_sequences)
     states = state_slots * shape.linear_state_bytes
     chunk = min(prefill_chunk, context_length)
-    workspace = chunk * shape.hidden_size * ACTIVATION_BYTES_PER_TOKEN_PER_D
+    per_token = shape.hidden_size * ACTIVATION_BYTES_PER_TOKEN_PER_D     # a prefill chunk's workspace per token
+    workspace = chunk * per_token
     fixed_gpu = shape.dense_bytes + kv + states + workspace
 
     budget = 0
@@ -399,7 +400,6 @@ def plan_memory(shape: ModelShape, hw: Hardware, *, context_length: int = 8192, 
     # 2. Hybrid: dense, KV, states and a slot pool on the GPU; every expert in host memory.
     scratch = DECODE_SCRATCH_TOKENS * shape.top_k * shape.expert_block_bytes
     ring = STAGING_RING_BLOCKS_PER_LAYER * shape.layer_experts_bytes
-    stream = ring + scratch
     gpu_ok, streaming = False, True
     if hw.has_cuda:
         # where the dense part and two layers of stream buffers do not fit, first prefill in shorter chunks
@@ -408,21 +408,21 @@ def plan_memory(shape: ModelShape, hw: Hardware, *, context_length: int = 8192, 
         # over PCIe from a GPU holding the dense weights - far faster than the CPU-only plan)
         shorter = [c for c in (chunk >> i for i in range(8)) if c >= min(chunk, MIN_PREFILL_CHUNK)]
         for streams, c in [(True, c) for c in shorter] + [(False, c) for c in shorter]:
-            need = fixed_gpu - workspace + c * shape.hidden_size * ACTIVATION_BYTES_PER_TOKEN_PER_D \
+            need = fixed_gpu + (c - chunk) * per_token \
                 + (ring + scratch + shape.expert_block_bytes * shape.top_k if streams else scratch)
             if need <= budget:
                 gpu_ok, streaming = True, streams
                 break
         if gpu_ok and c != chunk:
             notes.append(f"prompts prefill in chunks of {c:,} tokens (not {chunk:,}) to fit the VRAM budget")
-            fixed_gpu += (c - chunk) * shape.hidden_size * ACTIVATION_BYTES_PER_TOKEN_PER_D
-            chunk, workspace = c, c * shape.hidden_size * ACTIVATION_BYTES_PER_TOKEN_PER_D
+            fixed_gpu += (c - chunk) * per_token
+            chunk, workspace = c, c * per_token
             base["workspace_bytes"] = workspace
         if gpu_ok and not streaming:
-            stream = scratch
             notes.append(f"no room for the prefill stream buffers ({_fmt_bytes(ring)}): prompts' experts run on the "
                          f"CPU (slow prefill); a shorter context or a larger VRAM budget makes room")
     base["prefill_chunk"] = chunk
+    stream = ring + scratch if streaming else scratch
     if hw.has_cuda and not gpu_ok:
         notes.append(f"dense weights, KV and buffers ({_fmt_bytes(fixed_gpu + stream)}) exceed the VRAM budget "
                      f"({_fmt_bytes(budget)}): falling back to the CPU")
