@@ -3,7 +3,8 @@
 #   (device) bash benchmarks/device_final.sh a   # CUDA tests of the kernels/graphs/engine, CPU-kernel probe,
 #                                                # decode-step profile
 #   (device) bash benchmarks/device_final.sh b   # freetoken bench model (both shapes) and the expert load
-#   (device) bash benchmarks/device_final.sh e   # next session's first run (see the branch below)
+#   (device) bash benchmarks/device_final.sh e   # session 5's first run (see the branch below)
+#   (device) bash benchmarks/device_final.sh f   # session 5: numba's OpenMP apart from torch's (experts/openmp.py)
 # carry .site (numba, llvmlite, fla-core, platformdirs unpacked, xz). Results under $OUT. Build .site once (the
 # wheels alone pass the 64 MiB carry limit; unpacked and xz-compressed they take ~44 MB):
 #   pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
@@ -77,6 +78,24 @@ elif [ "$1" = e ]; then
   timeout 120 python3 -m runtime.experts.bench model --models qwen3-30b-a3b --budgets 24 4 --routings uniform \
     skewed --cpu-share 0 auto --modes graphs --batch 4 --tokens 32 --warmup 8 --prefill-budgets 99 \
     --ttft-context 0 --out "$OUT" 2>&1 | tee "$OUT/bench_q3_24.txt" | grep -v "^{"
+elif [ "$1" = f ]; then
+  # session 5: numba's OpenMP layer bound to its own libgomp; does the CPU share's fixed cost per request go?
+  timeout 90 python3 -m pytest -q -p no:cacheprovider tests/test_openmp_binding.py > "$OUT/binding.log" 2>&1
+  echo "binding test rc=$?"; tail -3 "$OUT/binding.log"
+  for a in "1 14" "16 14 torch" "16 14 torch private" "1 14 private"; do timeout 40 python3 benchmarks/omp_pools.py $a
+  done > "$OUT/omp_pools.txt" 2>&1; cat "$OUT/omp_pools.txt"
+  timeout 200 python3 -m runtime.experts.bench model --models qwen3-30b-a3b --budgets 8 --routings uniform \
+    --cpu-share 0 0.2 0.3 0.4 0.5 0.6 auto --modes graphs --batch 4 --tokens 32 --warmup 8 --prefill-budgets 99 \
+    --ttft-context 0 --out "$OUT" 2>&1 | tee "$OUT/bench_q3_8.txt" | grep -v "^{"
+  mv "$OUT/model.json" "$OUT/model_q3_8.json" 2>/dev/null
+  timeout 110 python3 -m runtime.experts.bench model --models qwen3-30b-a3b --budgets 4 12 --routings uniform \
+    --cpu-share 0 0.3 0.5 --modes graphs --batch 4 --tokens 32 --warmup 8 --prefill-budgets 99 \
+    --ttft-context 0 --out "$OUT" 2>&1 | tee "$OUT/bench_q3_4_12.txt" | grep -v "^{"
+  timeout 100 python3 -m runtime.experts.bench model --models qwen3.6-35b-a3b --budgets 8 --routings uniform \
+    --cpu-share 0 0.3 0.5 --modes graphs --tokens 24 --warmup 6 --prefill-budgets 99 --ttft-context 0 \
+    --out "$OUT" 2>&1 | tee "$OUT/bench_q36.txt" | grep -v "^{"
+  timeout 80 python3 benchmarks/profile_decode_step.py --layers 4 > "$OUT/profile_step.txt" 2>&1
+  grep -v "/layer " "$OUT/profile_step.txt" | head -60
 else
   # decode rows through graphs only (eager rows cost minutes); the CPU share learned (auto; printed with a *),
   # fixed 0 and 0.3

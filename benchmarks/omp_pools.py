@@ -1,6 +1,6 @@
 """What a second libgomp pool costs a thread's parallel regions (the CPU-share worker's situation).
 
-    python benchmarks/omp_pools.py MAIN_THREADS WORKER_THREADS
+    python benchmarks/omp_pools.py MAIN_THREADS WORKER_THREADS [torch] [private]
 
 numba's OpenMP layer gives every thread that runs a parallel region its own pool of threads, kept until that
 thread ends. libgomp counts the threads of every pool; once they outnumber the cores it stops spinning between
@@ -8,6 +8,12 @@ regions ("throttled"), so each region wakes its sleeping threads. Here a worker 
 regions 0.4 ms apart (a decode step's layer calls) after the main thread ran one with MAIN_THREADS threads (1: no
 main pool). Prints the median and p90 µs per region. The hybrid tier's load-time compile used to leave such a
 main pool (fixed in 766334e: it now runs on one thread).
+
+`torch`: the main thread's pool is torch's intra-op pool instead (a torch reduction on MAIN_THREADS threads, as
+the planner's bandwidth probe runs one). torch's wheel ships its own libgomp in the global symbol scope, and
+numba's OpenMP calls bind to it, so the two runtimes' pools are counted together. `private`: numba's OpenMP
+layer is loaded first with `runtime.experts.openmp.load_private_openmp` (its own libgomp), as the expert
+kernels now do.
 """
 from __future__ import annotations
 
@@ -33,8 +39,18 @@ def _work(a):
 
 def main(argv: list[str]) -> int:
     main_threads, worker_threads = int(argv[0]), int(argv[1])
+    torch_main, private = "torch" in argv[2:], "private" in argv[2:]
+    if private:
+        from runtime.experts.openmp import load_private_openmp
+        print("numba's OpenMP layer:", load_private_openmp())
     a = np.ones(20000)
-    numba.set_num_threads(main_threads)
+    if torch_main:
+        import torch
+        torch.set_num_threads(main_threads)
+        torch.ones(1 << 24).sum()               # torch's pool, kept by the main thread
+        numba.set_num_threads(1)
+    else:
+        numba.set_num_threads(main_threads)
     _work(a)                                    # compiles; with main_threads > 1 the main thread keeps a pool
     times: list[float] = []
 
@@ -52,7 +68,8 @@ def main(argv: list[str]) -> int:
     thread.start()
     thread.join()
     times.sort()
-    print(f"threading layer {numba.threading_layer()}; main pool of {main_threads}, worker pool of "
+    print(f"threading layer {numba.threading_layer()}; main pool of {main_threads}{' (torch)' if torch_main else ''}"
+          f"{', numba private' if private else ''}, worker pool of "
           f"{worker_threads}: median {1e6 * times[len(times) // 2]:.1f} µs, p90 {1e6 * times[int(0.9 * len(times))]:.1f}"
           " µs per region")
     return 0

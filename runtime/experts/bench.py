@@ -133,6 +133,9 @@ def _numba_read_gbps(store, threads: int) -> float:
     import numba
     import numpy as np
 
+    from runtime.experts.openmp import load_private_openmp
+    load_private_openmp()                    # the kernels' OpenMP instance, not torch's
+
     @numba.njit(parallel=True, fastmath=True)
     def total(words):
         acc = np.uint64(0)

@@ -271,18 +271,29 @@ def measure_h2d_gbps(*, nbytes: int = 256 * MiB, repeats: int = 5) -> float:
 
 def measure_cpu_gbps(*, nbytes: int = 256 * MiB, repeats: int = 5) -> float:
     """Memory read bandwidth the CPU reaches in GB/s: a multi-threaded reduction over a buffer larger than
-    the caches (what a bandwidth-bound expert kernel can hope for at best)."""
+    the caches (what a bandwidth-bound expert kernel can hope for at best). It runs on a thread of its own:
+    torch's OpenMP pool belongs to the thread that first runs a parallel op and lives as long as it, and kept
+    by the loading thread its every-core pool would sit beside the CPU-share worker's (experts/openmp.py)."""
+    import threading
     import time
 
     import torch
 
-    buf = torch.ones(nbytes // 4, dtype=torch.float32)
-    buf.sum()
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
+    times: list[float] = []
+
+    def probe() -> None:
+        buf = torch.ones(nbytes // 4, dtype=torch.float32)
         buf.sum()
-        times.append(time.perf_counter() - t0)
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            buf.sum()
+            times.append(time.perf_counter() - t0)
+
+    thread = threading.Thread(target=probe, name="cpu-bandwidth-probe")
+    thread.start()
+    thread.join()
+    if len(times) < repeats:
+        raise RuntimeError("the CPU bandwidth probe failed (see the log)")
     return nbytes / sorted(times)[len(times) // 2] / 1e9
 
 
