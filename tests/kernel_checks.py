@@ -140,7 +140,80 @@ def check_dequant(device: str = "cpu") -> list[str]:
     return failures
 
 
-CHECKS = {"norm_rope": check_norm_rope, "dequant": check_dequant}
+def check_gdn_decode(device: str = "cpu") -> list[str]:
+    """The fused Gated DeltaNet decode step (runtime/kernels/gdn_decode_triton.py) against the layer's torch form:
+    output, both new states at the sequences' slots (the conv state exactly: it only moves values), the other
+    slots untouched; fp32 and bf16; packed (Qwen3-Next) and separate (Qwen3.5) projections; head dims that are
+    and are not powers of two; one sequence without slots and three with. Then the layer's first-use check
+    accepts it and refuses a broken kernel."""
+    from runtime.kernels import gdn_decode_triton
+    from runtime.models.gated_deltanet import GatedDeltaNet, GatedDeltaNetConfig
+
+    failures = []
+    gen = torch.Generator().manual_seed(7)
+
+    def rel(a, b):
+        return float((a.float() - b.float()).norm() / b.float().norm().clamp(min=1e-12))
+
+    for dtype in (torch.float32, torch.bfloat16):
+        tol = 1e-5 if dtype == torch.float32 else 3e-2
+        for packed, (hk, hv, dk, dv) in ((False, (2, 4, 16, 32)), (True, (2, 4, 16, 32)), (False, (3, 3, 24, 20))):
+            cfg = GatedDeltaNetConfig(hidden_size=64, num_k_heads=hk, num_v_heads=hv, head_k_dim=dk, head_v_dim=dv)
+            gdn = GatedDeltaNet(cfg, packed=packed, backend="torch")
+            with torch.no_grad():
+                for name, p in gdn.named_parameters():
+                    if name == "A_log":
+                        p.copy_(torch.rand(p.shape, generator=gen) * 2.5)
+                    elif name == "dt_bias":
+                        p.copy_(torch.randn(p.shape, generator=gen) - 1.0)
+                    elif name == "norm.weight":
+                        p.copy_(1.0 + 0.1 * torch.randn(p.shape, generator=gen))
+                    else:
+                        p.copy_(torch.randn(p.shape, generator=gen) * 0.3)
+            gdn = gdn.to(device, dtype)
+            S = 5
+            conv_pool = torch.randn(S, *cfg.conv_state_shape(), generator=gen).to(device, dtype)
+            rec_pool = (torch.randn(S, *cfg.recurrent_state_shape(), generator=gen) * 0.2).to(device)
+            for slots in (None, [4, 0, 2]):
+                b = 1 if slots is None else len(slots)
+                x = torch.randn(b, 64, generator=gen).to(device, dtype)
+                rows = torch.tensor([2] if slots is None else slots, device=device)
+                want, want_conv, want_rec = gdn(x[:, None], conv_pool[rows].clone(), rec_pool[rows].clone())
+                conv, rec = conv_pool.clone(), rec_pool.clone()
+                if slots is None:          # a single sequence's slot views, as the static path passes them
+                    got = gdn.decode_in_place(x, conv[2:3], rec[2:3])
+                else:
+                    got = gdn.decode_in_place(x, conv, rec, torch.tensor(slots, device=device))
+                case = f"{dtype} packed={packed} heads {hk}/{hv} dims {dk}/{dv} slots {slots}"
+                if got.dtype != dtype or got.shape != (b, 64) or rel(got, want[:, 0]) > tol:
+                    failures.append(f"{case}: output relative error {rel(got, want[:, 0]):.3g}")
+                if not torch.equal(conv[rows], want_conv.to(dtype)):
+                    failures.append(f"{case}: conv state differs")
+                if rel(rec[rows], want_rec) > (1e-5 if dtype == torch.float32 else 1e-2):
+                    failures.append(f"{case}: recurrent state relative error {rel(rec[rows], want_rec):.3g}")
+                untouched = [i for i in range(S) if i not in rows.tolist()]
+                if not (torch.equal(conv[untouched], conv_pool[untouched]) and
+                        torch.equal(rec[untouched], rec_pool[untouched])):
+                    failures.append(f"{case}: another slot's state changed")
+            # the first-use check: accepts the kernel, leaves the caller's states alone, refuses a broken one
+            before = (conv_pool.clone(), rec_pool.clone())
+            x = torch.randn(3, 64, generator=gen).to(device, dtype)
+            idx = torch.tensor([1, 3, 4], device=device)
+            if not gdn.check_fused_decode(x, conv_pool, rec_pool, idx):
+                failures.append(f"{dtype} packed={packed}: the first-use check refused a correct kernel")
+            if not (torch.equal(conv_pool, before[0]) and torch.equal(rec_pool, before[1])):
+                failures.append(f"{dtype} packed={packed}: the first-use check changed the caller's states")
+            real = gdn_decode_triton.gdn_decode
+            gdn_decode_triton.gdn_decode = lambda *a, **k: real(*a, **k) * 1.5
+            try:
+                if gdn.check_fused_decode(x, conv_pool, rec_pool, idx):
+                    failures.append(f"{dtype} packed={packed}: the first-use check accepted a wrong output")
+            finally:
+                gdn_decode_triton.gdn_decode = real
+    return failures
+
+
+CHECKS = {"norm_rope": check_norm_rope, "dequant": check_dequant, "gdn_decode": check_gdn_decode}
 
 if __name__ == "__main__":
     device = sys.argv[2] if len(sys.argv) > 2 else "cpu"

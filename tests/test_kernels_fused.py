@@ -1,6 +1,7 @@
-"""The lead's fused Triton kernels against their torch references: RMSNorm and q/k-norm+rotary
+"""The fused Triton kernels against their torch references: RMSNorm and q/k-norm+rotary
 (runtime/kernels/norm_rope_triton.py, reference runtime/models/blocks.py) and the prefill dequantizer with the
-grouped-GEMM path (runtime/kernels/dequant_triton.py, reference runtime/kernels/expert_pool.py).
+grouped-GEMM path (runtime/kernels/dequant_triton.py, reference runtime/kernels/expert_pool.py), and the Gated
+DeltaNet decode step (runtime/kernels/gdn_decode_triton.py, reference runtime/models/gated_deltanet.py).
 
 Without a GPU the kernels run under Triton's interpreter in a child process (TRITON_INTERPRET must be set
 before triton is imported); with `--device cuda` they run compiled, in this process. The checks themselves
@@ -15,7 +16,7 @@ from pathlib import Path
 import pytest
 
 
-@pytest.mark.parametrize("check", ["norm_rope", "dequant"])
+@pytest.mark.parametrize("check", ["norm_rope", "dequant", "gdn_decode"])
 def test_kernels_match_the_torch_path(check, device):
     if device == "cuda":
         from tests.kernel_checks import CHECKS

@@ -716,6 +716,29 @@ def test_kernels_compile_for_h200_without_spilling(tmp_path, monkeypatch):
             assert "LDG.E.128" in sass, (fn.__name__, constexprs)
 
 
+def test_gdn_decode_kernels_compile_for_h200_without_spilling(tmp_path, monkeypatch):
+    """The fused Gated DeltaNet decode step at qwen3.6-35b-a3b's shape (C 8,192 channels, W 4; 16 key and 32 value
+    heads of 128; bf16), with and without slot indices, compiles for sm_90 without register spills (a [128, 128]
+    fp32 state tile a program)."""
+    from runtime.kernels import gdn_decode_triton as gdn_k
+
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("TRITON_DEFAULT_FP_FUSION", "1")
+    for slots in (False, True):
+        conv = dict(mixed_ptr="*bf16", mixed_st=8192, conv_ptr="*bf16", conv_ss=8192 * 3 * 30, conv_sc=3,
+                    slots_ptr="*i64", w_ptr="*bf16", y_ptr="*bf16", C=8192)
+        regs, local, _ = _compile_sm90(gdn_k._conv_kernel, conv, dict(W=4, WB=4, HAS_SLOTS=slots,
+                                                                      BLOCK=gdn_k.CONV_BLOCK), 4, tmp_path)
+        assert local == 0, ("conv", slots, regs, local)
+        rec = dict(y_ptr="*bf16", C=8192, key_dim=2048, z_ptr="*bf16", z_st=4096, b_ptr="*bf16", b_st=32,
+                   a_ptr="*bf16", a_st=32, rec_ptr="*fp32", rec_ss=32 * 128 * 128 * 30, slots_ptr="*i64",
+                   alog_ptr="*bf16", dtb_ptr="*bf16", nw_ptr="*bf16", out_ptr="*bf16", out_st=4096, Hv=32,
+                   scale=128 ** -0.5, eps=1e-6, qk_eps=1e-6)
+        regs, local, _ = _compile_sm90(gdn_k._recurrent_kernel, rec, dict(R=2, DK=128, DV=128, BK=128, BV=128,
+                                                                          HAS_SLOTS=slots), 8, tmp_path)
+        assert local == 0, ("recurrent", slots, regs, local)
+
+
 # ------------------------------------------------------------------------------------------ on the GPU machine
 
 

@@ -26,14 +26,24 @@ dv value head dim, C = 2 Hk dk + Hv dv conv channels, W conv kernel width, L chu
 from __future__ import annotations
 
 import functools
+import logging
+import os
 from dataclasses import dataclass
 from typing import Callable
 
 import torch
 import torch.nn.functional as F
 
+from runtime.kernels import gdn_decode_triton
+
+log = logging.getLogger(__name__)
+
 CHUNK_SIZE = 64           # tokens per block of the chunked form (what fla and transformers use)
 L2NORM_EPS = 1e-6         # inside the kernel's q/k normalisation (fla's constant)
+# the fused decode step (runtime/kernels/gdn_decode_triton.py) on GPUs; FREETOKEN_GDN_DECODE=0 keeps the torch form
+FUSED_DECODE = os.environ.get("FREETOKEN_GDN_DECODE", "1") != "0"
+FUSED_CHECK_TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 2e-2, torch.float16: 1e-2}   # relative, first use
+_fused_checked: dict[tuple, bool] = {}   # (layer sizes, dtype, device) -> the fused step agreed with the torch form
 
 
 class GatedDeltaNetError(ValueError):
@@ -355,3 +365,55 @@ class GatedDeltaNet(torch.nn.Module):
         o = gated_rms_norm(o, z, self.norm.weight, cfg.norm_eps)                      # [B, T, Hv, dv]
         y = self.out_proj(o.reshape(B * T, cfg.value_dim)).view(B, T, -1)             # [B, T, D]
         return y, conv_state, recurrent_state
+
+    # -- decode, states in place --------------------------------------------------------------------
+
+    def decode_in_place(self, x: torch.Tensor, conv_state: torch.Tensor, recurrent_state: torch.Tensor,
+                        slots: torch.Tensor | None = None) -> torch.Tensor:
+        """One token per sequence through the fused kernels: x [B, D] -> y [B, D]; the states at rows `slots`
+        [B] of conv [S, C, W-1] and recurrent [S, Hv, dk, dv] (rows 0..B-1 without) are updated in place.
+        forward's result up to fp32 rounding (the kernels' file says where it differs)."""
+        cfg = self.cfg
+        mixed, z, b, a = self.project(x[:, None])                                     # [B, 1, ...]
+        o = gdn_decode_triton.gdn_decode(
+            mixed[:, 0], z[:, 0], b[:, 0], a[:, 0], conv_state, recurrent_state, conv_weight=self.conv1d.weight,
+            A_log=self.A_log, dt_bias=self.dt_bias, norm_weight=self.norm.weight, num_k_heads=cfg.num_k_heads,
+            head_k_dim=cfg.head_k_dim, head_v_dim=cfg.head_v_dim, eps=cfg.norm_eps, slots=slots)
+        return self.out_proj(o)                                                       # [B, D]
+
+    def fused_decode_ok(self, x: torch.Tensor, conv_state: torch.Tensor, recurrent_state: torch.Tensor,
+                        slots: torch.Tensor | None = None) -> bool:
+        """Whether a decode step with these states should take `decode_in_place`: on a GPU with Triton, once the
+        fused step has matched the torch form on copies of these very states (checked at the first use of each
+        layer size and dtype; a mismatch logs an error and keeps the torch form for good). Never checked while a
+        CUDA graph is being recorded: a first use inside a capture records the torch form."""
+        if not (FUSED_DECODE and gdn_decode_triton.available(x)):
+            return False
+        key = (self.cfg, x.dtype, x.device)
+        ok = _fused_checked.get(key)
+        if ok is None:
+            if x.is_cuda and torch.cuda.is_current_stream_capturing():
+                return False
+            ok = _fused_checked[key] = self.check_fused_decode(x, conv_state, recurrent_state, slots)
+        return ok
+
+    def check_fused_decode(self, x: torch.Tensor, conv_state: torch.Tensor, recurrent_state: torch.Tensor,
+                           slots: torch.Tensor | None = None) -> bool:
+        """The fused step against the torch form on copies of the states (nothing the caller holds changes):
+        output and both new states within FUSED_CHECK_TOLERANCE, relative."""
+        rows = slots if slots is not None else torch.arange(x.shape[0], device=x.device)
+        conv, rec = conv_state.index_select(0, rows), recurrent_state.index_select(0, rows)
+        want, want_conv, want_rec = self(x[:, None], conv.clone(), rec.clone())
+        got = self.decode_in_place(x, conv, rec)
+        tol = FUSED_CHECK_TOLERANCE.get(x.dtype, 2e-2)
+
+        def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+            return float((a.float() - b.float()).norm() / b.float().norm().clamp(min=1e-12))
+
+        errors = (rel(got, want[:, 0]), rel(conv, want_conv), rel(rec, want_rec))
+        if not all(e <= tol for e in errors):       # NaN compares false too
+            log.error("the fused Gated DeltaNet decode step disagrees with the torch form (relative errors: output "
+                      "%.3g, conv state %.3g, recurrent state %.3g; tolerance %.3g): keeping the torch form",
+                      *errors, tol)
+            return False
+        return True

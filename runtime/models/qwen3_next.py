@@ -232,6 +232,8 @@ def _linear_attention_static(gdn: GatedDeltaNet, x: torch.Tensor, batch: Batch, 
     caches = [c.layers[layer] for c in batch.caches]
     if len(caches) == 1:
         conv_view, rec_view = caches[0].states[CONV], caches[0].states[RECURRENT]   # [C, W-1], [Hv, dk, dv]
+        if gdn.fused_decode_ok(x, conv_view[None], rec_view[None]):                 # two launches, in place
+            return gdn.decode_in_place(x, conv_view[None], rec_view[None])
         y, conv, rec = gdn(x[:, None], conv_view[None], rec_view[None])            # [1, 1, D]
         conv_view.copy_(conv[0])
         rec_view.copy_(rec[0])
@@ -242,6 +244,8 @@ def _linear_attention_static(gdn: GatedDeltaNet, x: torch.Tensor, batch: Batch, 
                          "slot pool and the step's slot index (runtime/decode_graph.py sets both)")
     g = caches[0].layer
     conv_all, rec_all = pool.conv[:, g], pool.recurrent[:, g]                     # [S, C, W-1], [S, Hv, dk, dv]
+    if gdn.fused_decode_ok(x, conv_all, rec_all, batch.static_slots):             # in the slots: no gather/scatter
+        return gdn.decode_in_place(x, conv_all, rec_all, batch.static_slots)
     conv_in = conv_all.index_select(0, batch.static_slots)                          # [B, C, W-1]
     rec_in = rec_all.index_select(0, batch.static_slots)                            # [B, Hv, dk, dv]
     y, conv, rec = gdn(x[:, None], conv_in, rec_in)                                 # [B, 1, D]
