@@ -79,23 +79,25 @@ elif [ "$1" = e ]; then
     skewed --cpu-share 0 auto --modes graphs --batch 4 --tokens 32 --warmup 8 --prefill-budgets 99 \
     --ttft-context 0 --out "$OUT" 2>&1 | tee "$OUT/bench_q3_24.txt" | grep -v "^{"
 elif [ "$1" = f ]; then
-  # session 5: numba's OpenMP layer bound to its own libgomp; does the CPU share's fixed cost per request go?
-  timeout 90 python3 -m pytest -q -p no:cacheprovider tests/test_openmp_binding.py > "$OUT/binding.log" 2>&1
-  echo "binding test rc=$?"; tail -3 "$OUT/binding.log"
+  # session 5 (not run: no machine was lent after run e): numba's OpenMP layer bound to its own libgomp - does the
+  # CPU share's fixed cost per request go? - and the fused Gated DeltaNet decode step (qwen3.6's dense time)
+  timeout 110 python3 -m pytest -q -p no:cacheprovider tests/test_openmp_binding.py tests/test_kernels_fused.py \
+    tests/test_decode_graph.py --device cuda > "$OUT/cuda_tests.log" 2>&1       # + the fused GDN decode step
+  echo "tests rc=$?"; tail -3 "$OUT/cuda_tests.log"
   for a in "1 14" "16 14 torch" "16 14 torch private" "1 14 private"; do timeout 40 python3 benchmarks/omp_pools.py $a
   done > "$OUT/omp_pools.txt" 2>&1; cat "$OUT/omp_pools.txt"
-  timeout 200 python3 -m runtime.experts.bench model --models qwen3-30b-a3b --budgets 8 --routings uniform \
-    --cpu-share 0 0.2 0.3 0.4 0.5 0.6 auto --modes graphs --batch 4 --tokens 32 --warmup 8 --prefill-budgets 99 \
+  timeout 170 python3 -m runtime.experts.bench model --models qwen3-30b-a3b --budgets 8 --routings uniform \
+    --cpu-share 0 0.2 0.3 0.5 auto --modes graphs --batch 4 --tokens 32 --warmup 8 --prefill-budgets 99 \
     --ttft-context 0 --out "$OUT" 2>&1 | tee "$OUT/bench_q3_8.txt" | grep -v "^{"
   mv "$OUT/model.json" "$OUT/model_q3_8.json" 2>/dev/null
-  timeout 110 python3 -m runtime.experts.bench model --models qwen3-30b-a3b --budgets 4 12 --routings uniform \
+  timeout 70 python3 -m runtime.experts.bench model --models qwen3-30b-a3b --budgets 4 --routings uniform \
     --cpu-share 0 0.3 0.5 --modes graphs --batch 4 --tokens 32 --warmup 8 --prefill-budgets 99 \
-    --ttft-context 0 --out "$OUT" 2>&1 | tee "$OUT/bench_q3_4_12.txt" | grep -v "^{"
-  timeout 100 python3 -m runtime.experts.bench model --models qwen3.6-35b-a3b --budgets 8 --routings uniform \
-    --cpu-share 0 0.3 0.5 --modes graphs --tokens 24 --warmup 6 --prefill-budgets 99 --ttft-context 0 \
-    --out "$OUT" 2>&1 | tee "$OUT/bench_q36.txt" | grep -v "^{"
-  timeout 80 python3 benchmarks/profile_decode_step.py --layers 4 > "$OUT/profile_step.txt" 2>&1
-  grep -v "/layer " "$OUT/profile_step.txt" | head -60
+    --ttft-context 0 --out "$OUT" 2>&1 | tee "$OUT/bench_q3_4.txt" | grep -v "^{"
+  for fused in 1 0; do                    # the fused GDN decode step on / off (dense_ms_per_token tells)
+    FREETOKEN_GDN_DECODE=$fused timeout 75 python3 -m runtime.experts.bench model --models qwen3.6-35b-a3b \
+      --budgets 8 --routings uniform --cpu-share 0 0.3 --modes graphs --tokens 24 --warmup 6 --prefill-budgets 99 \
+      --ttft-context 0 --out "$OUT" 2>&1 | tee "$OUT/bench_q36_gdn$fused.txt" | grep -v "^{"
+  done
 else
   # decode rows through graphs only (eager rows cost minutes); the CPU share learned (auto; printed with a *),
   # fixed 0 and 0.3

@@ -1,6 +1,7 @@
 """What a second libgomp pool costs a thread's parallel regions (the CPU-share worker's situation).
 
     python benchmarks/omp_pools.py MAIN_THREADS WORKER_THREADS [torch] [private]
+    python benchmarks/omp_pools.py alternate THREADS [private]
 
 numba's OpenMP layer gives every thread that runs a parallel region its own pool of threads, kept until that
 thread ends. libgomp counts the threads of every pool; once they outnumber the cores it stops spinning between
@@ -14,6 +15,12 @@ the planner's bandwidth probe runs one). torch's wheel ships its own libgomp in 
 numba's OpenMP calls bind to it, so the two runtimes' pools are counted together. `private`: numba's OpenMP
 layer is loaded first with `runtime.experts.openmp.load_private_openmp` (its own libgomp), as the expert
 kernels now do.
+
+`alternate`: a CPU engine's pattern instead - one thread alternates a torch op and a numba region on THREADS
+threads each (a dense layer, then its experts), 300 times; prints µs per pair. With one shared libgomp the two
+pools throttle each other (wake-ups); with two instances each one's threads spin after its region while the
+other's run. This is why the private binding is only taken where the CPU-share worker runs (zero-copy decode on
+a GPU, where torch runs no CPU ops between layers).
 """
 from __future__ import annotations
 
@@ -37,7 +44,31 @@ def _work(a):
     return s
 
 
+def alternate(threads: int, private: bool) -> int:
+    import torch
+    if private:
+        from runtime.experts.openmp import load_private_openmp
+        print("numba's OpenMP layer:", load_private_openmp())
+    torch.set_num_threads(threads)
+    numba.set_num_threads(threads)
+    a, w, x = np.ones(200_000), torch.randn(512, 512), torch.randn(64, 512)
+    _work(a)
+    times = []
+    for _ in range(REGIONS):
+        t0 = time.perf_counter()
+        torch.mm(x, w)
+        _work(a)
+        times.append(time.perf_counter() - t0)
+    times.sort()
+    print(f"threading layer {numba.threading_layer()}; torch op + numba region on {threads} threads each"
+          f"{', numba private' if private else ', one libgomp'}: median {1e6 * times[len(times) // 2]:.1f} µs, "
+          f"p90 {1e6 * times[int(0.9 * len(times))]:.1f} µs per pair")
+    return 0
+
+
 def main(argv: list[str]) -> int:
+    if argv[0] == "alternate":
+        return alternate(int(argv[1]), "private" in argv[2:])
     main_threads, worker_threads = int(argv[0]), int(argv[1])
     torch_main, private = "torch" in argv[2:], "private" in argv[2:]
     if private:
@@ -70,8 +101,8 @@ def main(argv: list[str]) -> int:
     times.sort()
     print(f"threading layer {numba.threading_layer()}; main pool of {main_threads}{' (torch)' if torch_main else ''}"
           f"{', numba private' if private else ''}, worker pool of "
-          f"{worker_threads}: median {1e6 * times[len(times) // 2]:.1f} µs, p90 {1e6 * times[int(0.9 * len(times))]:.1f}"
-          " µs per region")
+          f"{worker_threads}: median {1e6 * times[len(times) // 2]:.1f} µs, "
+          f"p90 {1e6 * times[int(0.9 * len(times))]:.1f} µs per region")
     return 0
 
 

@@ -21,12 +21,9 @@ import math
 
 import numpy as np
 
-from runtime.experts.openmp import load_private_openmp
-
 try:
     import numba
     from numba import njit, prange
-    load_private_openmp()        # before numba launches its threads (importing numba does not): see openmp.py
     HAVE_NUMBA = True
 except ImportError:          # the plain-torch path (cpu_executor) still runs everything, only slower
     numba = None

@@ -47,9 +47,6 @@ from numba.core import cgutils, config
 from numba.extending import intrinsic
 
 from runtime.experts.cpu_kernels import _act
-from runtime.experts.openmp import load_private_openmp
-
-load_private_openmp()       # before numba launches its threads (importing numba does not): see openmp.py
 
 I8, I16, I32, I64 = ir.IntType(8), ir.IntType(16), ir.IntType(32), ir.IntType(64)
 GROUP_BYTES = (8, 16, 32, 64)       # packed bytes per group: fp4 blocks of 16, 32; int4 groups of 32, 64, 128

@@ -34,6 +34,8 @@ import time
 import numpy as np
 import torch
 
+from runtime.experts.openmp import load_private_openmp
+
 log = logging.getLogger(__name__)
 
 SPIN_CHUNK = 200_000          # acquire loads per nogil spin (~1-5 ms) before the thread looks at its stop flag
@@ -220,6 +222,7 @@ class CpuShareWorker:
         between a request and its answer; else each request goes through `compute` in Python."""
         self.box, self.compute = box, compute
         self.int8_args, self.threads = int8_args, threads
+        load_private_openmp()            # (the tier did it before its warm-up; a worker built alone does it here)
         # compile (or load from numba's cache) the polling code here, while the model loads: compiled in the
         # thread at its first request, it would keep the GPU waiting for seconds (past collect's bounded wait)
         b = box._np

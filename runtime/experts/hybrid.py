@@ -37,6 +37,7 @@ from runtime.experts.cpu_share import (CpuShareWorker, Mailbox, collect_referenc
                                        default_worker_threads, handoff_reference)
 from runtime.experts.host_store import HostExpertStore
 from runtime.experts.interface import ExpertSpec
+from runtime.experts.openmp import load_private_openmp, warn_if_private_beside_torch
 from runtime.experts.planner import DECODE_SCRATCH_TOKENS
 from runtime.experts.policy import (Key, RoutingStats, ShareController, ShareMemory, SlotDirectory, SplitController,
                                     cpu_model_name, make_policy, model_fingerprint, share_state_path)
@@ -126,6 +127,11 @@ class HybridExperts:
             options.zero_copy or (self.cuda and self.transport.pinned and int4_pool_triton.supports(store.layout, spec))))
         self.cache = SlotCache(directory=directory, layers=store.layers, num_experts=store.num_experts,
                                block_nbytes=store.block_nbytes, device=self.device, miss_table=self.zero_copy)
+        if self.zero_copy:
+            # the CPU-share worker's OpenMP threads apart from torch's, before anything launches them
+            load_private_openmp()
+        elif not self.cuda:
+            warn_if_private_beside_torch()
         self.cpu = CpuExecutor(store, spec, threads=options.cpu_threads)
         if options.slots < len(store.layers) * store.num_experts:
             # misses may run on the CPU: compile (or load from numba's cache) the kernel now, while the

@@ -11,8 +11,18 @@ regions a request; `benchmarks/omp_pools.py`).
 
 `load_private_openmp()` opens `omppool` with RTLD_DEEPBIND before numba launches its threads: its calls then
 bind to its own libgomp (the one it links), a second instance with its own pools and count, and torch's
-threads, idle between torch ops, no longer throttle ours. torch must be loaded first (it is, here). Where it does not apply (not glibc, numba's threads
-already launched, no OpenMP layer) it changes nothing and says why.
+threads, idle between torch ops, no longer throttle ours. torch must be loaded first (this function sees to it:
+the two libraries share a soname, and whichever loads first would serve both).
+
+Who calls it: the hybrid tier when it decodes zero-copy (the only path with a CPU-share worker; it calls it
+before its kernels' load-time warm-up launches numba's threads) and the worker itself. Not a CPU engine: there
+torch's dense layers and numba's experts take turns every layer on every core, and two instances that each
+spin after their regions keep both pools' threads busy at once: a torch op and a numba region in turn took
+8.0 ms a pair with the private binding against 0.44-0.62 ms with one libgomp (dev VM, 2 threads each,
+`benchmarks/omp_pools.py alternate 2 [private]`). For the same reason nothing may run multi-threaded torch CPU ops
+beside a running worker.
+Where it does not apply (not glibc, numba's threads already launched, no OpenMP layer) it changes nothing and
+says why. A CPU engine loaded later in such a process (a model swap) warns: `warn_if_private_beside_torch`.
 """
 from __future__ import annotations
 
@@ -56,3 +66,15 @@ def load_private_openmp() -> str:
                     "which throttles the CPU-share worker's threads")
     _state["result"] = result
     return result
+
+
+def warn_if_private_beside_torch() -> bool:
+    """A tier whose CPU misses take turns with torch's dense layers (a CPU engine) in a process where numba's
+    OpenMP layer is already private (an earlier zero-copy GPU model loaded it so): the two pools contend, and
+    the way back is a new process. Logs it; True when it applies."""
+    if _state.get("result") != "private":
+        return False
+    log.warning("numba's OpenMP threads were set apart from torch's for an earlier GPU model in this process; "
+                "on a CPU engine the two thread pools contend and decoding is slower: restart FreeToken's worker "
+                "(unload and load the model again after restarting) for full CPU speed")
+    return True
