@@ -1,8 +1,10 @@
-"""numba's OpenMP layer binds to its own libgomp, not torch's (runtime/experts/openmp.py, issue 10).
+"""numba's OpenMP layer binds to its own libgomp, not torch's, where the CPU-share worker will run
+(runtime/experts/openmp.py, issue 10).
 
-The dynamic linker says where each symbol bound (LD_DEBUG=bindings): with the expert kernels imported first,
-numba's omppool must call its own libgomp; imported plainly after torch, it calls torch's (the control, which
-shows the test can tell the two apart)."""
+The dynamic linker says where each symbol bound (LD_DEBUG=bindings): after a zero-copy tier is built (the one
+that may start a CPU-share worker), numba's omppool must call its own libgomp; after a tier that only runs
+misses on the CPU (a CPU engine, whose torch and numba pools take turns every layer and must not both spin), it
+calls torch's as before - the control, which also shows the test can tell the two apart."""
 from __future__ import annotations
 
 import os
@@ -19,13 +21,19 @@ ROOT = Path(__file__).resolve().parents[1]
 
 SCRIPT = """
 import sys
-if sys.argv[1] == "early":                       # the kernels' module imported before anything imported torch
-    import runtime.experts.cpu_kernels_int8      # noqa: F401
+if sys.argv[1] == "early":                       # the private load before anything imported torch
+    from runtime.experts.openmp import load_private_openmp
+    load_private_openmp()
 import torch
 torch.set_num_threads(2)
 torch.ones(1 << 22).sum()                        # torch's intra-op pool, as the planner's probe makes one
-if sys.argv[1] == "kernels":
-    import runtime.experts.cpu_kernels_int8      # noqa: F401  (loads numba's OpenMP layer privately)
+if sys.argv[1] in ("zero-copy", "cpu-tier"):
+    from runtime.experts.host_store import HostExpertStore
+    from runtime.experts.hybrid import HybridExperts, HybridOptions
+    from runtime.experts.interface import ExpertSpec
+    store = HostExpertStore.synthetic(layers=1, num_experts=4, hidden=64, intermediate=64, codec="int4")
+    HybridExperts(store, ExpertSpec(), device="cpu", dtype=torch.float32, options=HybridOptions(
+        slots=1, top_k=2, zero_copy=sys.argv[1] == "zero-copy"))     # its warm-up launches numba's threads
 import numba
 import numpy as np
 
@@ -50,25 +58,29 @@ def _bindings(tmp_path: Path, mode: str) -> tuple[str, dict[str, str]]:
                          timeout=300, cwd=ROOT)
     assert run.returncode == 0, run.stderr[-2000:]
     bound = {}
-    for path in tmp_path.glob(f"ld-{mode}.*"):
-        for line in path.read_text(errors="replace").splitlines():
-            m = re.search(r"binding file (\S*omppool\S*) \[\d+\] to (\S+) \[\d+\]: normal symbol `(\w+)'", line)
-            if m and ("omp_" in m[3] or "GOMP_" in m[3]):
-                bound[m[3]] = m[2]
+    for path in tmp_path.glob(f"ld-{mode}.*"):          # ~100 MB of every binding: keep omppool's, then delete
+        with path.open(errors="replace") as lines:
+            for line in lines:
+                if "omppool" not in line:
+                    continue
+                m = re.search(r"binding file (\S*omppool\S*) \[\d+\] to (\S+) \[\d+\]: normal symbol `(\w+)'", line)
+                if m and ("omp_" in m[3] or "GOMP_" in m[3]):
+                    bound[m[3]] = m[2]
+        path.unlink()
     return run.stdout.strip(), bound
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="RTLD_DEEPBIND and LD_DEBUG are glibc's")
 def test_numba_openmp_binds_to_its_own_libgomp_beside_torch(tmp_path):
     torch_dir = str(Path(__import__("torch").__file__).parent)
-    out, bound = _bindings(tmp_path, "kernels")
+    out, bound = _bindings(tmp_path, "zero-copy")
     assert out == "omp private"
     assert {"GOMP_parallel", "omp_set_num_threads"} <= set(bound), bound
     assert not any(lib.startswith(torch_dir) for lib in bound.values()), bound
     out, early = _bindings(tmp_path, "early")          # torch is loaded first anyway, so it keeps its own
     assert out == "omp private" and early == bound
 
-    out, plain = _bindings(tmp_path, "plain")          # the control: loaded the ordinary way
+    out, plain = _bindings(tmp_path, "cpu-tier")       # the control: loaded the ordinary way
     assert out == "omp already loaded"
     assert {"GOMP_parallel", "omp_set_num_threads"} <= set(plain), plain
     torch_gomp = [lib for lib in plain.values() if lib.startswith(torch_dir)]
@@ -77,3 +89,18 @@ def test_numba_openmp_binds_to_its_own_libgomp_beside_torch(tmp_path):
         assert set(bound.values()).isdisjoint(torch_gomp)
     else:                                              # torch uses the system's libgomp: nothing to keep apart
         assert set(plain.values()) == set(bound.values())
+
+
+def test_a_cpu_engine_after_the_private_binding_is_told_to_restart(monkeypatch, caplog):
+    """Once numba's OpenMP is private (a zero-copy GPU model loaded it so), a tier whose misses take turns with
+    torch's dense layers contends with torch's pool: it must say so; before that, it says nothing."""
+    from runtime.experts import openmp
+
+    monkeypatch.setattr(openmp, "_state", {"result": "already loaded"})
+    with caplog.at_level("WARNING", logger=openmp.__name__):
+        assert openmp.warn_if_private_beside_torch() is False
+    assert not caplog.records
+    monkeypatch.setattr(openmp, "_state", {"result": "private"})
+    with caplog.at_level("WARNING", logger=openmp.__name__):
+        assert openmp.warn_if_private_beside_torch() is True
+    assert "restart" in caplog.text
