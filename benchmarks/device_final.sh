@@ -4,13 +4,14 @@
 #                                                # decode-step profile
 #   (device) bash benchmarks/device_final.sh b   # freetoken bench model (both shapes) and the expert load
 #   (device) bash benchmarks/device_final.sh e   # session 5's first run (see the branch below)
-#   (device) bash benchmarks/device_final.sh f   # session 5: numba's OpenMP apart from torch's (experts/openmp.py)
+#   (device) bash benchmarks/device_final.sh f   # the next run (written in session 5, not run): numba's OpenMP apart
+#                                                # from torch's (experts/openmp.py), the fused GDN decode step
 # carry .site (numba, llvmlite, fla-core, platformdirs unpacked, xz). Results under $OUT. Build .site once (the
 # wheels alone pass the 64 MiB carry limit; unpacked and xz-compressed they take ~44 MB):
 #   pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
 #     --platform manylinux_2_28_x86_64 -d /tmp/whl numba llvmlite fla-core einops platformdirs
 #   mkdir -p /tmp/site .site && for w in /tmp/whl/*.whl; do python3 -m zipfile -e "$w" /tmp/site; done
-#   tar -I 'xz -T2 -6' -cf .site/site.tar.xz -C /tmp/site .
+#   tar -I 'xz -T2 -6' -cf .site/site.tar.xz -C /tmp/site .      # and: echo /.site/ >> .git/info/exclude
 set -uo pipefail
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 if [ -f .site/site.tar.xz ]; then
