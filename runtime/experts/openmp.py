@@ -62,8 +62,8 @@ def load_private_openmp() -> str:
         finally:
             sys.setdlopenflags(flags)
     if result == "already loaded":
-        log.warning("numba's OpenMP layer was loaded before the expert kernels: it may share torch's libgomp, "
-                    "which throttles the CPU-share worker's threads")
+        log.warning("numba's OpenMP layer was loaded before the hybrid tier could set it apart from torch's: "
+                    "the CPU's share of the experts may run slower in this process (docs/hybrid.md, fifth session)")
     _state["result"] = result
     return result
 
@@ -74,7 +74,7 @@ def warn_if_private_beside_torch() -> bool:
     the way back is a new process. Logs it; True when it applies."""
     if _state.get("result") != "private":
         return False
-    log.warning("numba's OpenMP threads were set apart from torch's for an earlier GPU model in this process; "
-                "on a CPU engine the two thread pools contend and decoding is slower: restart FreeToken's worker "
-                "(unload and load the model again after restarting) for full CPU speed")
+    log.warning("an earlier GPU model in this process set the CPU expert threads apart from torch's; for this "
+                "CPU model the two thread pools compete and decoding is slower: restart FreeToken and load the "
+                "model again for full speed")
     return True

@@ -280,20 +280,24 @@ def measure_cpu_gbps(*, nbytes: int = 256 * MiB, repeats: int = 5) -> float:
     import torch
 
     times: list[float] = []
+    failed: list[BaseException] = []
 
     def probe() -> None:
-        buf = torch.ones(nbytes // 4, dtype=torch.float32)
-        buf.sum()
-        for _ in range(repeats):
-            t0 = time.perf_counter()
+        try:
+            buf = torch.ones(nbytes // 4, dtype=torch.float32)
             buf.sum()
-            times.append(time.perf_counter() - t0)
+            for _ in range(repeats):
+                t0 = time.perf_counter()
+                buf.sum()
+                times.append(time.perf_counter() - t0)
+        except BaseException as exc:  # noqa: BLE001  (raised again on the caller's thread, below)
+            failed.append(exc)
 
     thread = threading.Thread(target=probe, name="cpu-bandwidth-probe")
     thread.start()
     thread.join()
-    if len(times) < repeats:
-        raise RuntimeError("the CPU bandwidth probe failed (see the log)")
+    if failed:                  # e.g. no memory for the probe's buffer: the caller sees the real error
+        raise failed[0]
     return nbytes / sorted(times)[len(times) // 2] / 1e9
 
 

@@ -36,7 +36,6 @@ except ImportError:
     HAVE_TRITON = False
 
 CONV_BLOCK = 1024          # channels per conv program: C = 8,192 for qwen3.6 -> 8 programs a sequence
-L2NORM_EPS = 1e-6          # fla's constant, as runtime/models/gated_deltanet.py
 
 
 def available(x: torch.Tensor) -> bool:
@@ -113,9 +112,10 @@ if HAVE_TRITON:
 def gdn_decode(mixed: torch.Tensor, z: torch.Tensor, b: torch.Tensor, a: torch.Tensor, conv_state: torch.Tensor,
                recurrent_state: torch.Tensor, *, conv_weight: torch.Tensor, A_log: torch.Tensor,
                dt_bias: torch.Tensor, norm_weight: torch.Tensor, num_k_heads: int, head_k_dim: int,
-               head_v_dim: int, eps: float, slots: torch.Tensor | None = None) -> torch.Tensor:
+               head_v_dim: int, eps: float, qk_eps: float, slots: torch.Tensor | None = None) -> torch.Tensor:
     """One decode step of B sequences: mixed [B, C] (the input projection, before the conv), z [B, Hv, dv] or
-    [B, Hv dv], b and a [B, Hv] -> the gated-normed output [B, Hv dv] (before out_proj), in mixed's dtype.
+    [B, Hv dv], b and a [B, Hv] -> the gated-normed output [B, Hv dv] (before out_proj), in mixed's dtype;
+    eps is the gated norm's, qk_eps the q/k L2 normalisation's.
     conv_state [S, C, W-1] (unit inner stride) and recurrent_state [S, Hv, dk, dv] (fp32, each slot contiguous)
     are updated in place at rows `slots` [B] (int64 on the device), or rows 0..B-1 without. Two launches."""
     B, C = mixed.shape
@@ -144,6 +144,6 @@ def gdn_decode(mixed: torch.Tensor, z: torch.Tensor, b: torch.Tensor, a: torch.T
     _recurrent_kernel[(B, Hv)](
         y, C, num_k_heads * dk, z, z.stride(0), b, b.stride(0), a, a.stride(0), recurrent_state,
         recurrent_state.stride(0), slot_arg, A_log, dt_bias, norm_weight, out, out.stride(0), Hv, dk ** -0.5, eps,
-        L2NORM_EPS,
+        qk_eps,
         R=Hv // num_k_heads, DK=dk, DV=dv, BK=bk, BV=bv, HAS_SLOTS=has_slots, num_warps=8 if bk * bv >= 8192 else 4)
     return out

@@ -378,7 +378,7 @@ class GatedDeltaNet(torch.nn.Module):
         o = gdn_decode_triton.gdn_decode(
             mixed[:, 0], z[:, 0], b[:, 0], a[:, 0], conv_state, recurrent_state, conv_weight=self.conv1d.weight,
             A_log=self.A_log, dt_bias=self.dt_bias, norm_weight=self.norm.weight, num_k_heads=cfg.num_k_heads,
-            head_k_dim=cfg.head_k_dim, head_v_dim=cfg.head_v_dim, eps=cfg.norm_eps, slots=slots)
+            head_k_dim=cfg.head_k_dim, head_v_dim=cfg.head_v_dim, eps=cfg.norm_eps, qk_eps=L2NORM_EPS, slots=slots)
         return self.out_proj(o)                                                       # [B, D]
 
     def fused_decode_ok(self, x: torch.Tensor, conv_state: torch.Tensor, recurrent_state: torch.Tensor,
