@@ -94,10 +94,12 @@ elif [ "$1" = f ]; then
   timeout 70 python3 -m runtime.experts.bench model --models qwen3-30b-a3b --budgets 4 --routings uniform \
     --cpu-share 0 0.3 0.5 --modes graphs --batch 4 --tokens 32 --warmup 8 --prefill-budgets 99 \
     --ttft-context 0 --out "$OUT" 2>&1 | tee "$OUT/bench_q3_4.txt" | grep -v "^{"
+  mv "$OUT/model.json" "$OUT/model_q3_4.json" 2>/dev/null
   for fused in 1 0; do                    # the fused GDN decode step on / off (dense_ms_per_token tells)
     FREETOKEN_GDN_DECODE=$fused timeout 75 python3 -m runtime.experts.bench model --models qwen3.6-35b-a3b \
       --budgets 8 --routings uniform --cpu-share 0 0.3 --modes graphs --tokens 24 --warmup 6 --prefill-budgets 99 \
       --ttft-context 0 --out "$OUT" 2>&1 | tee "$OUT/bench_q36_gdn$fused.txt" | grep -v "^{"
+    mv "$OUT/model.json" "$OUT/model_q36_gdn$fused.json" 2>/dev/null
   done
 else
   # decode rows through graphs only (eager rows cost minutes); the CPU share learned (auto; printed with a *),
