@@ -4,8 +4,10 @@
 #                                                # decode-step profile
 #   (device) bash benchmarks/device_final.sh b   # freetoken bench model (both shapes) and the expert load
 #   (device) bash benchmarks/device_final.sh e   # session 5's first run (see the branch below)
-#   (device) bash benchmarks/device_final.sh f   # the next run (written in session 5, not run): numba's OpenMP apart
-#                                                # from torch's (experts/openmp.py), the fused GDN decode step
+#   (device) bash benchmarks/device_final.sh f   # session 6's first run: numba's OpenMP apart from torch's
+#                                                # (experts/openmp.py), the fused GDN decode step (timed out)
+#   (device) bash benchmarks/device_final.sh g   # session 6: the fused GDN step again (its package built first),
+#                                                # fixed shares after a long warm-up, the worker's thread count
 # carry .site (numba, llvmlite, fla-core, platformdirs unpacked, xz). Results under $OUT. Build .site once (the
 # wheels alone pass the 64 MiB carry limit; unpacked and xz-compressed they take ~44 MB):
 #   pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
@@ -101,6 +103,19 @@ elif [ "$1" = f ]; then
       --ttft-context 0 --out "$OUT" 2>&1 | tee "$OUT/bench_q36_gdn$fused.txt" | grep -v "^{"
     mv "$OUT/model.json" "$OUT/model_q36_gdn$fused.json" 2>/dev/null
   done
+elif [ "$1" = g ]; then
+  # run f's qwen3.6 row with the fused step was killed by its timeout while it built the package: build it first
+  for fused in 0 1; do
+    FREETOKEN_GDN_DECODE=$fused timeout 150 python3 -m runtime.experts.bench model --models qwen3.6-35b-a3b \
+      --budgets 8 0 --routings uniform --cpu-share 0 --modes graphs --tokens 24 --warmup 6 --prefill-budgets 99 \
+      --ttft-context 0 --out "$OUT" 2>&1 | tee "$OUT/bench_q36_gdn$fused.txt" | grep -v "^{"
+    mv "$OUT/model.json" "$OUT/model_q36_gdn$fused.json" 2>/dev/null
+  done
+  # run f: fixed share 0.5 gave 53.1 tok/s after 8 warm-up steps, the learned 0.5 63.6 after 160: warm-up or not?
+  timeout 200 python3 -m runtime.experts.bench model --models qwen3-30b-a3b --budgets 8 --routings uniform \
+    --cpu-share 0.4 0.5 0.6 --cpu-threads 0 15 --modes graphs --tokens 32 --warmup 96 --prefill-budgets 99 \
+    --ttft-context 0 --out "$OUT" 2>&1 | tee "$OUT/bench_q3_8.txt" | grep -v "^{"
+  mv "$OUT/model.json" "$OUT/model_q3_8.json" 2>/dev/null
 else
   # decode rows through graphs only (eager rows cost minutes); the CPU share learned (auto; printed with a *),
   # fixed 0 and 0.3
