@@ -8,6 +8,8 @@
 #                                                # (experts/openmp.py), the fused GDN decode step (timed out)
 #   (device) bash benchmarks/device_final.sh g   # session 6: the fused GDN step again (its package built first),
 #                                                # fixed shares after a long warm-up, the worker's thread count
+#   (device) bash benchmarks/device_final.sh h   # session 6: the learned share (the app's default) for qwen3.6 with
+#                                                # the fused GDN step, and for qwen3-30b with 15 worker threads
 # carry .site (numba, llvmlite, fla-core, platformdirs unpacked, xz). Results under $OUT. Build .site once (the
 # wheels alone pass the 64 MiB carry limit; unpacked and xz-compressed they take ~44 MB):
 #   pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
@@ -116,6 +118,17 @@ elif [ "$1" = g ]; then
     --cpu-share 0.4 0.5 0.6 --cpu-threads 0 15 --modes graphs --tokens 32 --warmup 96 --prefill-budgets 99 \
     --ttft-context 0 --out "$OUT" 2>&1 | tee "$OUT/bench_q3_8.txt" | grep -v "^{"
   mv "$OUT/model.json" "$OUT/model_q3_8.json" 2>/dev/null
+elif [ "$1" = h ]; then
+  # run g: a fixed share needs ~100 warm-up steps to reach its speed (0.5: 53.1 tok/s after 8, 61.9 after 96);
+  # the learned share warms up by itself (its sweep). qwen3.6's CPU share was only measured cold (run f: 0.3 hurt)
+  timeout 260 python3 -m runtime.experts.bench model --models qwen3.6-35b-a3b --budgets 8 --routings uniform \
+    --cpu-share auto 0.5 --modes graphs --batch 4 --tokens 32 --warmup 96 --prefill-budgets 99 --ttft-context 0 \
+    --out "$OUT" 2>&1 | tee "$OUT/bench_q36_8.txt" | grep -v "^{"
+  mv "$OUT/model.json" "$OUT/model_q36_8.json" 2>/dev/null
+  timeout 250 python3 -m runtime.experts.bench model --models qwen3-30b-a3b --budgets 8 --routings uniform \
+    --cpu-share auto --cpu-threads 15 --modes graphs --batch 4 --tokens 32 --warmup 8 --prefill-budgets 99 \
+    --ttft-context 0 --out "$OUT" 2>&1 | tee "$OUT/bench_q3_8.txt" | grep -v "^{"
+  mv "$OUT/model.json" "$OUT/model_q3_8.json" 2>/dev/null; true
 else
   # decode rows through graphs only (eager rows cost minutes); the CPU share learned (auto; printed with a *),
   # fixed 0 and 0.3
