@@ -10,6 +10,8 @@
 #                                                # fixed shares after a long warm-up, the worker's thread count
 #   (device) bash benchmarks/device_final.sh h   # session 6: the learned share (the app's default) for qwen3.6 with
 #                                                # the fused GDN step, and for qwen3-30b with 15 worker threads
+#   (device) bash benchmarks/device_final.sh i   # session 6: dense weights in int8 (runtime/models/quantized.py):
+#                                                # more slots at 8/4 GiB, fewer bytes a step unlimited
 # carry .site (numba, llvmlite, fla-core, platformdirs unpacked, xz). Results under $OUT. Build .site once (the
 # wheels alone pass the 64 MiB carry limit; unpacked and xz-compressed they take ~44 MB):
 #   pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
@@ -129,6 +131,24 @@ elif [ "$1" = h ]; then
     --cpu-share auto --cpu-threads 15 --modes graphs --batch 4 --tokens 32 --warmup 8 --prefill-budgets 99 \
     --ttft-context 0 --out "$OUT" 2>&1 | tee "$OUT/bench_q3_8.txt" | grep -v "^{"
   mv "$OUT/model.json" "$OUT/model_q3_8.json" 2>/dev/null; true
+elif [ "$1" = i ]; then
+  # int8 dense: the learned share at 8 GiB, everything resident (unlimited), a 16K prefill at 8 GiB (the torch
+  # path above 16 rows), then the same host's bf16 unlimited row, the CUDA tests, qwen3.6 at 8 GiB
+  timeout 150 python3 -m runtime.experts.bench model --models qwen3-30b-a3b --dense-int8 --budgets 8 0 \
+    --routings uniform --cpu-share auto --modes graphs --batch 4 --tokens 32 --warmup 8 --prefill 16384 \
+    --prefill-budgets 8 --ttft-context 0 --out "$OUT" 2>&1 | tee "$OUT/bench_q3_int8.txt" | grep -v "^{"
+  mv "$OUT/model.json" "$OUT/model_q3_int8.json" 2>/dev/null
+  timeout 75 python3 -m runtime.experts.bench model --models qwen3-30b-a3b --budgets 0 --routings uniform \
+    --modes graphs --batch 4 --tokens 32 --warmup 8 --prefill-budgets 99 --ttft-context 0 --out "$OUT" 2>&1 \
+    | tee "$OUT/bench_q3_bf16.txt" | grep -v "^{"
+  mv "$OUT/model.json" "$OUT/model_q3_bf16.json" 2>/dev/null
+  timeout 60 python3 -m pytest -q -p no:cacheprovider tests/test_kernels_fused.py tests/test_dense_int8.py -k "int8" \
+    --device cuda > "$OUT/cuda_tests.log" 2>&1
+  echo "tests rc=$?"; tail -3 "$OUT/cuda_tests.log"
+  timeout 100 python3 -m runtime.experts.bench model --models qwen3.6-35b-a3b --dense-int8 --budgets 8 \
+    --routings uniform --cpu-share auto --modes graphs --batch 4 --tokens 24 --warmup 8 --prefill-budgets 99 \
+    --ttft-context 0 --out "$OUT" 2>&1 | tee "$OUT/bench_q36_int8.txt" | grep -v "^{"
+  mv "$OUT/model.json" "$OUT/model_q36_int8.json" 2>/dev/null; true
 else
   # decode rows through graphs only (eager rows cost minutes); the CPU share learned (auto; printed with a *),
   # fixed 0 and 0.3

@@ -104,6 +104,23 @@ class _Request:
     error: str | None = None
 
 
+def _wants_int8_dense(dev: torch.device, package, dense_bytes: int, vram_budget: int | None) -> bool:
+    """The default of `dense_int8`: a GPU whose budget can not hold every expert beside the bf16 dense weights
+    (the hybrid tier), where each byte the dense weights give back is an expert slot. A GPU that holds it all
+    keeps the checkpoint's precision; a CPU always does."""
+    if dev.type != "cuda":
+        return False
+    experts = getattr(package, "experts", None)
+    if experts is None or not getattr(experts, "layers", None):
+        return False
+    expert_bytes = len(experts.layers) * int(experts.num_experts) * int(experts.block_nbytes)
+    free, _total = torch.cuda.mem_get_info(dev)
+    room = free + dense_bytes                     # the dense weights are on the device already
+    if vram_budget is not None:
+        room = min(room, vram_budget)
+    return dense_bytes + expert_bytes > 0.9 * room
+
+
 def _resolve_device(device: str) -> torch.device:
     if device == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -203,7 +220,8 @@ class Engine:
              cpu_experts_per_layer: int | None = None, progress: ProgressFn | None = None,
              experts_factory: ExpertsFactory | None = None, prefix_cache_bytes: int | None = None,
              prefix_cache_device: str | None = None, prefill_chunk: int | None = None,
-             cuda_graphs: bool | None = None, state_dir: str | Path | None = None) -> "Engine":
+             cuda_graphs: bool | None = None, state_dir: str | Path | None = None,
+             dense_int8: bool | None = None) -> "Engine":
         """Open an FTW package and build an engine over it (see `from_package`)."""
         from runtime.ftw.reader import FTWError, FTWPackage
 
@@ -216,7 +234,7 @@ class Engine:
                                 cpu_experts_per_layer=cpu_experts_per_layer, progress=progress,
                                 experts_factory=experts_factory, prefix_cache_bytes=prefix_cache_bytes,
                                 prefix_cache_device=prefix_cache_device, prefill_chunk=prefill_chunk,
-                                cuda_graphs=cuda_graphs, state_dir=state_dir)
+                                cuda_graphs=cuda_graphs, state_dir=state_dir, dense_int8=dense_int8)
 
     @classmethod
     def from_package(cls, package, *, device: str = "auto", dtype: torch.dtype | None = None,
@@ -224,7 +242,8 @@ class Engine:
                      cpu_experts_per_layer: int | None = None, progress: ProgressFn | None = None,
                      experts_factory: ExpertsFactory | None = None, prefix_cache_bytes: int | None = None,
                      prefix_cache_device: str | None = None, prefill_chunk: int | None = None,
-                     cuda_graphs: bool | None = None, state_dir: str | Path | None = None) -> "Engine":
+                     cuda_graphs: bool | None = None, state_dir: str | Path | None = None,
+                     dense_int8: bool | None = None) -> "Engine":
         """Build from anything FTWPackage-shaped: config, model_type, generation_config, tokenizer_dir,
         dense_names()/dense(name), experts (an ExpertStore), path.
 
@@ -235,7 +254,12 @@ class Engine:
 
         `state_dir`: a folder for what this model's expert tier learns while it runs (routing statistics, the
         learned CPU share; `save_learned_state`), read back at the next load so its VRAM cache starts warm. The
-        caller picks it per model (the app: its data folder); None keeps nothing."""
+        caller picks it per model (the app: its data folder); None keeps nothing.
+
+        `dense_int8`: the large dense projections and the LM head in int8 with a scale per row
+        (runtime/models/quantized.py): half their bytes, read every step, and VRAM for expert slots. None: on
+        for a GPU that can not hold every expert beside the bf16 dense weights (`_wants_int8_dense`), off
+        otherwise (and always off on a CPU, where the engine matches transformers' forward)."""
         from runtime.text.chat_template import ChatTemplate, ChatTemplateError
         from runtime.text.tokenizer import Tokenizer
 
@@ -270,8 +294,21 @@ class Engine:
             raise EngineError(str(exc)) from exc
         stage = lambda name: (lambda done, total: progress(done, total, name)) if progress else None  # noqa: E731
         report = load_dense_weights(model, package, progress=stage("dense weights"))
+        dense_bytes = report.nbytes
         if dev.type == "cuda":
             model.fuse_projections()          # fewer, larger GEMMs: a GPU's decode step is bound by launches
+        if dense_int8 is None:
+            dense_int8 = _wants_int8_dense(dev, package, report.nbytes, vram_budget)
+        dense_codec = "int8" if dense_int8 else str(dtype).replace("torch.", "")
+        if dense_int8:
+            from runtime.models.quantized import dense_nbytes, quantize_dense_
+
+            swapped = quantize_dense_(model)
+            if dev.type == "cuda":
+                torch.cuda.empty_cache()      # the bf16 copies go back to the driver: the planner measures free VRAM
+            dense_bytes = dense_nbytes(model)
+            log.info("dense weights: %d matrices in int8, %.2f -> %.2f GB", swapped["matrices"],
+                     swapped["bytes_before"] / 1e9, swapped["bytes_after"] / 1e9)
         factory = experts_factory or default_experts_factory(dev)
         routing_path = Path(state_dir) / ROUTING_STATS_FILE if state_dir else None
         learned = {"routing_stats_path": routing_path} if routing_path else {}
@@ -280,7 +317,7 @@ class Engine:
             experts = factory(package, model.expert_spec(), device=dev, dtype=dtype, vram_budget=vram_budget,
                               cpu_experts_per_layer=cpu_experts_per_layer, progress=stage("experts"),
                               context_length=context_length, max_sequences=max_batch,
-                              dense_bytes_on_device=report.nbytes if dev.type == "cuda" else 0, **learned)
+                              dense_bytes_on_device=dense_bytes if dev.type == "cuda" else 0, **learned)
         except MemoryError as exc:   # the plan (or the device) says the experts do not fit
             raise EngineError(f"the model does not fit on this machine: {exc}") from exc
         model.set_experts(experts)
@@ -299,7 +336,7 @@ class Engine:
         backend = (experts_plan or {}).get("backend") or getattr(experts, "backend", None) or "custom"
         plan = {"backend": "resident" if factory is resident_experts_factory else backend,
                 "device": str(dev), "dtype": str(dtype).replace("torch.", ""), "context_length": context_length,
-                "max_batch": max_batch, "dense_bytes": report.nbytes,
+                "max_batch": max_batch, "dense_bytes": dense_bytes, "dense_codec": dense_codec,
                 "expert_bytes": int(getattr(experts, "nbytes", 0)), "prefix_cache_bytes": prefix_cache_bytes,
                 "prefix_cache_device": str(prefix_dev),
                 "state_slots": max_batch if state_bytes else 0, "state_bytes": state_bytes,

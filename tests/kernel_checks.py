@@ -213,7 +213,128 @@ def check_gdn_decode(device: str = "cpu") -> list[str]:
     return failures
 
 
-CHECKS = {"norm_rope": check_norm_rope, "dequant": check_dequant, "gdn_decode": check_gdn_decode}
+def _int8_linear_failures(k, device: str, gen: torch.Generator, cases) -> list[str]:
+    """`k.int8_linear` against `k.int8_linear_reference` for cases (dtype, M, N, K, bias, x layout, plans): each plan
+    within tolerance, and a split plan's output the same bits when run again (the partials add up in a fixed
+    order). x layouts: "dense", "sliced" (rows of a wider tensor), "transposed" (a unit row stride: copied).
+    Tolerance per element: the dtype's eps x |want| (one unit in the last place where the fp32 sums, added in
+    another order, round the other way) + 1e-5 x max |want| (the fp32 sums' own order)."""
+    failures = []
+    for dtype, m, n, kd, with_bias, layout, plans in cases:
+        w = torch.randn(n, kd, generator=gen)
+        w[n // 2] = 0.0                                                       # a row of zeros: scale 1.0
+        q, scale = (t.to(device) for t in k.quantize_int8(w))
+        if layout == "sliced":
+            x = torch.randn(m, kd + 24, generator=gen)[:, 8:8 + kd]
+        elif layout == "transposed":
+            x = torch.randn(kd, m, generator=gen).T
+        else:
+            x = torch.randn(m, kd, generator=gen)
+        x = x.to(device, dtype)
+        bias = (torch.randn(n, generator=gen) * 4).to(device, dtype) if with_bias else None
+        want32 = k.int8_linear_reference(x.float(), q, scale, None if bias is None else bias.float())
+        want = _as_kernel_rounds(want32, dtype, device)
+        if not torch.equal(k.int8_linear_reference(x, q, scale, bias), want32.to(dtype)):
+            failures.append(f"int8_linear_reference {dtype}: not the fp32 result rounded to x's dtype")
+        peak = want.float().abs().max().item()
+        tol = torch.finfo(dtype).eps * want.float().abs() + 1e-5 * peak
+        for plan in plans:
+            label = f"int8_linear {dtype} M{m} N{n} K{kd} bias {with_bias} x {layout} plan {plan}"
+            got = k.int8_linear(x, q, scale, bias, plan=plan)
+            if got.dtype != dtype or got.shape != (m, n):
+                failures.append(f"{label}: got {got.dtype} {tuple(got.shape)}")
+                continue
+            err = (got.float() - want.float()).abs()
+            if not bool((err <= tol).all()):
+                failures.append(f"{label}: max error {err.max().item():.3g} (output scale {peak:.3g})")
+            if (plan or k.plan(m, n, kd)).split_k > 1 and not torch.equal(k.int8_linear(x, q, scale, bias, plan=plan),
+                                                                          got):
+                failures.append(f"{label}: a rerun gave other bits")
+    return failures
+
+
+def check_int8_linear(device: str = "cpu") -> list[str]:
+    """The int8 weight-only linear kernel (runtime/kernels/int8_linear_triton.py) against its torch definition:
+    M 1/3/16, fp32 and bf16 (fp16 once), N and K that are and are not multiples of the tiles, bias or not, rows
+    of x strided, K split 1 and 2-4 ways (an empty split too) with reruns bit-identical, `out=`; quantize_int8's
+    round trip; bad arguments refused; and a kernel whose scales are 1% off fails these checks."""
+    from runtime.kernels import int8_linear_triton as k
+
+    failures = []
+    gen = torch.Generator().manual_seed(11)
+    P = k.Int8Plan
+    # N 40 / K 200: a short last column block and a masked last K step; split 3 over 2 steps leaves one empty
+    small = (P(16, 128, 1), P(16, 128, 3))
+    # N 256 / K 512: the default plan (32-row tiles split 2 ways), one split of 16 x 256, 64-row tiles split 4 ways
+    real = (None, P(16, 256, 1), P(64, 128, 4))
+    cases = []
+    for dtype in (torch.float32, torch.bfloat16):
+        for m, with_bias, layout in ((1, True, "dense"), (3, False, "sliced"), (16, True, "sliced")):
+            cases.append((dtype, m, 40, 200, with_bias, layout, small))
+            cases.append((dtype, m, 256, 512, not with_bias, layout, real))
+    cases.append((torch.float16, 5, 40, 200, True, "transposed", (P(32, 128, 2),)))
+    failures += _int8_linear_failures(k, device, gen, cases)
+
+    # out=: written in place (rows of a wider buffer) and returned
+    q, scale = (t.to(device) for t in k.quantize_int8(torch.randn(48, 64, generator=gen)))
+    x = torch.randn(2, 64, generator=gen).to(device, torch.bfloat16)
+    buf = torch.full((2, 56), 3.0, dtype=torch.bfloat16, device=device)
+    got = k.int8_linear(x, q, scale, out=buf[:, 4:52], plan=P(16, 128, 2))
+    if got.data_ptr() != buf[:, 4:52].data_ptr() or not torch.equal(got, k.int8_linear(x, q, scale)) or \
+            not (torch.all(buf[:, :4] == 3.0) and torch.all(buf[:, 52:] == 3.0)):
+        failures.append("int8_linear out=: not written in place, or written outside its columns")
+
+    # quantize_int8: |q * scale - w| <= scale / 2 per element (and fp32's rounding), zero rows at scale 1
+    for dtype in (torch.float32, torch.bfloat16):
+        w = (torch.randn(37, 50, generator=gen) * torch.logspace(-3, 2, 37)[:, None]).to(device, dtype)
+        w[5] = 0.0
+        w[9, 7] = -1e3                                                        # one outlier: that row's scale
+        q, scale = k.quantize_int8(w)
+        deq = q.float() * scale[:, None]
+        if q.dtype != torch.int8 or q.shape != w.shape or not q.is_contiguous() or scale.dtype != torch.float32 \
+                or scale.shape != (37,):
+            failures.append(f"quantize_int8 {dtype}: got {q.dtype} {tuple(q.shape)}, scale {scale.dtype} "
+                            f"{tuple(scale.shape)}")
+        elif not bool(((deq - w.float()).abs() <= scale[:, None] * (0.5 + 1e-5)).all()):
+            failures.append(f"quantize_int8 {dtype}: an element further than scale / 2 from its weight")
+        elif scale[5].item() != 1.0 or bool(q[5].any()) or \
+                q.abs().amax(dim=1)[torch.arange(37, device=device) != 5].min().item() != 127:
+            failures.append(f"quantize_int8 {dtype}: zero row not at scale 1, or a row not spanning +-127")
+
+    # bad arguments: clear errors before any launch
+    q, scale = (t.to(device) for t in k.quantize_int8(torch.randn(16, 32, generator=gen)))
+    x = torch.randn(17, 32, generator=gen).to(device)
+    for label, call, words in (
+            ("M > MAX_M", lambda: k.int8_linear(x, q, scale), "int8_linear_reference"),
+            ("K mismatch", lambda: k.int8_linear(x[:2, :16], q, scale), "int8"),
+            ("float weights", lambda: k.int8_linear(x[:2], q.float(), scale), "int8"),
+            ("fp16 scale", lambda: k.int8_linear(x[:2], q, scale.half()), "scale"),
+            ("bias shape", lambda: k.int8_linear(x[:2], q, scale, scale[:8]), "bias"),
+            ("out dtype", lambda: k.int8_linear(x[:2], q, scale, out=torch.empty(2, 16, device=device,
+                                                                                  dtype=torch.bfloat16)), "out"),
+            ("bad plan", lambda: k.int8_linear(x[:2], q, scale, plan=P(8, 128)), "power")):
+        try:
+            call()
+            failures.append(f"int8_linear {label}: accepted")
+        except ValueError as exc:
+            if words not in str(exc):
+                failures.append(f"int8_linear {label}: the error does not say {words!r}: {exc}")
+
+    # a broken kernel (scales 1% off) must fail the same checks, split or not
+    real_linear = k.int8_linear
+    k.int8_linear = lambda x, q, scale, bias=None, **kw: real_linear(x, q, scale * 1.01, bias, **kw)
+    try:
+        caught = _int8_linear_failures(k, device, gen, [(torch.float32, 3, 40, 200, True, "dense", small),
+                                                        (torch.bfloat16, 3, 40, 200, True, "dense", small)])
+        if len(caught) != 4:
+            failures.append(f"int8_linear: scales 1% off passed {4 - len(caught)} of 4 checks")
+    finally:
+        k.int8_linear = real_linear
+    return failures
+
+
+CHECKS = {"norm_rope": check_norm_rope, "dequant": check_dequant, "gdn_decode": check_gdn_decode,
+          "int8_linear": check_int8_linear}
 
 if __name__ == "__main__":
     device = sys.argv[2] if len(sys.argv) > 2 else "cpu"

@@ -1,7 +1,9 @@
 """The fused Triton kernels against their torch references: RMSNorm and q/k-norm+rotary
 (runtime/kernels/norm_rope_triton.py, reference runtime/models/blocks.py) and the prefill dequantizer with the
-grouped-GEMM path (runtime/kernels/dequant_triton.py, reference runtime/kernels/expert_pool.py), and the Gated
-DeltaNet decode step (runtime/kernels/gdn_decode_triton.py, reference runtime/models/gated_deltanet.py).
+grouped-GEMM path (runtime/kernels/dequant_triton.py, reference runtime/kernels/expert_pool.py), the Gated
+DeltaNet decode step (runtime/kernels/gdn_decode_triton.py, reference runtime/models/gated_deltanet.py), and the
+int8 weight-only linear layer at decode sizes with its K split (runtime/kernels/int8_linear_triton.py, reference
+its int8_linear_reference).
 
 Without a GPU the kernels run under Triton's interpreter in a child process (TRITON_INTERPRET must be set
 before triton is imported); with `--device cuda` they run compiled, in this process. The checks themselves
@@ -16,7 +18,7 @@ from pathlib import Path
 import pytest
 
 
-@pytest.mark.parametrize("check", ["norm_rope", "dequant", "gdn_decode"])
+@pytest.mark.parametrize("check", ["norm_rope", "dequant", "gdn_decode", "int8_linear"])
 def test_kernels_match_the_torch_path(check, device):
     if device == "cuda":
         from tests.kernel_checks import CHECKS

@@ -621,10 +621,11 @@ def test_router_rejects_bad_arguments():
 # ------------------------------------------------------------------------------------------ compiled for sm_90
 
 
-def _compile_sm90(fn, args: dict, constexprs: dict, warps: int, tmp_path: Path) -> tuple[int, int, str]:
+def _compile_sm90(fn, args: dict, constexprs: dict, warps: int, tmp_path: Path, *,
+                  stages: int | None = None) -> tuple[int, int, str]:
     """Compile a kernel for sm_90 as a launch with `args` would: pointers (strings: their type) and ints
-    that are multiples of 16 marked divisible by 16, as Triton specialises them. -> (registers a thread,
-    local-memory bytes, SASS)."""
+    that are multiples of 16 marked divisible by 16, as Triton specialises them; `stages` the launch's
+    num_stages (None: Triton's default). -> (registers a thread, local-memory bytes, SASS)."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -639,7 +640,8 @@ def _compile_sm90(fn, args: dict, constexprs: dict, warps: int, tmp_path: Path) 
         if isinstance(value, str) or (isinstance(value, int) and value % 16 == 0):
             attrs[(idx,)] = [["tt.divisibility", 16]]
     src = ASTSource(fn=fn, signature=sig, constexprs=constexprs, attrs=attrs)
-    compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps})
+    options = {"num_warps": warps} if stages is None else {"num_warps": warps, "num_stages": stages}
+    compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
     cubin = tmp_path / f"{fn.__name__}.cubin"
     cubin.write_bytes(compiled.asm["cubin"])
     tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
@@ -737,6 +739,41 @@ def test_gdn_decode_kernels_compile_for_h200_without_spilling(tmp_path, monkeypa
         regs, local, _ = _compile_sm90(gdn_k._recurrent_kernel, rec, dict(R=2, DK=128, DV=128, BK=128, BV=128,
                                                                           HAS_SLOTS=slots), 8, tmp_path)
         assert local == 0, ("recurrent", slots, regs, local)
+
+
+def test_int8_linear_kernels_compile_for_h200_without_spilling(tmp_path, monkeypatch):
+    """The int8 weight-only linear kernel with its default plans at decode shapes (bf16): an attention projection
+    (M 1, N 5,120, K 2,048) and a narrow one (M 4, N 2,048, K 4,096), both split over K, with the reduce
+    launch, and lm_head (M 1, N 151,936, K 2,048), compiles for sm_90 without register spills, the weights read 16 bytes
+    per load (at the default 3 stages, as cp.async copies into shared memory)."""
+    import triton
+
+    from runtime.kernels import int8_linear_triton as int8_k
+
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("TRITON_DEFAULT_FP_FUSION", "1")
+    splits = set()
+    for m, n, k in ((1, 5120, 2048), (4, 2048, 4096), (1, 151936, 2048)):
+        plan = int8_k.plan(m, n, k)
+        splits.add(plan.split_k)
+        args = dict(x_ptr="*bf16", x_stride=k, q_ptr="*i8", scale_ptr="*fp32", bias_ptr="*fp32", out_ptr="*bf16",
+                    out_stride=n, part_ptr="*fp32", M=m, N=n, K=k,
+                    k_chunk=triton.cdiv(triton.cdiv(k, plan.block_k), plan.split_k) * plan.block_k)
+        constexprs = dict(HAS_BIAS=False, SPLIT_K=plan.split_k, BLOCK_M=int8_k.BLOCK_M, BLOCK_N=plan.block_n,
+                          BLOCK_K=plan.block_k, EVEN_K=k % plan.block_k == 0, DOT_FP32=False)
+        regs, local, sass = _compile_sm90(int8_k._int8_linear_kernel, args, constexprs, plan.warps, tmp_path,
+                                          stages=plan.stages)
+        assert local == 0, ((m, n, k), plan, regs, local)                     # no spills
+        # 16-byte loads: plain, or the pipeliner's asynchronous copies to shared memory (stages > 1)
+        assert re.search(r"LDG(STS)?\.E(\.BYPASS)?\.128", sass), ((m, n, k), plan)
+        if plan.split_k > 1:
+            reduce_args = dict(part_ptr="*fp32", scale_ptr="*fp32", bias_ptr="*bf16", out_ptr="*bf16",
+                               out_stride=n, M=m, N=n)
+            regs, local, _ = _compile_sm90(int8_k._int8_reduce_kernel, reduce_args,
+                                           dict(HAS_BIAS=True, SPLIT_K=plan.split_k, BLOCK_N=int8_k.REDUCE_BLOCK_N),
+                                           int8_k.NUM_WARPS, tmp_path)
+            assert local == 0, ("reduce", plan, regs, local)
+    assert splits == {4, 8, 1}                                                # lm_head alone is not split
 
 
 # ------------------------------------------------------------------------------------------ on the GPU machine

@@ -169,6 +169,15 @@ def run_model(name: str, args, hw, report: dict) -> None:
     shape = ModelShape.from_config(cfg, codec=codec, group_size=group, block_size=group,
                                    block_nbytes=store.block_nbytes)
     model = random_model(cfg, device=device, dtype=dtype)
+    dense = "bf16" if dtype == torch.bfloat16 else str(dtype).replace("torch.", "")
+    if getattr(args, "dense_int8", False):
+        from dataclasses import replace
+
+        from runtime.models.quantized import dense_nbytes, quantize_dense_
+        quantize_dense_(model)               # as the engine does for a hybrid GPU plan
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+        shape, dense = replace(shape, dense_nbytes=dense_nbytes(model)), "int8"
     if callable(getattr(model, "attach_state_pool", None)):
         model.attach_state_pool(max(2, args.batch), device=device, dtype=dtype)   # as the engine does: states in slots
     moe_layers = store.layers
@@ -181,7 +190,8 @@ def run_model(name: str, args, hw, report: dict) -> None:
     dense_tok_s = decode_rate(model, graphs, cache, steps=args.tokens, warmup=args.warmup, use_graphs=graphs.capture,
                               device=device)
     dense_s = 1.0 / dense_tok_s
-    print(json.dumps({"model": name, "dense_ms_per_token": dense_s * 1e3, "graphs": graphs.capture}), flush=True)
+    print(json.dumps({"model": name, "dense_ms_per_token": dense_s * 1e3, "graphs": graphs.capture, "dense": dense,
+                      "dense_gib": shape.dense_bytes / GiB}), flush=True)
     cache.release()
     del cache
     rows = []
@@ -224,7 +234,7 @@ def run_model(name: str, args, hw, report: dict) -> None:
                 misses = (c["cpu_experts"] + c["fetched_experts"]) / steps                     # per step
                 ceiling = sequences / (misses * store.block_nbytes / ((hw.h2d_gbps + hw.cpu_gbps) * 1e9) + dense_s)
                 laptop = sequences / (misses * store.block_nbytes / (LAPTOP_LINKS_GBPS * 1e9) + dense_s)
-                return {"model": name, "budget": label, "routing": routing, "kind": kind, "slots": slots,
+                return {"model": name, "budget": label, "routing": routing, "kind": kind, "slots": slots, "dense": dense,
                         "tok_s": tok_s, "ceiling_tok_s": ceiling, "of_ceiling": tok_s / ceiling,
                         # issue 10's projection: the same share of a ceiling with a laptop's links
                         "laptop_tok_s": laptop * tok_s / ceiling,
@@ -323,7 +333,8 @@ def run_model(name: str, args, hw, report: dict) -> None:
             hybrid.close()
             del experts, hybrid
     report.setdefault("rows", []).extend(rows)
-    report.setdefault("models", {})[name] = {"dense_ms_per_token": dense_s * 1e3, "store_gib": store.nbytes / GiB}
+    report.setdefault("models", {})[name] = {"dense_ms_per_token": dense_s * 1e3, "store_gib": store.nbytes / GiB,
+                                             "dense": dense, "dense_gib": shape.dense_bytes / GiB}
 
 
 class ShareLog:
@@ -507,6 +518,8 @@ def distinct_per_layer(ids) -> float:
 
 def _fmt(r: dict) -> str:
     distinct = f"  E/layer {r['distinct_per_layer']:>5.1f}" if "distinct_per_layer" in r else ""
+    if r.get("dense") == "int8":
+        distinct += "  dense int8"
     if r.get("laptop_tok_s"):
         distinct += f"  laptop {r['laptop_tok_s']:>6.1f} tok/s"
     return (f"{r['model']:<16} {r['budget']:>9} {r['routing']:<7} {r['kind']:<18} slots {r['slots']:>5}  "

@@ -21,6 +21,7 @@ Shapes: T tokens, K experts per token, D hidden, E experts per layer.
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import os
@@ -838,6 +839,8 @@ def hybrid_experts_factory(package, spec: ExpertSpec, *, device, dtype, vram_bud
     shape = ModelShape.from_config(package.config, codec=store.codec if store.codec != "f32" else "bf16",
                                    group_size=store.layout.group or 64, block_size=store.layout.group or 32,
                                    block_nbytes=store.block_nbytes)
+    if dense_bytes_on_device:            # what the dense weights really take (int8 projections: half the estimate)
+        shape = dataclasses.replace(shape, dense_nbytes=int(dense_bytes_on_device))
     hw = hardware or Hardware.probe(device=device.type, measure=device.type == "cuda",
                                     counted_in_plan=dense_bytes_on_device)
     plan = plan_memory(shape, hw, context_length=context_length, max_sequences=max_sequences,

@@ -67,7 +67,8 @@ class ModelShape:
     kv_bytes_per_token_per_layer: int  # K and V of one token in one attention layer (bf16)
     linear_attention_layers: int
     linear_state_bytes: int           # one sequence's recurrent + conv state over all linear layers
-    dense_bytes_per_param: int = 2    # dense weights run in bf16
+    dense_bytes_per_param: int = 2    # dense weights run in bf16...
+    dense_nbytes: int = 0             # ...unless measured as loaded (int8 projections: models/quantized.py)
 
     @property
     def total_experts(self) -> int:
@@ -79,7 +80,7 @@ class ModelShape:
 
     @property
     def dense_bytes(self) -> int:
-        return self.dense_params * self.dense_bytes_per_param
+        return self.dense_nbytes or self.dense_params * self.dense_bytes_per_param
 
     @property
     def layer_experts_bytes(self) -> int:

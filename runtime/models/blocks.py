@@ -389,7 +389,9 @@ class Attention(nn.Module):
         n = x.shape[0]
         hq, hkv = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         if self.qkv is not None:
-            q, k, v = F.linear(x, *self.qkv).split([hq, hkv, hkv], dim=-1)     # views of one [N, hq + 2 hkv]
+            # views of one [N, hq + 2 hkv]; an nn.Module once the dense weights went int8 (models/quantized.py)
+            fused = self.qkv(x) if isinstance(self.qkv, nn.Module) else F.linear(x, *self.qkv)
+            q, k, v = fused.split([hq, hkv, hkv], dim=-1)
         else:
             q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
         q = q.view(n, self.num_heads, self.head_dim)                         # [N, H, hd]

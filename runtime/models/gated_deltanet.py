@@ -311,8 +311,9 @@ class GatedDeltaNet(torch.nn.Module):
     def new_states(self, batch: int, *, device=None, dtype=None) -> tuple[torch.Tensor, torch.Tensor]:
         """Zero states for `batch` fresh sequences: conv [B, C, W-1] (activation dtype), recurrent fp32."""
         cfg = self.cfg
-        device = device or self.out_proj.weight.device
-        conv = torch.zeros(batch, *cfg.conv_state_shape(), device=device, dtype=dtype or self.out_proj.weight.dtype)
+        like = self.conv1d.weight                 # never quantized (models/quantized.py): the layer's device, dtype
+        device = device or like.device
+        conv = torch.zeros(batch, *cfg.conv_state_shape(), device=device, dtype=dtype or like.dtype)
         rec = torch.zeros(batch, *cfg.recurrent_state_shape(), device=device, dtype=torch.float32)
         return conv, rec
 
