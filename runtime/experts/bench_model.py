@@ -368,11 +368,12 @@ class ShareLog:
 
 def settle_share(ctl, run_round, *, max_steps: int = SHARE_WARMUP_MAX_STEPS) -> int:
     """Decode rounds (`run_round()` runs some steps and returns how many) until the learned CPU share has settled
-    (both neighbours of its share and both pure modes tried, nothing left on trial) or `max_steps` ran; returns
+    (both neighbours of its share and both pure modes tried, nothing left on trial, its rescan once warm done) or
+    `max_steps` ran; returns
     the steps run. The row then times the converged controller, as a user's second minute sees it, not its
     first steps (where trials cost time and it has not moved yet)."""
     done = 0
-    while done < max_steps and not ctl.settled:
+    while done < max_steps and (not ctl.settled or getattr(ctl, "rescan_pending", False)):
         ran = run_round()
         if ran <= 0:
             break

@@ -52,6 +52,7 @@ log = logging.getLogger(__name__)
 
 ZERO_COPY_MAX_TOKENS = DECODE_SCRATCH_TOKENS   # zero-copy moves an expert per assignment: only a few tokens
 NEVER_STREAM = 1 << 62                 # a stream threshold no call reaches
+SHARE_RESCAN_STEPS = 200               # the learned CPU share measures again once warm (policy.ShareController)
 ZERO_COPY_OF_H2D = 0.75                # the pool kernels reading host memory in place: ~41 of 55 GB/s (H200)
 CPU_KERNEL_OF_READ = 0.55              # the int8 CPU kernel: ~52 of ~95 GB/s of the host's read bandwidth
 STREAM_TOKENS_PER_ACTIVE_SHARE = 32   # stream a layer when tokens >= 32 * E / K (each byte serves enough tokens)
@@ -231,7 +232,9 @@ class HybridExperts:
         fixed = self.options.cpu_share
         self._share_control = None
         if fixed is None and (self.cpu.int8 or self.cpu.fast):      # learned: where the last load left it, or 0
-            self._share_control = self.share_memory.controller() if self.share_memory else ShareController()
+            # rescanned once warm: the CPU side's first ~100 steps after a load run slow (policy.py)
+            self._share_control = self.share_memory.controller(rescan_after=SHARE_RESCAN_STEPS) \
+                if self.share_memory else ShareController(rescan_after=SHARE_RESCAN_STEPS)
         share = (self._share_control.share if self._share_control else 0.0) if fixed is None else \
             self._default_cpu_share() if fixed < 0 else float(fixed)
         self._step_started = None

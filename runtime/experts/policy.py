@@ -493,13 +493,20 @@ class ShareController:
     window) after construction are not samples either: right after a load, steps run cold, and a cold first
     window at the start share would make any share on trial look faster than it is.
 
+    `rescan_after` (steps; None: never): once, that many steps after construction, forget every median but the
+    held share's and measure the scan's shares and both neighbours again. The CPU side runs slow for its first
+    ~100 decode steps after a load (measured on the H200: share 0.5 at 29 ms a step in a tier's first 80 steps,
+    15.7 ms later; docs/hybrid.md, "Sixth session"), so a first scan taken then can hold share 0 for good; a
+    remembered median may be as stale.
+
     `to_state` / `from_state`: what ShareMemory persists (the held share and the medians it trusts), so the
     next load of the same model on the same machine starts at the share it ended at."""
 
     def __init__(self, *, start: float = 0.0, grid: tuple[float, ...] = SHARE_GRID, window: int = 12,
                  explore_every: int = 16, explore_max: int = 128, probe_every: int = 4, margin: float = 0.03,
                  outlier: float = 3.0, abort: float = 0.25, abort_after: int = 4, cold_steps: int | None = None,
-                 remembered: dict[float, float] | None = None, scan: tuple[float, ...] = SHARE_SCAN):
+                 remembered: dict[float, float] | None = None, scan: tuple[float, ...] = SHARE_SCAN,
+                 rescan_after: int | None = None):
         if not grid or window < 1 or not 1 <= abort_after <= window:
             raise ValueError(f"ShareController needs a grid, window >= 1 and 1 <= abort_after <= window "
                              f"(got {len(grid)} shares, window {window}, abort_after {abort_after})")
@@ -528,6 +535,7 @@ class ShareController:
         self._scanned = bool(remembered)            # the scan's shares measured once (see _next_trial); a
                                                     # remembered controller had its scan in an earlier run
         self._up = True
+        self._rescan_at = rescan_after                # the step of the one rescan (None: done or never)
         for share, seconds in (remembered or {}).items():
             i = self._nearest(share)
             if abs(self.grid[i] - share) < 1e-6:
@@ -546,6 +554,11 @@ class ShareController:
     def held_share(self) -> float:
         """The best share found (what is persisted): the one held between trials."""
         return self.grid[self.index]
+
+    @property
+    def rescan_pending(self) -> bool:
+        """The one rescan (`rescan_after`) is still to come."""
+        return self._rescan_at is not None
 
     @property
     def settled(self) -> bool:
@@ -586,7 +599,9 @@ class ShareController:
         self._count = 0                                          # a decision once per window
         self.medians[self.index] = _median(bucket)
         self.measured.add(self.index)
-        if self._queue or self._probes:
+        if self._rescan_at is not None and self.steps >= self._rescan_at:
+            self._rescan()
+        elif self._queue or self._probes:
             self._next_trial()
         elif self._wait > 0:
             self._wait -= 1
@@ -625,6 +640,21 @@ class ShareController:
         else:
             self._queue = sides
             self._probes = probes if self._cycles % self.probe_every == 0 else []
+        self._next_trial()
+
+    def _rescan(self) -> None:
+        """Measure again what was measured cold: the scan's shares and both neighbours, the held share's fresh
+        median the reference (`rescan_after`)."""
+        self._rescan_at = None
+        held = self.index
+        for i in [i for i in self.medians if i != held]:
+            del self.medians[i]
+            self.samples.pop(i, None)
+        self._rejected = set()
+        sides = [i for i in (held + 1, held - 1) if 0 <= i < len(self.grid)]
+        self._queue = sides
+        self._probes = [i for i in self._scan if i != held and i not in sides]
+        self._interval = self.explore_every
         self._next_trial()
 
     def _next_trial(self) -> None:
