@@ -134,7 +134,9 @@ def estimate(config: dict, *, codec: str, machine: Machine, context_length: int,
     from runtime.experts.planner import ModelShape, plan_memory
 
     try:
-        shape = ModelShape.from_config(config, codec=codec, group_size=group_size, block_nbytes=block_nbytes)
+        # a GPU engine keeps a quantized model's dense weights in int8 (runtime/engine.py, _wants_int8_dense)
+        shape = ModelShape.from_config(config, codec=codec, group_size=group_size, block_nbytes=block_nbytes,
+                                       dense_int8=machine.hardware.has_cuda and codec in ("int4", "fp4"))
         plan = plan_memory(shape, machine.hardware, context_length=context_length, max_sequences=max_sequences,
                            vram_budget=vram_budget)
     except (ValueError, KeyError) as exc:

@@ -57,6 +57,9 @@ SCHEMA: tuple[Setting, ...] = (
             minimum=-1, restart=True, group="Engine"),
     Setting("device", str, "auto", "Where the engine runs.", choices=("auto", "cpu", "cuda"), restart=True,
             group="Engine"),
+    Setting("dense_precision", str, "auto", "Dense weights on a GPU: int8 (half the bytes a token reads, VRAM for "
+            "experts), the model's own precision, or auto (int8 for quantized models and models that do not fit).",
+            choices=("auto", "int8", "model"), restart=True, group="Engine"),
     Setting("server_enabled", bool, True, "Serve the OpenAI/Anthropic API while a model is loaded.", group="Server"),
     Setting("server_host", str, "127.0.0.1", "Address the API binds to (anything but loopback needs an API key).",
             restart=True, group="Server"),

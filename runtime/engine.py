@@ -105,14 +105,18 @@ class _Request:
 
 
 def _wants_int8_dense(dev: torch.device, package, dense_bytes: int, vram_budget: int | None) -> bool:
-    """The default of `dense_int8`: a GPU whose budget can not hold every expert beside the bf16 dense weights
-    (the hybrid tier), where each byte the dense weights give back is an expert slot. A GPU that holds it all
-    keeps the checkpoint's precision; a CPU always does."""
+    """The default of `dense_int8` on a GPU: a package whose experts are quantized (int4, fp4: the user chose a
+    quantized model, and int8 dense weights are far finer than its experts; a decode step reads ~40 % fewer
+    bytes), or a budget that can not hold every expert beside the bf16 dense weights (the hybrid tier, where each
+    byte the dense weights give back is an expert slot). A package of bf16/f32 experts that fits keeps the
+    checkpoint's precision; a CPU always does (there the int8 path dequantizes per call: slower, not faster)."""
     if dev.type != "cuda":
         return False
     experts = getattr(package, "experts", None)
     if experts is None or not getattr(experts, "layers", None):
         return False
+    if str(getattr(experts, "codec", "bf16")) in ("int4", "fp4"):
+        return True
     expert_bytes = len(experts.layers) * int(experts.num_experts) * int(experts.block_nbytes)
     free, _total = torch.cuda.mem_get_info(dev)
     room = free + dense_bytes                     # the dense weights are on the device already
@@ -258,8 +262,9 @@ class Engine:
 
         `dense_int8`: the large dense projections and the LM head in int8 with a scale per row
         (runtime/models/quantized.py): half their bytes, read every step, and VRAM for expert slots. None: on
-        for a GPU that can not hold every expert beside the bf16 dense weights (`_wants_int8_dense`), off
-        otherwise (and always off on a CPU, where the engine matches transformers' forward)."""
+        a GPU for a package of quantized experts or one that does not fit beside bf16 dense weights
+        (`_wants_int8_dense`), off otherwise (and always off on a CPU, where the engine matches transformers'
+        forward)."""
         from runtime.text.chat_template import ChatTemplate, ChatTemplateError
         from runtime.text.tokenizer import Tokenizer
 
@@ -299,11 +304,13 @@ class Engine:
             model.fuse_projections()          # fewer, larger GEMMs: a GPU's decode step is bound by launches
         if dense_int8 is None:
             dense_int8 = _wants_int8_dense(dev, package, report.nbytes, vram_budget)
-        dense_codec = "int8" if dense_int8 else str(dtype).replace("torch.", "")
+        dense_codec = str(dtype).replace("torch.", "")
         if dense_int8:
             from runtime.models.quantized import dense_nbytes, quantize_dense_
 
             swapped = quantize_dense_(model)
+            if swapped["matrices"]:
+                dense_codec = "int8"        # (a tiny model's matrices all stay: under quantized.MIN_WEIGHTS)
             if dev.type == "cuda":
                 torch.cuda.empty_cache()      # the bf16 copies go back to the driver: the planner measures free VRAM
             dense_bytes = dense_nbytes(model)

@@ -58,8 +58,8 @@ _NUM = (int, float)
 # type -> fields beyond `type`. Requests first (UI -> worker), then events (worker -> UI).
 REQUESTS: dict[str, dict[str, Field]] = {
     "hello": {"protocol": Field(int), "version": _OPT_STR, "pid": Field((int, type(None)), required=False)},
-    # model: an FTW package folder. options: device, context_length, vram_budget, cpu_experts_per_layer, max_batch,
-    # state_dir (the model's learned state: routing statistics)
+    # model: an FTW package folder. options: device, context_length, vram_budget, cpu_experts_per_layer, dense_int8,
+    # max_batch, state_dir (the model's learned state: routing statistics)
     "load": {"id": Field(str), "model": Field(str), "options": _OPT_DICT},
     "unload": {"id": Field(str)},
     # messages (chat form, rendered with the model's template) or prompt (raw text); sampling: SamplingParams

@@ -152,6 +152,7 @@ class LoadOptions:
     max_batch: int = 8
     vram_budget: int | None = None
     cpu_experts_per_layer: int | None = None
+    dense_int8: bool | None = None      # dense weights in int8 on a GPU (None: the engine decides; Engine.load)
     state_dir: str | None = None        # the model's learned state (routing statistics): see Engine.load
 
     @classmethod
@@ -167,7 +168,8 @@ def _default_engine_loader(path, options: LoadOptions, progress):
     from runtime.engine import Engine
 
     kwargs = dict(device=options.device, max_batch=options.max_batch, vram_budget=options.vram_budget,
-                  cpu_experts_per_layer=options.cpu_experts_per_layer, progress=progress)
+                  cpu_experts_per_layer=options.cpu_experts_per_layer, dense_int8=options.dense_int8,
+                  progress=progress)
     if options.context_length:
         kwargs["context_length"] = options.context_length
     if options.state_dir:

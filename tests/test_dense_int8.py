@@ -123,8 +123,8 @@ def test_quantize_int8_rounds_to_the_nearest_code():
 @pytest.mark.cuda
 def test_int8_dense_on_a_gpu_decodes_through_graphs_as_it_does_eagerly(ftw_packages, device, monkeypatch):
     """Compiled (`pytest --device cuda`): the Triton kernel serves decode and short prompts, recorded in the decode
-    graphs; greedy tokens through graphs equal the eager ones, and the default turns int8 on only for a budget
-    that can not hold every expert beside bf16 dense weights."""
+    graphs; greedy tokens through graphs equal the eager ones, and the default turns int8 on for quantized experts
+    or a budget that can not hold every expert beside bf16 dense weights."""
     if device != "cuda" or not torch.cuda.is_available():
         pytest.skip("compiled kernels run on the GPU machine: pytest --device cuda")
     from types import SimpleNamespace
@@ -140,9 +140,28 @@ def test_int8_dense_on_a_gpu_decodes_through_graphs_as_it_does_eagerly(ftw_packa
     for seed in (1, 2):
         prompt = random_prompt(9, seed=seed)
         assert graphs.generate(prompt, params).tokens == eager.generate(prompt, params).tokens
-    experts = SimpleNamespace(layers=list(range(48)), num_experts=128, block_nbytes=2_490_368)   # 15.3 GB
-    pkg = SimpleNamespace(experts=experts)
     dev = torch.device("cuda")
-    assert _wants_int8_dense(dev, pkg, 3 << 30, 8 << 30) is True          # 8 GiB: hybrid
-    assert _wants_int8_dense(dev, pkg, 3 << 30, None) is (torch.cuda.mem_get_info()[0] < 21e9)
-    assert _wants_int8_dense(torch.device("cpu"), pkg, 3 << 30, 8 << 30) is False
+    for codec in ("bf16", "int4"):
+        experts = SimpleNamespace(layers=list(range(48)), num_experts=128, block_nbytes=2_490_368, codec=codec)
+        pkg = SimpleNamespace(experts=experts)                                                 # 15.3 GB of experts
+        assert _wants_int8_dense(dev, pkg, 3 << 30, 8 << 30) is True          # 8 GiB: hybrid
+        assert _wants_int8_dense(dev, pkg, 3 << 30, None) is (codec == "int4" or torch.cuda.mem_get_info()[0] < 21e9)
+        assert _wants_int8_dense(torch.device("cpu"), pkg, 3 << 30, 8 << 30) is False
+
+
+@pytest.mark.parametrize("setting, option", [("auto", None), ("int8", True), ("model", False)])
+def test_the_setting_reaches_the_engine_as_a_load_option(setting, option, monkeypatch):
+    """Settings -> the UI's load request -> the worker's LoadOptions -> Engine.load(dense_int8=...)."""
+    from app.settings import Settings
+    from runtime import service as service_mod
+    from runtime.service import LoadOptions
+    from ui.session import load_options
+
+    settings = Settings()
+    settings.set("dense_precision", setting)
+    options = load_options(settings)
+    assert options.get("dense_int8") is option and ("dense_int8" in options) == (option is not None)
+    seen = {}
+    monkeypatch.setattr(Engine, "load", classmethod(lambda cls, path, **kw: seen.update(kw)))
+    service_mod._default_engine_loader("/some/model", LoadOptions.from_dict(options), progress=None)
+    assert seen["dense_int8"] is option

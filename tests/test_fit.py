@@ -28,7 +28,9 @@ def fit(entry_id: str, m: Machine, context: int = 32768, **kw):
 def test_placement_is_the_planners(entry):
     m = machine()
     result = estimate(entry.config(), codec=entry.codec, machine=m, context_length=16384)
-    plan = plan_memory(ModelShape.from_config(entry.config(), codec=entry.codec), m.hardware, context_length=16384)
+    # a GPU engine keeps a quantized model's dense weights in int8: the estimate plans with the same bytes
+    shape = ModelShape.from_config(entry.config(), codec=entry.codec, dense_int8=entry.codec in ("int4", "fp4"))
+    plan = plan_memory(shape, m.hardware, context_length=16384)
     assert result.verdict == plan.backend
     assert result.plan == plan.to_dict()
     assert result.experts_cached_pct == pytest.approx(100 * plan.expert_slots / plan.expert_total)
@@ -151,9 +153,22 @@ def test_a_plan_without_stream_buffers_prefills_on_the_cores():
     """Where VRAM holds the dense weights and KV but not the prefill stream buffers, the plan stays hybrid (decode
     from the GPU) and the prefill estimate is the cores' expert compute, far below a streaming plan's."""
     qwen = "qwen3-30b-a3b-instruct-2507"
-    tight = fit(qwen, machine(vram_gib=4.5), context=4096)
+    tight = fit(qwen, machine(vram_gib=3.25), context=4096)      # (int8 dense weights: 1.7 GiB, the KV, no buffers)
     roomy = fit(qwen, machine(vram_gib=8), context=4096)
     assert tight.verdict == roomy.verdict == HYBRID
     assert tight.plan["prefill_streaming"] is False and roomy.plan["prefill_streaming"] is True
     assert tight.prefill_tok_s[1] < roomy.prefill_tok_s[0] / 3
-    assert tight.decode_tok_s[0] > fit(qwen, machine(vram_gib=4.5, cuda=False), context=4096).decode_tok_s[1]
+    assert tight.decode_tok_s[0] > fit(qwen, machine(vram_gib=3.25, cuda=False), context=4096).decode_tok_s[1]
+
+
+def test_a_quantized_model_is_planned_with_int8_dense_weights_on_a_gpu():
+    """The engine keeps a quantized model's dense weights in int8 on a GPU (runtime/models/quantized.py): the
+    estimate counts those bytes (Qwen3-30B-A3B: ~1.8 GB, not 3.1), so more experts fit the same VRAM."""
+    entry = find_entry("qwen3-30b-a3b-instruct-2507")
+    bf16 = ModelShape.from_config(entry.config(), codec=entry.codec)
+    int8 = ModelShape.from_config(entry.config(), codec=entry.codec, dense_int8=True)
+    assert 0.55 < int8.dense_bytes / bf16.dense_bytes < 0.62
+    result = fit(entry.id, machine(vram_gib=8), context=8192)
+    assert result.plan["dense_bytes"] == int8.dense_bytes
+    slots_bf16 = plan_memory(bf16, machine(vram_gib=8).hardware, context_length=8192).expert_slots
+    assert result.plan["expert_slots"] > slots_bf16 + 400

@@ -30,6 +30,8 @@ def load_options(settings) -> dict[str, Any]:
         options["vram_budget"] = int(settings.get("vram_budget_gib") * GIB)
     if settings.get("cpu_experts_per_layer") >= 0:
         options["cpu_experts_per_layer"] = settings.get("cpu_experts_per_layer")
+    if settings.get("dense_precision") != "auto":
+        options["dense_int8"] = settings.get("dense_precision") == "int8"
     return options
 
 

@@ -34,6 +34,8 @@ def register(sub) -> None:
     p.add_argument("--api-key", help="key clients must send (required to bind anything but loopback)")
     p.add_argument("--vram-budget", metavar="SIZE", help="cap on VRAM use: 6 (GiB), 6GiB, 512MiB")
     p.add_argument("--device", choices=("auto", "cpu", "cuda"), help="where the engine runs")
+    p.add_argument("--dense", choices=("auto", "int8", "model"),
+                   help="dense weights on a GPU: int8, the model's precision, or auto (default: the setting)")
     p.add_argument("--context", type=int, metavar="N", help="context length in tokens")
     p.add_argument("--max-batch", type=int, default=8, metavar="N", help="sequences decoded together (default 8)")
     p.add_argument("--max-queue", type=int, default=64, metavar="N",
@@ -99,7 +101,9 @@ def run(args) -> int:
     from runtime.server.context import ServerConfig
     from runtime.service import LoadOptions, Service, ServiceError
 
+    dense = args.dense or settings.get("dense_precision")
     options = LoadOptions(device=args.device or settings.get("device"), max_batch=args.max_batch,
+                          dense_int8=None if dense == "auto" else dense == "int8",
                           context_length=args.context or settings.get("context_length"), vram_budget=budget,
                           state_dir=str(model_state_dir(paths, package)))
     service = Service(max_queue=args.max_queue)

@@ -96,9 +96,11 @@ class ModelShape:
 
     @classmethod
     def from_config(cls, config: dict, *, codec: str = "int4", group_size: int = 64, block_size: int = 32,
-                    block_nbytes: int | None = None) -> "ModelShape":
+                    block_nbytes: int | None = None, dense_int8: bool = False) -> "ModelShape":
         """Read a Hugging Face config.json (text config for VLMs). `block_nbytes` is the package's real
-        expert block size when a converted package is at hand; otherwise it is computed from the codec."""
+        expert block size when a converted package is at hand; otherwise it is computed from the codec.
+        `dense_int8`: the dense weights as a GPU engine loads them for quantized experts (models/quantized.py:
+        everything but the input embeddings in int8; an estimate, the engine counts its real bytes)."""
         cfg = dict(config.get("text_config") or config)
         model_type = str(cfg.get("model_type") or config.get("model_type") or "unknown")
         try:
@@ -157,9 +159,11 @@ class ModelShape:
         if block_nbytes is None:
             block_nbytes = expert_block_bytes(codec, d, i_exp, group_size=group_size, block_size=block_size,
                                               has_bias=model_type == "gpt_oss")
+        input_embed = vocab * d
+        dense_nbytes = 2 * input_embed + (dense_params - input_embed) if dense_int8 else 0
         return cls(model_type=model_type, num_layers=layers, moe_layers=len(moe_ids), num_experts=experts,
                    top_k=top_k, hidden_size=d, expert_intermediate=i_exp, codec=codec,
-                   expert_block_bytes=int(block_nbytes), dense_params=dense_params,
+                   expert_block_bytes=int(block_nbytes), dense_params=dense_params, dense_nbytes=dense_nbytes,
                    full_attention_layers=n_full, sliding_attention_layers=n_sliding, sliding_window=window,
                    kv_bytes_per_token_per_layer=2 * kv_heads * head_dim * 2,
                    linear_attention_layers=n_linear, linear_state_bytes=state)
