@@ -12,6 +12,8 @@
 #                                                # the fused GDN step, and for qwen3-30b with 15 worker threads
 #   (device) bash benchmarks/device_final.sh i   # session 6: dense weights in int8 (runtime/models/quantized.py):
 #                                                # more slots at 8/4 GiB, fewer bytes a step unlimited
+#   (device) bash benchmarks/device_final.sh j   # the next run (written in session 6, not run): the learned share's
+#                                                # rescan once warm, int8 dense at 8/4 GiB, how a row warms up
 # carry .site (numba, llvmlite, fla-core, platformdirs unpacked, xz). Results under $OUT. Build .site once (the
 # wheels alone pass the 64 MiB carry limit; unpacked and xz-compressed they take ~44 MB):
 #   pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
@@ -146,6 +148,17 @@ elif [ "$1" = i ]; then
     --device cuda > "$OUT/cuda_tests.log" 2>&1
   echo "tests rc=$?"; tail -3 "$OUT/cuda_tests.log"
   timeout 100 python3 -m runtime.experts.bench model --models qwen3.6-35b-a3b --dense-int8 --budgets 8 \
+    --routings uniform --cpu-share auto --modes graphs --batch 4 --tokens 24 --warmup 8 --prefill-budgets 99 \
+    --ttft-context 0 --out "$OUT" 2>&1 | tee "$OUT/bench_q36_int8.txt" | grep -v "^{"
+  mv "$OUT/model.json" "$OUT/model_q36_int8.json" 2>/dev/null; true
+elif [ "$1" = j ]; then
+  # session 6 left: the rescan (d123cc1) with int8 dense (the default for these int4/fp4 packages), a fixed 0.5
+  # with every step timed (--step-times: is the first ~100 steps' slowness the CPU worker's or the GPU's?), 4 GiB
+  timeout 250 python3 -m runtime.experts.bench model --models qwen3-30b-a3b --dense-int8 --budgets 8 4 \
+    --routings uniform --cpu-share 0.5 auto --modes graphs --batch 4 --tokens 32 --warmup 96 --step-times \
+    --prefill-budgets 99 --ttft-context 0 --out "$OUT" 2>&1 | tee "$OUT/bench_q3_int8.txt" | grep -v "^{"
+  mv "$OUT/model.json" "$OUT/model_q3_int8.json" 2>/dev/null
+  timeout 150 python3 -m runtime.experts.bench model --models qwen3.6-35b-a3b --dense-int8 --budgets 8 \
     --routings uniform --cpu-share auto --modes graphs --batch 4 --tokens 24 --warmup 8 --prefill-budgets 99 \
     --ttft-context 0 --out "$OUT" 2>&1 | tee "$OUT/bench_q36_int8.txt" | grep -v "^{"
   mv "$OUT/model.json" "$OUT/model_q36_int8.json" 2>/dev/null; true

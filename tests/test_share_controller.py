@@ -558,3 +558,30 @@ def test_a_rescan_once_warm_finds_the_share_a_cold_first_scan_missed():
             # 0.4 and 0.5 are 1 % apart: within the margin, a plateau either end of which may be held
             assert ctl.held_share in (0.4, 0.5) and ctl.settled, ctl.held_share
             assert np.mean(spent[1000:]) < 1.03 * h200_run_f(0.5)
+
+
+def test_bench_model_step_times_show_how_a_row_warms_up():
+    """`bench model --step-times`: decode_rate times every step (warm-up included) with the worker's counters
+    beside it, and the phase line gives each phase's median step and the worker's µs a request over it."""
+    from types import SimpleNamespace
+
+    from runtime.experts import bench_model
+
+    calls = []
+    graphs = SimpleNamespace(decode=lambda token, cache: calls.append(token) or torch.tensor([0.0, 1.0]))
+    counts = iter(range(1, 1000))
+    trace = []
+    bench_model.decode_rate(None, graphs, None, steps=5, warmup=3, use_graphs=True, device=torch.device("cpu"),
+                            trace=trace, probe=lambda: next(counts))
+    assert len(trace) == 8 == len(calls) and [c for _, c in trace] == list(range(1, 9))
+    assert all(t >= 0 for t, _ in trace)
+    # 100 steps: 10 ms and 300 µs a request cold (the first 32), then 8 ms and 200 µs; two requests a step
+    fake, served, kernel = [], 0, 0.0
+    for i in range(100):
+        served += 2
+        kernel += 2 * (300e-6 if i < 32 else 200e-6)
+        fake.append((10e-3 if i < 32 else 8e-3, (served, 0.0, kernel)))
+    line = bench_model.phase_line(fake)
+    assert "0-7: 10.00 ms, 300 µs" in line and "8-31: 10.00 ms, 300 µs" in line
+    assert "32-95: 8.00 ms, 200 µs" in line and "96-99: 8.00 ms, 200 µs" in line
+    assert "0-2: 1.00 ms, - µs" in bench_model.phase_line([(1e-3, None)] * 3)

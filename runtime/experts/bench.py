@@ -534,6 +534,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     m.add_argument("--trace", type=int, default=0,
                    help="record this many graph decode steps of each hybrid row with torch.profiler (Chrome "
                         "trace, gzipped, under --out)")
+    m.add_argument("--step-times", action="store_true",
+                   help="time every b1 step (warm-up included): medians per phase and the worker's µs a request")
     m.add_argument("--dense-int8", action="store_true",
                    help="dense projections and LM head in int8 (runtime/models/quantized.py), as a hybrid GPU plan loads")
     m.add_argument("--out", type=Path, default=None)

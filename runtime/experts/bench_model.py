@@ -96,11 +96,13 @@ def random_model(config: dict, *, device, dtype):
 
 
 def decode_rate(model, graphs, cache, *, steps: int, warmup: int, experts=None, use_graphs: bool,
-                device) -> float:
-    """Decode tok/s at batch 1 over `steps` tokens after `warmup` (each step samples: one sync per token)."""
+                device, trace: list | None = None, probe=None) -> float:
+    """Decode tok/s at batch 1 over `steps` tokens after `warmup` (each step samples: one sync per token).
+    `trace`: gets (seconds, probe()) for every step, warm-up included (`--step-times`: how a row warms up)."""
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     token = 100
     t0 = None
+    last = time.perf_counter()
     for s in range(warmup + steps):
         if s == warmup:
             sync()
@@ -112,8 +114,35 @@ def decode_rate(model, graphs, cache, *, steps: int, warmup: int, experts=None, 
         else:
             logits = model(Batch.build([([token], cache)], device=device))
         token = int(logits.argmax()) % 1000
+        if trace is not None:                      # the argmax synced: the step is over
+            now = time.perf_counter()
+            trace.append((now - last, probe() if probe else None))
+            last = now
     sync()
     return steps / (time.perf_counter() - t0)
+
+
+STEP_PHASES = (8, 32, 96)      # `--step-times`: the medians are printed for steps [0, 8), [8, 32), [32, 96), [96, ...)
+
+
+def phase_line(trace: list, bounds: tuple[int, ...] = STEP_PHASES) -> str:
+    """One line from a decode_rate trace with worker_counts probes: the median step (ms) of each phase and the
+    CPU-share worker's µs a request over it (from seeing a request to answering it; '-' without requests)."""
+    edges = [0, *[b for b in bounds if b < len(trace)], len(trace)]
+    parts = []
+    for a, b in zip(edges, edges[1:]):
+        ms = sorted(1e3 * t for t, _ in trace[a:b])
+        med = ms[len(ms) // 2]
+        before = trace[a - 1][1] if a else None
+        after = trace[b - 1][1]
+        us = "-"
+        if after is not None:
+            served0, _, kernel0 = before if before is not None else (0, 0.0, 0.0)
+            served = after[0] - served0
+            if served > 0 and after[2]:
+                us = f"{1e6 * (after[2] - kernel0) / served:.0f}"
+        parts.append(f"{a}-{b - 1}: {med:.2f} ms, {us} µs")
+    return "    steps (median, worker µs a request): " + " | ".join(parts)
 
 
 def decode_rate_batch(model, graphs, caches, *, steps: int, warmup: int, experts, use_graphs: bool,
@@ -259,8 +288,10 @@ def run_model(name: str, args, hw, report: dict) -> None:
                 hybrid.counters.end_step()
                 used = ShareLog(ctl) if ctl is not None else None
                 worker_before = worker_counts(hybrid)
+                trace = [] if getattr(args, "step_times", False) else None
                 tok_s = decode_rate(model, graphs, cache, steps=args.tokens, warmup=args.warmup, experts=experts,
-                                    use_graphs=use_graphs, device=device)
+                                    use_graphs=use_graphs, device=device, trace=trace,
+                                    probe=lambda: worker_counts(hybrid))
                 hybrid.flush_step_log()
                 c = hybrid.counters.end_step()
                 rows.append(decode_row(c, tok_s, 1, "decode b1 " + ("graphs" if use_graphs else "eager"),
@@ -271,6 +302,12 @@ def run_model(name: str, args, hw, report: dict) -> None:
                                        + ("" if split == "auto" else " (forced)")))
                 print(_fmt(rows[-1]), flush=True)
                 print_worker_line(hybrid, worker_before, rows[-1], steps=args.tokens + args.warmup)
+                if trace:
+                    # relative to the row's start: the worker's counters before the row are the baseline
+                    trace = [(t, None if c is None else tuple(x - y for x, y in zip(c, worker_before)))
+                             for t, c in trace]
+                    rows[-1]["step_ms"] = [round(1e3 * t, 3) for t, _ in trace]
+                    print(phase_line(trace), flush=True)
                 if used is not None:
                     counts, text = used.close(untimed=args.warmup)
                     rows[-1].update(share_warmup_steps=warm, share_settled=ctl.settled, share_steps=counts)
