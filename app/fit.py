@@ -131,12 +131,12 @@ def estimate(config: dict, *, codec: str, machine: Machine, context_length: int,
              block_nbytes: int | None = None, group_size: int = 64) -> FitEstimate:
     """Fit of one model config on `machine` at `context_length` tokens of KV cache. `block_nbytes` is a
     converted package's real expert block size (its manifest), used instead of the codec's formula."""
-    from runtime.experts.planner import ModelShape, plan_memory
+    from runtime.experts.planner import DENSE_INT8_CODECS, ModelShape, plan_memory
 
     try:
         # a GPU engine keeps a quantized model's dense weights in int8 (runtime/engine.py, _wants_int8_dense)
         shape = ModelShape.from_config(config, codec=codec, group_size=group_size, block_nbytes=block_nbytes,
-                                       dense_int8=machine.hardware.has_cuda and codec in ("int4", "fp4"))
+                                       dense_int8=machine.hardware.has_cuda and codec in DENSE_INT8_CODECS)
         plan = plan_memory(shape, machine.hardware, context_length=context_length, max_sequences=max_sequences,
                            vram_budget=vram_budget)
     except (ValueError, KeyError) as exc:

@@ -42,6 +42,11 @@ class Setting:
         return value
 
 
+def dense_int8_option(dense_precision: str) -> bool | None:
+    """The `dense_precision` setting (or `serve --dense`) as Engine.load's `dense_int8`: None lets it decide."""
+    return None if dense_precision == "auto" else dense_precision == "int8"
+
+
 class SettingsError(ValueError):
     """A setting value that is the wrong type or out of range."""
 

@@ -44,6 +44,11 @@ def _work(a):
     return s
 
 
+def _median_p90(times: list[float]) -> str:
+    times = sorted(times)
+    return f"median {1e6 * times[len(times) // 2]:.1f} µs, p90 {1e6 * times[int(0.9 * len(times))]:.1f} µs"
+
+
 def alternate(threads: int, private: bool) -> int:
     import torch
     if private:
@@ -59,10 +64,8 @@ def alternate(threads: int, private: bool) -> int:
         torch.mm(x, w)
         _work(a)
         times.append(time.perf_counter() - t0)
-    times.sort()
     print(f"threading layer {numba.threading_layer()}; torch op + numba region on {threads} threads each"
-          f"{', numba private' if private else ', one libgomp'}: median {1e6 * times[len(times) // 2]:.1f} µs, "
-          f"p90 {1e6 * times[int(0.9 * len(times))]:.1f} µs per pair")
+          f"{', numba private' if private else ', one libgomp'}: {_median_p90(times)} per pair")
     return 0
 
 
@@ -98,11 +101,8 @@ def main(argv: list[str]) -> int:
     thread = threading.Thread(target=worker)
     thread.start()
     thread.join()
-    times.sort()
     print(f"threading layer {numba.threading_layer()}; main pool of {main_threads}{' (torch)' if torch_main else ''}"
-          f"{', numba private' if private else ''}, worker pool of "
-          f"{worker_threads}: median {1e6 * times[len(times) // 2]:.1f} µs, "
-          f"p90 {1e6 * times[int(0.9 * len(times))]:.1f} µs per region")
+          f"{', numba private' if private else ''}, worker pool of {worker_threads}: {_median_p90(times)} per region")
     return 0
 
 

@@ -115,7 +115,9 @@ def _wants_int8_dense(dev: torch.device, package, dense_bytes: int, vram_budget:
     experts = getattr(package, "experts", None)
     if experts is None or not getattr(experts, "layers", None):
         return False
-    if str(getattr(experts, "codec", "bf16")) in ("int4", "fp4"):
+    from runtime.experts.planner import DENSE_INT8_CODECS
+
+    if str(getattr(experts, "codec", "bf16")) in DENSE_INT8_CODECS:
         return True
     expert_bytes = len(experts.layers) * int(experts.num_experts) * int(experts.block_nbytes)
     free, _total = torch.cuda.mem_get_info(dev)
@@ -303,17 +305,20 @@ class Engine:
         if dev.type == "cuda":
             model.fuse_projections()          # fewer, larger GEMMs: a GPU's decode step is bound by launches
         if dense_int8 is None:
-            dense_int8 = _wants_int8_dense(dev, package, report.nbytes, vram_budget)
+            dense_int8 = _wants_int8_dense(dev, package, dense_bytes, vram_budget)
         dense_codec = str(dtype).replace("torch.", "")
         if dense_int8:
-            from runtime.models.quantized import dense_nbytes, quantize_dense_
+            from runtime.models.quantized import quantize_dense_
 
-            swapped = quantize_dense_(model)
+            try:
+                swapped = quantize_dense_(model)
+            except ValueError as exc:         # inf/NaN weights: nothing a scale can represent
+                raise EngineError(f"this model's dense weights cannot be stored in int8 ({exc}); the package may "
+                                  "be damaged: convert it again, or load it with the Dense precision setting at "
+                                  "'model' (freetoken serve --dense model)") from exc
             if swapped["matrices"]:
                 dense_codec = "int8"        # (a tiny model's matrices all stay: under quantized.MIN_WEIGHTS)
-            if dev.type == "cuda":
-                torch.cuda.empty_cache()      # the bf16 copies go back to the driver: the planner measures free VRAM
-            dense_bytes = dense_nbytes(model)
+            dense_bytes = swapped["dense_bytes"]
             log.info("dense weights: %d matrices in int8, %.2f -> %.2f GB", swapped["matrices"],
                      swapped["bytes_before"] / 1e9, swapped["bytes_after"] / 1e9)
         factory = experts_factory or default_experts_factory(dev)

@@ -167,3 +167,31 @@ def test_the_setting_reaches_the_engine_as_a_load_option(setting, option, monkey
     monkeypatch.setattr(Engine, "load", classmethod(lambda cls, path, **kw: seen.update(kw)))
     service_mod._default_engine_loader("/some/model", LoadOptions.from_dict(options), progress=None)
     assert seen["dense_int8"] is option
+
+
+def test_quantize_int8_in_row_blocks_equals_the_whole_matrix(monkeypatch):
+    """The fp32 temporaries go a block of rows at a time (the LM head's took 2.5 GB whole): same codes, scales."""
+    from runtime.kernels import int8_linear_triton as int8_k
+
+    w = torch.randn(1000, 64)
+    whole = quantize_int8(w)
+    monkeypatch.setattr(int8_k, "QUANTIZE_BLOCK_BYTES", 4 * 64 * 96)      # 96 rows a block, a short last one
+    blocks = quantize_int8(w)
+    assert torch.equal(blocks[0], whole[0]) and torch.equal(blocks[1], whole[1])
+
+
+def test_a_weight_of_nan_names_its_matrix_and_the_engine_says_what_to_do(ftw_packages, monkeypatch):
+    model = _model(ftw_packages)
+    with torch.no_grad():
+        model.lm_head.weight[2, 5] = float("nan")
+    with pytest.raises(ValueError, match=r"lm_head: quantize_int8: w holds inf or NaN"):
+        quantize_dense_(model, min_weights=0)
+
+    from runtime.engine import EngineError
+
+    def damaged(model, **_):
+        raise ValueError("model.layers.0.self_attn.o_proj: quantize_int8: w holds inf or NaN")
+
+    monkeypatch.setattr(quantized, "quantize_dense_", damaged)
+    with pytest.raises(EngineError, match=r"o_proj.*damaged: convert it again.*--dense model"):
+        Engine.load(ftw_packages("qwen3_moe", "f32"), device="cpu", dtype=torch.float32, dense_int8=True)

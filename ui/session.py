@@ -14,6 +14,7 @@ from typing import Any, Callable
 from PySide6.QtCore import QObject, Signal
 
 from app.paths import model_state_dir, user_paths
+from app.settings import dense_int8_option
 
 log = logging.getLogger(__name__)
 
@@ -30,8 +31,9 @@ def load_options(settings) -> dict[str, Any]:
         options["vram_budget"] = int(settings.get("vram_budget_gib") * GIB)
     if settings.get("cpu_experts_per_layer") >= 0:
         options["cpu_experts_per_layer"] = settings.get("cpu_experts_per_layer")
-    if settings.get("dense_precision") != "auto":
-        options["dense_int8"] = settings.get("dense_precision") == "int8"
+    dense_int8 = dense_int8_option(settings.get("dense_precision"))
+    if dense_int8 is not None:
+        options["dense_int8"] = dense_int8
     return options
 
 

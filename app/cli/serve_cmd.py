@@ -72,7 +72,7 @@ def run(args) -> int:
 
     from app.paths import model_state_dir, user_paths
     from app.resolve import ResolveError, resolve_model
-    from app.settings import Settings
+    from app.settings import Settings, dense_int8_option
 
     def say(message: str) -> None:
         print(message, file=sys.stderr, flush=True)
@@ -101,9 +101,8 @@ def run(args) -> int:
     from runtime.server.context import ServerConfig
     from runtime.service import LoadOptions, Service, ServiceError
 
-    dense = args.dense or settings.get("dense_precision")
     options = LoadOptions(device=args.device or settings.get("device"), max_batch=args.max_batch,
-                          dense_int8=None if dense == "auto" else dense == "int8",
+                          dense_int8=dense_int8_option(args.dense or settings.get("dense_precision")),
                           context_length=args.context or settings.get("context_length"), vram_budget=budget,
                           state_dir=str(model_state_dir(paths, package)))
     service = Service(max_queue=args.max_queue)

@@ -202,11 +202,9 @@ def run_model(name: str, args, hw, report: dict) -> None:
     if getattr(args, "dense_int8", False):
         from dataclasses import replace
 
-        from runtime.models.quantized import dense_nbytes, quantize_dense_
-        quantize_dense_(model)               # as the engine does for a hybrid GPU plan
-        if device.type == "cuda":
-            torch.cuda.empty_cache()
-        shape, dense = replace(shape, dense_nbytes=dense_nbytes(model)), "int8"
+        from runtime.models.quantized import quantize_dense_
+        swapped = quantize_dense_(model)     # as the engine does for a hybrid GPU plan
+        shape, dense = replace(shape, dense_nbytes=swapped["dense_bytes"]), "int8"
     if callable(getattr(model, "attach_state_pool", None)):
         model.attach_state_pool(max(2, args.batch), device=device, dtype=dtype)   # as the engine does: states in slots
     moe_layers = store.layers

@@ -233,8 +233,8 @@ class HybridExperts:
         self._share_control = None
         if fixed is None and (self.cpu.int8 or self.cpu.fast):      # learned: where the last load left it, or 0
             # rescanned once warm: the CPU side's first ~100 steps after a load run slow (policy.py)
-            self._share_control = self.share_memory.controller(rescan_after=SHARE_RESCAN_STEPS) \
-                if self.share_memory else ShareController(rescan_after=SHARE_RESCAN_STEPS)
+            make = self.share_memory.controller if self.share_memory else ShareController
+            self._share_control = make(rescan_after=SHARE_RESCAN_STEPS)
         share = (self._share_control.share if self._share_control else 0.0) if fixed is None else \
             self._default_cpu_share() if fixed < 0 else float(fixed)
         self._step_started = None

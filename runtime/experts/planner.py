@@ -48,6 +48,9 @@ def _fmt_tokens(n: int) -> str:
     return f"{n // 1024}K" if n >= 1024 and n % 1024 == 0 else f"{n:,}"
 
 
+DENSE_INT8_CODECS = ("int4", "fp4")   # expert codecs whose packages a GPU engine runs with int8 dense weights
+
+
 @dataclass(frozen=True)
 class ModelShape:
     """What the planner needs to know about a model, read from its config.json (no weights)."""

@@ -60,7 +60,7 @@ class Int8Linear(nn.Module):
         x2 = x.reshape(-1, self.in_features)
         if (x2.is_cuda and int8_k.HAVE_TRITON and x2.shape[0] <= int8_k.MAX_M
                 and x2.dtype in (torch.bfloat16, torch.float16, torch.float32)):
-            y = int8_k.int8_linear(x2 if x2.stride(-1) == 1 else x2.contiguous(), self.codes, self.scale, self.bias)
+            y = int8_k.int8_linear(x2, self.codes, self.scale, self.bias)
         else:
             y = self._forward_torch(x2)
         return y.reshape(*lead, self.out_features)
@@ -92,14 +92,21 @@ def _quantizable(name: str, module: nn.Module, tied: set[int], min_weights: int)
 
 def quantize_dense_(model: nn.Module, *, min_weights: int | None = None) -> dict:
     """Swap the model's large dense projections (and a fused q/k/v, `Attention.fuse_projections`) for
-    Int8Linear, in place, one matrix at a time (the peak is the model plus one matrix). Returns what changed:
-    {"matrices": n, "bytes_before": b, "bytes_after": a}. Call after the weights are loaded (and fused).
-    `min_weights` (default MIN_WEIGHTS): matrices smaller than this stay (tests' tiny models pass 0)."""
+    Int8Linear, in place, one matrix at a time. Returns what changed: {"matrices": n, "bytes_before": b,
+    "bytes_after": a, "dense_bytes": the model's bytes now (`dense_nbytes`)}; on a GPU the freed copies go back to
+    the driver (the planner measures free VRAM next). Call after the weights are loaded (and fused).
+    `min_weights` (default MIN_WEIGHTS): matrices smaller than this stay (tests' tiny models pass 0).
+    ValueError naming the matrix when one holds inf or NaN."""
     min_weights = MIN_WEIGHTS if min_weights is None else min_weights
     tied = {m.weight.data_ptr() for m in model.modules() if isinstance(m, nn.Embedding)}
     done = {"matrices": 0, "bytes_before": 0, "bytes_after": 0}
 
-    def swap(parent: nn.Module, attr: str, new: Int8Linear, old_bytes: int) -> None:
+    def swap(parent: nn.Module, attr: str, old_bytes: int, make, *args) -> None:
+        try:
+            new = make(*args)
+        except ValueError as exc:
+            name = next((n for n, m in model.named_modules() if m is parent), "")
+            raise ValueError(f"{name + '.' if name else ''}{attr}: {exc}") from exc
         setattr(parent, attr, new)
         done["matrices"] += 1
         done["bytes_before"] += old_bytes
@@ -111,15 +118,17 @@ def quantize_dense_(model: nn.Module, *, min_weights: int | None = None) -> dict
             if isinstance(fused, tuple) and fused[0].numel() >= min_weights:
                 weight, bias = fused
                 old = weight.numel() * weight.element_size() + (0 if bias is None else bias.numel() * bias.element_size())
-                module.qkv = None                               # (a Module can not replace a plain attribute)
-                swap(module, "qkv", Int8Linear.from_weight(weight, bias), old)
+                swap(module, "qkv", old, Int8Linear.from_weight, weight, bias)
                 for attr in ("q_proj", "k_proj", "v_proj"):     # views of the fused weight: gone with it
                     setattr(module, attr, None)
                 del weight, bias, fused
             for attr, child in list(module.named_children()):
                 if _quantizable(attr, child, tied, min_weights):
                     old = sum(p.numel() * p.element_size() for p in child.parameters())
-                    swap(module, attr, Int8Linear.from_linear(child), old)
+                    swap(module, attr, old, Int8Linear.from_linear, child)
+    if any(t.is_cuda for t in model.buffers()):
+        torch.cuda.empty_cache()
+    done["dense_bytes"] = dense_nbytes(model)
     return done
 
 
