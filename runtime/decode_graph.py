@@ -194,6 +194,7 @@ class DecodeGraphs:
         self._key_pos: dict[int, torch.Tensor] = {}
         self._slot_index: dict[tuple[int, ...], torch.Tensor] = {}
         self._graphs: OrderedDict[tuple, _Captured] = OrderedDict()
+        self._recorded_with = None             # the expert tier the graphs in _graphs were recorded with
         self._pool = torch.cuda.graph_pool_handle() if self.capture else None
         self._recording: dict | None = None
         self._stream = None
@@ -232,6 +233,11 @@ class DecodeGraphs:
         layouts = tuple(_layout(cache, bucket) for cache, bucket in zip(caches, buckets))   # reserves the buckets
         self._upload(tokens, positions)
         if self.capture:
+            if self._recorded_with is not self.model.experts:
+                # a recording holds the expert tier it was made with (its pool, tables, mailbox): after a swap
+                # (a benchmark's next row, a rebuilt tier) replaying it would run the old tier's kernels
+                self._graphs.clear()
+                self._recorded_with = self.model.experts
             key = (b, buckets, layouts)
             graph = self._graphs.get(key)
             if graph is None:

@@ -42,6 +42,44 @@ def test_static_steps_match_the_ordinary_forward_across_buckets(family, ftw_pack
         assert graphs.counters["captures"] == 3
 
 
+class _Scaled:
+    """Another expert tier: the model's, its output doubled (every other attribute is the real tier's)."""
+
+    def __init__(self, inner):
+        self.inner = inner
+
+    def __call__(self, layer, hidden, topk_ids, topk_weights):
+        return 2 * self.inner(layer, hidden, topk_ids, topk_weights)
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+
+def test_a_swapped_expert_tier_is_recorded_again_not_replayed_through_the_old_one(ftw_packages, device):
+    """A recording holds the tier it was made with (its pool, tables, mailbox): after `set_experts` the static path
+    gives the new tier's logits (run l: a benchmark row replayed the previous row's graph, whose CPU worker had
+    stopped, and waited for it; another read the previous row's pool)."""
+    eng = _engine(ftw_packages("qwen3_moe"), device, cuda_graphs=False)
+    model = eng.model
+    graphs = DecodeGraphs(model, device=eng.device, bucket=8)
+    ordinary = model.new_cache(device=eng.device, dtype=eng.dtype)
+    static = model.new_cache(device=eng.device, dtype=eng.dtype)
+    prompt = random_prompt(5, seed=2)
+    with torch.inference_mode():
+        for cache in (ordinary, static):
+            model(Batch.build([(prompt, cache)], device=eng.device))
+        token = prompt[-1]
+        for step in range(4):
+            if step == 2:
+                model.set_experts(_Scaled(model.experts))
+            want = model(Batch.build([([token], ordinary)], device=eng.device))
+            got = graphs.decode(token, static)
+            torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+            token = int(want.argmax())
+    if graphs.capture:            # one bucket, recorded once per tier
+        assert graphs.counters["captures"] == 2
+
+
 def test_engine_decodes_the_same_tokens_with_and_without_the_static_path(ftw_packages, device):
     path = ftw_packages("qwen3_moe")
     prompt = random_prompt(10, seed=3)

@@ -8,10 +8,12 @@ Why: a recorded decode step cannot stop for the host to decide which experts the
   itself, and the misses the CPU computes: the first round(n_miss * share) misses in assignment order. Writes
   the pool and zero-copy slot vectors to device memory, the CPU's ids, weights and the tokens' activations
   (fp32) to the mailbox, then - after a system-scope fence - the request's ticket, which starts the worker. No
-  request when the CPU's share of this call is empty (`ncpu` = 0 tells `collect` not to wait).
+  request when the CPU's share of this call is empty (`ncpu` = 0 tells `collect` not to wait), nor once the
+  error flag is up: a worker that missed one answer gets no more in that step, the GPU reads every miss
+  itself (one timeout a step, not one a layer: 48 of them had held a step for minutes).
 - `collect` (grid over the hidden size and the tokens): spins on the mailbox's answer word until it holds the
-  ticket (volatile loads over PCIe; gives up after `max_spins` and raises an error flag instead of hanging the
-  GPU), then adds the CPU's fp32 rows into the output.
+  ticket (volatile loads over PCIe; gives up after `max_spins` and raises the error flag instead of
+  hanging the GPU), then adds the CPU's fp32 rows into the output.
 """
 from __future__ import annotations
 
@@ -34,7 +36,7 @@ if HAVE_TRITON:
 
     @triton.jit
     def _handoff_kernel(ids_ptr, w_ptr, x_ptr, x_st, table_ptr, share_ptr, ticket_ptr, ncpu_ptr,
-                        hit_ptr, zc_ptr, box_ids_ptr, box_w_ptr, box_x_ptr, box_meta_ptr, box_req_ptr,
+                        hit_ptr, zc_ptr, box_ids_ptr, box_w_ptr, box_x_ptr, box_meta_ptr, box_req_ptr, err_ptr,
                         layer, T, A, D, FENCE: tl.constexpr, ABLOCK: tl.constexpr, DBLOCK: tl.constexpr):
         a = tl.arange(0, ABLOCK)
         m = a < A
@@ -45,6 +47,7 @@ if HAVE_TRITON:
         rank = tl.cumsum(miss_i, 0) - miss_i                    # misses before this assignment
         n_miss = tl.sum(miss_i, 0)
         n_cpu = (n_miss.to(tl.float32) * tl.load(share_ptr) + 0.5).to(tl.int32)
+        n_cpu = tl.where(tl.load(err_ptr) != 0, 0, n_cpu)      # the worker failed to answer: no more requests
         cpu = miss & (rank < n_cpu)
         tl.store(hit_ptr + a, tl.where(m & (slot >= 0), slot, -1), mask=m)
         tl.store(zc_ptr + a, tl.where(miss & (rank >= n_cpu), ids, -1), mask=m)
@@ -94,12 +97,15 @@ def handoff(layer_index: int, ids: torch.Tensor, weights: torch.Tensor, x: torch
     d = x.shape[1]
     hit, zc = box.hit_slots[:t * k].view(t, k), box.zc_ids[:t * k].view(t, k)
     _handoff_kernel[(1,)](ids, weights.contiguous(), x, x.stride(0), table_row, box.share, box.ticket, box.ncpu,
-                          hit, zc, box.ids, box.weights, box.x, box.meta, box.req, layer_index, t, t * k, d,
+                          hit, zc, box.ids, box.weights, box.x, box.meta, box.req, box.error, layer_index, t, t * k, d,
                           FENCE=fence, ABLOCK=max(16, triton.next_power_of_2(t * k)), DBLOCK=1024, num_warps=4)
     return hit, zc
 
 
-def collect(out: torch.Tensor, box, *, max_spins: int = 20_000_000) -> torch.Tensor:
+MAX_SPINS = 20_000_000       # polls of the answer word (PCIe round trips): seconds, far past any real answer
+
+
+def collect(out: torch.Tensor, box, *, max_spins: int = MAX_SPINS) -> torch.Tensor:
     """out [T, D] += the CPU's answer, once it is there (in place; returns out). One launch."""
     t, d = out.shape
     block = 256
