@@ -14,6 +14,11 @@
 #                                                # more slots at 8/4 GiB, fewer bytes a step unlimited
 #   (device) bash benchmarks/device_final.sh j   # the next run (written in session 6, not run): the learned share's
 #                                                # rescan once warm, int8 dense at 8/4 GiB, how a row warms up
+#   (device) bash benchmarks/device_final.sh k   # session 7: longer fixed-share rows at 8/4 GiB with a GPU kernel
+#                                                # trace of each (what bounds a step at 8 GiB)
+#   (device) bash benchmarks/device_final.sh l   # session 7: the worker's spin through the pauses between steps,
+#                                                # the token wait that naps, shares 0-0.5 at 8/4 GiB, qwen3.6
+#   (device) bash benchmarks/device_final.sh m   # session 7: run l's rows again once a tier swap records anew
 # carry .site (numba, llvmlite, fla-core, platformdirs unpacked, xz). Results under $OUT. Build .site once (the
 # wheels alone pass the 64 MiB carry limit; unpacked and xz-compressed they take ~44 MB):
 #   pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
@@ -162,6 +167,43 @@ elif [ "$1" = j ]; then
     --routings uniform --cpu-share auto --modes graphs --batch 4 --tokens 24 --warmup 8 --prefill-budgets 99 \
     --ttft-context 0 --out "$OUT" 2>&1 | tee "$OUT/bench_q36_int8.txt" | grep -v "^{"
   mv "$OUT/model.json" "$OUT/model_q36_int8.json" 2>/dev/null; true
+elif [ "$1" = k ]; then
+  # session 7: run j put 8 GiB (31 % hits) no faster than 4 GiB (3 %): both ~17.3 ms a step at share 0.5, and the
+  # learned sweep's 14.6 ms a minimum over short noisy windows. Longer fixed-share rows, and a GPU kernel trace
+  # of each (how long the GPU's gather, pool and collect kernels take: is the step waiting on the CPU's answer?)
+  timeout 400 python3 -m runtime.experts.bench model --models qwen3-30b-a3b --dense-int8 --budgets 8 4 \
+    --routings uniform --cpu-share 0 0.3 0.5 --modes graphs --tokens 96 --warmup 32 --trace 2 \
+    --prefill-budgets 99 --ttft-context 0 --out "$OUT" 2>&1 | tee "$OUT/bench_q3_trace.txt" | grep -v "^{"
+  mv "$OUT/model.json" "$OUT/model_q3_trace.json" 2>/dev/null; true
+elif [ "$1" = l ]; then
+  # session 7, after run k's trace: the worker spins through the pauses between steps (it napped 0.5 ms whenever
+  # ~0.1 ms of polls saw nothing: a step's first CPU answers came 0.1-1.3 ms late), the handoff stops asking a
+  # worker that missed an answer; and the decoding thread's wait for its token napping instead of spinning
+  timeout 100 python3 -m pytest -q -p no:cacheprovider --device cuda tests/test_hybrid_zero_copy.py \
+    tests/test_host_wait.py > "$OUT/cuda_tests.log" 2>&1
+  echo "pytest rc=$?" >> "$OUT/cuda_tests.log"; tail -3 "$OUT/cuda_tests.log"
+  timeout 280 python3 -m runtime.experts.bench model --models qwen3-30b-a3b --dense-int8 --budgets 8 4 \
+    --routings uniform --cpu-share 0 0.3 0.4 0.5 --host-wait spin sleep --modes graphs --tokens 96 --warmup 32 \
+    --prefill-budgets 99 --ttft-context 0 --out "$OUT" 2>&1 | tee "$OUT/bench_q3.txt" | grep -v "^{"
+  mv "$OUT/model.json" "$OUT/model_q3.json" 2>/dev/null
+  timeout 140 python3 -m runtime.experts.bench model --models qwen3.6-35b-a3b --dense-int8 --budgets 8 \
+    --routings uniform --cpu-share 0 0.3 0.5 --modes graphs --tokens 64 --warmup 32 --prefill-budgets 99 \
+    --ttft-context 0 --out "$OUT" 2>&1 | tee "$OUT/bench_q36.txt" | grep -v "^{"
+  mv "$OUT/model.json" "$OUT/model_q36.json" 2>/dev/null; true
+elif [ "$1" = m ]; then
+  # session 7's last run: run l's odd rows replayed the previous row's recorded step (its tier's pool and mailbox;
+  # decode_graph now records again after a tier swap); the same rows again, short
+  timeout 45 python3 -m pytest -q -p no:cacheprovider --device cuda tests/test_host_wait.py tests/test_decode_graph.py \
+    tests/test_hybrid_zero_copy.py -k "swapped or returns_only_once or error_flag" > "$OUT/cuda_tests.log" 2>&1
+  echo "pytest rc=$?" >> "$OUT/cuda_tests.log"; tail -3 "$OUT/cuda_tests.log"
+  timeout 110 python3 -m runtime.experts.bench model --models qwen3-30b-a3b --dense-int8 --budgets 8 \
+    --routings uniform --cpu-share 0.3 0.5 --host-wait spin sleep --modes graphs --tokens 64 --warmup 32 \
+    --prefill-budgets 99 --ttft-context 0 --out "$OUT" 2>&1 | tee "$OUT/bench_q3.txt" | grep -v "^{"
+  mv "$OUT/model.json" "$OUT/model_q3.json" 2>/dev/null
+  timeout 70 python3 -m runtime.experts.bench model --models qwen3.6-35b-a3b --dense-int8 --budgets 8 \
+    --routings uniform --cpu-share 0.3 --modes graphs --tokens 64 --warmup 32 --prefill-budgets 99 \
+    --ttft-context 0 --out "$OUT" 2>&1 | tee "$OUT/bench_q36.txt" | grep -v "^{"
+  mv "$OUT/model.json" "$OUT/model_q36.json" 2>/dev/null; true
 else
   # decode rows through graphs only (eager rows cost minutes); the CPU share learned (auto; printed with a *),
   # fixed 0 and 0.3

@@ -169,6 +169,24 @@ def test_zero_copy_graph_step_on_cuda_matches_eager(device, share, gather):
     assert tier.counters.total.misses > 0 and tier.counters.total.hits > 0
 
 
+def test_the_cuda_handoff_gives_the_cpu_nothing_once_the_error_flag_is_up(device):
+    """On the GPU machine: the Triton handoff reads the error flag (a worker that missed an answer): no request, so
+    `collect` does not wait, and the GPU's own path computes every miss exactly."""
+    if device != "cuda":
+        pytest.skip("needs the GPU machine (--device cuda)")
+    dev = torch.device("cuda")
+    store, tier = _tier(dev, slots=0, pin=True, cpu_share=1.0)
+    served = tier._worker.served
+    tier._box.error.fill_(1)
+    x = torch.randn(1, 64, device=dev, dtype=torch.bfloat16)
+    ids, w = torch.tensor([[2, 5]], device=dev), torch.full((1, 2), 0.5, device=dev)
+    got = tier._zero_copy_forward(0, x, ids, w)
+    torch.cuda.synchronize()
+    assert int(tier._box.ncpu[0]) == 0 and tier._worker.served == served
+    want = _reference(store, 0, x.float().cpu(), ids.cpu(), w.cpu())
+    torch.testing.assert_close(got.float().cpu(), want, rtol=3e-2, atol=3e-2)
+
+
 def test_free_slots_are_filled_at_load_hot_first_then_evenly_over_layers():
     """A pool starts full: the pinned hot set, then the experts earlier runs' routing ranks next, then expert j of
     every layer before expert j + 1; every filled slot holds its expert's bytes and is a hit."""
@@ -213,6 +231,39 @@ def test_a_failing_cpu_worker_answers_with_zeros_and_hands_its_share_back():
     assert int(tier._box.error[0]) == 1
     with pytest.raises(RuntimeError, match="did not answer"):
         tier(0, x, ids, w)
+
+
+def test_after_one_unanswered_call_the_rest_of_the_step_does_not_wait_for_the_worker():
+    """A worker that stops answering mid-step costs one bounded wait, not one per layer (48 of them held a step for
+    minutes): once the error flag is up the handoff gives the CPU nothing, so later layers of the same step skip the
+    wait and are exact, the GPU reading every miss itself."""
+    import time
+
+    import runtime.experts.hybrid as hybrid_mod
+    from runtime.experts import cpu_share
+    cpu = torch.device("cpu")
+    store, tier = _tier(cpu, slots=0, cpu_share=1.0)
+    tier._worker.close()                                            # nobody answers
+    x, ids, w = torch.randn(1, 64), torch.tensor([[2, 5]]), torch.full((1, 2), 0.5)
+    original = cpu_share.collect_reference
+    waits = []
+
+    def timed(out, box):
+        t0 = time.monotonic()
+        try:
+            return original(out, box, timeout_s=0.3)
+        finally:
+            waits.append(time.monotonic() - t0)
+    try:
+        hybrid_mod.collect_reference = timed
+        tier(0, x, ids, w)                                          # layer 0: times out, raises the flag
+        later = [tier(layer, x, ids, w) for layer in (1, 2)]        # same step: no wait, GPU path
+    finally:
+        hybrid_mod.collect_reference = original
+    assert waits[0] >= 0.3 and max(waits[1:]) < 0.05
+    assert int(tier._box.ncpu[0]) == 0
+    for layer, got in zip((1, 2), later):
+        torch.testing.assert_close(got, _reference(store, layer, x, ids, w), rtol=1e-4, atol=1e-5)
 
 
 @pytest.mark.parametrize("best", [0.0, 0.8])
@@ -371,6 +422,23 @@ def test_the_share_worker_leaves_two_cores_to_the_decoding_and_polling_threads()
     cpu = torch.device("cpu")
     _, tier = _tier(cpu, slots=2, cpu_share=0.5)
     assert tier._worker.threads == (tier.cpu.threads or default_worker_threads())
+    tier.close()
+
+
+def test_a_decoding_worker_spins_through_the_pauses_between_steps_and_naps_only_when_quiet():
+    """Run j's trace: a worker that napped 0.5 ms whenever ~0.1 ms of polls saw nothing answered each step's first
+    requests up to 1.3 ms late. Its spin is sized in time from a calibration (SPIN_S, longer than the host's pause
+    between steps), and it sleeps only after QUIET_AFTER_S without a request."""
+    pytest.importorskip("numba")
+    from runtime.experts import cpu_share
+    polls = cpu_share.polls_per_second(200_000)
+    assert polls > 1e6                                   # a compiled poll: well under a microsecond each
+    assert cpu_share.nap_after_an_empty_spin(quiet=False) == 0.0
+    assert cpu_share.nap_after_an_empty_spin(quiet=True) == cpu_share.QUIET_SLEEP_S
+    _, tier = _tier(torch.device("cpu"), slots=0, cpu_share=1.0)
+    spin_s = tier._worker.spin_polls / polls
+    assert 0.2 * cpu_share.SPIN_S < spin_s < 5 * cpu_share.SPIN_S   # sized in time (two calibrations: some noise)
+    assert cpu_share.SPIN_S > 0.003                      # longer than the 1-3 ms between two decode steps
     tier.close()
 
 

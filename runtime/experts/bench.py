@@ -531,6 +531,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     m.add_argument("--cpu-threads", nargs="+", type=int, default=[0],
                    help="threads of the CPU kernel for rows with a CPU share (0: numba's default, every core); "
                         "several: a row each")
+    m.add_argument("--host-wait", nargs="+", choices=("spin", "sleep"), default=["spin"],
+                   help="how the decoding thread waits for each b1 step's token: CUDA's spinning sync or an event "
+                        "polled between naps (runtime/host_wait.py); several: a row each")
     m.add_argument("--trace", type=int, default=0,
                    help="record this many graph decode steps of each hybrid row with torch.profiler (Chrome "
                         "trace, gzipped, under --out)")

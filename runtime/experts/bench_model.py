@@ -96,9 +96,12 @@ def random_model(config: dict, *, device, dtype):
 
 
 def decode_rate(model, graphs, cache, *, steps: int, warmup: int, experts=None, use_graphs: bool,
-                device, trace: list | None = None, probe=None) -> float:
+                device, trace: list | None = None, probe=None, host_wait: str = "spin") -> float:
     """Decode tok/s at batch 1 over `steps` tokens after `warmup` (each step samples: one sync per token).
-    `trace`: gets (seconds, probe()) for every step, warm-up included (`--step-times`: how a row warms up)."""
+    `trace`: gets (seconds, probe()) for every step, warm-up included (`--step-times`: how a row warms up).
+    `host_wait`: "spin" (CUDA's default sync reading the token) or "sleep" (runtime/host_wait.py: the token is
+    read once an event says the step is done, the thread napping meanwhile)."""
+    from runtime.host_wait import wait_quietly
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     token = 100
     t0 = None
@@ -113,7 +116,10 @@ def decode_rate(model, graphs, cache, *, steps: int, warmup: int, experts=None, 
             logits = graphs.decode(token, cache)
         else:
             logits = model(Batch.build([([token], cache)], device=device))
-        token = int(logits.argmax()) % 1000
+        chosen = logits.argmax()
+        if host_wait == "sleep":
+            wait_quietly(device)
+        token = int(chosen) % 1000
         if trace is not None:                      # the argmax synced: the step is over
             now = time.perf_counter()
             trace.append((now - last, probe() if probe else None))
@@ -233,10 +239,11 @@ def run_model(name: str, args, hw, report: dict) -> None:
         splits = args.split if slots < layers * e else args.split[:1]     # a split needs misses
         shares = list(args.cpu_share)
         gathers, thread_counts = getattr(args, "gather", ["on"]), getattr(args, "cpu_threads", [0])
-        for routing, split, share, gather, threads in [
-                (r, sp, sh, g, th) for r in args.routings for sp in splits
+        waits = getattr(args, "host_wait", ["spin"])
+        for routing, split, share, gather, threads, host_wait in [
+                (r, sp, sh, g, th, hw_) for r in args.routings for sp in splits
                 for sh in (shares if sp == "auto" else shares[:1]) for g in gathers
-                for th in (thread_counts if sh != 0 else thread_counts[:1])]:
+                for th in (thread_counts if sh != 0 else thread_counts[:1]) for hw_ in waits]:
             if device.type == "cuda":
                 torch.cuda.empty_cache()
                 torch.cuda.reset_peak_memory_stats()
@@ -289,13 +296,14 @@ def run_model(name: str, args, hw, report: dict) -> None:
                 trace = [] if getattr(args, "step_times", False) else None
                 tok_s = decode_rate(model, graphs, cache, steps=args.tokens, warmup=args.warmup, experts=experts,
                                     use_graphs=use_graphs, device=device, trace=trace,
-                                    probe=lambda: worker_counts(hybrid))
+                                    probe=lambda: worker_counts(hybrid), host_wait=host_wait)
                 hybrid.flush_step_log()
                 c = hybrid.counters.end_step()
                 rows.append(decode_row(c, tok_s, 1, "decode b1 " + ("graphs" if use_graphs else "eager"),
                                        (f"zero-copy{'' if gather == 'on' else ' in place'} cpu "
                                         f"{hybrid.cpu_share:.2f}{'*' if share is None else ''}"
                                         + (f" {threads} thr" if threads else "")
+                                        + (" sleep-wait" if host_wait == "sleep" else "")
                                         if hybrid.zero_copy else hybrid.split.mode)
                                        + ("" if split == "auto" else " (forced)")))
                 print(_fmt(rows[-1]), flush=True)
@@ -505,7 +513,13 @@ def trace_decode(graphs, cache, experts, steps: int, path) -> None:
         prof.export_chrome_trace(tmp.name)
         with open(tmp.name, "rb") as src, gzip.open(path, "wb") as dst:
             shutil.copyfileobj(src, dst)
-    print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25), flush=True)
+    averages = prof.key_averages()
+    for key in ("self_device_time_total", "self_cuda_time_total"):      # the GPU's kernels, longest first
+        try:
+            print(averages.table(sort_by=key, row_limit=30), flush=True)
+            break
+        except (AttributeError, KeyError, ValueError):
+            continue
 
 
 def ttft_rows(model, graphs, experts, hybrid, args, *, name, label, slots, device, dtype) -> list[dict]:

@@ -38,9 +38,12 @@ from runtime.experts.openmp import load_private_openmp
 
 log = logging.getLogger(__name__)
 
-SPIN_CHUNK = 200_000          # acquire loads per nogil spin (~1-5 ms) before the thread looks at its stop flag
-IDLE_SLEEP_S = 0.0005         # then it naps this long between spins: an idle app does not burn a core
+SPIN_S = 0.005                # a nogil spin lasts this long (polls counted by a calibration) before the thread
+                              # looks at its stop flag: longer than the host's pause between two decode steps
+                              # (bookkeeping and the graph launch, 1-3 ms measured), so a decoding worker never
+                              # leaves compiled code, and never naps, between the layers of a generation
 GIL_SWITCH_S = 5e-5           # the interpreter's thread switch interval while a worker runs
+PY_POLL_SLEEP_S = 0.0005      # without numba the poll is Python's: a nap between polls hands back the GIL
 QUIET_AFTER_S = 0.05          # no request for this long: poll lazily...
 QUIET_SLEEP_S = 0.005         # ...every 5 ms
 _HAVE_TSC = platform.machine().lower() in ("x86_64", "amd64")   # rdtsc: readable from user space
@@ -203,6 +206,29 @@ class Mailbox:
         self.share.fill_(float(share))
 
 
+def nap_after_an_empty_spin(quiet: bool) -> float:
+    """Seconds the worker sleeps after a spin that saw no request: none while decoding (the next request may come
+    any moment: a nap made a step's first answers late), 5 ms once quiet, and a short one where the poll is
+    Python's (it holds the GIL: the decoding thread must get it)."""
+    if quiet:
+        return QUIET_SLEEP_S
+    return 0.0 if HAVE_NUMBA else PY_POLL_SLEEP_S
+
+
+def polls_per_second(polls: int = 1_000_000) -> float:
+    """How many polls of a mailbox word `spin_until_changed` makes a second on this CPU (a word nothing writes;
+    the best of three): a spin is sized in time, not in polls, which take ~0.5 ns on a server core and more on a
+    laptop's."""
+    word = np.zeros(1, dtype=np.int64)
+    spin_until_changed(word, 0, 10)                  # compiled (or loaded from the cache) before timing
+    best = float("inf")
+    for _ in range(3):
+        t0 = time.perf_counter()
+        spin_until_changed(word, 0, polls)
+        best = min(best, time.perf_counter() - t0)
+    return polls / max(best, 1e-9)
+
+
 def default_worker_threads(cores: int | None = None) -> int:
     """Kernel threads for the CPU-share worker when none were asked for: every core but two. During a decode
     step two threads are busy beside the kernel's own: the decoding thread (CUDA's default sync spins while it
@@ -238,6 +264,8 @@ class CpuShareWorker:
         self.served = 0
         self.busy_seconds = 0.0
         self._stop = threading.Event()
+        self.spin_polls = polls_per_second() * SPIN_S if HAVE_NUMBA else 1000
+        self.spin_polls = max(1000, int(self.spin_polls))
         # the worker's few Python steps per request must not wait for the GIL: while the decoding thread runs
         # Python (launching a step, its bookkeeping), a thread asking for the GIL gets it only at the next
         # switch interval (5 ms by default) - longer than the whole answer should take
@@ -256,12 +284,14 @@ class CpuShareWorker:
         b = self.box._np
         idle_since = time.monotonic()
         while not self._stop.is_set():
-            # spin hard while requests come (a decode step sends one per layer); after a quiet spell only look
-            # now and then, so an idle app does not keep a core busy (the first request then waits <= 5 ms)
+            # spin hard while requests come (a decode step sends one per layer) and through the pauses between
+            # steps; after a quiet spell only look now and then, so an idle app does not keep a core busy (the
+            # first request then waits <= 5 ms). Run j's trace: a worker that napped 0.5 ms whenever 200,000 polls
+            # (~0.1 ms on the H200 host) saw nothing answered a step's first requests 0.1-1.3 ms late, ~1.9 ms a step
             quiet = time.monotonic() - idle_since > QUIET_AFTER_S
             t0 = time.perf_counter()
             try:
-                seq = serve(last, 1000 if quiet else SPIN_CHUNK)
+                seq = serve(last, 1000 if quiet else self.spin_polls)
             except BaseException as exc:  # noqa: BLE001  (answer anyway, with zeros: the GPU is waiting)
                 seq = int(b["req"][0])
                 b["out"][:] = 0.0
@@ -271,7 +301,9 @@ class CpuShareWorker:
                 if self.error is exc:
                     log.error("the CPU expert worker failed (%s); its share goes back to the GPU", exc)
             if seq == last:
-                time.sleep(QUIET_SLEEP_S if quiet else IDLE_SLEEP_S)
+                nap = nap_after_an_empty_spin(quiet)
+                if nap:
+                    time.sleep(nap)
                 continue
             self.served += seq - last                    # tickets are consecutive: one per request
             self.busy_seconds += time.perf_counter() - t0
@@ -327,6 +359,8 @@ def handoff_reference(layer_index: int, ids: torch.Tensor, weights: torch.Tensor
     miss = (slot < 0).reshape(-1)
     rank = torch.cumsum(miss.int(), 0) - miss.int()
     n_cpu = int(float(miss.sum()) * float(box.share[0]) + 0.5)
+    if int(box.error[0]):                       # the worker failed to answer: the GPU's path reads every miss
+        n_cpu = 0
     cpu = miss & (rank < n_cpu)
     hit = torch.where(slot >= 0, slot, -1)
     zc = torch.where((miss & (rank >= n_cpu)).view(t, k), ids, -1)
