@@ -158,7 +158,8 @@ def estimate(config: dict, *, codec: str, machine: Machine, context_length: int,
         return fit
     active = counts.active
     # dense weights a token reads: all but the input embedding table (one row of it) and the vision tower/MTP
-    dense_read = max(0, (counts.active - shape.moe_layers * shape.top_k * counts.per_expert)) * shape.dense_bytes_per_param
+    dense_read = (max(0, (counts.active - shape.moe_layers * shape.top_k * counts.per_expert))
+                  * shape.dense_read_bytes_per_param)
     fit.decode_tok_s = _decode_range(shape, plan, machine, cost, dense_read)
     fit.prefill_tok_s = _prefill_range(shape, plan, machine, cost, active,
                                        expert_params=shape.moe_layers * shape.top_k * counts.per_expert)

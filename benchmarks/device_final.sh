@@ -192,12 +192,14 @@ elif [ "$1" = l ]; then
   mv "$OUT/model.json" "$OUT/model_q36.json" 2>/dev/null; true
 elif [ "$1" = m ]; then
   # session 7's last run: run l's odd rows replayed the previous row's recorded step (its tier's pool and mailbox;
-  # decode_graph now records again after a tier swap); the same rows again, short
+  # decode_graph now records again after a tier swap); the same rows again, short, and 12 kernel threads against 14
+  # (run l: a request of 1.65 experts took 282 us on average from seeing it to answering, ~220 in the trace's steady
+  # layers: stragglers?)
   timeout 45 python3 -m pytest -q -p no:cacheprovider --device cuda tests/test_host_wait.py tests/test_decode_graph.py \
     tests/test_hybrid_zero_copy.py -k "swapped or returns_only_once or error_flag" > "$OUT/cuda_tests.log" 2>&1
   echo "pytest rc=$?" >> "$OUT/cuda_tests.log"; tail -3 "$OUT/cuda_tests.log"
-  timeout 110 python3 -m runtime.experts.bench model --models qwen3-30b-a3b --dense-int8 --budgets 8 \
-    --routings uniform --cpu-share 0.3 0.5 --host-wait spin sleep --modes graphs --tokens 64 --warmup 32 \
+  timeout 120 python3 -m runtime.experts.bench model --models qwen3-30b-a3b --dense-int8 --budgets 8 \
+    --routings uniform --cpu-share 0.3 0.5 --cpu-threads 14 12 --modes graphs --tokens 64 --warmup 32 \
     --prefill-budgets 99 --ttft-context 0 --out "$OUT" 2>&1 | tee "$OUT/bench_q3.txt" | grep -v "^{"
   mv "$OUT/model.json" "$OUT/model_q3.json" 2>/dev/null
   timeout 70 python3 -m runtime.experts.bench model --models qwen3.6-35b-a3b --dense-int8 --budgets 8 \

@@ -161,6 +161,25 @@ def test_a_plan_without_stream_buffers_prefills_on_the_cores():
     assert tight.decode_tok_s[0] > fit(qwen, machine(vram_gib=3.25, cuda=False), context=4096).decode_tok_s[1]
 
 
+def test_the_speed_estimate_reads_int8_dense_weights_at_one_byte_each(monkeypatch):
+    """All in VRAM, a decode step is the dense weights plus the active experts: with the projections and LM head in
+    int8 (what the engine runs) the estimate is faster than the same plan read in bf16."""
+    import dataclasses
+
+    import runtime.experts.planner as planner
+    entry = find_entry("qwen3-30b-a3b-instruct-2507")
+    int8 = fit(entry.id, machine(vram_gib=48), context=8192)
+    real = planner.ModelShape.from_config.__func__
+
+    def bf16_dense(cls, config, **kw):
+        shape = real(cls, config, **kw)
+        return dataclasses.replace(shape, dense_int8=False)
+    monkeypatch.setattr(planner.ModelShape, "from_config", classmethod(bf16_dense))
+    bf16 = fit(entry.id, machine(vram_gib=48), context=8192)
+    assert int8.verdict == bf16.verdict == "gpu"
+    assert int8.decode_tok_s[1] > 1.2 * bf16.decode_tok_s[1]
+
+
 def test_a_quantized_model_is_planned_with_int8_dense_weights_on_a_gpu():
     """The engine keeps a quantized model's dense weights in int8 on a GPU (runtime/models/quantized.py): the
     estimate counts those bytes (Qwen3-30B-A3B: ~1.8 GB, not 3.1), so more experts fit the same VRAM."""

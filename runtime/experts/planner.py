@@ -72,6 +72,12 @@ class ModelShape:
     linear_state_bytes: int           # one sequence's recurrent + conv state over all linear layers
     dense_bytes_per_param: int = 2    # dense weights run in bf16...
     dense_nbytes: int = 0             # ...unless measured as loaded (int8 projections: models/quantized.py)
+    dense_int8: bool = False          # the projections and LM head in int8 (what a decode step reads: 1 byte each)
+
+    @property
+    def dense_read_bytes_per_param(self) -> int:
+        """Bytes a decode step reads per dense weight it uses (the projections, the LM head)."""
+        return 1 if self.dense_int8 else self.dense_bytes_per_param
 
     @property
     def total_experts(self) -> int:
@@ -167,6 +173,7 @@ class ModelShape:
         return cls(model_type=model_type, num_layers=layers, moe_layers=len(moe_ids), num_experts=experts,
                    top_k=top_k, hidden_size=d, expert_intermediate=i_exp, codec=codec,
                    expert_block_bytes=int(block_nbytes), dense_params=dense_params, dense_nbytes=dense_nbytes,
+                   dense_int8=bool(dense_int8),
                    full_attention_layers=n_full, sliding_attention_layers=n_sliding, sliding_window=window,
                    kv_bytes_per_token_per_layer=2 * kv_heads * head_dim * 2,
                    linear_attention_layers=n_linear, linear_state_bytes=state)
