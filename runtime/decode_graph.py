@@ -211,8 +211,16 @@ class DecodeGraphs:
         """Steps of several sequences go eagerly from now on (a batched recording failed); batch 1 keeps its
         graphs, and the batched ones are dropped (their memory goes back to the pool)."""
         self.max_batch, self.batch_disabled = 1, reason
-        for key in [key for key in self._graphs if key[0] > 1]:
+        self._drop([key for key in self._graphs if key[0] > 1])
+
+    def _drop(self, keys) -> None:
+        """Forget these recordings. When none is left, later ones record into a fresh memory pool: the caching
+        allocator retires a graph pool whose last graph is gone, and a capture into it then fails its assertion
+        `use_count > 0` (run m, after a tier swap dropped every recording)."""
+        for key in list(keys):
             del self._graphs[key]
+        if not self._graphs and self.capture:
+            self._pool = torch.cuda.graph_pool_handle()
 
     def decode(self, token: int, cache) -> torch.Tensor:
         """Logits [1, V] fp32 for `token` appended to `cache` (a SequenceCache at offset = its position);
@@ -236,7 +244,7 @@ class DecodeGraphs:
             if self._recorded_with is not self.model.experts:
                 # a recording holds the expert tier it was made with (its pool, tables, mailbox): after a swap
                 # (a benchmark's next row, a rebuilt tier) replaying it would run the old tier's kernels
-                self._graphs.clear()
+                self._drop(self._graphs)
                 self._recorded_with = self.model.experts
             key = (b, buckets, layouts)
             graph = self._graphs.get(key)
