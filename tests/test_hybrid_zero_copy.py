@@ -426,7 +426,7 @@ def test_the_share_worker_leaves_two_cores_to_the_decoding_and_polling_threads()
 
 
 def test_a_decoding_worker_spins_through_the_pauses_between_steps_and_naps_only_when_quiet():
-    """Run j's trace: a worker that napped 0.5 ms whenever ~0.1 ms of polls saw nothing answered each step's first
+    """Run k's trace: a worker that napped 0.5 ms whenever ~0.1 ms of polls saw nothing answered each step's first
     requests up to 1.3 ms late. Its spin is sized in time from a calibration (SPIN_S, longer than the host's pause
     between steps), and it sleeps only after QUIET_AFTER_S without a request."""
     pytest.importorskip("numba")

@@ -286,7 +286,7 @@ class CpuShareWorker:
         while not self._stop.is_set():
             # spin hard while requests come (a decode step sends one per layer) and through the pauses between
             # steps; after a quiet spell only look now and then, so an idle app does not keep a core busy (the
-            # first request then waits <= 5 ms). Run j's trace: a worker that napped 0.5 ms whenever 200,000 polls
+            # first request then waits <= 5 ms). Run k's trace: a worker that napped 0.5 ms whenever 200,000 polls
             # (~0.1 ms on the H200 host) saw nothing answered a step's first requests 0.1-1.3 ms late, ~1.9 ms a step
             quiet = time.monotonic() - idle_since > QUIET_AFTER_S
             t0 = time.perf_counter()
