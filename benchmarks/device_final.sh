@@ -32,6 +32,17 @@ if [ -f .site/site.tar.xz ]; then
 fi
 export PYTHONPATH=${PYTHONPATH:-$PWD} PYTHONUNBUFFERED=1 FREETOKEN_HOME=/tmp/ft-home
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv > "$OUT/machine.txt" 2>&1
+bench_rows() {   # SECONDS NAME ARGS...: `bench model` rows to $OUT/bench_NAME.txt and $OUT/model_NAME.json
+  local seconds=$1 name=$2; shift 2
+  timeout "$seconds" python3 -m runtime.experts.bench model "$@" --out "$OUT" 2>&1 | tee "$OUT/bench_$name.txt" \
+    | grep -v "^{"
+  mv "$OUT/model.json" "$OUT/model_$name.json" 2>/dev/null
+}
+cuda_tests() {   # SECONDS PYTEST-ARGS...: CUDA tests to $OUT/cuda_tests.log, its last lines printed
+  local seconds=$1; shift
+  timeout "$seconds" python3 -m pytest -q -p no:cacheprovider --device cuda "$@" > "$OUT/cuda_tests.log" 2>&1
+  echo "pytest rc=$?" >> "$OUT/cuda_tests.log"; tail -3 "$OUT/cuda_tests.log"
+}
 if [ "${1:-a}" = a ]; then
   timeout 250 python3 -m pytest -q -p no:cacheprovider --device cuda tests/test_kernels_interpreted.py \
     tests/test_kernels_fused.py tests/test_decode_graph.py tests/test_hybrid_kernels.py tests/test_hybrid_experts.py \
@@ -159,53 +170,36 @@ elif [ "$1" = i ]; then
 elif [ "$1" = j ]; then
   # session 6 left: the rescan (d123cc1) with int8 dense (the default for these int4/fp4 packages), a fixed 0.5
   # with every step timed (--step-times: is the first ~100 steps' slowness the CPU worker's or the GPU's?), 4 GiB
-  timeout 250 python3 -m runtime.experts.bench model --models qwen3-30b-a3b --dense-int8 --budgets 8 4 \
-    --routings uniform --cpu-share 0.5 auto --modes graphs --batch 4 --tokens 32 --warmup 96 --step-times \
-    --prefill-budgets 99 --ttft-context 0 --out "$OUT" 2>&1 | tee "$OUT/bench_q3_int8.txt" | grep -v "^{"
-  mv "$OUT/model.json" "$OUT/model_q3_int8.json" 2>/dev/null
-  timeout 150 python3 -m runtime.experts.bench model --models qwen3.6-35b-a3b --dense-int8 --budgets 8 \
-    --routings uniform --cpu-share auto --modes graphs --batch 4 --tokens 24 --warmup 8 --prefill-budgets 99 \
-    --ttft-context 0 --out "$OUT" 2>&1 | tee "$OUT/bench_q36_int8.txt" | grep -v "^{"
-  mv "$OUT/model.json" "$OUT/model_q36_int8.json" 2>/dev/null; true
+  bench_rows 250 q3_int8 --models qwen3-30b-a3b --dense-int8 --budgets 8 4 --routings uniform --cpu-share 0.5 auto \
+    --modes graphs --batch 4 --tokens 32 --warmup 96 --step-times --prefill-budgets 99 --ttft-context 0
+  bench_rows 150 q36_int8 --models qwen3.6-35b-a3b --dense-int8 --budgets 8 --routings uniform --cpu-share auto \
+    --modes graphs --batch 4 --tokens 24 --warmup 8 --prefill-budgets 99 --ttft-context 0; true
 elif [ "$1" = k ]; then
   # session 7: run j put 8 GiB (31 % hits) no faster than 4 GiB (3 %): both ~17.3 ms a step at share 0.5, and the
   # learned sweep's 14.6 ms a minimum over short noisy windows. Longer fixed-share rows, and a GPU kernel trace
   # of each (how long the GPU's gather, pool and collect kernels take: is the step waiting on the CPU's answer?)
-  timeout 400 python3 -m runtime.experts.bench model --models qwen3-30b-a3b --dense-int8 --budgets 8 4 \
-    --routings uniform --cpu-share 0 0.3 0.5 --modes graphs --tokens 96 --warmup 32 --trace 2 \
-    --prefill-budgets 99 --ttft-context 0 --out "$OUT" 2>&1 | tee "$OUT/bench_q3_trace.txt" | grep -v "^{"
-  mv "$OUT/model.json" "$OUT/model_q3_trace.json" 2>/dev/null; true
+  bench_rows 400 q3_trace --models qwen3-30b-a3b --dense-int8 --budgets 8 4 --routings uniform --cpu-share 0 0.3 0.5 \
+    --modes graphs --tokens 96 --warmup 32 --trace 2 --prefill-budgets 99 --ttft-context 0; true
 elif [ "$1" = l ]; then
   # session 7, after run k's trace: the worker spins through the pauses between steps (it napped 0.5 ms whenever
   # ~0.1 ms of polls saw nothing: a step's first CPU answers came 0.1-1.3 ms late), the handoff stops asking a
   # worker that missed an answer; and the decoding thread's wait for its token napping instead of spinning
-  timeout 100 python3 -m pytest -q -p no:cacheprovider --device cuda tests/test_hybrid_zero_copy.py \
-    tests/test_host_wait.py > "$OUT/cuda_tests.log" 2>&1
-  echo "pytest rc=$?" >> "$OUT/cuda_tests.log"; tail -3 "$OUT/cuda_tests.log"
-  timeout 280 python3 -m runtime.experts.bench model --models qwen3-30b-a3b --dense-int8 --budgets 8 4 \
-    --routings uniform --cpu-share 0 0.3 0.4 0.5 --host-wait spin sleep --modes graphs --tokens 96 --warmup 32 \
-    --prefill-budgets 99 --ttft-context 0 --out "$OUT" 2>&1 | tee "$OUT/bench_q3.txt" | grep -v "^{"
-  mv "$OUT/model.json" "$OUT/model_q3.json" 2>/dev/null
-  timeout 140 python3 -m runtime.experts.bench model --models qwen3.6-35b-a3b --dense-int8 --budgets 8 \
-    --routings uniform --cpu-share 0 0.3 0.5 --modes graphs --tokens 64 --warmup 32 --prefill-budgets 99 \
-    --ttft-context 0 --out "$OUT" 2>&1 | tee "$OUT/bench_q36.txt" | grep -v "^{"
-  mv "$OUT/model.json" "$OUT/model_q36.json" 2>/dev/null; true
+  cuda_tests 100 tests/test_hybrid_zero_copy.py tests/test_host_wait.py
+  bench_rows 280 q3 --models qwen3-30b-a3b --dense-int8 --budgets 8 4 --routings uniform --cpu-share 0 0.3 0.4 0.5 \
+    --host-wait spin sleep --modes graphs --tokens 96 --warmup 32 --prefill-budgets 99 --ttft-context 0
+  bench_rows 140 q36 --models qwen3.6-35b-a3b --dense-int8 --budgets 8 --routings uniform --cpu-share 0 0.3 0.5 \
+    --modes graphs --tokens 64 --warmup 32 --prefill-budgets 99 --ttft-context 0; true
 elif [ "$1" = m ]; then
   # session 7's last run: run l's odd rows replayed the previous row's recorded step (its tier's pool and mailbox;
   # decode_graph now records again after a tier swap); the same rows again, short, and 12 kernel threads against 14
   # (run l: a request of 1.65 experts took 282 us on average from seeing it to answering, ~220 in the trace's steady
-  # layers: stragglers?)
-  timeout 45 python3 -m pytest -q -p no:cacheprovider --device cuda tests/test_host_wait.py tests/test_decode_graph.py \
-    tests/test_hybrid_zero_copy.py -k "swapped or returns_only_once or error_flag" > "$OUT/cuda_tests.log" 2>&1
-  echo "pytest rc=$?" >> "$OUT/cuda_tests.log"; tail -3 "$OUT/cuda_tests.log"
-  timeout 120 python3 -m runtime.experts.bench model --models qwen3-30b-a3b --dense-int8 --budgets 8 \
-    --routings uniform --cpu-share 0.3 0.5 --cpu-threads 14 12 --modes graphs --tokens 64 --warmup 32 \
-    --prefill-budgets 99 --ttft-context 0 --out "$OUT" 2>&1 | tee "$OUT/bench_q3.txt" | grep -v "^{"
-  mv "$OUT/model.json" "$OUT/model_q3.json" 2>/dev/null
-  timeout 70 python3 -m runtime.experts.bench model --models qwen3.6-35b-a3b --dense-int8 --budgets 8 \
-    --routings uniform --cpu-share 0.3 --modes graphs --tokens 64 --warmup 32 --prefill-budgets 99 \
-    --ttft-context 0 --out "$OUT" 2>&1 | tee "$OUT/bench_q36.txt" | grep -v "^{"
-  mv "$OUT/model.json" "$OUT/model_q36.json" 2>/dev/null; true
+  # layers: stragglers?). The tests get 150 s: at 45 s a fresh machine's compiles ran out of time (run m)
+  cuda_tests 150 tests/test_host_wait.py tests/test_decode_graph.py tests/test_hybrid_zero_copy.py \
+    -k "swapped or returns_only_once or error_flag"
+  bench_rows 120 q3 --models qwen3-30b-a3b --dense-int8 --budgets 8 --routings uniform --cpu-share 0.3 0.5 \
+    --cpu-threads 14 12 --modes graphs --tokens 64 --warmup 32 --prefill-budgets 99 --ttft-context 0
+  bench_rows 70 q36 --models qwen3.6-35b-a3b --dense-int8 --budgets 8 --routings uniform --cpu-share 0.3 \
+    --modes graphs --tokens 64 --warmup 32 --prefill-budgets 99 --ttft-context 0; true
 else
   # decode rows through graphs only (eager rows cost minutes); the CPU share learned (auto; printed with a *),
   # fixed 0 and 0.3

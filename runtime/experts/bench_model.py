@@ -21,6 +21,7 @@ import torch
 
 from runtime.decode_graph import DecodeGraphs, graph_safe, graph_tokens
 from runtime.experts.bench import CONFIGS, SHAPES, Router
+from runtime.host_wait import wait_quietly
 from runtime.models.base import Batch
 
 GiB = 1 << 30
@@ -101,7 +102,6 @@ def decode_rate(model, graphs, cache, *, steps: int, warmup: int, experts=None, 
     `trace`: gets (seconds, probe()) for every step, warm-up included (`--step-times`: how a row warms up).
     `host_wait`: "spin" (CUDA's default sync reading the token) or "sleep" (runtime/host_wait.py: the token is
     read once an event says the step is done, the thread napping meanwhile)."""
-    from runtime.host_wait import wait_quietly
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     token = 100
     t0 = None
@@ -513,13 +513,7 @@ def trace_decode(graphs, cache, experts, steps: int, path) -> None:
         prof.export_chrome_trace(tmp.name)
         with open(tmp.name, "rb") as src, gzip.open(path, "wb") as dst:
             shutil.copyfileobj(src, dst)
-    averages = prof.key_averages()
-    for key in ("self_device_time_total", "self_cuda_time_total"):      # the GPU's kernels, longest first
-        try:
-            print(averages.table(sort_by=key, row_limit=30), flush=True)
-            break
-        except (AttributeError, KeyError, ValueError):
-            continue
+    print(prof.key_averages().table(sort_by="self_device_time_total", row_limit=30), flush=True)   # GPU kernels first
 
 
 def ttft_rows(model, graphs, experts, hybrid, args, *, name, label, slots, device, dtype) -> list[dict]:

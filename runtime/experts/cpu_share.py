@@ -264,8 +264,7 @@ class CpuShareWorker:
         self.served = 0
         self.busy_seconds = 0.0
         self._stop = threading.Event()
-        self.spin_polls = polls_per_second() * SPIN_S if HAVE_NUMBA else 1000
-        self.spin_polls = max(1000, int(self.spin_polls))
+        self.spin_polls = max(1000, int(polls_per_second() * SPIN_S)) if HAVE_NUMBA else 1000
         # the worker's few Python steps per request must not wait for the GIL: while the decoding thread runs
         # Python (launching a step, its bookkeeping), a thread asking for the GIL gets it only at the next
         # switch interval (5 ms by default) - longer than the whole answer should take
