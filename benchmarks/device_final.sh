@@ -19,6 +19,8 @@
 #   (device) bash benchmarks/device_final.sh l   # session 7: the worker's spin through the pauses between steps,
 #                                                # the token wait that naps, shares 0-0.5 at 8/4 GiB, qwen3.6
 #   (device) bash benchmarks/device_final.sh m   # session 7: run l's rows again once a tier swap records anew
+#   (device) bash benchmarks/device_final.sh n   # session 8: m's checks, the CPU kernel on small requests beside
+#                                                # the GPU's reads, rows with and without the host's gap
 # carry .site (numba, llvmlite, fla-core, platformdirs unpacked, xz). Results under $OUT. Build .site once (the
 # wheels alone pass the 64 MiB carry limit; unpacked and xz-compressed they take ~44 MB):
 #   pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
@@ -200,6 +202,19 @@ elif [ "$1" = m ]; then
     --cpu-threads 14 12 --modes graphs --tokens 64 --warmup 32 --prefill-budgets 99 --ttft-context 0
   bench_rows 70 q36 --models qwen3.6-35b-a3b --dense-int8 --budgets 8 --routings uniform --cpu-share 0.3 \
     --modes graphs --tokens 64 --warmup 32 --prefill-budgets 99 --ttft-context 0; true
+elif [ "$1" = n ]; then
+  # session 8: run m's checks (a tier swap records anew in a fresh pool; never run on a GPU), then what a small
+  # request costs the CPU kernel alone, in cache, and beside the copy engine reading host memory
+  # (bench_cpu_requests.py: kernel vs DRAM shared with PCIe), then 8 GiB rows whose steps are chained (the GPU
+  # never waits for the host between steps) beside the usual ones: the host gap's size without a profiler
+  cuda_tests 150 tests/test_host_wait.py tests/test_decode_graph.py tests/test_hybrid_zero_copy.py \
+    -k "swapped or returns_only_once or error_flag"
+  timeout 120 python3 benchmarks/bench_cpu_requests.py --json "$OUT/cpu_requests.json" > "$OUT/cpu_requests.txt" 2>&1
+  echo "cpu_requests rc=$?"; cat "$OUT/cpu_requests.txt"
+  bench_rows 200 q3 --models qwen3-30b-a3b --dense-int8 --budgets 8 --routings uniform --cpu-share 0 0.3 0.5 \
+    --host-wait spin chain --modes graphs --tokens 64 --warmup 32 --prefill-budgets 99 --ttft-context 0
+  bench_rows 80 q36 --models qwen3.6-35b-a3b --dense-int8 --budgets 8 --routings uniform --cpu-share 0.3 \
+    --host-wait spin chain --modes graphs --tokens 64 --warmup 32 --prefill-budgets 99 --ttft-context 0; true
 else
   # decode rows through graphs only (eager rows cost minutes); the CPU share learned (auto; printed with a *),
   # fixed 0 and 0.3

@@ -15,3 +15,31 @@ def test_distinct_experts_per_layer_call_count_each_call_once():
     assert distinct_per_layer(shared) == 2.0
     steps = np.stack([shared[0], one[0].repeat(2, axis=1)])         # a second step: {1,2}, {3,4}
     assert distinct_per_layer(steps) == (3 + 1 + 2 + 2) / 4
+
+
+class _Steps:
+    """A stand-in for DecodeGraphs: records the token of each step, answers logits whose argmax is 7 + step."""
+
+    def __init__(self):
+        self.fed = []
+
+    def decode(self, token, cache):
+        import torch
+        self.fed.append(token)
+        logits = torch.zeros(1, 50)
+        logits[0, 7 + len(self.fed)] = 1.0
+        return logits
+
+
+def test_decode_rate_feeds_each_token_back_unless_chained():
+    """The usual rows feed every sampled token into the next step (one host sync a token); `chain` never reads the
+    token, so every step gets the first one and the GPU need not wait for the host between steps."""
+    import torch
+
+    from runtime.experts.bench_model import decode_rate
+
+    for wait, expect in (("spin", [100, 8, 9, 10]), ("chain", [100] * 4)):
+        steps = _Steps()
+        rate = decode_rate(None, steps, None, steps=2, warmup=2, use_graphs=True, device=torch.device("cpu"),
+                           host_wait=wait)
+        assert steps.fed == expect and rate > 0

@@ -127,26 +127,39 @@ def probe_torch_cpu_kernels(report: dict, *, d: int, i: int, threads: int) -> No
     report[f"torch_cpu_kernels_{threads}threads"] = res
 
 
+_READ_KERNEL = []
+
+
+def _read_kernel():
+    """A parallel sum over uint64 words (compiled once): memory read bandwidth at numba's thread count."""
+    if not _READ_KERNEL:
+        import numba
+        import numpy as np
+
+        from runtime.experts.openmp import load_private_openmp
+        load_private_openmp()                    # the kernels' OpenMP instance, not torch's
+
+        @numba.njit(parallel=True, fastmath=True)
+        def total(words):
+            acc = np.uint64(0)
+            for c in numba.prange(words.shape[0] // 4096):
+                s = np.uint64(0)
+                b = np.uint64(c * 4096)
+                for j in range(4096):              # unsigned index: no wraparound check, so it vectorizes
+                    s += words[b + np.uint64(j)]
+                acc += s
+            return acc
+        _READ_KERNEL.append(total)
+    return _READ_KERNEL[0]
+
+
 def _numba_read_gbps(store, threads: int) -> float:
     """Memory read bandwidth at `threads` numba threads: a parallel sum over every layer of the store (the
     bar the expert kernels are held to: the same bytes, the same thread pool)."""
     import numba
     import numpy as np
 
-    from runtime.experts.openmp import load_private_openmp
-    load_private_openmp()                    # the kernels' OpenMP instance, not torch's
-
-    @numba.njit(parallel=True, fastmath=True)
-    def total(words):
-        acc = np.uint64(0)
-        for c in numba.prange(words.shape[0] // 4096):
-            s = np.uint64(0)
-            b = np.uint64(c * 4096)
-            for j in range(4096):              # unsigned index: no wraparound check, so it vectorizes
-                s += words[b + np.uint64(j)]
-            acc += s
-        return acc
-
+    total = _read_kernel()
     numba.set_num_threads(threads)
     views = [store.layer_buffer(layer).reshape(-1).view(np.uint64) for layer in store.layers]
     total(views[0][:4096])
@@ -531,9 +544,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     m.add_argument("--cpu-threads", nargs="+", type=int, default=[0],
                    help="threads of the CPU kernel for rows with a CPU share (0: numba's default, every core); "
                         "several: a row each")
-    m.add_argument("--host-wait", nargs="+", choices=("spin", "sleep"), default=["spin"],
-                   help="how the decoding thread waits for each b1 step's token: CUDA's spinning sync or an event "
-                        "polled between naps (runtime/host_wait.py); several: a row each")
+    m.add_argument("--host-wait", nargs="+", choices=("spin", "sleep", "chain"), default=["spin"],
+                   help="how the decoding thread waits for each b1 step's token: CUDA's spinning sync, an event "
+                        "polled between naps (runtime/host_wait.py), or not at all (chain: each step launched "
+                        "while the last still runs: the GPU's time without the host's gap); several: a row each")
     m.add_argument("--trace", type=int, default=0,
                    help="record this many graph decode steps of each hybrid row with torch.profiler (Chrome "
                         "trace, gzipped, under --out)")

@@ -101,7 +101,9 @@ def decode_rate(model, graphs, cache, *, steps: int, warmup: int, experts=None, 
     """Decode tok/s at batch 1 over `steps` tokens after `warmup` (each step samples: one sync per token).
     `trace`: gets (seconds, probe()) for every step, warm-up included (`--step-times`: how a row warms up).
     `host_wait`: "spin" (CUDA's default sync reading the token) or "sleep" (runtime/host_wait.py: the token is
-    read once an event says the step is done, the thread napping meanwhile)."""
+    read once an event says the step is done, the thread napping meanwhile) or "chain" (the token is never read:
+    each step is launched while the GPU still runs the last one, so the GPU never waits for the host between
+    steps; the bound that launching a step ahead of its token, as vLLM's async scheduling does, could reach)."""
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     token = 100
     t0 = None
@@ -119,7 +121,8 @@ def decode_rate(model, graphs, cache, *, steps: int, warmup: int, experts=None, 
         chosen = logits.argmax()
         if host_wait == "sleep":
             wait_quietly(device)
-        token = int(chosen) % 1000
+        if host_wait != "chain":
+            token = int(chosen) % 1000
         if trace is not None:                      # the argmax synced: the step is over
             now = time.perf_counter()
             trace.append((now - last, probe() if probe else None))
@@ -303,7 +306,7 @@ def run_model(name: str, args, hw, report: dict) -> None:
                                        (f"zero-copy{'' if gather == 'on' else ' in place'} cpu "
                                         f"{hybrid.cpu_share:.2f}{'*' if share is None else ''}"
                                         + (f" {threads} thr" if threads else "")
-                                        + (" sleep-wait" if host_wait == "sleep" else "")
+                                        + ({"sleep": " sleep-wait", "chain": " chained"}.get(host_wait, ""))
                                         if hybrid.zero_copy else hybrid.split.mode)
                                        + ("" if split == "auto" else " (forced)")))
                 print(_fmt(rows[-1]), flush=True)

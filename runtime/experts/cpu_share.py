@@ -150,9 +150,9 @@ try:
                 moe_layer_int8(codec, buf, buf.view(np.uint16), buf.view(np.float32), nbytes, offs, has_bias, inter,
                                group, table, x[:t], tok, exp, w, g_scale[li], u_scale[li], d_scale[li], activation,
                                alpha, limit, rows)
-            _store_release(resp, 0, seq)
-            clock[0] += _cycles() - c0
+            clock[0] += _cycles() - c0           # counted before the answer: whoever sees it sees the count
             clock[1] += 1
+            _store_release(resp, 0, seq)
             last = seq
 
     HAVE_NUMBA = True
@@ -322,6 +322,12 @@ class CpuShareWorker:
         if not self._cycles_per_s:
             return None
         return float(self._clock[0]) / self._cycles_per_s
+
+    @property
+    def kernel_requests(self) -> int:
+        """Compiled serving: requests answered so far, by the same count as `kernel_seconds` (current even while
+        the worker is inside a spin, where `served` lags until the spin ends)."""
+        return int(self._clock[1])
 
     def _serve_python(self, last: int, spins: int) -> int:
         """At most one request, through `compute`; its ticket (== last when none came)."""
