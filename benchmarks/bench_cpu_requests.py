@@ -14,7 +14,8 @@ causes predict different tables here:
   at the link's rate beside them), and the read sweep's GB/s + the H2D's GB/s together near a fixed roof;
 - thread count: a knee in µs per thread count.
 
-Each call: one token, `experts` distinct experts of the qwen3-30b-a3b shape (D 2048, I 768, int4 group 128),
+`FREETOKEN_OMP_SPINCOUNT` (runtime/experts/openmp.py) sets how long the kernel's idle threads spin before they
+sleep; run it once without and once with to see what the wake-ups cost. Each call: one token, `experts` distinct experts of the qwen3-30b-a3b shape (D 2048, I 768, int4 group 128),
 cycling through 8 layers (2.5 GB, past the caches) in `cold`; the same layer and experts in `hot`. Calls are
 `--gap-us` apart (the GPU's part of a layer), the calling thread spinning in between as the worker does. The
 kernel runs in a thread of its own with numba's threads set there (numba's pools are per calling thread), after
@@ -24,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import threading
@@ -131,6 +133,15 @@ def time_requests(worker, box, store, *, experts: int, calls: int, gap_s: float,
     return trips[10:], ((worker.kernel_seconds or 0.0) - busy) / max(n, 1)
 
 
+def in_thread(fn, *args):
+    """fn(*args) in a thread of its own that then ends, and with it the OpenMP pool it made."""
+    out = []
+    th = threading.Thread(target=lambda: out.append(fn(*args)))
+    th.start()
+    th.join()
+    return out[0]
+
+
 def main(argv: list[str] | None = None) -> int:
     from runtime.experts.openmp import load_private_openmp
     binding = load_private_openmp()
@@ -145,6 +156,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--calls", type=int, default=200)
     p.add_argument("--gap-us", type=float, default=250.0)
     p.add_argument("--layers", type=int, default=8)
+    p.add_argument("--no-sweeps", dest="sweeps", action="store_false", help="skip the read sweeps (after the rows)")
     p.add_argument("--json", type=Path, default=None)
     args = p.parse_args(argv)
     sys.setswitchinterval(5e-5)                     # the background thread's Python must not hold the GIL long
@@ -155,47 +167,16 @@ def main(argv: list[str] | None = None) -> int:
     print(f"store {store.nbytes / GB:.2f} GB built in {time.perf_counter() - t0:.1f} s; OpenMP binding {binding}",
           flush=True)
     cpu = CpuExecutor(store, ExpertSpec())
+    cpu.warm_up(store.layers[0])                    # compiled on one thread, as the tier does before its worker starts
     torch.set_num_threads(1)                        # the stand-in handoff's torch ops: no torch pool beside numba's
-    views = [store.layer_buffer(layer).reshape(-1).view(np.uint64) for layer in store.layers]
     bg = BackgroundH2D() if torch.cuda.is_available() else None
-    report: dict = {"block_bytes": store.block_nbytes, "rows": []}
-    result: dict = {}
-
-    def in_thread(fn, *a, **kw):
-        # numba's thread pools are per calling thread: every measurement runs in this one long-lived thread
-        done = threading.Event()
-        jobs.append((fn, a, kw, done))
-        done.wait()
-        return result.pop("value")
-
-    jobs: list = []
-
-    def runner():
-        while True:
-            while not jobs:
-                time.sleep(0.001)
-            fn, a, kw, done = jobs.pop(0)
-            if fn is None:
-                return
-            result["value"] = fn(*a, **kw)
-            done.set()
-
-    th = threading.Thread(target=runner, daemon=True)
-    th.start()
+    report: dict = {"block_bytes": store.block_nbytes, "binding": binding,
+                    "spin_count": os.environ.get("FREETOKEN_OMP_SPINCOUNT"), "rows": []}
     if bg is not None:
         report["h2d_alone_gbps"] = h2d_alone(bg)
         print(f"H2D alone: {report['h2d_alone_gbps']:.1f} GB/s", flush=True)
-    print(f"{'threads':>7} {'read GB/s':>9} {'read+H2D':>9} {'H2D beside':>10}", flush=True)
-    for threads in args.threads:
-        alone = in_thread(read_sweep_gbps, views, threads)
-        row = {"threads": threads, "read_gbps": alone}
-        if bg is not None:
-            with bg:
-                row["read_gbps_beside_h2d"] = in_thread(read_sweep_gbps, views, threads)
-            row["h2d_gbps_beside_read"] = bg.gbps
-        report.setdefault("reads", []).append(row)
-        print(f"{threads:>7} {alone:>9.1f} {row.get('read_gbps_beside_h2d', 0):>9.1f} "
-              f"{row.get('h2d_gbps_beside_read', 0):>10.1f}", flush=True)
+    # the worker rows first: libgomp counts every pool's threads, and a second pool (the sweeps' thread's) beside
+    # the worker's would make it throttle (short spins, sleeping threads woken each region) - not the tier's case
     print(f"{'threads':>7} {'experts':>7} {'data':>5} {'beside':>6} {'worker µs':>9} {'GB/s':>6} {'µs/expert':>9} "
           f"{'trip µs':>7} {'p90':>6}", flush=True)
     args8 = cpu.int8_args()
@@ -224,8 +205,18 @@ def main(argv: list[str] | None = None) -> int:
                           f"{busy * 1e6 / n:>9.0f} {med * 1e6:>7.0f} {p90 * 1e6:>6.0f}"
                           + (f"  (H2D {bg.gbps:.0f} GB/s)" if beside == "h2d" else ""), flush=True)
         worker.close()
-    jobs.append((None, (), {}, None))
-    th.join()
+    if args.sweeps:
+        views = [store.layer_buffer(layer).reshape(-1).view(np.uint64) for layer in store.layers]
+        print(f"{'threads':>7} {'read GB/s':>9} {'read+H2D':>9} {'H2D beside':>10}", flush=True)
+        for threads in args.threads:
+            row = {"threads": threads, "read_gbps": in_thread(read_sweep_gbps, views, threads)}
+            if bg is not None:
+                with bg:
+                    row["read_gbps_beside_h2d"] = in_thread(read_sweep_gbps, views, threads)
+                row["h2d_gbps_beside_read"] = bg.gbps
+            report.setdefault("reads", []).append(row)
+            print(f"{threads:>7} {row['read_gbps']:>9.1f} {row.get('read_gbps_beside_h2d', 0):>9.1f} "
+                  f"{row.get('h2d_gbps_beside_read', 0):>10.1f}", flush=True)
     if args.json:
         args.json.write_text(json.dumps(report, indent=1))
     return 0

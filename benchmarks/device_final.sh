@@ -21,6 +21,8 @@
 #   (device) bash benchmarks/device_final.sh m   # session 7: run l's rows again once a tier swap records anew
 #   (device) bash benchmarks/device_final.sh n   # session 8: m's checks, the CPU kernel on small requests beside
 #                                                # the GPU's reads, rows with and without the host's gap
+#   (device) bash benchmarks/device_final.sh o   # session 8: the kernel's idle threads spinning longer
+#                                                # (FREETOKEN_OMP_SPINCOUNT) against libgomp's default
 # carry .site (numba, llvmlite, fla-core, platformdirs unpacked, xz). Results under $OUT. Build .site once (the
 # wheels alone pass the 64 MiB carry limit; unpacked and xz-compressed they take ~44 MB):
 #   pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
@@ -215,6 +217,18 @@ elif [ "$1" = n ]; then
     --host-wait spin chain --modes graphs --tokens 64 --warmup 32 --prefill-budgets 99 --ttft-context 0
   bench_rows 80 q36 --models qwen3.6-35b-a3b --dense-int8 --budgets 8 --routings uniform --cpu-share 0.3 \
     --host-wait spin chain --modes graphs --tokens 64 --warmup 32 --prefill-budgets 99 --ttft-context 0; true
+elif [ "$1" = o ]; then
+  # run n: a request's cost is mostly fixed (~140 us: the slope is ~34 us an expert), and the standalone rows,
+  # whose second pool made libgomp throttle, were slower still: the regions wake sleeping threads. Here the
+  # worker's pool alone, with libgomp's default spin and with its idle threads spinning ~1 s before they sleep
+  for spin in "" 20000000; do
+    FREETOKEN_OMP_SPINCOUNT=$spin timeout 90 python3 benchmarks/bench_cpu_requests.py --threads 14 16 \
+      --experts 1 2 3 8 --json "$OUT/cpu_requests_spin$spin.json" > "$OUT/cpu_requests_spin$spin.txt" 2>&1
+    echo "cpu_requests spin=$spin rc=$?"; cat "$OUT/cpu_requests_spin$spin.txt"
+    FREETOKEN_OMP_SPINCOUNT=$spin bench_rows 150 "q3_spin$spin" --models qwen3-30b-a3b --dense-int8 --budgets 8 \
+      --routings uniform --cpu-share 0.5 0.7 --modes graphs --tokens 64 --warmup 32 --prefill-budgets 99 \
+      --ttft-context 0
+  done; true
 else
   # decode rows through graphs only (eager rows cost minutes); the CPU share learned (auto; printed with a *),
   # fixed 0 and 0.3

@@ -4,6 +4,9 @@ On this machine the static path runs eagerly (`capture=False`); on the GPU machi
 and replays it, and the same assertions hold."""
 from __future__ import annotations
 
+import gc
+import weakref
+
 import pytest
 import torch
 
@@ -69,15 +72,22 @@ def test_a_swapped_expert_tier_is_recorded_again_not_replayed_through_the_old_on
         for cache in (ordinary, static):
             model(Batch.build([(prompt, cache)], device=eng.device))
         token = prompt[-1]
+        original = model.experts
         for step in range(4):
             if step == 2:
-                model.set_experts(_Scaled(model.experts))
+                model.set_experts(_Scaled(original))
             want = model(Batch.build([([token], ordinary)], device=eng.device))
             got = graphs.decode(token, static)
             torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
             token = int(want.argmax())
-    if graphs.capture:            # one bucket, recorded once per tier
-        assert graphs.counters["captures"] == 2
+        if graphs.capture:            # one bucket, recorded once per tier
+            assert graphs.counters["captures"] == 2
+            # the recordings' note of their tier does not keep a replaced tier (and its VRAM) alive
+            scaled = weakref.ref(model.experts)
+            model.set_experts(original)
+            graphs.decode(token, static)
+            gc.collect()
+            assert scaled() is None and graphs.counters["captures"] == 3
 
 
 def test_engine_decodes_the_same_tokens_with_and_without_the_static_path(ftw_packages, device):

@@ -513,3 +513,39 @@ def test_with_a_worker_the_decoding_thread_leaves_the_cores_to_its_pool(monkeypa
     assert seen and set(seen) == {tier._host_threads}
     tier.close()
     assert tier._worker is None
+
+
+_WORKER_ALONE = """
+import numpy as np, torch
+from runtime.experts.openmp import load_private_openmp
+load_private_openmp()                     # first, as the tier does
+from runtime.experts.cpu_executor import CpuExecutor
+from runtime.experts.cpu_share import CpuShareWorker, Mailbox, collect_reference, handoff_reference
+from runtime.experts.host_store import HostExpertStore
+from runtime.experts.interface import ExpertSpec
+store = HostExpertStore.synthetic(layers=1, num_experts=8, hidden=512, intermediate=512, codec="int4", group=64, seed=3)
+cpu = CpuExecutor(store, ExpertSpec())
+box = Mailbox(max_tokens=1, top_k=2, hidden=512, device=torch.device("cpu"), share=1.0)
+worker = CpuShareWorker(box, None, int8_args=cpu.int8_args(), threads=2)
+x, ids, w = torch.randn(1, 512), torch.tensor([[1, 2]]), torch.full((1, 2), 0.5)
+handoff_reference(0, ids, w, x, torch.full((8,), -1), box)
+got = collect_reference(torch.zeros(1, 512), box)
+want = cpu.run(0, x, np.zeros(2, np.int64), ids[0].numpy(), w[0].numpy())
+assert worker.error is None and torch.equal(got, want), (worker.error, (got - want).abs().max())
+worker.close()
+print("answered")
+"""
+
+
+def test_a_compiled_worker_built_alone_answers_its_first_request():
+    """A CPU-share worker built with no kernel run before it (no warm-up on the main thread): its first request
+    starts numba's threads, which crashed the process when that happened inside the worker's compiled loop. In
+    a subprocess: a crash must fail this test, not the run."""
+    pytest.importorskip("numba")
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    run = subprocess.run([sys.executable, "-c", _WORKER_ALONE], capture_output=True, text=True, timeout=300,
+                         cwd=Path(__file__).resolve().parent.parent)
+    assert run.returncode == 0 and "answered" in run.stdout, (run.returncode, run.stderr[-2000:])

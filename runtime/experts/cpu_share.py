@@ -249,6 +249,12 @@ class CpuShareWorker:
         self.box, self.compute = box, compute
         self.int8_args, self.threads = int8_args, threads
         load_private_openmp()            # (the tier did it before its warm-up; a worker built alone does it here)
+        if HAVE_NUMBA:
+            # numba starts its threading layer lazily, at the first parallel call; started from inside the
+            # worker's compiled loop (no GIL) it crashes the process: start it here. The tier's warm-up used to
+            # do it by accident; a worker built alone segfaulted at its first request
+            import numba
+            numba.get_num_threads()
         # compile (or load from numba's cache) the polling code here, while the model loads: compiled in the
         # thread at its first request, it would keep the GPU waiting for seconds (past collect's bounded wait)
         b = box._np

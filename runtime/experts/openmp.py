@@ -53,6 +53,10 @@ def load_private_openmp() -> str:
         import torch  # noqa: F401
         flags = sys.getdlopenflags()
         sys.setdlopenflags(flags | os.RTLD_DEEPBIND)
+        spin = _private_spin_count()
+        saved = os.environ.get("GOMP_SPINCOUNT")
+        if spin is not None:              # read once, by the private instance's constructor at its load
+            os.environ["GOMP_SPINCOUNT"] = spin
         try:
             import numba.np.ufunc.omppool  # noqa: F401  (numba's threading layer imports this same module later)
             result = "private"
@@ -61,11 +65,24 @@ def load_private_openmp() -> str:
             result = "unavailable"
         finally:
             sys.setdlopenflags(flags)
+            if spin is not None:          # torch's instance read the environment long ago; later ones see the user's
+                if saved is None:
+                    os.environ.pop("GOMP_SPINCOUNT", None)
+                else:
+                    os.environ["GOMP_SPINCOUNT"] = saved
     if result == "already loaded":
         log.warning("numba's OpenMP layer was loaded before the hybrid tier could set it apart from torch's: "
                     "the CPU's share of the experts may run slower in this process (docs/hybrid.md, fifth session)")
     _state["result"] = result
     return result
+
+
+def _private_spin_count() -> str | None:
+    """GOMP_SPINCOUNT for the private instance only: how long its idle threads spin (pause instructions) before
+    they sleep. `FREETOKEN_OMP_SPINCOUNT` sets it; a user's own GOMP_SPINCOUNT is left alone."""
+    if "GOMP_SPINCOUNT" in os.environ:
+        return None
+    return os.environ.get("FREETOKEN_OMP_SPINCOUNT") or None
 
 
 def warn_if_private_beside_torch() -> bool:
