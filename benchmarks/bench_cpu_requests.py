@@ -172,6 +172,7 @@ def main(argv: list[str] | None = None) -> int:
     bg = BackgroundH2D() if torch.cuda.is_available() else None
     report: dict = {"block_bytes": store.block_nbytes, "binding": binding,
                     "spin_count": os.environ.get("FREETOKEN_OMP_SPINCOUNT"), "rows": []}
+    from runtime.experts.bench_model import phases_line
     if bg is not None:
         report["h2d_alone_gbps"] = h2d_alone(bg)
         print(f"H2D alone: {report['h2d_alone_gbps']:.1f} GB/s", flush=True)
@@ -188,6 +189,7 @@ def main(argv: list[str] | None = None) -> int:
             for hot in (False, True):
                 for beside in (["none", "h2d"] if bg is not None and not hot else ["none"]):
                     kw = dict(experts=n, calls=args.calls, gap_s=args.gap_us * 1e-6, hot=hot)
+                    marks = worker._phases.copy()
                     if beside == "h2d":
                         with bg:
                             trips, busy = time_requests(worker, box, store, **kw)
@@ -204,6 +206,9 @@ def main(argv: list[str] | None = None) -> int:
                     print(f"{threads:>7} {n:>7} {r['data']:>5} {beside:>6} {busy * 1e6:>9.0f} {gbps:>6.1f} "
                           f"{busy * 1e6 / n:>9.0f} {med * 1e6:>7.0f} {p90 * 1e6:>6.0f}"
                           + (f"  (H2D {bg.gbps:.0f} GB/s)" if beside == "h2d" else ""), flush=True)
+                    line = phases_line(worker, marks)      # (the warm-up calls included: 10 of them)
+                    if line:
+                        print(line, flush=True)
         worker.close()
     if args.sweeps:
         views = [store.layer_buffer(layer).reshape(-1).view(np.uint64) for layer in store.layers]

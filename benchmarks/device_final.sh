@@ -23,6 +23,7 @@
 #                                                # the GPU's reads, rows with and without the host's gap
 #   (device) bash benchmarks/device_final.sh o   # session 8: the kernel's idle threads spinning longer
 #                                                # (FREETOKEN_OMP_SPINCOUNT) against libgomp's default
+#   (device) bash benchmarks/device_final.sh p   # session 8: where a request's time goes (the kernel's marks)
 # carry .site (numba, llvmlite, fla-core, platformdirs unpacked, xz). Results under $OUT. Build .site once (the
 # wheels alone pass the 64 MiB carry limit; unpacked and xz-compressed they take ~44 MB):
 #   pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
@@ -229,6 +230,17 @@ elif [ "$1" = o ]; then
       --routings uniform --cpu-share 0.5 0.7 --modes graphs --tokens 64 --warmup 32 --prefill-budgets 99 \
       --ttft-context 0
   done; true
+elif [ "$1" = p ]; then
+  # run o: a longer spin changed nothing, and a request of one expert in cache took ~300-380 us standalone, as
+  # long as eight: the cost is not the work. The kernel now marks its phases (cpu_kernels_int8.PHASES): the
+  # serial parts, each region's first and last thread in, last thread done, joined
+  (lscpu; nproc; python3 -c "import numba; print('numba', numba.__version__)") > "$OUT/cpu.txt" 2>&1
+  grep -E "Model name|Thread|Core|Socket|NUMA|L3|MHz|^[0-9]" "$OUT/cpu.txt"
+  timeout 100 python3 benchmarks/bench_cpu_requests.py --threads 14 8 --experts 1 3 8 --no-sweeps \
+    --json "$OUT/cpu_requests.json" > "$OUT/cpu_requests.txt" 2>&1
+  echo "cpu_requests rc=$?"; grep -v Warning "$OUT/cpu_requests.txt" | grep -v "@njit"
+  bench_rows 170 q3 --models qwen3-30b-a3b --dense-int8 --budgets 8 --routings uniform --cpu-share 0.5 \
+    --cpu-threads 14 10 --modes graphs --tokens 64 --warmup 32 --prefill-budgets 99 --ttft-context 0; true
 else
   # decode rows through graphs only (eager rows cost minutes); the CPU share learned (auto; printed with a *),
   # fixed 0 and 0.3

@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import time
 
+import numpy as np
 import torch
 
 from runtime.decode_graph import DecodeGraphs, graph_safe, graph_tokens
@@ -146,7 +147,7 @@ def phase_line(trace: list, bounds: tuple[int, ...] = STEP_PHASES) -> str:
         after = trace[b - 1][1]
         us = "-"
         if after is not None:
-            served0, _, kernel0 = before if before is not None else (0, 0.0, 0.0)
+            served0, _, kernel0 = before[:3] if before is not None else (0, 0.0, 0.0)
             served = after[0] - served0
             if served > 0 and after[2]:
                 us = f"{1e6 * (after[2] - kernel0) / served:.0f}"
@@ -255,7 +256,6 @@ def run_model(name: str, args, hw, report: dict) -> None:
                 zero_copy_gather=gather == "on", cpu_threads=threads or None,
                 hot_set=tuple((lay, x) for lay in moe_layers for x in range(e)) if slots >= layers * e else ()))
             router = Router(routing, layers=layers, experts=e, k=k, seed=1)
-            import numpy as np
             dec = np.stack([np.stack([router.route(lay, 1) for lay in range(layers)]) for _ in range(steps)])
             pre = np.stack([router.route(lay, args.chunk) for lay in range(layers)])
             bat = None
@@ -433,7 +433,6 @@ def warm_up_share(ctl, model, graphs, experts, router, args, *, layers: int, ste
     graph is recorded once per KV bucket, not once per round), each round with fresh routing from the row's
     router: more of the same traffic. The table the recorded graphs read is written in place and restored
     afterwards, so the timed steps see the row's routing."""
-    import numpy as np
 
     timed_ids = experts.decode_ids.clone()
     cache = model.new_cache(device=device, dtype=dtype)
@@ -453,11 +452,25 @@ def warm_up_share(ctl, model, graphs, experts, router, args, *, layers: int, ste
         experts.decode_ids.copy_(timed_ids)
 
 
-def worker_counts(hybrid) -> tuple[int, float, float]:
+def worker_counts(hybrid) -> tuple:
     """(requests served, seconds in its serving calls, seconds from seeing requests to answering them: 0 where
-    the cycle counter is unavailable) of the tier's CPU-share worker so far; zeros without one."""
+    the cycle counter is unavailable, the kernel's phase marks so far) of the tier's CPU-share worker; zeros
+    without one."""
     w = getattr(hybrid, "_worker", None)
-    return (0, 0.0, 0.0) if w is None else (w.served, w.busy_seconds, w.kernel_seconds or 0.0)
+    if w is None:
+        return (0, 0.0, 0.0, np.zeros(1, dtype=np.int64))
+    return (w.served, w.busy_seconds, w.kernel_seconds or 0.0, w._phases.copy())
+
+
+def phases_line(worker, before: np.ndarray) -> str | None:
+    """The kernel's mean µs a request from its start to each mark, over the requests since `before` (a copy of
+    the worker's phase marks): where a request's time goes."""
+    from runtime.experts.cpu_kernels_int8 import PHASES
+    d = worker._phases - before if before.shape == worker._phases.shape else None
+    if d is None or not d[-1] or not worker._cycles_per_s:
+        return None
+    us = 1e6 * d[:-1] / d[-1] / worker._cycles_per_s
+    return "    CPU kernel marks (µs from a request's start): " + ", ".join(f"{n} {u:.0f}" for n, u in zip(PHASES, us))
 
 
 def print_worker_line(hybrid, before: tuple[int, float], row: dict, *, steps: int) -> None:
@@ -465,7 +478,7 @@ def print_worker_line(hybrid, before: tuple[int, float], row: dict, *, steps: in
     answer (the compiled loop's cycle counter: the kernel and the answer, not the wait), beside the step's time
     per layer, so a reader sees whether the CPU's part bounds a layer; also the µs of its serving calls, waits
     included (close to the layer time when requests come back to back)."""
-    served, busy, kernel = worker_counts(hybrid)
+    served, busy, kernel, _ = worker_counts(hybrid)
     n = served - before[0]
     if n <= 0:
         return
@@ -477,6 +490,9 @@ def print_worker_line(hybrid, before: tuple[int, float], row: dict, *, steps: in
     print(f"    CPU worker: {n} requests ({n / steps:.1f} per step), {kernel_us:.0f} µs each from seeing it to "
           f"answering (cycle counter; {us:.0f} µs with the waits); a layer's share of the step: {per_layer:.0f} µs",
           flush=True)
+    line = phases_line(hybrid._worker, before[3]) if len(before) > 3 else None
+    if line:
+        print(line, flush=True)
 
 
 def host_line(us: dict[str, float]) -> str | None:
@@ -556,7 +572,6 @@ def distinct_per_layer(ids) -> float:
     """ids [S, L, T, K] (S steps or chunks, L layers, T tokens of a call, K experts each) -> the mean number of
     distinct experts one layer call touches: what a cache and a stream see (issue 10 asks for it beside every
     figure: a routing that sends every token to the same few experts flatters both)."""
-    import numpy as np
 
     ids = np.asarray(ids)
     flat = ids.reshape(ids.shape[0] * ids.shape[1], -1)                     # [S*L, T*K]

@@ -67,6 +67,7 @@ class CpuExecutor:
             from runtime.experts import cpu_kernels_int8
             self._k8 = cpu_kernels_int8
             self.int8 = lay.group in cpu_kernels_int8.SUPPORTED[lay.codec]
+            self.phases = np.zeros(cpu_kernels_int8.N_PHASES, dtype=np.int64)   # the kernel's time marks, summed
         if lay.codec == "int4":
             self._scale_table = ck.fp16_table()
         elif lay.codec == "fp4":
@@ -225,7 +226,8 @@ class CpuExecutor:
                                 lay.nbytes, offs, lay.has_bias, lay.intermediate, lay.group, self._scale_table,
                                 x, tokens, experts, weights, g_scale, u_scale, d_scale,
                                 _ACTIVATIONS[self.spec.activation],
-                                np.float32(self.spec.swiglu_alpha), np.float32(self.spec.swiglu_limit), out)
+                                np.float32(self.spec.swiglu_alpha), np.float32(self.spec.swiglu_limit), out,
+                                self.phases)
 
     def _global_scales(self, layer: int, parts: dict[str, np.ndarray]):
         """Per-matrix scales [E] of gate, up, down (NVFP4's global scale; ones otherwise), cached per layer."""

@@ -38,11 +38,12 @@ Shapes: A assignments, U distinct experts, T tokens, D hidden, I expert width, G
 from __future__ import annotations
 
 import math
+import platform
 
 import llvmlite.binding as llvm
 import llvmlite.ir as ir
 import numpy as np
-from numba import njit, prange, types
+from numba import get_num_threads, get_thread_id, njit, prange, types
 from numba.core import cgutils, config
 from numba.extending import intrinsic
 
@@ -394,6 +395,31 @@ _dot_fp4_8, _dot_fp4_16, _dot_fp4_32, _dot_fp4_64 = (make_dot(n, "fp4", ISA) for
 
 ROWS_PER_TASK = 16       # rows of one expert matrix per parallel task (numba splits the tasks statically)
 
+_HAVE_TSC = platform.machine().lower() in ("x86_64", "amd64")   # rdtsc: readable from user space
+
+
+@intrinsic
+def _cycles(typingctx):
+    """The CPU's time-stamp counter (rdtsc) on x86, a clock compiled code can read; 0 elsewhere (on ARM the cycle
+    counter register may trap in user space)."""
+    sig = types.int64()
+
+    def codegen(context, builder, sig, args):
+        if not _HAVE_TSC:
+            return context.get_constant(types.int64, 0)
+        fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(I64, []), "llvm.readcyclecounter")
+        return builder.call(fn, [])
+    return sig, codegen
+
+
+# `phases` [N_PHASES] int64 accumulates, per call, cycles from the call's start to each mark (where a request's
+# time goes: the serial parts, the two parallel regions' thread starts, last finish and join) and counts calls
+PHASES = ("prologue", "gate/up first thread in", "gate/up last thread in", "gate/up last thread done",
+          "gate/up joined", "down inputs", "down first thread in", "down last thread in", "down last thread done",
+          "down joined", "epilogue")
+N_PHASES = len(PHASES) + 1                     # + the call count
+_NEVER = np.iinfo(np.int64).max
+
 
 # ------------------------------------------------------------------ kernels
 # Indices are unsigned and no array view is made inside a parallel loop (cpu_kernels.py says why).
@@ -529,7 +555,7 @@ def group_by_expert(tokens, experts, weights, n_experts, n_tokens):
 
 @njit(parallel=True, cache=True, fastmath=True)
 def moe_layer_int8(codec, buf, buf16, buf32, nbytes, offs, has_bias, i, group, table, x, tokens_in, experts_in,
-                   weights_in, gate_scale, up_scale, down_scale, activation, alpha, limit, out):
+                   weights_in, gate_scale, up_scale, down_scale, activation, alpha, limit, out, phases):
     """out[t] += sum over assignments a of t of weights[a] * expert_{experts}(x[t]), int8 activations.
 
     buf: the layer's blocks as one flat uint8 array [E * nbytes] (buf16, buf32: the same bytes as uint16 and
@@ -537,7 +563,9 @@ def moe_layer_int8(codec, buf, buf16, buf32, nbytes, offs, has_bias, i, group, t
     inside a block of gate, gate_scales, gate_mins, up, up_scales, up_mins, down, down_scales, down_mins (mins
     unused by fp4), gate_bias, up_bias, down_bias (read when has_bias); i the expert width; x [T, D] float32;
     the assignments in any order: tokens_in, experts_in [A] int64, weights_in [A] float32; *_scale [E]
-    per-matrix scales; out [T, D] float32, added to."""
+    per-matrix scales; out [T, D] float32, added to; phases [N_PHASES] int64: the call's time marks, added to
+    (PHASES)."""
+    c0 = _cycles()
     n_tok, d = x.shape
     tokens, weights, experts, starts = group_by_expert(tokens_in, experts_in, weights_in, buf.shape[0] // nbytes,
                                                        n_tok)
@@ -558,7 +586,15 @@ def moe_layer_int8(codec, buf, buf16, buf32, nbytes, offs, has_bias, i, group, t
     # 2. gate and up rows of every distinct expert, applied to each of its tokens
     h = np.empty((n_a, i), dtype=np.float32)
     blocks = (i + ROWS_PER_TASK - 1) // ROWS_PER_TASK
+    n_thr = get_num_threads()
+    t_in = np.full(n_thr, _NEVER, dtype=np.int64)      # per kernel thread: its first task's start, last task's end
+    t_out = np.zeros(n_thr, dtype=np.int64)
+    c1 = _cycles()
+    phases[0] += c1 - c0
     for task in prange(n_u * blocks):
+        tid = get_thread_id()
+        if t_in[tid] == _NEVER:
+            t_in[tid] = _cycles()
         u = task // blocks
         e = np.uint64(experts[u])
         base = e * nb
@@ -575,6 +611,8 @@ def moe_layer_int8(codec, buf, buf16, buf32, nbytes, offs, has_bias, i, group, t
                     g += buf32[((base + o[9]) >> two) + ru]
                     v += buf32[((base + o[10]) >> two) + ru]
                 h[a, r] = _act(g, v, activation, alpha, limit)
+        t_out[tid] = _cycles()
+    _mark_region(phases, 1, c0, t_in, t_out)
 
     # 3. the down projection's inputs to int8, once per assignment
     hq = np.empty(n_a * i, dtype=np.int8)
@@ -590,7 +628,13 @@ def moe_layer_int8(codec, buf, buf16, buf32, nbytes, offs, has_bias, i, group, t
     # 4. down rows
     y = np.empty((n_a, d), dtype=np.float32)
     blocks = (d + ROWS_PER_TASK - 1) // ROWS_PER_TASK
+    t_in[:] = _NEVER
+    t_out[:] = 0
+    phases[5] += _cycles() - c0
     for task in prange(n_u * blocks):
+        tid = get_thread_id()
+        if t_in[tid] == _NEVER:
+            t_in[tid] = _cycles()
         u = task // blocks
         e = np.uint64(experts[u])
         base = e * nb
@@ -603,6 +647,8 @@ def moe_layer_int8(codec, buf, buf16, buf32, nbytes, offs, has_bias, i, group, t
                 if has_bias:
                     v += buf32[((base + o[11]) >> two) + ru]
                 y[a, r] = v
+        t_out[tid] = _cycles()
+    _mark_region(phases, 6, c0, t_in, t_out)
 
     # 5. weighted sum per token (serial: a few thousand multiply-adds)
     for a in range(n_a):
@@ -610,3 +656,24 @@ def moe_layer_int8(codec, buf, buf16, buf32, nbytes, offs, has_bias, i, group, t
         w = weights[a]
         for r in range(d):
             out[t, r] += w * y[a, r]
+    phases[10] += _cycles() - c0
+    phases[11] += 1
+
+
+@njit(cache=True)
+def _mark_region(phases, at, c0, t_in, t_out):
+    """A parallel region's marks, relative to the call's start c0: its first and last thread in, last thread done,
+    and now (joined), into phases[at:at + 4]."""
+    now = _cycles()
+    first, last, done = _NEVER, 0, 0
+    for j in range(t_in.shape[0]):
+        if t_in[j] != _NEVER:
+            first = min(first, t_in[j])
+            last = max(last, t_in[j])
+            done = max(done, t_out[j])
+    if first == _NEVER:                     # no task ran (no assignments)
+        first = last = done = now
+    phases[at] += first - c0
+    phases[at + 1] += last - c0
+    phases[at + 2] += done - c0
+    phases[at + 3] += now - c0

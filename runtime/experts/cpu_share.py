@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import logging
 import os
-import platform
 import sys
 import threading
 import time
@@ -46,7 +45,6 @@ GIL_SWITCH_S = 5e-5           # the interpreter's thread switch interval while a
 PY_POLL_SLEEP_S = 0.0005      # without numba the poll is Python's: a nap between polls hands back the GIL
 QUIET_AFTER_S = 0.05          # no request for this long: poll lazily...
 QUIET_SLEEP_S = 0.005         # ...every 5 ms
-_HAVE_TSC = platform.machine().lower() in ("x86_64", "amd64")   # rdtsc: readable from user space
 
 try:
     from llvmlite import ir
@@ -54,7 +52,7 @@ try:
     from numba.core import cgutils
     from numba.core.extending import intrinsic
 
-    from runtime.experts.cpu_kernels_int8 import moe_layer_int8
+    from runtime.experts.cpu_kernels_int8 import N_PHASES, _cycles, moe_layer_int8
 
     @intrinsic
     def _load_acquire(typingctx, arr, index):
@@ -95,31 +93,18 @@ try:
         """word[0] = value with release semantics (the answer's rows are visible before it)."""
         _store_release(word, 0, value)
 
-    @intrinsic
-    def _cycles(typingctx):
-        """The CPU's time-stamp counter (rdtsc) on x86, a clock compiled code can read; 0 elsewhere (on ARM the
-        cycle counter register may trap in user space)."""
-        sig = types.int64()
-
-        def codegen(context, builder, sig, args):
-            if not _HAVE_TSC:
-                return context.get_constant(types.int64, 0)
-            fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(ir.IntType(64), []),
-                                                "llvm.readcyclecounter")
-            return builder.call(fn, [])
-        return sig, codegen
-
     @njit(nogil=True, cache=True)
     def read_cycles():
         return _cycles()
 
     @njit(nogil=True, cache=True)
-    def serve_int8(req, resp, meta, ids, weights, x, out, last, spins, clock, codec, bufs, g_scale, u_scale,
+    def serve_int8(req, resp, meta, ids, weights, x, out, last, spins, clock, phases, codec, bufs, g_scale, u_scale,
                    d_scale, nbytes, offs, has_bias, inter, group, table, activation, alpha, limit):
         """The worker's whole request loop in compiled code, without the GIL: poll the request word, gather the
         CPU's assignments, run the int8 kernel over the layer's blocks, answer. Returns the last ticket served
         once `spins` polls saw nothing new (the Python side then checks its stop flag and naps). clock [2] int64
-        accumulates the cycles from seeing a request to answering it, and the requests answered."""
+        accumulates the cycles from seeing a request to answering it, and the requests answered; phases the
+        kernel's own time marks (cpu_kernels_int8.PHASES)."""
         k = ids.shape[0] // x.shape[0]
         while True:
             seq = _load_acquire(req, 0)
@@ -149,7 +134,7 @@ try:
                 buf = bufs[li]
                 moe_layer_int8(codec, buf, buf.view(np.uint16), buf.view(np.float32), nbytes, offs, has_bias, inter,
                                group, table, x[:t], tok, exp, w, g_scale[li], u_scale[li], d_scale[li], activation,
-                               alpha, limit, rows)
+                               alpha, limit, rows, phases)
             clock[0] += _cycles() - c0           # counted before the answer: whoever sees it sees the count
             clock[1] += 1
             _store_release(resp, 0, seq)
@@ -261,10 +246,11 @@ class CpuShareWorker:
         spin_until_changed(b["req"], int(b["req"][0]), 0)
         publish(np.zeros(1, dtype=np.int64), 0)
         self._clock = np.zeros(2, dtype=np.int64)       # compiled serving: cycles busy, requests answered
+        self._phases = np.zeros(N_PHASES if HAVE_NUMBA else 1, dtype=np.int64)
         self._cycles_per_s = 0.0
         if int8_args is not None and HAVE_NUMBA:
             serve_int8(b["req"], b["resp"], b["meta"], b["ids"], b["weights"], b["x"], b["out"], int(b["req"][0]), 0,
-                       self._clock, *int8_args)
+                       self._clock, self._phases, *int8_args)
             self._cycles_per_s = _cycle_rate()
         self.error: BaseException | None = None
         self.served = 0
@@ -319,7 +305,7 @@ class CpuShareWorker:
         """Every request that comes within `spins` polls, in compiled code; the last ticket answered."""
         b = self.box._np
         return int(serve_int8(b["req"], b["resp"], b["meta"], b["ids"], b["weights"], b["x"], b["out"], last, spins,
-                              self._clock, *self.int8_args))
+                              self._clock, self._phases, *self.int8_args))
 
     @property
     def kernel_seconds(self) -> float | None:
@@ -328,6 +314,16 @@ class CpuShareWorker:
         if not self._cycles_per_s:
             return None
         return float(self._clock[0]) / self._cycles_per_s
+
+    def kernel_phases(self) -> dict[str, float] | None:
+        """Compiled serving: the kernel's mean µs a request from its start to each of its marks (PHASES: the
+        serial parts, each parallel region's first and last thread in, last thread done, joined), or None where
+        the cycle counter is unavailable or no request came."""
+        n = int(self._phases[-1]) if HAVE_NUMBA else 0
+        if not self._cycles_per_s or not n:
+            return None
+        from runtime.experts.cpu_kernels_int8 import PHASES
+        return {name: 1e6 * float(c) / n / self._cycles_per_s for name, c in zip(PHASES, self._phases)}
 
     @property
     def kernel_requests(self) -> int:
