@@ -381,9 +381,13 @@ def test_the_compiled_worker_loop_answers_with_the_int8_kernels_result():
     # the cycle counter times the requests themselves (seen -> answered), not the waits between them
     if tier._worker.kernel_seconds is not None:
         assert 0 < tier._worker.kernel_seconds < wall
-        # the kernel's marks come in its order, and its whole call fits inside the request's time
-        marks = list(tier._worker.kernel_phases().values())
-        assert marks == sorted(marks) and 0 < marks[-1] <= 1e6 * tier._worker.kernel_seconds / 4
+        # the kernel's marks come in its order (a thread may come in after others finished a stage), and its
+        # whole call fits inside the request's time
+        m = tier._worker.kernel_phases()
+        stages = [m[k] for k in ("first thread in", "x quantized", "gate/up done", "down inputs done", "down done",
+                                 "sum done", "joined")]
+        assert m["prologue"] <= m["first thread in"] <= m["last thread in"] <= m["joined"]
+        assert stages == sorted(stages) and 0 < m["joined"] <= 1e6 * tier._worker.kernel_seconds / 4
     tier.close()
 
 

@@ -227,7 +227,7 @@ class CpuExecutor:
                                 x, tokens, experts, weights, g_scale, u_scale, d_scale,
                                 _ACTIVATIONS[self.spec.activation],
                                 np.float32(self.spec.swiglu_alpha), np.float32(self.spec.swiglu_limit), out,
-                                self.phases)
+                                self.phases, ck.numba.get_num_threads())
 
     def _global_scales(self, layer: int, parts: dict[str, np.ndarray]):
         """Per-matrix scales [E] of gate, up, down (NVFP4's global scale; ones otherwise), cached per layer."""

@@ -43,7 +43,7 @@ import platform
 import llvmlite.binding as llvm
 import llvmlite.ir as ir
 import numpy as np
-from numba import get_num_threads, get_thread_id, njit, prange, types
+from numba import njit, prange, types
 from numba.core import cgutils, config
 from numba.extending import intrinsic
 
@@ -412,13 +412,51 @@ def _cycles(typingctx):
     return sig, codegen
 
 
+def _item_ptr(context, builder, sig, args):
+    ary = context.make_array(sig.args[0])(context, builder, args[0])
+    return cgutils.get_item_pointer(context, builder, sig.args[0], ary, [args[1]])
+
+
+@intrinsic
+def _load_acquire(typingctx, arr, index):
+    """arr[index] (int64) as an atomic acquire load: never hoisted out of a polling loop."""
+    sig = types.int64(arr, index)
+
+    def codegen(context, builder, sig, args):
+        ptr = _item_ptr(context, builder, sig, args)
+        return builder.load_atomic(ptr, "acquire", 8) if not getattr(ptr.type, "is_opaque", False) else \
+            builder.load_atomic(ptr, "acquire", 8, typ=I64)
+    return sig, codegen
+
+
+@intrinsic
+def _store_release(typingctx, arr, index, value):
+    """arr[index] = value (int64) as an atomic release store: every earlier store is visible first."""
+    sig = types.void(arr, index, value)
+
+    def codegen(context, builder, sig, args):
+        builder.store_atomic(args[2], _item_ptr(context, builder, sig, args), "release", 8)
+        return context.get_dummy_value()
+    return sig, codegen
+
+
+@intrinsic
+def _fetch_add(typingctx, arr, index, value):
+    """arr[index] += value (int64) atomically (acquire-release); the value before."""
+    sig = types.int64(arr, index, value)
+
+    def codegen(context, builder, sig, args):
+        return builder.atomic_rmw("add", _item_ptr(context, builder, sig, args), args[2], "acq_rel")
+    return sig, codegen
+
+
 # `phases` [N_PHASES] int64 accumulates, per call, cycles from the call's start to each mark (where a request's
-# time goes: the serial parts, the two parallel regions' thread starts, last finish and join) and counts calls
-PHASES = ("prologue", "gate/up first thread in", "gate/up last thread in", "gate/up last thread done",
-          "gate/up joined", "down inputs", "down first thread in", "down last thread in", "down last thread done",
-          "down joined", "epilogue")
+# time goes: the serial start, the region's threads coming in, each stage done as the first thread saw it, the
+# join) and counts calls
+PHASES = ("prologue", "first thread in", "last thread in", "x quantized", "gate/up done", "down inputs done",
+          "down done", "sum done", "joined")
 N_PHASES = len(PHASES) + 1                     # + the call count
-_NEVER = np.iinfo(np.int64).max
+_NEVER = (1 << 63) - 1
 
 
 # ------------------------------------------------------------------ kernels
@@ -486,37 +524,43 @@ def _row(codec, buf, buf16, base, q_off, s_off, m_off, r, n_groups, hg, table, x
 
 
 @njit(cache=True, fastmath=True, inline="always")
-def _quantize_row(v, n, group, vq, vs, vm):
-    """Row n of v [N, K] float32 -> int8 per group into vq [N * K], the group scales vs [N * G] and scale * sum
-    of the group's int8 values vm [N * G]. Layout: when K is a multiple of 64 (the whole-row path), every
-    64 elements as their 32 even ones then their 32 odd ones (the order of a 32-byte step's low, then high
-    nibbles); otherwise every group as its even elements then its odd ones (the group-by-group path)."""
+def _quantize_group(v, n, g, group, vq, vs, vm):
+    """Group g of row n of v [N, K] float32 -> int8 into vq [N * K], the group's scale into vs [N * G] and scale *
+    sum of its int8 values into vm [N * G]. Layout: when K is a multiple of 64 (the whole-row path), every 64
+    elements as their 32 even ones then their 32 odd ones (the order of a 32-byte step's low, then high nibbles);
+    otherwise every group as its even elements then its odd ones (the group-by-group path)."""
     k = v.shape[1]
     hg = group // 2
     chunked = k % 64 == 0
-    for g in range(k // group):
-        b = g * group
-        amax = np.float32(0.0)
-        for j in range(group):
-            amax = max(amax, abs(v[n, b + j]))
-        scale = amax / np.float32(127.0)
-        inv = np.float32(127.0) / amax if amax > np.float32(0.0) else np.float32(0.0)
-        total = 0
-        row = n * k
-        for j in range(hg):
-            ke = b + 2 * j
-            qe = np.int32(math.floor(v[n, ke] * inv + np.float32(0.5)))
-            qo = np.int32(math.floor(v[n, ke + 1] * inv + np.float32(0.5)))
-            if chunked:
-                pe = (ke // 64) * 64 + (ke % 64) // 2
-                vq[row + pe] = qe
-                vq[row + pe + 32] = qo
-            else:
-                vq[row + b + j] = qe
-                vq[row + b + hg + j] = qo
-            total += qe + qo
-        vs[n * (k // group) + g] = scale
-        vm[n * (k // group) + g] = scale * np.float32(total)
+    b = g * group
+    amax = np.float32(0.0)
+    for j in range(group):
+        amax = max(amax, abs(v[n, b + j]))
+    scale = amax / np.float32(127.0)
+    inv = np.float32(127.0) / amax if amax > np.float32(0.0) else np.float32(0.0)
+    total = 0
+    row = n * k
+    for j in range(hg):
+        ke = b + 2 * j
+        qe = np.int32(math.floor(v[n, ke] * inv + np.float32(0.5)))
+        qo = np.int32(math.floor(v[n, ke + 1] * inv + np.float32(0.5)))
+        if chunked:
+            pe = (ke // 64) * 64 + (ke % 64) // 2
+            vq[row + pe] = qe
+            vq[row + pe + 32] = qo
+        else:
+            vq[row + b + j] = qe
+            vq[row + b + hg + j] = qo
+        total += qe + qo
+    vs[n * (k // group) + g] = scale
+    vm[n * (k // group) + g] = scale * np.float32(total)
+
+
+@njit(cache=True, fastmath=True, inline="always")
+def _quantize_row(v, n, group, vq, vs, vm):
+    """Row n of v [N, K] float32 -> int8, every group (`_quantize_group`)."""
+    for g in range(v.shape[1] // group):
+        _quantize_group(v, n, g, group, vq, vs, vm)
 
 
 @njit(cache=True)
@@ -555,7 +599,7 @@ def group_by_expert(tokens, experts, weights, n_experts, n_tokens):
 
 @njit(parallel=True, cache=True, fastmath=True)
 def moe_layer_int8(codec, buf, buf16, buf32, nbytes, offs, has_bias, i, group, table, x, tokens_in, experts_in,
-                   weights_in, gate_scale, up_scale, down_scale, activation, alpha, limit, out, phases):
+                   weights_in, gate_scale, up_scale, down_scale, activation, alpha, limit, out, phases, lanes):
     """out[t] += sum over assignments a of t of weights[a] * expert_{experts}(x[t]), int8 activations.
 
     buf: the layer's blocks as one flat uint8 array [E * nbytes] (buf16, buf32: the same bytes as uint16 and
@@ -564,116 +608,114 @@ def moe_layer_int8(codec, buf, buf16, buf32, nbytes, offs, has_bias, i, group, t
     unused by fp4), gate_bias, up_bias, down_bias (read when has_bias); i the expert width; x [T, D] float32;
     the assignments in any order: tokens_in, experts_in [A] int64, weights_in [A] float32; *_scale [E]
     per-matrix scales; out [T, D] float32, added to; phases [N_PHASES] int64: the call's time marks, added to
-    (PHASES)."""
+    (PHASES); lanes: the region's iterations, one per kernel thread (numba.get_num_threads() of the caller,
+    passed in: calling it here would make the function uncacheable, so every process would compile it again).
+
+    One parallel region for the whole layer, in five stages: the tokens' activations to int8 (a task a group),
+    gate and up rows (a task = ROWS_PER_TASK rows of one expert), the down projection's inputs to int8 (a task
+    a group of one assignment), down rows, and the weighted sum (a task a slice of the output's columns).
+    Threads take a stage's tasks from a shared counter and wait until every task of the stage is done before
+    the next: a thread the OS delays holds up only the task it is on (with a static split, its whole share
+    held the region up: run p, ~150 µs a region whatever its work), and no stage runs on one thread while the
+    others wait. The wait counts finished tasks, not arrived threads, so fewer threads than iterations (the
+    OS, nesting) cannot deadlock it: whoever runs takes every task."""
     c0 = _cycles()
     n_tok, d = x.shape
     tokens, weights, experts, starts = group_by_expert(tokens_in, experts_in, weights_in, buf.shape[0] // nbytes,
                                                        n_tok)
     n_a, n_u = tokens.shape[0], experts.shape[0]
+    if n_a == 0:
+        return
     o = offs.astype(np.uint64)
     nb = np.uint64(nbytes)
     two = np.uint64(2)
     hg = np.uint64(group // 2)
     gd, gi = np.uint64(d // group), np.uint64(i // group)
-
-    # 1. the tokens' activations to int8, once per token
     xq = np.empty(n_tok * d, dtype=np.int8)
     xs = np.empty(n_tok * (d // group), dtype=np.float32)
     xm = np.empty(n_tok * (d // group), dtype=np.float32)
-    for t in range(n_tok):                 # serial: a parallel region costs a barrier, this costs ~1 us a token
-        _quantize_row(x, t, group, xq, xs, xm)
-
-    # 2. gate and up rows of every distinct expert, applied to each of its tokens
     h = np.empty((n_a, i), dtype=np.float32)
-    blocks = (i + ROWS_PER_TASK - 1) // ROWS_PER_TASK
-    n_thr = get_num_threads()
-    t_in = np.full(n_thr, _NEVER, dtype=np.int64)      # per kernel thread: its first task's start, last task's end
-    t_out = np.zeros(n_thr, dtype=np.int64)
-    c1 = _cycles()
-    phases[0] += c1 - c0
-    for task in prange(n_u * blocks):
-        tid = get_thread_id()
-        if t_in[tid] == _NEVER:
-            t_in[tid] = _cycles()
-        u = task // blocks
-        e = np.uint64(experts[u])
-        base = e * nb
-        r0 = (task % blocks) * ROWS_PER_TASK
-        for r in range(r0, min(r0 + ROWS_PER_TASK, i)):
-            ru = np.uint64(r)
-            for a in range(starts[u], starts[u + 1]):
-                t = np.uint64(tokens[a])
-                g = _row(codec, buf, buf16, base, o[0], o[1], o[2], ru, gd, hg, table, xq, xs, xm, t)
-                v = _row(codec, buf, buf16, base, o[3], o[4], o[5], ru, gd, hg, table, xq, xs, xm, t)
-                g *= gate_scale[e]
-                v *= up_scale[e]
-                if has_bias:
-                    g += buf32[((base + o[9]) >> two) + ru]
-                    v += buf32[((base + o[10]) >> two) + ru]
-                h[a, r] = _act(g, v, activation, alpha, limit)
-        t_out[tid] = _cycles()
-    _mark_region(phases, 1, c0, t_in, t_out)
-
-    # 3. the down projection's inputs to int8, once per assignment
     hq = np.empty(n_a * i, dtype=np.int8)
     hs = np.empty(n_a * (i // group), dtype=np.float32)
     hm = np.empty(n_a * (i // group), dtype=np.float32)
-    if n_a >= 32:                          # a parallel region is a barrier: worth it only for many rows
-        for a in prange(n_a):
-            _quantize_row(h, a, group, hq, hs, hm)
-    else:
-        for a in range(n_a):
-            _quantize_row(h, a, group, hq, hs, hm)
-
-    # 4. down rows
     y = np.empty((n_a, d), dtype=np.float32)
-    blocks = (d + ROWS_PER_TASK - 1) // ROWS_PER_TASK
-    t_in[:] = _NEVER
-    t_out[:] = 0
-    phases[5] += _cycles() - c0
-    for task in prange(n_u * blocks):
-        tid = get_thread_id()
-        if t_in[tid] == _NEVER:
-            t_in[tid] = _cycles()
-        u = task // blocks
-        e = np.uint64(experts[u])
-        base = e * nb
-        r0 = (task % blocks) * ROWS_PER_TASK
-        for r in range(r0, min(r0 + ROWS_PER_TASK, d)):
-            ru = np.uint64(r)
-            for a in range(starts[u], starts[u + 1]):
-                v = _row(codec, buf, buf16, base, o[6], o[7], o[8], ru, gi, hg, table, hq, hs, hm, np.uint64(a))
-                v *= down_scale[e]
-                if has_bias:
-                    v += buf32[((base + o[11]) >> two) + ru]
-                y[a, r] = v
-        t_out[tid] = _cycles()
-    _mark_region(phases, 6, c0, t_in, t_out)
+    up_blocks = (i + ROWS_PER_TASK - 1) // ROWS_PER_TASK
+    down_blocks = (d + ROWS_PER_TASK - 1) // ROWS_PER_TASK
+    sum_cols = 256
+    tasks = np.array([n_tok * (d // group), n_u * up_blocks, n_a * (i // group), n_u * down_blocks,
+                      (d + sum_cols - 1) // sum_cols], dtype=np.int64)
+    sync = np.zeros(2 * tasks.shape[0], dtype=np.int64)   # per stage: tasks taken, tasks done
+    n_thr = max(1, lanes)
+    t_in = np.full(n_thr, _NEVER, dtype=np.int64)
+    seen = np.zeros(tasks.shape[0], dtype=np.int64)       # when a thread first saw each stage done
+    phases[0] += _cycles() - c0
 
-    # 5. weighted sum per token (serial: a few thousand multiply-adds)
-    for a in range(n_a):
-        t = tokens[a]
-        w = weights[a]
-        for r in range(d):
-            out[t, r] += w * y[a, r]
-    phases[10] += _cycles() - c0
-    phases[11] += 1
+    for lane in prange(n_thr):
+        t_in[lane] = _cycles()
+        for stage in range(tasks.shape[0]):
+            n_tasks = tasks[stage]
+            while True:
+                task = _fetch_add(sync, 2 * stage, 1)
+                if task >= n_tasks:
+                    break
+                if stage == 0:                            # x: token, group
+                    _quantize_group(x, task // (d // group), task % (d // group), group, xq, xs, xm)
+                elif stage == 1:                          # gate and up rows of one expert
+                    u = task // up_blocks
+                    e = np.uint64(experts[u])
+                    base = e * nb
+                    r0 = (task % up_blocks) * ROWS_PER_TASK
+                    for r in range(r0, min(r0 + ROWS_PER_TASK, i)):
+                        ru = np.uint64(r)
+                        for a in range(starts[u], starts[u + 1]):
+                            t = np.uint64(tokens[a])
+                            g = _row(codec, buf, buf16, base, o[0], o[1], o[2], ru, gd, hg, table, xq, xs, xm, t)
+                            v = _row(codec, buf, buf16, base, o[3], o[4], o[5], ru, gd, hg, table, xq, xs, xm, t)
+                            g *= gate_scale[e]
+                            v *= up_scale[e]
+                            if has_bias:
+                                g += buf32[((base + o[9]) >> two) + ru]
+                                v += buf32[((base + o[10]) >> two) + ru]
+                            h[a, r] = _act(g, v, activation, alpha, limit)
+                elif stage == 2:                          # down inputs: assignment, group
+                    _quantize_group(h, task // (i // group), task % (i // group), group, hq, hs, hm)
+                elif stage == 3:                          # down rows of one expert
+                    u = task // down_blocks
+                    e = np.uint64(experts[u])
+                    base = e * nb
+                    r0 = (task % down_blocks) * ROWS_PER_TASK
+                    for r in range(r0, min(r0 + ROWS_PER_TASK, d)):
+                        ru = np.uint64(r)
+                        for a in range(starts[u], starts[u + 1]):
+                            v = _row(codec, buf, buf16, base, o[6], o[7], o[8], ru, gi, hg, table, hq, hs, hm,
+                                     np.uint64(a))
+                            v *= down_scale[e]
+                            if has_bias:
+                                v += buf32[((base + o[11]) >> two) + ru]
+                            y[a, r] = v
+                else:                                     # the weighted sum over one slice of columns
+                    c_lo = task * sum_cols
+                    c_hi = min(c_lo + sum_cols, d)
+                    for a in range(n_a):
+                        t = tokens[a]
+                        w = weights[a]
+                        for r in range(c_lo, c_hi):
+                            out[t, r] += w * y[a, r]
+                _fetch_add(sync, 2 * stage + 1, 1)
+            while _load_acquire(sync, 2 * stage + 1) < n_tasks:    # the stage is done on every thread
+                pass
+            if seen[stage] == 0:                          # (a benign race: any thread's time is a fair mark)
+                seen[stage] = _cycles()
 
-
-@njit(cache=True)
-def _mark_region(phases, at, c0, t_in, t_out):
-    """A parallel region's marks, relative to the call's start c0: its first and last thread in, last thread done,
-    and now (joined), into phases[at:at + 4]."""
-    now = _cycles()
-    first, last, done = _NEVER, 0, 0
-    for j in range(t_in.shape[0]):
+    joined = _cycles()
+    first, last = _NEVER, 0
+    for j in range(n_thr):
         if t_in[j] != _NEVER:
             first = min(first, t_in[j])
             last = max(last, t_in[j])
-            done = max(done, t_out[j])
-    if first == _NEVER:                     # no task ran (no assignments)
-        first = last = done = now
-    phases[at] += first - c0
-    phases[at + 1] += last - c0
-    phases[at + 2] += done - c0
-    phases[at + 3] += now - c0
+    phases[1] += first - c0
+    phases[2] += last - c0
+    for stage in range(tasks.shape[0]):
+        phases[3 + stage] += seen[stage] - c0
+    phases[8] += joined - c0
+    phases[9] += 1

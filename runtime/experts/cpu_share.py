@@ -47,36 +47,9 @@ QUIET_AFTER_S = 0.05          # no request for this long: poll lazily...
 QUIET_SLEEP_S = 0.005         # ...every 5 ms
 
 try:
-    from llvmlite import ir
-    from numba import njit, types
-    from numba.core import cgutils
-    from numba.core.extending import intrinsic
+    from numba import njit
 
-    from runtime.experts.cpu_kernels_int8 import N_PHASES, _cycles, moe_layer_int8
-
-    @intrinsic
-    def _load_acquire(typingctx, arr, index):
-        """arr[index] (int64) as an atomic acquire load: never hoisted out of a polling loop."""
-        sig = types.int64(arr, index)
-
-        def codegen(context, builder, sig, args):
-            ary = context.make_array(sig.args[0])(context, builder, args[0])
-            ptr = cgutils.get_item_pointer(context, builder, sig.args[0], ary, [args[1]])
-            return builder.load_atomic(ptr, "acquire", 8) if not getattr(ptr.type, "is_opaque", False) else \
-                builder.load_atomic(ptr, "acquire", 8, typ=ir.IntType(64))
-        return sig, codegen
-
-    @intrinsic
-    def _store_release(typingctx, arr, index, value):
-        """arr[index] = value (int64) as an atomic release store: every earlier store is visible first."""
-        sig = types.void(arr, index, value)
-
-        def codegen(context, builder, sig, args):
-            ary = context.make_array(sig.args[0])(context, builder, args[0])
-            ptr = cgutils.get_item_pointer(context, builder, sig.args[0], ary, [args[1]])
-            builder.store_atomic(args[2], ptr, "release", 8)
-            return context.get_dummy_value()
-        return sig, codegen
+    from runtime.experts.cpu_kernels_int8 import N_PHASES, _cycles, _load_acquire, _store_release, moe_layer_int8
 
     @njit(nogil=True, cache=True)
     def spin_until_changed(word, last, spins):
@@ -98,13 +71,13 @@ try:
         return _cycles()
 
     @njit(nogil=True, cache=True)
-    def serve_int8(req, resp, meta, ids, weights, x, out, last, spins, clock, phases, codec, bufs, g_scale, u_scale,
-                   d_scale, nbytes, offs, has_bias, inter, group, table, activation, alpha, limit):
+    def serve_int8(req, resp, meta, ids, weights, x, out, last, spins, clock, phases, lanes, codec, bufs, g_scale,
+                   u_scale, d_scale, nbytes, offs, has_bias, inter, group, table, activation, alpha, limit):
         """The worker's whole request loop in compiled code, without the GIL: poll the request word, gather the
         CPU's assignments, run the int8 kernel over the layer's blocks, answer. Returns the last ticket served
         once `spins` polls saw nothing new (the Python side then checks its stop flag and naps). clock [2] int64
         accumulates the cycles from seeing a request to answering it, and the requests answered; phases the
-        kernel's own time marks (cpu_kernels_int8.PHASES)."""
+        kernel's own time marks (cpu_kernels_int8.PHASES); lanes its threads."""
         k = ids.shape[0] // x.shape[0]
         while True:
             seq = _load_acquire(req, 0)
@@ -134,7 +107,7 @@ try:
                 buf = bufs[li]
                 moe_layer_int8(codec, buf, buf.view(np.uint16), buf.view(np.float32), nbytes, offs, has_bias, inter,
                                group, table, x[:t], tok, exp, w, g_scale[li], u_scale[li], d_scale[li], activation,
-                               alpha, limit, rows, phases)
+                               alpha, limit, rows, phases, lanes)
             clock[0] += _cycles() - c0           # counted before the answer: whoever sees it sees the count
             clock[1] += 1
             _store_release(resp, 0, seq)
@@ -247,10 +220,11 @@ class CpuShareWorker:
         publish(np.zeros(1, dtype=np.int64), 0)
         self._clock = np.zeros(2, dtype=np.int64)       # compiled serving: cycles busy, requests answered
         self._phases = np.zeros(N_PHASES if HAVE_NUMBA else 1, dtype=np.int64)
+        self._lanes = 1                                  # the kernel's threads, as the worker thread sets them
         self._cycles_per_s = 0.0
         if int8_args is not None and HAVE_NUMBA:
             serve_int8(b["req"], b["resp"], b["meta"], b["ids"], b["weights"], b["x"], b["out"], int(b["req"][0]), 0,
-                       self._clock, self._phases, *int8_args)
+                       self._clock, self._phases, 1, *int8_args)
             self._cycles_per_s = _cycle_rate()
         self.error: BaseException | None = None
         self.served = 0
@@ -268,9 +242,11 @@ class CpuShareWorker:
         self._thread.start()
 
     def _run(self, last: int) -> None:
-        if self.threads:
+        if HAVE_NUMBA:
             import numba
-            numba.set_num_threads(self.threads)          # per calling thread: set it where the kernel runs
+            if self.threads:
+                numba.set_num_threads(self.threads)      # per calling thread: set it where the kernel runs
+            self._lanes = numba.get_num_threads()
         serve = self._serve_compiled if self.int8_args is not None and HAVE_NUMBA else self._serve_python
         b = self.box._np
         idle_since = time.monotonic()
@@ -305,7 +281,7 @@ class CpuShareWorker:
         """Every request that comes within `spins` polls, in compiled code; the last ticket answered."""
         b = self.box._np
         return int(serve_int8(b["req"], b["resp"], b["meta"], b["ids"], b["weights"], b["x"], b["out"], last, spins,
-                              self._clock, self._phases, *self.int8_args))
+                              self._clock, self._phases, self._lanes, *self.int8_args))
 
     @property
     def kernel_seconds(self) -> float | None:
