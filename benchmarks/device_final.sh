@@ -24,6 +24,8 @@
 #   (device) bash benchmarks/device_final.sh o   # session 8: the kernel's idle threads spinning longer
 #                                                # (FREETOKEN_OMP_SPINCOUNT) against libgomp's default
 #   (device) bash benchmarks/device_final.sh p   # session 8: where a request's time goes (the kernel's marks)
+#   (device) bash benchmarks/device_final.sh q   # session 8: the one-region kernel against the two-region one
+#                                                # (carry .ab: `git archive 65ddd07 runtime app benchmarks`)
 # carry .site (numba, llvmlite, fla-core, platformdirs unpacked, xz). Results under $OUT. Build .site once (the
 # wheels alone pass the 64 MiB carry limit; unpacked and xz-compressed they take ~44 MB):
 #   pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
@@ -241,6 +243,19 @@ elif [ "$1" = p ]; then
   echo "cpu_requests rc=$?"; grep -v Warning "$OUT/cpu_requests.txt" | grep -v "@njit"
   bench_rows 170 q3 --models qwen3-30b-a3b --dense-int8 --budgets 8 --routings uniform --cpu-share 0.5 \
     --cpu-threads 14 10 --modes graphs --tokens 64 --warmup 32 --prefill-budgets 99 --ttft-context 0; true
+elif [ "$1" = q ]; then
+  # run p: each static region took ~150 us whatever its work, the serial quantisations ~90 us. Now one region whose
+  # threads take tasks from counters. The same rows with the kernel before (65ddd07, from .ab/old.tar) in the same
+  # machine: hosts differ run to run (the same row measured 43.6-72.1 tok/s in runs n-p)
+  timeout 100 python3 benchmarks/bench_cpu_requests.py --threads 14 --experts 1 3 8 --no-sweeps \
+    --json "$OUT/cpu_requests.json" > "$OUT/cpu_requests.txt" 2>&1
+  echo "cpu_requests rc=$?"; grep -v Warning "$OUT/cpu_requests.txt" | grep -v "@njit"
+  rows=(--models qwen3-30b-a3b --dense-int8 --budgets 8 --routings uniform --cpu-share 0.5 0.7 --modes graphs
+        --tokens 64 --warmup 32 --prefill-budgets 99 --ttft-context 0)
+  bench_rows 150 q3_new "${rows[@]}"
+  mkdir -p /tmp/old && tar xf .ab/old.tar -C /tmp/old
+  (cd /tmp/old && PYTHONPATH=/tmp/site:/tmp/old timeout 110 python3 -m runtime.experts.bench model "${rows[@]}" \
+    --out "$OUT" 2>&1 | tee "$OUT/bench_q3_old.txt" | grep -v "^{"); true
 else
   # decode rows through graphs only (eager rows cost minutes); the CPU share learned (auto; printed with a *),
   # fixed 0 and 0.3
