@@ -26,6 +26,7 @@
 #   (device) bash benchmarks/device_final.sh p   # session 8: where a request's time goes (the kernel's marks)
 #   (device) bash benchmarks/device_final.sh q   # session 8: the one-region kernel against the two-region one
 #                                                # (carry .ab: `git archive 65ddd07 runtime app benchmarks`)
+#   (device) bash benchmarks/device_final.sh r   # session 8: q again once the kernel allocates nothing
 # carry .site (numba, llvmlite, fla-core, platformdirs unpacked, xz). Results under $OUT. Build .site once (the
 # wheels alone pass the 64 MiB carry limit; unpacked and xz-compressed they take ~44 MB):
 #   pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
@@ -243,7 +244,8 @@ elif [ "$1" = p ]; then
   echo "cpu_requests rc=$?"; grep -v Warning "$OUT/cpu_requests.txt" | grep -v "@njit"
   bench_rows 170 q3 --models qwen3-30b-a3b --dense-int8 --budgets 8 --routings uniform --cpu-share 0.5 \
     --cpu-threads 14 10 --modes graphs --tokens 64 --warmup 32 --prefill-budgets 99 --ttft-context 0; true
-elif [ "$1" = q ]; then
+elif [ "$1" = q ] || [ "$1" = r ]; then
+  # (r: the same rows once the kernel allocates nothing: run q's prologue, ~20 small allocations, took ~90 us)
   # run p: each static region took ~150 us whatever its work, the serial quantisations ~90 us. Now one region whose
   # threads take tasks from counters. The same rows with the kernel before (65ddd07, from .ab/old.tar) in the same
   # machine: hosts differ run to run (the same row measured 43.6-72.1 tok/s in runs n-p)

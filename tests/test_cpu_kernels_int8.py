@@ -251,6 +251,26 @@ def test_a_read_only_store_runs_through_the_same_compiled_kernel():
     assert torch.equal(got, want) and len(k8.moe_layer_int8.signatures) == n_compiled
 
 
+def test_one_executors_kept_scratch_gives_each_call_what_a_fresh_executor_gives():
+    """The kernel allocates nothing: its scratch is kept between calls and grown when a call needs more. Calls of
+    growing, shrinking and growing sizes through one executor give exactly what a fresh executor gives for each
+    (nothing stale from a bigger call leaks into a smaller one), at one thread and at two."""
+    gen = torch.Generator().manual_seed(11)
+    store = HostExpertStore.from_weights(_weights(gen, d=512, i=512, e=6, bias=False), codec="int4", group=64)
+    kept = CpuExecutor(store, ExpertSpec())
+    rng = np.random.default_rng(3)
+    for threads in (1, 2):
+        for t, k in ((1, 2), (4, 3), (1, 1), (4, 3), (2, 6)):
+            x = torch.randn(t, 512, generator=gen)
+            tokens = np.repeat(np.arange(t), k)
+            experts = np.concatenate([rng.choice(6, k, replace=False) for _ in range(t)])
+            w = rng.random(t * k).astype(np.float32)
+            got = kept.run(0, x, tokens, experts, w, threads=threads)
+            want = CpuExecutor(store, ExpertSpec()).run(0, x, tokens, experts, w, threads=threads)
+            assert torch.equal(got, want), (threads, t, k)
+    assert kept._scratch().f32.shape[0] >= k8.scratch_sizes(4, 12, 6, 512, 512, 64, 2)[1]
+
+
 def test_which_path_runs_when():
     """int8 for real layer widths, the exact float kernels for small ones, the reference without numba's groups."""
     gen = torch.Generator().manual_seed(8)

@@ -18,6 +18,8 @@ Shapes: T tokens, A assignments, U distinct experts, D hidden, I expert width.
 """
 from __future__ import annotations
 
+import threading
+
 import numpy as np
 import torch
 
@@ -68,6 +70,7 @@ class CpuExecutor:
             self._k8 = cpu_kernels_int8
             self.int8 = lay.group in cpu_kernels_int8.SUPPORTED[lay.codec]
             self.phases = np.zeros(cpu_kernels_int8.N_PHASES, dtype=np.int64)   # the kernel's time marks, summed
+            self._scratch_by_thread = threading.local()     # a call's scratch, per calling thread
         if lay.codec == "int4":
             self._scale_table = ck.fp16_table()
         elif lay.codec == "fp4":
@@ -203,7 +206,7 @@ class CpuExecutor:
             off = lambda name: lay.parts[name].offset if name in lay.parts else 0     # noqa: E731
             names = [f"{m}{k}" for m in ("gate", "up", "down") for k in ("", "_scales", "_mins")]
             offs = self._offsets[lay.codec] = np.array(
-                [off(n) for n in names + ["gate_bias", "up_bias", "down_bias"]], dtype=np.int64)
+                [off(n) for n in names + ["gate_bias", "up_bias", "down_bias"]], dtype=np.uint64)
         return offs
 
     def _layer_flat(self, layer: int) -> np.ndarray:
@@ -218,6 +221,7 @@ class CpuExecutor:
 
     def _kernel_int8(self, layer, x: np.ndarray, tokens, experts, weights, out: np.ndarray) -> None:
         lay = self.store.layout
+        lanes = ck.numba.get_num_threads()
         offs = self._int8_offsets()
         flat = self._layer_flat(layer)
         g_scale, u_scale, d_scale = self._global_scales(layer, self.store.layer_parts(layer))
@@ -227,7 +231,15 @@ class CpuExecutor:
                                 x, tokens, experts, weights, g_scale, u_scale, d_scale,
                                 _ACTIVATIONS[self.spec.activation],
                                 np.float32(self.spec.swiglu_alpha), np.float32(self.spec.swiglu_limit), out,
-                                self.phases, ck.numba.get_num_threads())
+                                self.phases, lanes, *self._scratch().fit(x.shape[0], len(experts),
+                                                                         self.store.num_experts, lay.hidden,
+                                                                         lay.intermediate, lay.group, lanes))
+
+    def _scratch(self):
+        local = self._scratch_by_thread
+        if not hasattr(local, "scratch"):
+            local.scratch = self._k8.Scratch()
+        return local.scratch
 
     def _global_scales(self, layer: int, parts: dict[str, np.ndarray]):
         """Per-matrix scales [E] of gate, up, down (NVFP4's global scale; ones otherwise), cached per layer."""

@@ -564,10 +564,12 @@ def _quantize_row(v, n, group, vq, vs, vm):
 
 
 @njit(cache=True)
-def group_by_expert(tokens, experts, weights, n_experts, n_tokens):
-    """Assignments sorted by expert (a counting sort, stable): (tokens [A], weights [A], distinct experts [U],
-    their runs' starts [U + 1]). Ids out of range raise: the kernels index the mapped file without checks."""
-    counts = np.zeros(n_experts + 1, dtype=np.int64)
+def group_by_expert(tokens, experts, weights, n_experts, n_tokens, counts, tok, w, uniq, starts):
+    """Assignments sorted by expert (a counting sort, stable), into the caller's arrays: tok [A], w [A] (tokens
+    and weights in that order), uniq [>= U] (the distinct experts), starts [>= U + 1] (their runs' starts);
+    counts [E + 1] is scratch. Returns U. Ids out of range raise: the kernels index the mapped file without
+    checks."""
+    counts[:] = 0
     for a in range(experts.shape[0]):
         if experts[a] < 0 or experts[a] >= n_experts:
             raise ValueError("CPU expert kernel: an expert id is out of range for the layer's experts")
@@ -576,40 +578,70 @@ def group_by_expert(tokens, experts, weights, n_experts, n_tokens):
         counts[experts[a] + 1] += 1
     n_u = 0
     for e in range(n_experts):
-        n_u += counts[e + 1] > 0
+        if counts[e + 1] > 0:
+            uniq[n_u] = e
+            n_u += 1
         counts[e + 1] += counts[e]                       # counts[e] is now expert e's first slot
-    uniq = np.empty(n_u, dtype=np.int64)
-    starts = np.empty(n_u + 1, dtype=np.int64)
-    u = 0
-    for e in range(n_experts):
-        if counts[e + 1] > counts[e]:
-            uniq[u] = e
-            starts[u] = counts[e]
-            u += 1
+    for u in range(n_u):
+        starts[u] = counts[uniq[u]]
     starts[n_u] = experts.shape[0]
-    tok = np.empty_like(tokens)
-    w = np.empty_like(weights)
     for a in range(experts.shape[0]):
         slot = counts[experts[a]]
         counts[experts[a]] += 1
         tok[slot] = tokens[a]
         w[slot] = weights[a]
-    return tok, w, uniq, starts
+    return n_u
+
+
+N_STAGES = 5
+
+
+def scratch_sizes(n_tokens: int, n_assign: int, n_experts: int, hidden: int, inter: int, group: int,
+                  lanes: int) -> tuple[int, int, int]:
+    """Elements of the flat int64, float32 and int8 scratch arrays `moe_layer_int8` needs for a call of
+    n_tokens tokens and n_assign assignments (the kernel allocates nothing: run q measured its ~20 small
+    allocations at ~90 µs a request on the GPU machine's host, as long as the gate/up rows)."""
+    a, t = n_assign, n_tokens
+    i64 = (n_experts + 1) + 3 * a + 1 + 4 * N_STAGES + max(1, lanes)   # counts, tok, uniq, starts, stages, lanes
+    f32 = a + 2 * t * (hidden // group) + a * inter + 2 * a * (inter // group) + a * hidden   # w, xs, xm, h, ...
+    i8 = t * hidden + a * inter                                                  # xq, hq
+    return i64, f32, i8
+
+
+class Scratch:
+    """The kernel's scratch arrays, kept between calls and grown when a call needs more."""
+
+    def __init__(self):
+        self.i64 = np.zeros(0, dtype=np.int64)
+        self.f32 = np.zeros(0, dtype=np.float32)
+        self.i8 = np.zeros(0, dtype=np.int8)
+
+    def fit(self, *sizes_args) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        n64, n32, n8 = scratch_sizes(*sizes_args)
+        if self.i64.shape[0] < n64:
+            self.i64 = np.zeros(n64, dtype=np.int64)
+        if self.f32.shape[0] < n32:
+            self.f32 = np.zeros(n32, dtype=np.float32)
+        if self.i8.shape[0] < n8:
+            self.i8 = np.zeros(n8, dtype=np.int8)
+        return self.i64, self.f32, self.i8
 
 
 @njit(parallel=True, cache=True, fastmath=True)
 def moe_layer_int8(codec, buf, buf16, buf32, nbytes, offs, has_bias, i, group, table, x, tokens_in, experts_in,
-                   weights_in, gate_scale, up_scale, down_scale, activation, alpha, limit, out, phases, lanes):
+                   weights_in, gate_scale, up_scale, down_scale, activation, alpha, limit, out, phases, lanes,
+                   s64, s32, s8):
     """out[t] += sum over assignments a of t of weights[a] * expert_{experts}(x[t]), int8 activations.
 
     buf: the layer's blocks as one flat uint8 array [E * nbytes] (buf16, buf32: the same bytes as uint16 and
-    float32); codec 0 int4, 1 fp4 (scales through the table), 2 fp4 with e8m0 scales; offs [12]: byte offsets
+    float32); codec 0 int4, 1 fp4 (scales through the table), 2 fp4 with e8m0 scales; offs [12] uint64: byte offsets
     inside a block of gate, gate_scales, gate_mins, up, up_scales, up_mins, down, down_scales, down_mins (mins
     unused by fp4), gate_bias, up_bias, down_bias (read when has_bias); i the expert width; x [T, D] float32;
     the assignments in any order: tokens_in, experts_in [A] int64, weights_in [A] float32; *_scale [E]
     per-matrix scales; out [T, D] float32, added to; phases [N_PHASES] int64: the call's time marks, added to
     (PHASES); lanes: the region's iterations, one per kernel thread (numba.get_num_threads() of the caller,
-    passed in: calling it here would make the function uncacheable, so every process would compile it again).
+    passed in: calling it here would make the function uncacheable, so every process would compile it again);
+    s64, s32, s8: flat scratch arrays of at least `scratch_sizes(...)` elements (Scratch.fit).
 
     One parallel region for the whole layer, in five stages: the tokens' activations to int8 (a task a group),
     gate and up rows (a task = ROWS_PER_TASK rows of one expert), the down projection's inputs to int8 (a task
@@ -621,33 +653,63 @@ def moe_layer_int8(codec, buf, buf16, buf32, nbytes, offs, has_bias, i, group, t
     OS, nesting) cannot deadlock it: whoever runs takes every task."""
     c0 = _cycles()
     n_tok, d = x.shape
-    tokens, weights, experts, starts = group_by_expert(tokens_in, experts_in, weights_in, buf.shape[0] // nbytes,
-                                                       n_tok)
-    n_a, n_u = tokens.shape[0], experts.shape[0]
+    n_a = experts_in.shape[0]
     if n_a == 0:
         return
-    o = offs.astype(np.uint64)
+    n_exp = buf.shape[0] // nbytes
+    n_thr = max(1, lanes)
+    gdn, gin = d // group, i // group
+    # the scratch, carved in order (views: no allocation)
+    at = 0
+    counts = s64[at:at + n_exp + 1]
+    at += n_exp + 1
+    tokens = s64[at:at + n_a]
+    at += n_a
+    experts = s64[at:at + n_a]
+    at += n_a
+    starts = s64[at:at + n_a + 1]
+    at += n_a + 1
+    tasks = s64[at:at + N_STAGES]
+    at += N_STAGES
+    sync = s64[at:at + 2 * N_STAGES]                      # per stage: tasks taken, tasks done
+    at += 2 * N_STAGES
+    seen = s64[at:at + N_STAGES]                          # when a thread first saw each stage done
+    at += N_STAGES
+    t_in = s64[at:at + n_thr]
+    at = 0
+    weights = s32[at:at + n_a]
+    at += n_a
+    xs = s32[at:at + n_tok * gdn]
+    at += n_tok * gdn
+    xm = s32[at:at + n_tok * gdn]
+    at += n_tok * gdn
+    h = s32[at:at + n_a * i].reshape((n_a, i))
+    at += n_a * i
+    hs = s32[at:at + n_a * gin]
+    at += n_a * gin
+    hm = s32[at:at + n_a * gin]
+    at += n_a * gin
+    y = s32[at:at + n_a * d].reshape((n_a, d))
+    xq = s8[:n_tok * d]
+    hq = s8[n_tok * d:n_tok * d + n_a * i]
+
+    n_u = group_by_expert(tokens_in, experts_in, weights_in, n_exp, n_tok, counts, tokens, weights, experts, starts)
+    o = offs
     nb = np.uint64(nbytes)
     two = np.uint64(2)
     hg = np.uint64(group // 2)
-    gd, gi = np.uint64(d // group), np.uint64(i // group)
-    xq = np.empty(n_tok * d, dtype=np.int8)
-    xs = np.empty(n_tok * (d // group), dtype=np.float32)
-    xm = np.empty(n_tok * (d // group), dtype=np.float32)
-    h = np.empty((n_a, i), dtype=np.float32)
-    hq = np.empty(n_a * i, dtype=np.int8)
-    hs = np.empty(n_a * (i // group), dtype=np.float32)
-    hm = np.empty(n_a * (i // group), dtype=np.float32)
-    y = np.empty((n_a, d), dtype=np.float32)
+    gd, gi = np.uint64(gdn), np.uint64(gin)
     up_blocks = (i + ROWS_PER_TASK - 1) // ROWS_PER_TASK
     down_blocks = (d + ROWS_PER_TASK - 1) // ROWS_PER_TASK
     sum_cols = 256
-    tasks = np.array([n_tok * (d // group), n_u * up_blocks, n_a * (i // group), n_u * down_blocks,
-                      (d + sum_cols - 1) // sum_cols], dtype=np.int64)
-    sync = np.zeros(2 * tasks.shape[0], dtype=np.int64)   # per stage: tasks taken, tasks done
-    n_thr = max(1, lanes)
-    t_in = np.full(n_thr, _NEVER, dtype=np.int64)
-    seen = np.zeros(tasks.shape[0], dtype=np.int64)       # when a thread first saw each stage done
+    tasks[0] = n_tok * gdn
+    tasks[1] = n_u * up_blocks
+    tasks[2] = n_a * gin
+    tasks[3] = n_u * down_blocks
+    tasks[4] = (d + sum_cols - 1) // sum_cols
+    sync[:] = 0
+    seen[:] = 0
+    t_in[:] = _NEVER
     phases[0] += _cycles() - c0
 
     for lane in prange(n_thr):

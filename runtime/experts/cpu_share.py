@@ -71,13 +71,15 @@ try:
         return _cycles()
 
     @njit(nogil=True, cache=True)
-    def serve_int8(req, resp, meta, ids, weights, x, out, last, spins, clock, phases, lanes, codec, bufs, g_scale,
-                   u_scale, d_scale, nbytes, offs, has_bias, inter, group, table, activation, alpha, limit):
+    def serve_int8(req, resp, meta, ids, weights, x, out, last, spins, clock, phases, lanes, sel64, sel32, s64, s32,
+                   s8, codec, bufs, g_scale, u_scale, d_scale, nbytes, offs, has_bias, inter, group, table, activation,
+                   alpha, limit):
         """The worker's whole request loop in compiled code, without the GIL: poll the request word, gather the
         CPU's assignments, run the int8 kernel over the layer's blocks, answer. Returns the last ticket served
         once `spins` polls saw nothing new (the Python side then checks its stop flag and naps). clock [2] int64
         accumulates the cycles from seeing a request to answering it, and the requests answered; phases the
-        kernel's own time marks (cpu_kernels_int8.PHASES); lanes its threads."""
+        kernel's own time marks (cpu_kernels_int8.PHASES); lanes its threads; sel64 [2A], sel32 [A] and s64, s32,
+        s8 (the kernel's) scratch: nothing is allocated per request."""
         k = ids.shape[0] // x.shape[0]
         while True:
             seq = _load_acquire(req, 0)
@@ -93,9 +95,9 @@ try:
             for j in range(t * k):
                 if ids[j] >= 0:
                     a += 1
-            tok = np.empty(a, dtype=np.int64)
-            exp = np.empty(a, dtype=np.int64)
-            w = np.empty(a, dtype=np.float32)
+            tok = sel64[:a]
+            exp = sel64[a:2 * a]
+            w = sel32[:a]
             a = 0
             for j in range(t * k):
                 if ids[j] >= 0:
@@ -107,7 +109,7 @@ try:
                 buf = bufs[li]
                 moe_layer_int8(codec, buf, buf.view(np.uint16), buf.view(np.float32), nbytes, offs, has_bias, inter,
                                group, table, x[:t], tok, exp, w, g_scale[li], u_scale[li], d_scale[li], activation,
-                               alpha, limit, rows, phases, lanes)
+                               alpha, limit, rows, phases, lanes, s64, s32, s8)
             clock[0] += _cycles() - c0           # counted before the answer: whoever sees it sees the count
             clock[1] += 1
             _store_release(resp, 0, seq)
@@ -224,7 +226,7 @@ class CpuShareWorker:
         self._cycles_per_s = 0.0
         if int8_args is not None and HAVE_NUMBA:
             serve_int8(b["req"], b["resp"], b["meta"], b["ids"], b["weights"], b["x"], b["out"], int(b["req"][0]), 0,
-                       self._clock, self._phases, 1, *int8_args)
+                       self._clock, self._phases, 1, *self._scratch_for(1), *int8_args)
             self._cycles_per_s = _cycle_rate()
         self.error: BaseException | None = None
         self.served = 0
@@ -247,6 +249,8 @@ class CpuShareWorker:
             if self.threads:
                 numba.set_num_threads(self.threads)      # per calling thread: set it where the kernel runs
             self._lanes = numba.get_num_threads()
+            if self.int8_args is not None:
+                self._scratch = self._scratch_for(self._lanes)
         serve = self._serve_compiled if self.int8_args is not None and HAVE_NUMBA else self._serve_python
         b = self.box._np
         idle_since = time.monotonic()
@@ -277,11 +281,21 @@ class CpuShareWorker:
             last = seq
             idle_since = time.monotonic()
 
+    def _scratch_for(self, lanes: int) -> tuple:
+        """The compiled loop's scratch for requests of up to the mailbox's tokens and assignments: its own
+        selection arrays and the kernel's (cpu_kernels_int8.Scratch)."""
+        from runtime.experts.cpu_kernels_int8 import Scratch
+        b = self.box._np
+        a, (t, d) = len(b["ids"]), b["x"].shape
+        codec, bufs, _, _, _, nbytes, _, _, inter, group = self.int8_args[:10]
+        kernel = Scratch().fit(t, a, bufs[0].shape[0] // nbytes, d, inter, group, lanes)
+        return (np.zeros(2 * a, dtype=np.int64), np.zeros(a, dtype=np.float32), *kernel)
+
     def _serve_compiled(self, last: int, spins: int) -> int:
         """Every request that comes within `spins` polls, in compiled code; the last ticket answered."""
         b = self.box._np
         return int(serve_int8(b["req"], b["resp"], b["meta"], b["ids"], b["weights"], b["x"], b["out"], last, spins,
-                              self._clock, self._phases, self._lanes, *self.int8_args))
+                              self._clock, self._phases, self._lanes, *self._scratch, *self.int8_args))
 
     @property
     def kernel_seconds(self) -> float | None:
