@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import functools
 
+import numba
 import numpy as np
 import pytest
 import torch
@@ -269,6 +270,36 @@ def test_one_executors_kept_scratch_gives_each_call_what_a_fresh_executor_gives(
             want = CpuExecutor(store, ExpertSpec()).run(0, x, tokens, experts, w, threads=threads)
             assert torch.equal(got, want), (threads, t, k)
     assert kept._scratch().f32.shape[0] >= k8.scratch_sizes(4, 12, 6, 512, 512, 64, 2)[1]
+
+
+def test_more_lanes_than_threads_finish_with_the_same_result():
+    """The kernel's stages wait for their tasks to be done, not for lanes to arrive: lanes that numba runs one
+    after another on fewer threads (here 16 lanes on the executor's 1 or 2 threads) take no task, and nothing
+    deadlocks or changes."""
+    gen = torch.Generator().manual_seed(12)
+    store = HostExpertStore.from_weights(_weights(gen, d=512, i=512, e=4, bias=False), codec="int4", group=64)
+    ex = CpuExecutor(store, ExpertSpec())
+    x = torch.randn(3, 512, generator=gen).numpy()
+    tokens = np.array([0, 0, 1, 2, 2], dtype=np.int64)
+    experts = np.array([1, 3, 0, 3, 2], dtype=np.int64)
+    w = np.array([0.5, 0.25, 1.0, 0.75, 0.125], dtype=np.float32)
+    lay = store.layout
+    outs = []
+    before = numba.get_num_threads()
+    for threads, lanes in ((1, 1), (1, 16), (min(2, numba.config.NUMBA_NUM_THREADS), 16)):
+        numba.set_num_threads(threads)
+        out = np.zeros_like(x)
+        flat = ex._layer_flat(0)
+        g, u, d = ex._global_scales(0, store.layer_parts(0))
+        k8.moe_layer_int8(ex._int8_codec(), flat, flat.view(np.uint16), flat.view(np.float32), lay.nbytes,
+                          ex._int8_offsets(), lay.has_bias, lay.intermediate, lay.group, ex._scale_table, x, tokens,
+                          experts, w, g, u, d, 0, np.float32(ex.spec.swiglu_alpha),
+                          np.float32(ex.spec.swiglu_limit), out, np.zeros(k8.N_PHASES, dtype=np.int64), lanes,
+                          *k8.Scratch().fit(3, 5, 4, 512, 512, 64, lanes))
+        outs.append(out)
+    numba.set_num_threads(before)
+    assert np.abs(outs[0]).sum() > 0
+    assert all(np.array_equal(o, outs[0]) for o in outs[1:])
 
 
 def test_which_path_runs_when():

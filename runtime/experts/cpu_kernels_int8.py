@@ -450,6 +450,26 @@ def _fetch_add(typingctx, arr, index, value):
     return sig, codegen
 
 
+_HAVE_SCHED_YIELD = platform.system() != "Windows"            # POSIX's sched_yield, resolved from libc at load
+
+
+@intrinsic
+def _yield_cpu(typingctx):
+    """Give the core to another runnable thread, if any (sched_yield; nothing on Windows): a lane waiting for a
+    stage must not keep the thread that holds its last task off a core when the machine is oversubscribed."""
+    sig = types.void()
+
+    def codegen(context, builder, sig, args):
+        if _HAVE_SCHED_YIELD:
+            fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(I32, []), "sched_yield")
+            builder.call(fn, [])
+        return context.get_dummy_value()
+    return sig, codegen
+
+
+YIELD_EVERY = 1024      # a waiting lane yields after this many polls (~50 µs): a syscall then costs it ~1 %
+
+
 # `phases` [N_PHASES] int64 accumulates, per call, cycles from the call's start to each mark (where a request's
 # time goes: the serial start, the region's threads coming in, each stage done as the first thread saw it, the
 # join) and counts calls
@@ -764,8 +784,11 @@ def moe_layer_int8(codec, buf, buf16, buf32, nbytes, offs, has_bias, i, group, t
                         for r in range(c_lo, c_hi):
                             out[t, r] += w * y[a, r]
                 _fetch_add(sync, 2 * stage + 1, 1)
+            polls = 0
             while _load_acquire(sync, 2 * stage + 1) < n_tasks:    # the stage is done on every thread
-                pass
+                polls += 1
+                if polls % YIELD_EVERY == 0:
+                    _yield_cpu()
             if seen[stage] == 0:                          # (a benign race: any thread's time is a fair mark)
                 seen[stage] = _cycles()
 
