@@ -647,6 +647,16 @@ class Scratch:
         return self.i64, self.f32, self.i8
 
 
+@njit(cache=True, inline="always")
+def _task_rows(task, blocks, experts, nb, n_rows):
+    """A row task's (distinct-expert index u, expert id, its block's byte offset, first row, row past the last):
+    `blocks` tasks of ROWS_PER_TASK rows an expert matrix of n_rows rows."""
+    u = task // blocks
+    e = np.uint64(experts[u])
+    r0 = (task % blocks) * ROWS_PER_TASK
+    return u, e, e * nb, r0, min(r0 + ROWS_PER_TASK, n_rows)
+
+
 @njit(parallel=True, cache=True, fastmath=True)
 def moe_layer_int8(codec, buf, buf16, buf32, nbytes, offs, has_bias, i, group, table, x, tokens_in, experts_in,
                    weights_in, gate_scale, up_scale, down_scale, activation, alpha, limit, out, phases, lanes,
@@ -743,11 +753,8 @@ def moe_layer_int8(codec, buf, buf16, buf32, nbytes, offs, has_bias, i, group, t
                 if stage == 0:                            # x: token, group
                     _quantize_group(x, task // (d // group), task % (d // group), group, xq, xs, xm)
                 elif stage == 1:                          # gate and up rows of one expert
-                    u = task // up_blocks
-                    e = np.uint64(experts[u])
-                    base = e * nb
-                    r0 = (task % up_blocks) * ROWS_PER_TASK
-                    for r in range(r0, min(r0 + ROWS_PER_TASK, i)):
+                    u, e, base, r0, r1 = _task_rows(task, up_blocks, experts, nb, i)
+                    for r in range(r0, r1):
                         ru = np.uint64(r)
                         for a in range(starts[u], starts[u + 1]):
                             t = np.uint64(tokens[a])
@@ -762,11 +769,8 @@ def moe_layer_int8(codec, buf, buf16, buf32, nbytes, offs, has_bias, i, group, t
                 elif stage == 2:                          # down inputs: assignment, group
                     _quantize_group(h, task // (i // group), task % (i // group), group, hq, hs, hm)
                 elif stage == 3:                          # down rows of one expert
-                    u = task // down_blocks
-                    e = np.uint64(experts[u])
-                    base = e * nb
-                    r0 = (task % down_blocks) * ROWS_PER_TASK
-                    for r in range(r0, min(r0 + ROWS_PER_TASK, d)):
+                    u, e, base, r0, r1 = _task_rows(task, down_blocks, experts, nb, d)
+                    for r in range(r0, r1):
                         ru = np.uint64(r)
                         for a in range(starts[u], starts[u + 1]):
                             v = _row(codec, buf, buf16, base, o[6], o[7], o[8], ru, gi, hg, table, hq, hs, hm,
