@@ -272,6 +272,15 @@ def test_one_executors_kept_scratch_gives_each_call_what_a_fresh_executor_gives(
     assert kept._scratch().f32.shape[0] >= k8.scratch_sizes(4, 12, 6, 512, 512, 64, 2)[1]
 
 
+def test_a_call_too_big_to_keep_scratch_for_gets_its_own():
+    """A prefill-sized call gets scratch of its own, freed after it: the kept arrays stay as they were."""
+    scratch = k8.Scratch(keep_bytes=1 << 20)
+    small = scratch.fit(1, 8, 128, 2048, 768, 128, 14)
+    big = scratch.fit(512, 4096, 128, 2048, 768, 128, 14)
+    assert big[1].nbytes > 1 << 20 and big[1] is not scratch.f32
+    assert scratch.f32 is small[1] and scratch.f32.nbytes < 1 << 20
+
+
 def test_more_lanes_than_threads_finish_with_the_same_result():
     """The kernel's stages wait for their tasks to be done, not for lanes to arrive: lanes that numba runs one
     after another on fewer threads (here 16 lanes on the executor's 1 or 2 threads) take no task, and nothing

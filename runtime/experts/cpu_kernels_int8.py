@@ -629,15 +629,22 @@ def scratch_sizes(n_tokens: int, n_assign: int, n_experts: int, hidden: int, int
 
 
 class Scratch:
-    """The kernel's scratch arrays, kept between calls and grown when a call needs more."""
+    """The kernel's scratch arrays, kept between calls and grown when a call needs more - up to `keep_bytes`: a
+    bigger call (a CPU prefill chunk of thousands of tokens needs ~0.7 GB) gets arrays of its own, freed after it,
+    so one long prompt does not leave the process that much bigger."""
 
-    def __init__(self):
+    KEEP_BYTES = 64 << 20
+
+    def __init__(self, keep_bytes: int = KEEP_BYTES):
+        self.keep_bytes = keep_bytes
         self.i64 = np.zeros(0, dtype=np.int64)
         self.f32 = np.zeros(0, dtype=np.float32)
         self.i8 = np.zeros(0, dtype=np.int8)
 
     def fit(self, *sizes_args) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         n64, n32, n8 = scratch_sizes(*sizes_args)
+        if 8 * n64 + 4 * n32 + n8 > self.keep_bytes:
+            return np.zeros(n64, dtype=np.int64), np.zeros(n32, dtype=np.float32), np.zeros(n8, dtype=np.int8)
         if self.i64.shape[0] < n64:
             self.i64 = np.zeros(n64, dtype=np.int64)
         if self.f32.shape[0] < n32:
