@@ -189,7 +189,7 @@ def main(argv: list[str] | None = None) -> int:
             for hot in (False, True):
                 for beside in (["none", "h2d"] if bg is not None and not hot else ["none"]):
                     kw = dict(experts=n, calls=args.calls, gap_s=args.gap_us * 1e-6, hot=hot)
-                    marks = worker._phases.copy()
+                    marks = worker.phase_marks()
                     if beside == "h2d":
                         with bg:
                             trips, busy = time_requests(worker, box, store, **kw)

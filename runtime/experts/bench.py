@@ -12,6 +12,7 @@ over all of a layer's missed experts in one call, at 1..N threads, over a store 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import platform
@@ -127,30 +128,26 @@ def probe_torch_cpu_kernels(report: dict, *, d: int, i: int, threads: int) -> No
     report[f"torch_cpu_kernels_{threads}threads"] = res
 
 
-_READ_KERNEL = []
-
-
+@functools.cache
 def _read_kernel():
     """A parallel sum over uint64 words (compiled once): memory read bandwidth at numba's thread count."""
-    if not _READ_KERNEL:
-        import numba
-        import numpy as np
+    import numba
+    import numpy as np
 
-        from runtime.experts.openmp import load_private_openmp
-        load_private_openmp()                    # the kernels' OpenMP instance, not torch's
+    from runtime.experts.openmp import load_private_openmp
+    load_private_openmp()                    # the kernels' OpenMP instance, not torch's
 
-        @numba.njit(parallel=True, fastmath=True)
-        def total(words):
-            acc = np.uint64(0)
-            for c in numba.prange(words.shape[0] // 4096):
-                s = np.uint64(0)
-                b = np.uint64(c * 4096)
-                for j in range(4096):              # unsigned index: no wraparound check, so it vectorizes
-                    s += words[b + np.uint64(j)]
-                acc += s
-            return acc
-        _READ_KERNEL.append(total)
-    return _READ_KERNEL[0]
+    @numba.njit(parallel=True, fastmath=True)
+    def total(words):
+        acc = np.uint64(0)
+        for c in numba.prange(words.shape[0] // 4096):
+            s = np.uint64(0)
+            b = np.uint64(c * 4096)
+            for j in range(4096):              # unsigned index: no wraparound check, so it vectorizes
+                s += words[b + np.uint64(j)]
+            acc += s
+        return acc
+    return total
 
 
 def _numba_read_gbps(store, threads: int) -> float:

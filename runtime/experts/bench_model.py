@@ -459,18 +459,16 @@ def worker_counts(hybrid) -> tuple:
     w = getattr(hybrid, "_worker", None)
     if w is None:
         return (0, 0.0, 0.0, np.zeros(1, dtype=np.int64))
-    return (w.served, w.busy_seconds, w.kernel_seconds or 0.0, w._phases.copy())
+    return (w.served, w.busy_seconds, w.kernel_seconds or 0.0, w.phase_marks())
 
 
 def phases_line(worker, before: np.ndarray) -> str | None:
-    """The kernel's mean µs a request from its start to each mark, over the requests since `before` (a copy of
-    the worker's phase marks): where a request's time goes."""
-    from runtime.experts.cpu_kernels_int8 import PHASES
-    d = worker._phases - before if before.shape == worker._phases.shape else None
-    if d is None or not d[-1] or not worker._cycles_per_s:
+    """The kernel's mean µs a request from its start to each mark, over the requests since `before` (the
+    worker's `phase_marks()` then): where a request's time goes."""
+    marks = worker.kernel_phases(since=before)
+    if marks is None:
         return None
-    us = 1e6 * d[:-1] / d[-1] / worker._cycles_per_s
-    return "    CPU kernel marks (µs from a request's start): " + ", ".join(f"{n} {u:.0f}" for n, u in zip(PHASES, us))
+    return "    CPU kernel marks (µs from a request's start): " + ", ".join(f"{n} {u:.0f}" for n, u in marks.items())
 
 
 def print_worker_line(hybrid, before: tuple[int, float], row: dict, *, steps: int) -> None:

@@ -225,8 +225,10 @@ class CpuShareWorker:
         self._lanes = 1                                  # the kernel's threads, as the worker thread sets them
         self._cycles_per_s = 0.0
         if int8_args is not None and HAVE_NUMBA:
+            import numba
+            self._scratch = self._scratch_for(numba.config.NUMBA_NUM_THREADS)   # enough for any lane count
             serve_int8(b["req"], b["resp"], b["meta"], b["ids"], b["weights"], b["x"], b["out"], int(b["req"][0]), 0,
-                       self._clock, self._phases, 1, *self._scratch_for(1), *int8_args)
+                       self._clock, self._phases, 1, *self._scratch, *int8_args)
             self._cycles_per_s = _cycle_rate()
         self.error: BaseException | None = None
         self.served = 0
@@ -249,8 +251,6 @@ class CpuShareWorker:
             if self.threads:
                 numba.set_num_threads(self.threads)      # per calling thread: set it where the kernel runs
             self._lanes = numba.get_num_threads()
-            if self.int8_args is not None:
-                self._scratch = self._scratch_for(self._lanes)
         serve = self._serve_compiled if self.int8_args is not None and HAVE_NUMBA else self._serve_python
         b = self.box._np
         idle_since = time.monotonic()
@@ -305,15 +305,20 @@ class CpuShareWorker:
             return None
         return float(self._clock[0]) / self._cycles_per_s
 
-    def kernel_phases(self) -> dict[str, float] | None:
+    def phase_marks(self) -> np.ndarray:
+        """A copy of the kernel's summed time marks so far, to pass to `kernel_phases(since=...)` later."""
+        return self._phases.copy()
+
+    def kernel_phases(self, since: np.ndarray | None = None) -> dict[str, float] | None:
         """Compiled serving: the kernel's mean µs a request from its start to each of its marks (PHASES: the
-        serial parts, each parallel region's first and last thread in, last thread done, joined), or None where
-        the cycle counter is unavailable or no request came."""
-        n = int(self._phases[-1]) if HAVE_NUMBA else 0
+        serial start, the lanes coming in, each stage done, the join), over the requests since `since` (a
+        `phase_marks()` copy; None: all), or None where the cycle counter is unavailable or no request came."""
+        d = self._phases if since is None or since.shape != self._phases.shape else self._phases - since
+        n = int(d[-1]) if HAVE_NUMBA else 0
         if not self._cycles_per_s or not n:
             return None
         from runtime.experts.cpu_kernels_int8 import PHASES
-        return {name: 1e6 * float(c) / n / self._cycles_per_s for name, c in zip(PHASES, self._phases)}
+        return {name: 1e6 * float(c) / n / self._cycles_per_s for name, c in zip(PHASES, d)}
 
     @property
     def kernel_requests(self) -> int:

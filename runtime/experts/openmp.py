@@ -54,7 +54,6 @@ def load_private_openmp() -> str:
         flags = sys.getdlopenflags()
         sys.setdlopenflags(flags | os.RTLD_DEEPBIND)
         spin = _private_spin_count()
-        saved = os.environ.get("GOMP_SPINCOUNT")
         if spin is not None:              # read once, by the private instance's constructor at its load
             os.environ["GOMP_SPINCOUNT"] = spin
         try:
@@ -66,10 +65,7 @@ def load_private_openmp() -> str:
         finally:
             sys.setdlopenflags(flags)
             if spin is not None:          # torch's instance read the environment long ago; later ones see the user's
-                if saved is None:
-                    os.environ.pop("GOMP_SPINCOUNT", None)
-                else:
-                    os.environ["GOMP_SPINCOUNT"] = saved
+                os.environ.pop("GOMP_SPINCOUNT", None)
     if result == "already loaded":
         log.warning("numba's OpenMP layer was loaded before the hybrid tier could set it apart from torch's: "
                     "the CPU's share of the experts may run slower in this process (docs/hybrid.md, fifth session)")
@@ -79,7 +75,7 @@ def load_private_openmp() -> str:
 
 def _private_spin_count() -> str | None:
     """GOMP_SPINCOUNT for the private instance only: how long its idle threads spin (pause instructions) before
-    they sleep. `FREETOKEN_OMP_SPINCOUNT` sets it; a user's own GOMP_SPINCOUNT is left alone."""
+    they sleep. `FREETOKEN_OMP_SPINCOUNT` sets it; a user's own GOMP_SPINCOUNT (for every instance) wins."""
     if "GOMP_SPINCOUNT" in os.environ:
         return None
     return os.environ.get("FREETOKEN_OMP_SPINCOUNT") or None
