@@ -27,6 +27,8 @@
 #   (device) bash benchmarks/device_final.sh q   # session 8: the one-region kernel against the two-region one
 #                                                # (carry .ab: `git archive 65ddd07 runtime app benchmarks`)
 #   (device) bash benchmarks/device_final.sh r   # session 8: q again once the kernel allocates nothing
+#   (device) bash benchmarks/device_final.sh s   # session 9: the kernel without its three hidden parallel regions,
+#                                                # answering at its last task (carry .ab: `git archive 083088a ...`)
 # carry .site (numba, llvmlite, fla-core, platformdirs unpacked, xz). Results under $OUT. Build .site once (the
 # wheels alone pass the 64 MiB carry limit; unpacked and xz-compressed they take ~44 MB):
 #   pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
@@ -257,6 +259,21 @@ elif [ "$1" = q ] || [ "$1" = r ]; then
   bench_rows 150 q3_new "${rows[@]}"
   mkdir -p /tmp/old && tar xf .ab/old.tar -C /tmp/old
   (cd /tmp/old && PYTHONPATH=/tmp/site:/tmp/old timeout 110 python3 -m runtime.experts.bench model "${rows[@]}" \
+    --out "$OUT" 2>&1 | tee "$OUT/bench_q3_old.txt" | grep -v "^{"); true
+elif [ "$1" = s ]; then
+  # run r's 58 us "prologue" was three fills (`sync[:] = 0`) that numba's parallel=True made regions of their own,
+  # each started and joined by 14 threads; now plain loops (one region: a test counts them), the stages' counters
+  # a stride apart, down tasks of 32 rows, and the lane that finishes the last task answers (no wait for the join).
+  # The CUDA tests first (the answer moved into the kernel), then the same rows against 083088a (.ab/old.tar)
+  cuda_tests 150 tests/test_hybrid_zero_copy.py -k "compiled or graph_step or error_flag"
+  timeout 90 python3 benchmarks/bench_cpu_requests.py --threads 14 --experts 1 3 8 --no-sweeps \
+    --json "$OUT/cpu_requests.json" > "$OUT/cpu_requests.txt" 2>&1
+  echo "cpu_requests rc=$?"; grep -v Warning "$OUT/cpu_requests.txt" | grep -v "@njit"
+  rows=(--models qwen3-30b-a3b --dense-int8 --budgets 8 --routings uniform --cpu-share 0.5 0.7 --modes graphs
+        --tokens 64 --warmup 32 --prefill-budgets 99 --ttft-context 0)
+  bench_rows 150 q3_new "${rows[@]}"
+  mkdir -p /tmp/old && tar xf .ab/old.tar -C /tmp/old
+  (cd /tmp/old && PYTHONPATH=/tmp/site:/tmp/old timeout 120 python3 -m runtime.experts.bench model "${rows[@]}" \
     --out "$OUT" 2>&1 | tee "$OUT/bench_q3_old.txt" | grep -v "^{"); true
 else
   # decode rows through graphs only (eager rows cost minutes); the CPU share learned (auto; printed with a *),

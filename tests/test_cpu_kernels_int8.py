@@ -298,13 +298,15 @@ def test_more_lanes_than_threads_finish_with_the_same_result():
     for threads, lanes in ((1, 1), (1, 16), (min(2, numba.config.NUMBA_NUM_THREADS), 16)):
         numba.set_num_threads(threads)
         out = np.zeros_like(x)
+        answer = np.zeros(1, dtype=np.int64)
         flat = ex._layer_flat(0)
         g, u, d = ex._global_scales(0, store.layer_parts(0))
         k8.moe_layer_int8(ex._int8_codec(), flat, flat.view(np.uint16), flat.view(np.float32), lay.nbytes,
                           ex._int8_offsets(), lay.has_bias, lay.intermediate, lay.group, ex._scale_table, x, tokens,
                           experts, w, g, u, d, 0, np.float32(ex.spec.swiglu_alpha),
                           np.float32(ex.spec.swiglu_limit), out, np.zeros(k8.N_PHASES, dtype=np.int64), lanes,
-                          *k8.Scratch().fit(3, 5, 4, 512, 512, 64, lanes))
+                          *k8.Scratch().fit(3, 5, 4, 512, 512, 64, lanes), answer, 7 + lanes)
+        assert answer[0] == 7 + lanes            # the lane that finished the last task answered
         outs.append(out)
     numba.set_num_threads(before)
     assert np.abs(outs[0]).sum() > 0
@@ -350,3 +352,26 @@ def test_engine_greedy_tokens_unchanged_with_int8_cpu_misses(tiny_checkpoints, t
         got = hybrid.generate(prompt, sampling).tokens
         assert got == want and len(got) == 8
     assert experts.counters.total.cpu_experts > 0
+
+
+def test_the_layer_kernel_is_one_parallel_region():
+    """numba makes a parallel region of every whole-array expression in a parallel=True function (`a[:] = 0`),
+    and each costs ~20 µs to start and join on the GPU machine's 16 cores (three fills were run r's 58 µs
+    "prologue" a request). Compiled afresh (the cached build keeps no diagnostics), the kernel has its prange
+    alone."""
+    fresh = njit(parallel=True, fastmath=True)(k8.moe_layer_int8.py_func)
+    gen = torch.Generator().manual_seed(13)
+    store = HostExpertStore.from_weights(_weights(gen, d=512, i=512, e=2, bias=False), codec="int4", group=64)
+    ex = CpuExecutor(store, ExpertSpec())
+    x = torch.randn(1, 512, generator=gen).numpy()
+    lay, flat = store.layout, ex._layer_flat(0)
+    g, u, d = ex._global_scales(0, store.layer_parts(0))
+    out, answer = np.zeros_like(x), np.zeros(1, dtype=np.int64)
+    fresh(ex._int8_codec(), flat, flat.view(np.uint16), flat.view(np.float32), lay.nbytes, ex._int8_offsets(),
+          lay.has_bias, lay.intermediate, lay.group, ex._scale_table, x, np.array([0], dtype=np.int64),
+          np.array([1], dtype=np.int64), np.array([1.0], dtype=np.float32), g, u, d, 0, np.float32(1.0),
+          np.float32(7.0), out, np.zeros(k8.N_PHASES, dtype=np.int64), 2,
+          *k8.Scratch().fit(1, 1, 2, 512, 512, 64, 2), answer, 5)
+    assert answer[0] == 5 and np.abs(out).sum() > 0
+    (compiled,) = fresh.overloads.values()
+    assert len(compiled.metadata["parfor_diagnostics"].initial_parfors) == 1

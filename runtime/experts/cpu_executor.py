@@ -33,6 +33,7 @@ def ck_scatter_add(out: np.ndarray, tokens: np.ndarray, y: np.ndarray, w: np.nda
 
 
 _ACTIVATIONS = {"silu": 0, "gpt_oss": 1}
+_NO_ANSWER = np.zeros(0, dtype=np.int64)          # the int8 kernel's answer word: none (the caller waits for it)
 INT8_MIN_WIDTH = 512         # int8 activations from this hidden size and expert width up (real MoE layers)
 
 
@@ -233,7 +234,8 @@ class CpuExecutor:
                                 np.float32(self.spec.swiglu_alpha), np.float32(self.spec.swiglu_limit), out,
                                 self.phases, lanes, *self._scratch().fit(x.shape[0], len(experts),
                                                                          self.store.num_experts, lay.hidden,
-                                                                         lay.intermediate, lay.group, lanes))
+                                                                         lay.intermediate, lay.group, lanes),
+                                _NO_ANSWER, 0)
 
     def _scratch(self):
         local = self._scratch_by_thread

@@ -393,7 +393,10 @@ _row_mxfp4_16 = make_row(16, "fp4", ISA, e8m0=True)                             
 _dot_int4_8, _dot_int4_16, _dot_int4_32, _dot_int4_64 = (make_dot(n, "int4", ISA) for n in GROUP_BYTES)
 _dot_fp4_8, _dot_fp4_16, _dot_fp4_32, _dot_fp4_64 = (make_dot(n, "fp4", ISA) for n in GROUP_BYTES)
 
-ROWS_PER_TASK = 16       # rows of one expert matrix per parallel task (numba splits the tasks statically)
+ROWS_PER_TASK = 16       # rows of one gate/up matrix per task (2 x 16 rows of 1 KB at hidden 2048, int4)
+DOWN_ROWS_PER_TASK = 32  # rows of one down matrix per task (its rows are 2-4x shorter: 32 x 384 B at width 768)
+SYNC_STRIDE = 16         # int64s between the stages' shared counters: each on its own 128 bytes (a line and the
+                         # adjacent-line prefetcher's pair), so lanes polling one are not invalidated by another
 
 _HAVE_TSC = platform.machine().lower() in ("x86_64", "amd64")   # rdtsc: readable from user space
 
@@ -622,7 +625,8 @@ def scratch_sizes(n_tokens: int, n_assign: int, n_experts: int, hidden: int, int
     n_tokens tokens and n_assign assignments (the kernel allocates nothing: run q measured its ~20 small
     allocations at ~90 µs a request on the GPU machine's host, as long as the gate/up rows)."""
     a, t = n_assign, n_tokens
-    i64 = (n_experts + 1) + 3 * a + 1 + 4 * N_STAGES + max(1, lanes)   # counts, tok, uniq, starts, stages, lanes
+    i64 = ((n_experts + 1) + 3 * a + 1 + 2 * N_STAGES + (2 * N_STAGES + 1) * SYNC_STRIDE   # counts, tok, uniq,
+           + max(1, lanes))                                         # starts, tasks, seen, sync, lanes
     f32 = a + 2 * t * (hidden // group) + a * inter + 2 * a * (inter // group) + a * hidden   # w, xs, xm, h, ...
     i8 = t * hidden + a * inter                                                  # xq, hq
     return i64, f32, i8
@@ -655,19 +659,19 @@ class Scratch:
 
 
 @njit(cache=True, inline="always")
-def _task_rows(task, blocks, experts, nb, n_rows):
+def _task_rows(task, blocks, experts, nb, n_rows, rows_per_task):
     """A row task's (distinct-expert index u, expert id, its block's byte offset, first row, row past the last):
-    `blocks` tasks of ROWS_PER_TASK rows an expert matrix of n_rows rows."""
+    `blocks` tasks of rows_per_task rows an expert matrix of n_rows rows."""
     u = task // blocks
     e = np.uint64(experts[u])
-    r0 = (task % blocks) * ROWS_PER_TASK
-    return u, e, e * nb, r0, min(r0 + ROWS_PER_TASK, n_rows)
+    r0 = (task % blocks) * rows_per_task
+    return u, e, e * nb, r0, min(r0 + rows_per_task, n_rows)
 
 
 @njit(parallel=True, cache=True, fastmath=True)
 def moe_layer_int8(codec, buf, buf16, buf32, nbytes, offs, has_bias, i, group, table, x, tokens_in, experts_in,
                    weights_in, gate_scale, up_scale, down_scale, activation, alpha, limit, out, phases, lanes,
-                   s64, s32, s8):
+                   s64, s32, s8, answer, ticket):
     """out[t] += sum over assignments a of t of weights[a] * expert_{experts}(x[t]), int8 activations.
 
     buf: the layer's blocks as one flat uint8 array [E * nbytes] (buf16, buf32: the same bytes as uint16 and
@@ -678,7 +682,9 @@ def moe_layer_int8(codec, buf, buf16, buf32, nbytes, offs, has_bias, i, group, t
     per-matrix scales; out [T, D] float32, added to; phases [N_PHASES] int64: the call's time marks, added to
     (PHASES); lanes: the region's iterations, one per kernel thread (numba.get_num_threads() of the caller,
     passed in: calling it here would make the function uncacheable, so every process would compile it again);
-    s64, s32, s8: flat scratch arrays of at least `scratch_sizes(...)` elements (Scratch.fit).
+    s64, s32, s8: flat scratch arrays of at least `scratch_sizes(...)` elements (Scratch.fit); answer [>= 0]
+    int64: when not empty, the lane that finishes the last task stores `ticket` in answer[0] (release) - out is
+    complete then - so a waiting GPU goes on without the region's join (~20 µs on the GPU machine's host).
 
     One parallel region for the whole layer, in five stages: the tokens' activations to int8 (a task a group),
     gate and up rows (a task = ROWS_PER_TASK rows of one expert), the down projection's inputs to int8 (a task
@@ -687,7 +693,11 @@ def moe_layer_int8(codec, buf, buf16, buf32, nbytes, offs, has_bias, i, group, t
     the next: a thread the OS delays holds up only the task it is on (with a static split, its whole share
     held the region up: run p, ~150 µs a region whatever its work), and no stage runs on one thread while the
     others wait. The wait counts finished tasks, not arrived threads, so fewer threads than iterations (the
-    OS, nesting) cannot deadlock it: whoever runs takes every task."""
+    OS, nesting) cannot deadlock it: whoever runs takes every task.
+
+    Only the prange is parallel: with parallel=True numba turns every whole-array expression (`a[:] = 0`) into a
+    parallel region of its own, and on the GPU machine's host each region costs ~20 µs to start and join (three
+    such fills were run r's 58 µs "prologue"), so every fill here is a plain loop (a test counts the regions)."""
     c0 = _cycles()
     n_tok, d = x.shape
     n_a = experts_in.shape[0]
@@ -708,8 +718,8 @@ def moe_layer_int8(codec, buf, buf16, buf32, nbytes, offs, has_bias, i, group, t
     at += n_a + 1
     tasks = s64[at:at + N_STAGES]
     at += N_STAGES
-    sync = s64[at:at + 2 * N_STAGES]                      # per stage: tasks taken, tasks done
-    at += 2 * N_STAGES
+    sync = s64[at:at + (2 * N_STAGES + 1) * SYNC_STRIDE]  # per stage: tasks taken, tasks done, a stride apart
+    at += (2 * N_STAGES + 1) * SYNC_STRIDE
     seen = s64[at:at + N_STAGES]                          # when a thread first saw each stage done
     at += N_STAGES
     t_in = s64[at:at + n_thr]
@@ -737,16 +747,20 @@ def moe_layer_int8(codec, buf, buf16, buf32, nbytes, offs, has_bias, i, group, t
     hg = np.uint64(group // 2)
     gd, gi = np.uint64(gdn), np.uint64(gin)
     up_blocks = (i + ROWS_PER_TASK - 1) // ROWS_PER_TASK
-    down_blocks = (d + ROWS_PER_TASK - 1) // ROWS_PER_TASK
+    down_blocks = (d + DOWN_ROWS_PER_TASK - 1) // DOWN_ROWS_PER_TASK
     sum_cols = 256
     tasks[0] = n_tok * gdn
     tasks[1] = n_u * up_blocks
     tasks[2] = n_a * gin
     tasks[3] = n_u * down_blocks
     tasks[4] = (d + sum_cols - 1) // sum_cols
-    sync[:] = 0
-    seen[:] = 0
-    t_in[:] = _NEVER
+    for j in range(sync.shape[0]):                        # plain loops: `sync[:] = 0` would be a region
+        sync[j] = 0
+    for j in range(N_STAGES):
+        seen[j] = 0
+    for j in range(n_thr):
+        t_in[j] = _NEVER
+    last_stage = N_STAGES - 1
     phases[0] += _cycles() - c0
 
     for lane in prange(n_thr):
@@ -754,13 +768,13 @@ def moe_layer_int8(codec, buf, buf16, buf32, nbytes, offs, has_bias, i, group, t
         for stage in range(tasks.shape[0]):
             n_tasks = tasks[stage]
             while True:
-                task = _fetch_add(sync, 2 * stage, 1)
+                task = _fetch_add(sync, (2 * stage + 1) * SYNC_STRIDE, 1)
                 if task >= n_tasks:
                     break
                 if stage == 0:                            # x: token, group
                     _quantize_group(x, task // (d // group), task % (d // group), group, xq, xs, xm)
                 elif stage == 1:                          # gate and up rows of one expert
-                    u, e, base, r0, r1 = _task_rows(task, up_blocks, experts, nb, i)
+                    u, e, base, r0, r1 = _task_rows(task, up_blocks, experts, nb, i, ROWS_PER_TASK)
                     for r in range(r0, r1):
                         ru = np.uint64(r)
                         for a in range(starts[u], starts[u + 1]):
@@ -776,7 +790,7 @@ def moe_layer_int8(codec, buf, buf16, buf32, nbytes, offs, has_bias, i, group, t
                 elif stage == 2:                          # down inputs: assignment, group
                     _quantize_group(h, task // (i // group), task % (i // group), group, hq, hs, hm)
                 elif stage == 3:                          # down rows of one expert
-                    u, e, base, r0, r1 = _task_rows(task, down_blocks, experts, nb, d)
+                    u, e, base, r0, r1 = _task_rows(task, down_blocks, experts, nb, d, DOWN_ROWS_PER_TASK)
                     for r in range(r0, r1):
                         ru = np.uint64(r)
                         for a in range(starts[u], starts[u + 1]):
@@ -794,9 +808,11 @@ def moe_layer_int8(codec, buf, buf16, buf32, nbytes, offs, has_bias, i, group, t
                         w = weights[a]
                         for r in range(c_lo, c_hi):
                             out[t, r] += w * y[a, r]
-                _fetch_add(sync, 2 * stage + 1, 1)
+                if _fetch_add(sync, (2 * stage + 2) * SYNC_STRIDE, 1) == n_tasks - 1 and stage == last_stage \
+                        and answer.shape[0] > 0:
+                    _store_release(answer, 0, ticket)     # the last task: out is whole
             polls = 0
-            while _load_acquire(sync, 2 * stage + 1) < n_tasks:    # the stage is done on every thread
+            while _load_acquire(sync, (2 * stage + 2) * SYNC_STRIDE) < n_tasks:    # the stage done on every thread
                 polls += 1
                 if polls % YIELD_EVERY == 0:
                     _yield_cpu()

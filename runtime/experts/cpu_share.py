@@ -105,14 +105,14 @@ try:
                     a += 1
             rows = out[:t]
             rows[:] = 0.0
+            clock[1] += 1                        # counted before the answer: whoever sees it sees the count
             if a:
                 buf = bufs[li]
                 moe_layer_int8(codec, buf, buf.view(np.uint16), buf.view(np.float32), nbytes, offs, has_bias, inter,
                                group, table, x[:t], tok, exp, w, g_scale[li], u_scale[li], d_scale[li], activation,
-                               alpha, limit, rows, phases, lanes, s64, s32, s8)
-            clock[0] += _cycles() - c0           # counted before the answer: whoever sees it sees the count
-            clock[1] += 1
-            _store_release(resp, 0, seq)
+                               alpha, limit, rows, phases, lanes, s64, s32, s8, resp, seq)   # answers at its last task
+            _store_release(resp, 0, seq)         # (again, or the first time when no assignment was the CPU's)
+            clock[0] += _cycles() - c0           # to the region's join: one answer behind a reader of the clock
             last = seq
 
     HAVE_NUMBA = True
@@ -299,8 +299,9 @@ class CpuShareWorker:
 
     @property
     def kernel_seconds(self) -> float | None:
-        """Compiled serving: seconds from seeing requests to answering them (the kernel and the answer, not the
-        wait for the request), by the CPU's cycle counter; None where that clock is unavailable."""
+        """Compiled serving: seconds from seeing requests to the kernel's return (its join; the GPU had the answer
+        at the kernel's last task, ~20 µs before), not the wait for them, by the CPU's cycle counter; None where
+        that clock is unavailable."""
         if not self._cycles_per_s:
             return None
         return float(self._clock[0]) / self._cycles_per_s
