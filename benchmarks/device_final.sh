@@ -29,6 +29,8 @@
 #   (device) bash benchmarks/device_final.sh r   # session 8: q again once the kernel allocates nothing
 #   (device) bash benchmarks/device_final.sh s   # session 9: the kernel without its three hidden parallel regions,
 #                                                # answering at its last task (carry .ab: `git archive 083088a ...`)
+#   (device) bash benchmarks/device_final.sh t   # session 9: the worker's lanes kept in one region across requests
+#                                                # (cpu_kernels_int8.serve_layers) against 083088a, then 4 GiB, b4
 # carry .site (numba, llvmlite, fla-core, platformdirs unpacked, xz). Results under $OUT. Build .site once (the
 # wheels alone pass the 64 MiB carry limit; unpacked and xz-compressed they take ~44 MB):
 #   pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
@@ -275,6 +277,22 @@ elif [ "$1" = s ]; then
   mkdir -p /tmp/old && tar xf .ab/old.tar -C /tmp/old
   (cd /tmp/old && PYTHONPATH=/tmp/site:/tmp/old timeout 120 python3 -m runtime.experts.bench model "${rows[@]}" \
     --out "$OUT" 2>&1 | tee "$OUT/bench_q3_old.txt" | grep -v "^{"); true
+elif [ "$1" = t ]; then
+  # run s: the hidden regions gone, the prologue fell 49 -> 1 us, but the one region left now took ~20-37 us to
+  # start (its threads woken from libgomp's wait) and ~38 to join: no gain (66.4 vs 70.1 tok/s at 0.5). Now the
+  # worker's lanes stay in one parallel region while requests come (serve_layers), lane 0 polling the mailbox
+  cuda_tests 200 tests/test_hybrid_zero_copy.py tests/test_cpu_share_lanes.py -k "compiled or graph_step or error_flag or lanes"
+  timeout 90 python3 benchmarks/bench_cpu_requests.py --threads 14 --experts 1 3 8 --no-sweeps \
+    --json "$OUT/cpu_requests.json" > "$OUT/cpu_requests.txt" 2>&1
+  echo "cpu_requests rc=$?"; grep -v Warning "$OUT/cpu_requests.txt" | grep -v "@njit"
+  rows=(--models qwen3-30b-a3b --dense-int8 --budgets 8 --routings uniform --cpu-share 0.5 0.7 --modes graphs
+        --tokens 64 --warmup 32 --prefill-budgets 99 --ttft-context 0)
+  bench_rows 150 q3_new "${rows[@]}"
+  mkdir -p /tmp/old && tar xf .ab/old.tar -C /tmp/old
+  (cd /tmp/old && PYTHONPATH=/tmp/site:/tmp/old timeout 120 python3 -m runtime.experts.bench model "${rows[@]}" \
+    --out "$OUT" 2>&1 | tee "$OUT/bench_q3_old.txt" | grep -v "^{")
+  bench_rows 150 q3_more --models qwen3-30b-a3b --dense-int8 --budgets 4 8 --routings uniform --cpu-share 0.5 0.8 \
+    --modes graphs --tokens 64 --warmup 32 --prefill-budgets 99 --ttft-context 0; true
 else
   # decode rows through graphs only (eager rows cost minutes); the CPU share learned (auto; printed with a *),
   # fixed 0 and 0.3

@@ -621,9 +621,10 @@ N_STAGES = 5
 
 def scratch_sizes(n_tokens: int, n_assign: int, n_experts: int, hidden: int, inter: int, group: int,
                   lanes: int) -> tuple[int, int, int]:
-    """Elements of the flat int64, float32 and int8 scratch arrays `moe_layer_int8` needs for a call of
-    n_tokens tokens and n_assign assignments (the kernel allocates nothing: run q measured its ~20 small
-    allocations at ~90 µs a request on the GPU machine's host, as long as the gate/up rows)."""
+    """Elements of the flat int64, float32 and int8 scratch arrays `moe_layer_int8` (or `serve_layers`, sized for
+    the mailbox's most tokens and assignments) needs for a call of n_tokens tokens and n_assign assignments (the
+    kernel allocates nothing: run q measured its ~20 small allocations at ~90 µs a request on the GPU machine's
+    host, as long as the gate/up rows)."""
     a, t = n_assign, n_tokens
     i64 = ((n_experts + 1) + 3 * a + 1 + 2 * N_STAGES + (2 * N_STAGES + 1) * SYNC_STRIDE   # counts, tok, uniq,
            + max(1, lanes))                                         # starts, tasks, seen, sync, lanes
@@ -668,45 +669,11 @@ def _task_rows(task, blocks, experts, nb, n_rows, rows_per_task):
     return u, e, e * nb, r0, min(r0 + rows_per_task, n_rows)
 
 
-@njit(parallel=True, cache=True, fastmath=True)
-def moe_layer_int8(codec, buf, buf16, buf32, nbytes, offs, has_bias, i, group, table, x, tokens_in, experts_in,
-                   weights_in, gate_scale, up_scale, down_scale, activation, alpha, limit, out, phases, lanes,
-                   s64, s32, s8, answer, ticket):
-    """out[t] += sum over assignments a of t of weights[a] * expert_{experts}(x[t]), int8 activations.
-
-    buf: the layer's blocks as one flat uint8 array [E * nbytes] (buf16, buf32: the same bytes as uint16 and
-    float32); codec 0 int4, 1 fp4 (scales through the table), 2 fp4 with e8m0 scales; offs [12] uint64: byte offsets
-    inside a block of gate, gate_scales, gate_mins, up, up_scales, up_mins, down, down_scales, down_mins (mins
-    unused by fp4), gate_bias, up_bias, down_bias (read when has_bias); i the expert width; x [T, D] float32;
-    the assignments in any order: tokens_in, experts_in [A] int64, weights_in [A] float32; *_scale [E]
-    per-matrix scales; out [T, D] float32, added to; phases [N_PHASES] int64: the call's time marks, added to
-    (PHASES); lanes: the region's iterations, one per kernel thread (numba.get_num_threads() of the caller,
-    passed in: calling it here would make the function uncacheable, so every process would compile it again);
-    s64, s32, s8: flat scratch arrays of at least `scratch_sizes(...)` elements (Scratch.fit); answer [>= 0]
-    int64: when not empty, the lane that finishes the last task stores `ticket` in answer[0] (release) - out is
-    complete then - so a waiting GPU goes on without the region's join (~20 µs on the GPU machine's host).
-
-    One parallel region for the whole layer, in five stages: the tokens' activations to int8 (a task a group),
-    gate and up rows (a task = ROWS_PER_TASK rows of one expert), the down projection's inputs to int8 (a task
-    a group of one assignment), down rows, and the weighted sum (a task a slice of the output's columns).
-    Threads take a stage's tasks from a shared counter and wait until every task of the stage is done before
-    the next: a thread the OS delays holds up only the task it is on (with a static split, its whole share
-    held the region up: run p, ~150 µs a region whatever its work), and no stage runs on one thread while the
-    others wait. The wait counts finished tasks, not arrived threads, so fewer threads than iterations (the
-    OS, nesting) cannot deadlock it: whoever runs takes every task.
-
-    Only the prange is parallel: with parallel=True numba turns every whole-array expression (`a[:] = 0`) into a
-    parallel region of its own, and on the GPU machine's host each region costs ~20 µs to start and join (three
-    such fills were run r's 58 µs "prologue"), so every fill here is a plain loop (a test counts the regions)."""
-    c0 = _cycles()
-    n_tok, d = x.shape
-    n_a = experts_in.shape[0]
-    if n_a == 0:
-        return
-    n_exp = buf.shape[0] // nbytes
-    n_thr = max(1, lanes)
+@njit(cache=True, inline="always")
+def _carve(s64, s32, s8, n_tok, n_a, n_exp, n_thr, d, i, group):
+    """The scratch arrays as the kernel's views, for up to n_tok tokens and n_a assignments (views only: made
+    outside the parallel loop, since a view is an atomic reference count on the shared buffer)."""
     gdn, gin = d // group, i // group
-    # the scratch, carved in order (views: no allocation)
     at = 0
     counts = s64[at:at + n_exp + 1]
     at += n_exp + 1
@@ -739,87 +706,105 @@ def moe_layer_int8(codec, buf, buf16, buf32, nbytes, offs, has_bias, i, group, t
     y = s32[at:at + n_a * d].reshape((n_a, d))
     xq = s8[:n_tok * d]
     hq = s8[n_tok * d:n_tok * d + n_a * i]
+    return counts, tokens, experts, starts, tasks, sync, seen, t_in, weights, xs, xm, h, hs, hm, y, xq, hq
 
+
+@njit(cache=True, inline="always")
+def _prepare(tokens_in, experts_in, weights_in, n_exp, n_tok, d, i, group, n_thr, v):
+    """A call's serial start: its assignments sorted by expert, each stage's task count, the counters zeroed
+    (plain loops: in a parallel=True function `sync[:] = 0` would be a parallel region of its own)."""
+    counts, tokens, experts, starts, tasks, sync, seen, t_in, weights = v[:9]
     n_u = group_by_expert(tokens_in, experts_in, weights_in, n_exp, n_tok, counts, tokens, weights, experts, starts)
-    o = offs
-    nb = np.uint64(nbytes)
-    two = np.uint64(2)
-    hg = np.uint64(group // 2)
-    gd, gi = np.uint64(gdn), np.uint64(gin)
-    up_blocks = (i + ROWS_PER_TASK - 1) // ROWS_PER_TASK
-    down_blocks = (d + DOWN_ROWS_PER_TASK - 1) // DOWN_ROWS_PER_TASK
-    sum_cols = 256
-    tasks[0] = n_tok * gdn
-    tasks[1] = n_u * up_blocks
-    tasks[2] = n_a * gin
-    tasks[3] = n_u * down_blocks
-    tasks[4] = (d + sum_cols - 1) // sum_cols
-    for j in range(sync.shape[0]):                        # plain loops: `sync[:] = 0` would be a region
+    tasks[0] = n_tok * (d // group)
+    tasks[1] = n_u * ((i + ROWS_PER_TASK - 1) // ROWS_PER_TASK)
+    tasks[2] = experts_in.shape[0] * (i // group)
+    tasks[3] = n_u * ((d + DOWN_ROWS_PER_TASK - 1) // DOWN_ROWS_PER_TASK)
+    tasks[4] = (d + SUM_COLS - 1) // SUM_COLS
+    for j in range(sync.shape[0]):
         sync[j] = 0
     for j in range(N_STAGES):
         seen[j] = 0
     for j in range(n_thr):
         t_in[j] = _NEVER
-    last_stage = N_STAGES - 1
-    phases[0] += _cycles() - c0
 
-    for lane in prange(n_thr):
-        t_in[lane] = _cycles()
-        for stage in range(tasks.shape[0]):
-            n_tasks = tasks[stage]
-            while True:
-                task = _fetch_add(sync, (2 * stage + 1) * SYNC_STRIDE, 1)
-                if task >= n_tasks:
-                    break
-                if stage == 0:                            # x: token, group
-                    _quantize_group(x, task // (d // group), task % (d // group), group, xq, xs, xm)
-                elif stage == 1:                          # gate and up rows of one expert
-                    u, e, base, r0, r1 = _task_rows(task, up_blocks, experts, nb, i, ROWS_PER_TASK)
-                    for r in range(r0, r1):
-                        ru = np.uint64(r)
-                        for a in range(starts[u], starts[u + 1]):
-                            t = np.uint64(tokens[a])
-                            g = _row(codec, buf, buf16, base, o[0], o[1], o[2], ru, gd, hg, table, xq, xs, xm, t)
-                            v = _row(codec, buf, buf16, base, o[3], o[4], o[5], ru, gd, hg, table, xq, xs, xm, t)
-                            g *= gate_scale[e]
-                            v *= up_scale[e]
-                            if has_bias:
-                                g += buf32[((base + o[9]) >> two) + ru]
-                                v += buf32[((base + o[10]) >> two) + ru]
-                            h[a, r] = _act(g, v, activation, alpha, limit)
-                elif stage == 2:                          # down inputs: assignment, group
-                    _quantize_group(h, task // (i // group), task % (i // group), group, hq, hs, hm)
-                elif stage == 3:                          # down rows of one expert
-                    u, e, base, r0, r1 = _task_rows(task, down_blocks, experts, nb, d, DOWN_ROWS_PER_TASK)
-                    for r in range(r0, r1):
-                        ru = np.uint64(r)
-                        for a in range(starts[u], starts[u + 1]):
-                            v = _row(codec, buf, buf16, base, o[6], o[7], o[8], ru, gi, hg, table, hq, hs, hm,
-                                     np.uint64(a))
-                            v *= down_scale[e]
-                            if has_bias:
-                                v += buf32[((base + o[11]) >> two) + ru]
-                            y[a, r] = v
-                else:                                     # the weighted sum over one slice of columns
-                    c_lo = task * sum_cols
-                    c_hi = min(c_lo + sum_cols, d)
-                    for a in range(n_a):
-                        t = tokens[a]
-                        w = weights[a]
-                        for r in range(c_lo, c_hi):
-                            out[t, r] += w * y[a, r]
-                if _fetch_add(sync, (2 * stage + 2) * SYNC_STRIDE, 1) == n_tasks - 1 and stage == last_stage \
-                        and answer.shape[0] > 0:
-                    _store_release(answer, 0, ticket)     # the last task: out is whole
-            polls = 0
-            while _load_acquire(sync, (2 * stage + 2) * SYNC_STRIDE) < n_tasks:    # the stage done on every thread
-                polls += 1
-                if polls % YIELD_EVERY == 0:
-                    _yield_cpu()
-            if seen[stage] == 0:                          # (a benign race: any thread's time is a fair mark)
-                seen[stage] = _cycles()
 
-    joined = _cycles()
+SUM_COLS = 256           # output columns per task of the weighted sum
+
+
+@njit(cache=True, fastmath=True, inline="always")
+def _stages(codec, buf, buf16, buf32, nbytes, offs, has_bias, i, group, table, x, n_a, gate_scale, up_scale,
+            down_scale, activation, alpha, limit, out, v, answer, ticket):
+    """One lane's part of a call: each stage's tasks taken from its counter until none is left, then a wait until
+    every task of the stage is done (counting tasks, not lanes: a lane the OS never runs takes none, and nothing
+    waits for it). The lane that finishes the call's last task stores `ticket` in answer[0] when answer is not
+    empty (out is whole then)."""
+    tokens, experts, starts, tasks, sync, seen = v[1], v[2], v[3], v[4], v[5], v[6]
+    weights, xs, xm, h, hs, hm, y, xq, hq = v[8:]
+    d = x.shape[1]
+    o = offs
+    nb = np.uint64(nbytes)
+    two = np.uint64(2)
+    hg = np.uint64(group // 2)
+    gd, gi = np.uint64(d // group), np.uint64(i // group)
+    up_blocks = (i + ROWS_PER_TASK - 1) // ROWS_PER_TASK
+    down_blocks = (d + DOWN_ROWS_PER_TASK - 1) // DOWN_ROWS_PER_TASK
+    for stage in range(N_STAGES):
+        n_tasks = tasks[stage]
+        while True:
+            task = _fetch_add(sync, (2 * stage + 1) * SYNC_STRIDE, 1)
+            if task >= n_tasks:
+                break
+            if stage == 0:                            # x: token, group
+                _quantize_group(x, task // (d // group), task % (d // group), group, xq, xs, xm)
+            elif stage == 1:                          # gate and up rows of one expert
+                u, e, base, r0, r1 = _task_rows(task, up_blocks, experts, nb, i, ROWS_PER_TASK)
+                for r in range(r0, r1):
+                    ru = np.uint64(r)
+                    for a in range(starts[u], starts[u + 1]):
+                        t = np.uint64(tokens[a])
+                        g = _row(codec, buf, buf16, base, o[0], o[1], o[2], ru, gd, hg, table, xq, xs, xm, t)
+                        w = _row(codec, buf, buf16, base, o[3], o[4], o[5], ru, gd, hg, table, xq, xs, xm, t)
+                        g *= gate_scale[e]
+                        w *= up_scale[e]
+                        if has_bias:
+                            g += buf32[((base + o[9]) >> two) + ru]
+                            w += buf32[((base + o[10]) >> two) + ru]
+                        h[a, r] = _act(g, w, activation, alpha, limit)
+            elif stage == 2:                          # down inputs: assignment, group
+                _quantize_group(h, task // (i // group), task % (i // group), group, hq, hs, hm)
+            elif stage == 3:                          # down rows of one expert
+                u, e, base, r0, r1 = _task_rows(task, down_blocks, experts, nb, d, DOWN_ROWS_PER_TASK)
+                for r in range(r0, r1):
+                    ru = np.uint64(r)
+                    for a in range(starts[u], starts[u + 1]):
+                        w = _row(codec, buf, buf16, base, o[6], o[7], o[8], ru, gi, hg, table, hq, hs, hm,
+                                 np.uint64(a))
+                        w *= down_scale[e]
+                        if has_bias:
+                            w += buf32[((base + o[11]) >> two) + ru]
+                        y[a, r] = w
+            else:                                     # the weighted sum over one slice of columns
+                c_lo = task * SUM_COLS
+                c_hi = min(c_lo + SUM_COLS, d)
+                for a in range(n_a):
+                    t = tokens[a]
+                    wa = weights[a]
+                    for r in range(c_lo, c_hi):
+                        out[t, r] += wa * y[a, r]
+            if _fetch_add(sync, (2 * stage + 2) * SYNC_STRIDE, 1) == n_tasks - 1 and stage == N_STAGES - 1 \
+                    and answer.shape[0] > 0:
+                _store_release(answer, 0, ticket)     # the last task: out is whole
+        polls = 0
+        while _load_acquire(sync, (2 * stage + 2) * SYNC_STRIDE) < n_tasks:    # the stage done on every thread
+            polls += 1
+            if polls % YIELD_EVERY == 0:
+                _yield_cpu()
+        if seen[stage] == 0:                          # (a benign race: any thread's time is a fair mark)
+            seen[stage] = _cycles()
+
+
+@njit(cache=True, inline="always")
+def _mark_phases(phases, c0, t_in, n_thr, seen, joined):
     first, last = _NEVER, 0
     for j in range(n_thr):
         if t_in[j] != _NEVER:
@@ -827,7 +812,166 @@ def moe_layer_int8(codec, buf, buf16, buf32, nbytes, offs, has_bias, i, group, t
             last = max(last, t_in[j])
     phases[1] += first - c0
     phases[2] += last - c0
-    for stage in range(tasks.shape[0]):
+    for stage in range(N_STAGES):
         phases[3 + stage] += seen[stage] - c0
     phases[8] += joined - c0
     phases[9] += 1
+
+
+@njit(parallel=True, cache=True, fastmath=True)
+def moe_layer_int8(codec, buf, buf16, buf32, nbytes, offs, has_bias, i, group, table, x, tokens_in, experts_in,
+                   weights_in, gate_scale, up_scale, down_scale, activation, alpha, limit, out, phases, lanes,
+                   s64, s32, s8, answer, ticket):
+    """out[t] += sum over assignments a of t of weights[a] * expert_{experts}(x[t]), int8 activations.
+
+    buf: the layer's blocks as one flat uint8 array [E * nbytes] (buf16, buf32: the same bytes as uint16 and
+    float32); codec 0 int4, 1 fp4 (scales through the table), 2 fp4 with e8m0 scales; offs [12] uint64: byte offsets
+    inside a block of gate, gate_scales, gate_mins, up, up_scales, up_mins, down, down_scales, down_mins (mins
+    unused by fp4), gate_bias, up_bias, down_bias (read when has_bias); i the expert width; x [T, D] float32;
+    the assignments in any order: tokens_in, experts_in [A] int64, weights_in [A] float32; *_scale [E]
+    per-matrix scales; out [T, D] float32, added to; phases [N_PHASES] int64: the call's time marks, added to
+    (PHASES); lanes: the region's iterations, one per kernel thread (numba.get_num_threads() of the caller,
+    passed in: calling it here would make the function uncacheable, so every process would compile it again);
+    s64, s32, s8: flat scratch arrays of at least `scratch_sizes(...)` elements (Scratch.fit); answer [>= 0]
+    int64: when not empty, the lane that finishes the last task stores `ticket` in answer[0] (release) - out is
+    complete then - so a waiting GPU goes on without the region's join (~20 µs on the GPU machine's host).
+
+    One parallel region for the whole layer, in five stages: the tokens' activations to int8 (a task a group),
+    gate and up rows (a task = ROWS_PER_TASK rows of one expert), the down projection's inputs to int8 (a task
+    a group of one assignment), down rows, and the weighted sum (a task a slice of the output's columns).
+    Threads take a stage's tasks from a shared counter and wait until every task of the stage is done before
+    the next (`_stages`): a thread the OS delays holds up only the task it is on (with a static split, its whole
+    share held the region up: run p, ~150 µs a region whatever its work), and no stage runs on one thread while
+    the others wait.
+
+    Only the prange is parallel: with parallel=True numba turns every whole-array expression (`a[:] = 0`) into a
+    parallel region of its own, and on the GPU machine's host each region costs ~20 µs to start and join (three
+    such fills were run r's 58 µs "prologue"), so every fill here is a plain loop (a test counts the regions).
+    The worker's loop (`serve_layers`) keeps its lanes in one region across requests instead."""
+    c0 = _cycles()
+    n_tok, d = x.shape
+    n_a = experts_in.shape[0]
+    if n_a == 0:
+        return
+    n_exp = buf.shape[0] // nbytes
+    n_thr = max(1, lanes)
+    v = _carve(s64, s32, s8, n_tok, n_a, n_exp, n_thr, d, i, group)
+    _prepare(tokens_in, experts_in, weights_in, n_exp, n_tok, d, i, group, n_thr, v)
+    t_in, seen = v[7], v[6]
+    phases[0] += _cycles() - c0
+    for lane in prange(n_thr):
+        t_in[lane] = _cycles()
+        _stages(codec, buf, buf16, buf32, nbytes, offs, has_bias, i, group, table, x, n_a, gate_scale, up_scale,
+                down_scale, activation, alpha, limit, out, v, answer, ticket)
+    _mark_phases(phases, c0, t_in, n_thr, seen, _cycles())
+
+
+# The worker's lanes between requests (`serve_layers`): shared words of `ctl`, each on its own 128 bytes
+CTL_GEN, CTL_DONE, CTL_QUIT, CTL_IN = (j * SYNC_STRIDE for j in range(4))   # requests published, lanes finished
+CTL_LAST, CTL_LAYER, CTL_T, CTL_A, CTL_C0 = (4 * SYNC_STRIDE + j for j in range(5))   # (lane 0 writes these)
+CTL_FAILED = 5 * SYNC_STRIDE           # set once the lanes did not all come: kept (not zeroed) between calls
+CTL_SIZE = CTL_FAILED + 1
+
+
+@njit(cache=True, inline="always")
+def _wait_at_least(word, index, value, limit):
+    """Poll word[index] until it is >= value, yielding every YIELD_EVERY polls; False after `limit` polls
+    (limit < 0: no limit)."""
+    polls = 0
+    while _load_acquire(word, index) < value:
+        polls += 1
+        if polls % YIELD_EVERY == 0:
+            _yield_cpu()
+        if 0 <= limit < polls:
+            return False
+    return True
+
+
+@njit(parallel=True, cache=True, fastmath=True, nogil=True)
+def serve_layers(req, resp, meta, ids, weights, x, out, last, spins, clock, phases, lanes, sel64, sel32, s64,
+                 s32, s8, ctl, codec, bufs, g_scale, u_scale, d_scale, nbytes, offs, has_bias, inter, group, table,
+                 activation, alpha, limit):
+    """The CPU-share worker's requests (cpu_share.serve_int8 says what each argument is), served by `lanes` lanes
+    that stay in one parallel region from request to request: lane 0 polls the mailbox, gathers a request's
+    assignments and publishes it (ctl[CTL_GEN]); every lane, spinning on that word between requests, runs the
+    kernel's stages (`_stages`); the lane that finishes the last task answers. No region is started or joined
+    per request (that cost ~20 µs each way on the GPU machine's 16 cores, its threads woken from libgomp's
+    wait), and nothing is allocated: the views are made once, for the mailbox's most tokens and assignments.
+    Returns the last ticket served once `spins` polls saw nothing new, or -1 when the lanes did not all come
+    within a bounded wait (the OS or the OpenMP runtime ran fewer threads than lanes): nothing was served then,
+    ctl[CTL_FAILED] is set, and the caller serves through `moe_layer_int8` from then on. ctl [CTL_SIZE] int64.
+    Lanes must not exceed the caller's thread count."""
+    # Every shared word the lanes read inside the prange is read with _load_acquire: numba hoists a plain
+    # `meta[0]` or `ctl[i]` (a constant index into an array the loop does not look like it writes) out of the
+    # loop, so every request after the first read the first one's layer and token count
+    n_thr = max(1, lanes)
+    t_max, d = x.shape
+    a_max = ids.shape[0]
+    k = a_max // t_max
+    n_exp = bufs[0].shape[0] // nbytes
+    v = _carve(s64, s32, s8, t_max, a_max, n_exp, n_thr, d, inter, group)
+    t_in, seen = v[7], v[6]
+    for j in range(CTL_FAILED):
+        ctl[j] = 0
+    ctl[CTL_LAST] = last
+    arrive = max(spins, 1 << 20)                    # polls lane 0 waits for the others to come in
+    for lane in prange(n_thr):
+        _fetch_add(ctl, CTL_IN, 1)
+        mine = 0                                    # requests this lane has run
+        while True:
+            if lane == 0:
+                if mine == 0 and not _wait_at_least(ctl, CTL_IN, n_thr, arrive):
+                    ctl[CTL_LAST] = -1
+                    ctl[CTL_FAILED] = 1
+                    _store_release(ctl, CTL_QUIT, 1)
+                    _store_release(ctl, CTL_GEN, 1)
+                    break
+                seen_seq = _load_acquire(ctl, CTL_LAST)
+                seq = _load_acquire(req, 0)
+                n = 0
+                while seq == seen_seq and n < spins:
+                    seq = _load_acquire(req, 0)
+                    n += 1
+                if seq == seen_seq:                 # quiet for `spins` polls: every lane leaves the region
+                    _store_release(ctl, CTL_QUIT, 1)
+                    _store_release(ctl, CTL_GEN, mine + 1)
+                    break
+                c0 = _cycles()
+                li, t = _load_acquire(meta, 0), _load_acquire(meta, 1)
+                clock[1] += 1                       # counted before the answer: whoever sees it sees the count
+                a = 0
+                for j in range(t * k):
+                    if ids[j] >= 0:
+                        sel64[a], sel64[a_max + a], sel32[a] = j // k, ids[j], weights[j]
+                        a += 1
+                for r in range(t):
+                    for c in range(d):
+                        out[r, c] = 0.0
+                if a == 0:                          # nothing for the CPU: zero rows, answered at once
+                    _store_release(resp, 0, seq)
+                    clock[0] += _cycles() - c0
+                    ctl[CTL_LAST] = seq
+                    continue
+                _prepare(sel64[:a], sel64[a_max:a_max + a], sel32[:a], n_exp, t, d, inter, group, n_thr, v)
+                ctl[CTL_LAYER], ctl[CTL_T], ctl[CTL_A], ctl[CTL_C0], ctl[CTL_LAST] = li, t, a, c0, seq
+                phases[0] += _cycles() - c0
+                _store_release(ctl, CTL_GEN, mine + 1)
+            else:
+                _wait_at_least(ctl, CTL_GEN, mine + 1, -1)
+                if _load_acquire(ctl, CTL_QUIT):
+                    break
+            mine += 1
+            t_in[lane] = _cycles()
+            li = _load_acquire(ctl, CTL_LAYER)
+            buf = bufs[li]
+            _stages(codec, buf, buf.view(np.uint16), buf.view(np.float32), nbytes, offs, has_bias, inter, group,
+                    table, x, _load_acquire(ctl, CTL_A), g_scale[li], u_scale[li], d_scale[li], activation, alpha,
+                    limit, out, v, resp, _load_acquire(ctl, CTL_LAST))
+            _fetch_add(ctl, CTL_DONE, 1)
+            if lane == 0:                           # every lane out of this request before the next is set up
+                _wait_at_least(ctl, CTL_DONE, mine * n_thr, -1)
+                joined = _cycles()
+                c0 = _load_acquire(ctl, CTL_C0)
+                _mark_phases(phases, c0, t_in, n_thr, seen, joined)
+                clock[0] += joined - c0
+    return ctl[CTL_LAST]

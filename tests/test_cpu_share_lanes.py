@@ -1,0 +1,137 @@
+"""The CPU-share worker's lanes kept in one parallel region across requests (cpu_kernels_int8.serve_layers).
+
+Session 9 found that starting and joining a parallel region per request cost ~20 µs each way on the GPU
+machine's 16 cores; the worker now keeps its lanes spinning in one region while requests come. These tests
+check that the lanes answer exactly what the executor computes, request after request (layers, token counts
+and experts changing), and that a region that cannot keep its lanes (fewer threads than lanes) falls back to a
+region per request without losing a request.
+"""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+numba = pytest.importorskip("numba")
+
+from runtime.experts import cpu_kernels_int8 as k8                                      # noqa: E402
+from runtime.experts.cpu_executor import CpuExecutor                                    # noqa: E402
+from runtime.experts.cpu_share import (CpuShareWorker, Mailbox, collect_reference,     # noqa: E402
+                                       handoff_reference, serve_int8)
+from runtime.experts.host_store import HostExpertStore                                  # noqa: E402
+from runtime.experts.interface import ExpertSpec                                        # noqa: E402
+
+E, D, I, K, T_MAX = 8, 512, 512, 2, 3
+
+
+@pytest.fixture(scope="module")
+def cpu():
+    store = HostExpertStore.synthetic(layers=2, num_experts=E, hidden=D, intermediate=I, codec="int4", group=64,
+                                      weight_std=0.05, seed=21)
+    return CpuExecutor(store, ExpertSpec())
+
+
+def _box(share=1.0):
+    return Mailbox(max_tokens=T_MAX, top_k=K, hidden=D, device=torch.device("cpu"), share=share)
+
+
+def _want(cpu, layer, x, ids, w, table):
+    """The executor's answer for the CPU's assignments of one call (every miss at share 1)."""
+    t, k = ids.shape
+    miss = (table[ids] < 0).reshape(-1)
+    tok = np.repeat(np.arange(t), k)[miss]
+    return cpu.run(layer, x, tok, ids.reshape(-1)[miss].numpy(), w.reshape(-1)[miss].numpy())
+
+
+@pytest.mark.skipif(numba.config.NUMBA_NUM_THREADS < 2, reason="needs 2 numba threads")
+def test_the_lanes_answer_request_after_request_as_the_executor_does(cpu):
+    box = _box()
+    worker = CpuShareWorker(box, None, int8_args=cpu.int8_args(), threads=2)
+    gen = torch.Generator().manual_seed(5)
+    try:
+        for step in range(12):
+            layer, t = step % 2, 1 + step % T_MAX
+            x = torch.randn(t, D, generator=gen)
+            ids = torch.randint(0, E, (t, K), generator=gen)
+            w = torch.softmax(torch.randn(t, K, generator=gen), dim=-1)
+            table = torch.full((E,), -1)
+            table[step % E] = 0                      # one expert "in VRAM": not the CPU's
+            handoff_reference(layer, ids, w, x, table, box)
+            got = collect_reference(torch.zeros(t, D), box)
+            if int(box.ncpu[0]):
+                assert torch.equal(got, _want(cpu, layer, x, ids, w, table)), step
+            assert worker.error is None and int(box.error[0]) == 0
+        assert worker.kernel_requests == int(box.ticket[0]) > 8
+        ctl = worker._scratch[-1]
+        assert not worker.lanes_failed and ctl[k8.CTL_IN] == 2          # both lanes came into one region
+        m = worker.kernel_phases()
+        if m is not None:      # marks in order, as from the per-request kernel - up to the cores' clock skew
+            skew = 2.0         # µs: lanes read their own core's time-stamp counter (a VM's vCPUs differ by ~0.3)
+            order = ("prologue", "first thread in", "x quantized", "gate/up done", "down done", "sum done",
+                     "joined")             # (a lane the OS runs late may come in after a stage is done)
+            assert all(m[a] <= m[b] + skew for a, b in zip(order, order[1:])), m
+            assert m["first thread in"] <= m["last thread in"] <= m["joined"] + skew, m
+            assert m["joined"] > m["gate/up done"] > 0
+    finally:
+        worker.close()
+
+
+def _post(box, cpu, layer, gen, t=2):
+    x = torch.randn(t, D, generator=gen)
+    ids = torch.randint(0, E, (t, K), generator=gen)
+    w = torch.softmax(torch.randn(t, K, generator=gen), dim=-1)
+    table = torch.full((E,), -1)
+    handoff_reference(layer, ids, w, x, table, box)
+    return _want(cpu, layer, x, ids, w, table)
+
+
+def _serve(box, cpu, scratch, lanes, last, clock, phases):
+    b = box._np
+    return serve_int8(b["req"], b["resp"], b["meta"], b["ids"], b["weights"], b["x"], b["out"], last, 1000, clock,
+                      phases, lanes, *scratch, *cpu.int8_args())
+
+
+@pytest.mark.skipif(numba.config.NUMBA_NUM_THREADS < 2, reason="needs 2 numba threads")
+def test_more_lanes_than_threads_fall_back_to_a_region_a_request_and_lose_nothing(cpu):
+    """Three lanes on two threads: one thread runs two lanes one after the other, so lane 0 waits in vain for
+    the third to come in. It gives up (bounded), marks the region failed, and the same request is served by the
+    per-request kernel - and so is every later one, without waiting again."""
+    box = _box()
+    gen = torch.Generator().manual_seed(6)
+    worker_like = CpuShareWorker.__new__(CpuShareWorker)
+    worker_like.box, worker_like.int8_args = box, cpu.int8_args()
+    scratch = worker_like._scratch_for(3)
+    clock, phases = np.zeros(2, dtype=np.int64), np.zeros(k8.N_PHASES, dtype=np.int64)
+    before = numba.get_num_threads()
+    numba.set_num_threads(2)
+    try:
+        last = 0
+        for step in range(3):
+            want = _post(box, cpu, step % 2, gen)
+            last = _serve(box, cpu, scratch, 3, last, clock, phases)
+            assert last == int(box.ticket[0]) == step + 1
+            assert torch.equal(collect_reference(torch.zeros(2, D), box), want), step
+            assert scratch[-1][k8.CTL_FAILED] == 1
+        assert clock[1] == 3
+    finally:
+        numba.set_num_threads(before)
+
+
+@pytest.mark.skipif(numba.config.NUMBA_NUM_THREADS < 2, reason="needs 2 numba threads")
+def test_two_lanes_on_two_threads_serve_in_one_region(cpu):
+    box = _box()
+    gen = torch.Generator().manual_seed(7)
+    worker_like = CpuShareWorker.__new__(CpuShareWorker)
+    worker_like.box, worker_like.int8_args = box, cpu.int8_args()
+    scratch = worker_like._scratch_for(2)
+    clock, phases = np.zeros(2, dtype=np.int64), np.zeros(k8.N_PHASES, dtype=np.int64)
+    before = numba.get_num_threads()
+    numba.set_num_threads(2)
+    try:
+        want = _post(box, cpu, 1, gen, t=3)
+        assert _serve(box, cpu, scratch, 2, 0, clock, phases) == 1
+        assert torch.equal(collect_reference(torch.zeros(3, D), box), want)
+        assert scratch[-1][k8.CTL_FAILED] == 0 and scratch[-1][k8.CTL_IN] == 2 and clock[1] == 1
+        assert phases[-1] == 1                      # the lanes marked their one request
+    finally:
+        numba.set_num_threads(before)
