@@ -3,8 +3,7 @@
 Session 9 found that starting and joining a parallel region per request cost ~20 µs each way on the GPU
 machine's 16 cores; the worker now keeps its lanes spinning in one region while requests come. These tests
 check that the lanes answer exactly what the executor computes, request after request (layers, token counts
-and experts changing), and that a region that cannot keep its lanes (fewer threads than lanes) falls back to a
-region per request without losing a request.
+and experts changing), and that lanes the OS runs late (here: more lanes than threads) cost nothing but speed.
 """
 from __future__ import annotations
 
@@ -62,8 +61,9 @@ def test_the_lanes_answer_request_after_request_as_the_executor_does(cpu):
                 assert torch.equal(got, _want(cpu, layer, x, ids, w, table)), step
             assert worker.error is None and int(box.error[0]) == 0
         assert worker.kernel_requests == int(box.ticket[0]) > 8
+        worker.close()                               # (its last spin ends: the region quits)
         ctl = worker._scratch[-1]
-        assert not worker.lanes_failed and ctl[k8.CTL_IN] == 2          # both lanes came into one region
+        assert ctl[k8.CTL_QUIT] == 1 and ctl[k8.CTL_GEN] >= 2   # served by the lanes' region (requests + its quit)
         m = worker.kernel_phases()
         if m is not None:      # marks in order, as from the per-request kernel - up to the cores' clock skew
             skew = 2.0         # µs: lanes read their own core's time-stamp counter (a VM's vCPUs differ by ~0.3)
@@ -92,10 +92,10 @@ def _serve(box, cpu, scratch, lanes, last, clock, phases):
 
 
 @pytest.mark.skipif(numba.config.NUMBA_NUM_THREADS < 2, reason="needs 2 numba threads")
-def test_more_lanes_than_threads_fall_back_to_a_region_a_request_and_lose_nothing(cpu):
-    """Three lanes on two threads: one thread runs two lanes one after the other, so lane 0 waits in vain for
-    the third to come in. It gives up (bounded), marks the region failed, and the same request is served by the
-    per-request kernel - and so is every later one, without waiting again."""
+def test_more_lanes_than_threads_still_answer_every_request(cpu):
+    """Three lanes on two threads: one thread runs two lanes one after the other, so one lane only comes in once
+    lane 0 has left. Nobody waits for a lane (each request's tasks go to whoever takes them), so lane 0 and the
+    other thread serve everything, and the late lane finds nothing left to do."""
     box = _box()
     gen = torch.Generator().manual_seed(6)
     worker_like = CpuShareWorker.__new__(CpuShareWorker)
@@ -111,8 +111,7 @@ def test_more_lanes_than_threads_fall_back_to_a_region_a_request_and_lose_nothin
             last = _serve(box, cpu, scratch, 3, last, clock, phases)
             assert last == int(box.ticket[0]) == step + 1
             assert torch.equal(collect_reference(torch.zeros(2, D), box), want), step
-            assert scratch[-1][k8.CTL_FAILED] == 1
-        assert clock[1] == 3
+        assert clock[1] == 3 and phases[-1] == 3
     finally:
         numba.set_num_threads(before)
 
@@ -131,7 +130,7 @@ def test_two_lanes_on_two_threads_serve_in_one_region(cpu):
         want = _post(box, cpu, 1, gen, t=3)
         assert _serve(box, cpu, scratch, 2, 0, clock, phases) == 1
         assert torch.equal(collect_reference(torch.zeros(3, D), box), want)
-        assert scratch[-1][k8.CTL_FAILED] == 0 and scratch[-1][k8.CTL_IN] == 2 and clock[1] == 1
+        assert scratch[-1][k8.CTL_GEN] == 2 and clock[1] == 1      # the request, then the quit
         assert phases[-1] == 1                      # the lanes marked their one request
     finally:
         numba.set_num_threads(before)

@@ -383,11 +383,14 @@ def test_the_compiled_worker_loop_answers_with_the_int8_kernels_result():
         assert 0 < tier._worker.kernel_seconds < wall
         # the kernel's marks come in its order (a thread may come in after others finished a stage), and its
         # whole call fits inside the request's time
-        m = tier._worker.kernel_phases()
-        stages = [m[k] for k in ("first thread in", "x quantized", "gate/up done", "down inputs done", "down done",
-                                 "sum done", "joined")]
-        assert m["prologue"] <= m["first thread in"] <= m["last thread in"] <= m["joined"]
-        assert stages == sorted(stages) and 0 < m["joined"] <= 1e6 * tier._worker.kernel_seconds / 4
+        # (up to the cores' clock skew: with more than one lane each reads its own core's counter, ~0.3 µs apart on
+        # the GPU machine's VM; and with the lanes kept in one region, "joined" is the request's whole time)
+        m, skew = tier._worker.kernel_phases(), 2.0
+        order = ("prologue", "first thread in", "x quantized", "gate/up done", "down inputs done", "down done",
+                 "sum done", "joined")
+        assert all(m[a] <= m[b] + skew for a, b in zip(order, order[1:])), m
+        assert m["first thread in"] <= m["last thread in"] + skew and m["joined"] > 0
+        assert m["joined"] <= 1e6 * tier._worker.kernel_seconds / 4 + skew
     tier.close()
 
 

@@ -453,6 +453,41 @@ def _fetch_add(typingctx, arr, index, value):
     return sig, codegen
 
 
+@intrinsic
+def _take(typingctx, arr, index, end):
+    """One task from the counter arr[index] if it is below end: its number (the counter before, which moves up by
+    one), or -1 once it reached end. A compare-and-swap, so the counter never passes end: counters can then run on
+    from call to call (the worker's lanes never reset them while a late lane may still be reading them)."""
+    sig = types.int64(arr, index, end)
+
+    def codegen(context, builder, sig, args):
+        ptr = _item_ptr(context, builder, sig, args)
+        end_v = args[2]
+        result = cgutils.alloca_once_value(builder, ir.Constant(I64, -1))
+        load = builder.load_atomic(ptr, "acquire", 8) if not getattr(ptr.type, "is_opaque", False) else \
+            builder.load_atomic(ptr, "acquire", 8, typ=I64)
+        cur = cgutils.alloca_once_value(builder, load)
+        loop = builder.append_basic_block("take.loop")
+        done = builder.append_basic_block("take.done")
+        builder.branch(loop)
+        builder.position_at_end(loop)
+        c = builder.load(cur)
+        with builder.if_then(builder.icmp_signed("<", c, end_v)):
+            pair = builder.cmpxchg(ptr, c, builder.add(c, ir.Constant(I64, 1)), "acq_rel", "acquire")
+            ok = builder.extract_value(pair, 1)
+            with builder.if_else(ok) as (then, otherwise):
+                with then:
+                    builder.store(c, result)
+                    builder.branch(done)
+                with otherwise:
+                    builder.store(builder.extract_value(pair, 0), cur)
+                    builder.branch(loop)
+        builder.branch(done)
+        builder.position_at_end(done)
+        return builder.load(result)
+    return sig, codegen
+
+
 _HAVE_SCHED_YIELD = platform.system() != "Windows"            # POSIX's sched_yield, resolved from libc at load
 
 
@@ -711,21 +746,16 @@ def _carve(s64, s32, s8, n_tok, n_a, n_exp, n_thr, d, i, group):
 
 @njit(cache=True, inline="always")
 def _prepare(tokens_in, experts_in, weights_in, n_exp, n_tok, d, i, group, n_thr, v):
-    """A call's serial start: its assignments sorted by expert, each stage's task count, the counters zeroed
-    (plain loops: in a parallel=True function `sync[:] = 0` would be a parallel region of its own)."""
+    """A call's serial start: its assignments sorted by expert, the marks cleared (plain loops: in a
+    parallel=True function `seen[:] = 0` would be a parallel region of its own); each stage's task count."""
     counts, tokens, experts, starts, tasks, sync, seen, t_in, weights = v[:9]
     n_u = group_by_expert(tokens_in, experts_in, weights_in, n_exp, n_tok, counts, tokens, weights, experts, starts)
-    tasks[0] = n_tok * (d // group)
-    tasks[1] = n_u * ((i + ROWS_PER_TASK - 1) // ROWS_PER_TASK)
-    tasks[2] = experts_in.shape[0] * (i // group)
-    tasks[3] = n_u * ((d + DOWN_ROWS_PER_TASK - 1) // DOWN_ROWS_PER_TASK)
-    tasks[4] = (d + SUM_COLS - 1) // SUM_COLS
-    for j in range(sync.shape[0]):
-        sync[j] = 0
     for j in range(N_STAGES):
         seen[j] = 0
     for j in range(n_thr):
         t_in[j] = _NEVER
+    return (n_tok * (d // group), n_u * ((i + ROWS_PER_TASK - 1) // ROWS_PER_TASK), experts_in.shape[0] * (i // group),
+            n_u * ((d + DOWN_ROWS_PER_TASK - 1) // DOWN_ROWS_PER_TASK), (d + SUM_COLS - 1) // SUM_COLS)
 
 
 SUM_COLS = 256           # output columns per task of the weighted sum
@@ -733,12 +763,14 @@ SUM_COLS = 256           # output columns per task of the weighted sum
 
 @njit(cache=True, fastmath=True, inline="always")
 def _stages(codec, buf, buf16, buf32, nbytes, offs, has_bias, i, group, table, x, n_a, gate_scale, up_scale,
-            down_scale, activation, alpha, limit, out, v, answer, ticket):
+            down_scale, activation, alpha, limit, out, v, plan, answer, ticket, gen_word, gen):
     """One lane's part of a call: each stage's tasks taken from its counter until none is left, then a wait until
     every task of the stage is done (counting tasks, not lanes: a lane the OS never runs takes none, and nothing
-    waits for it). The lane that finishes the call's last task stores `ticket` in answer[0] when answer is not
-    empty (out is whole then)."""
-    tokens, experts, starts, tasks, sync, seen = v[1], v[2], v[3], v[4], v[5], v[6]
+    waits for it). plan: (the stages' counter bases, then their task counts) - counters run on from call to call
+    in the worker (`serve_layers`), so a call's tasks are base..base + count. The lane that finishes the call's
+    last task stores `ticket` in answer[0] when answer is not empty (out is whole then). A stage's mark is kept
+    only while gen_word[0] == gen (a lane late for its call does not mark the next one)."""
+    tokens, experts, starts, sync, seen = v[1], v[2], v[3], v[5], v[6]
     weights, xs, xm, h, hs, hm, y, xq, hq = v[8:]
     d = x.shape[1]
     o = offs
@@ -749,39 +781,41 @@ def _stages(codec, buf, buf16, buf32, nbytes, offs, has_bias, i, group, table, x
     up_blocks = (i + ROWS_PER_TASK - 1) // ROWS_PER_TASK
     down_blocks = (d + DOWN_ROWS_PER_TASK - 1) // DOWN_ROWS_PER_TASK
     for stage in range(N_STAGES):
-        n_tasks = tasks[stage]
+        base = plan[stage]
+        end = base + plan[N_STAGES + stage]
         while True:
-            task = _fetch_add(sync, (2 * stage + 1) * SYNC_STRIDE, 1)
-            if task >= n_tasks:
+            task = _take(sync, (2 * stage + 1) * SYNC_STRIDE, end)
+            if task < 0:
                 break
+            task -= base
             if stage == 0:                            # x: token, group
                 _quantize_group(x, task // (d // group), task % (d // group), group, xq, xs, xm)
             elif stage == 1:                          # gate and up rows of one expert
-                u, e, base, r0, r1 = _task_rows(task, up_blocks, experts, nb, i, ROWS_PER_TASK)
+                u, e, b0, r0, r1 = _task_rows(task, up_blocks, experts, nb, i, ROWS_PER_TASK)
                 for r in range(r0, r1):
                     ru = np.uint64(r)
                     for a in range(starts[u], starts[u + 1]):
                         t = np.uint64(tokens[a])
-                        g = _row(codec, buf, buf16, base, o[0], o[1], o[2], ru, gd, hg, table, xq, xs, xm, t)
-                        w = _row(codec, buf, buf16, base, o[3], o[4], o[5], ru, gd, hg, table, xq, xs, xm, t)
+                        g = _row(codec, buf, buf16, b0, o[0], o[1], o[2], ru, gd, hg, table, xq, xs, xm, t)
+                        w = _row(codec, buf, buf16, b0, o[3], o[4], o[5], ru, gd, hg, table, xq, xs, xm, t)
                         g *= gate_scale[e]
                         w *= up_scale[e]
                         if has_bias:
-                            g += buf32[((base + o[9]) >> two) + ru]
-                            w += buf32[((base + o[10]) >> two) + ru]
+                            g += buf32[((b0 + o[9]) >> two) + ru]
+                            w += buf32[((b0 + o[10]) >> two) + ru]
                         h[a, r] = _act(g, w, activation, alpha, limit)
             elif stage == 2:                          # down inputs: assignment, group
                 _quantize_group(h, task // (i // group), task % (i // group), group, hq, hs, hm)
             elif stage == 3:                          # down rows of one expert
-                u, e, base, r0, r1 = _task_rows(task, down_blocks, experts, nb, d, DOWN_ROWS_PER_TASK)
+                u, e, b0, r0, r1 = _task_rows(task, down_blocks, experts, nb, d, DOWN_ROWS_PER_TASK)
                 for r in range(r0, r1):
                     ru = np.uint64(r)
                     for a in range(starts[u], starts[u + 1]):
-                        w = _row(codec, buf, buf16, base, o[6], o[7], o[8], ru, gi, hg, table, hq, hs, hm,
+                        w = _row(codec, buf, buf16, b0, o[6], o[7], o[8], ru, gi, hg, table, hq, hs, hm,
                                  np.uint64(a))
                         w *= down_scale[e]
                         if has_bias:
-                            w += buf32[((base + o[11]) >> two) + ru]
+                            w += buf32[((b0 + o[11]) >> two) + ru]
                         y[a, r] = w
             else:                                     # the weighted sum over one slice of columns
                 c_lo = task * SUM_COLS
@@ -791,16 +825,26 @@ def _stages(codec, buf, buf16, buf32, nbytes, offs, has_bias, i, group, table, x
                     wa = weights[a]
                     for r in range(c_lo, c_hi):
                         out[t, r] += wa * y[a, r]
-            if _fetch_add(sync, (2 * stage + 2) * SYNC_STRIDE, 1) == n_tasks - 1 and stage == N_STAGES - 1 \
+            if _fetch_add(sync, (2 * stage + 2) * SYNC_STRIDE, 1) == end - 1 and stage == N_STAGES - 1 \
                     and answer.shape[0] > 0:
                 _store_release(answer, 0, ticket)     # the last task: out is whole
-        polls = 0
-        while _load_acquire(sync, (2 * stage + 2) * SYNC_STRIDE) < n_tasks:    # the stage done on every thread
-            polls += 1
-            if polls % YIELD_EVERY == 0:
-                _yield_cpu()
-        if seen[stage] == 0:                          # (a benign race: any thread's time is a fair mark)
+        _wait_at_least(sync, (2 * stage + 2) * SYNC_STRIDE, end, -1)    # the stage done on every lane
+        if seen[stage] == 0 and _load_acquire(gen_word, 0) == gen:   # (a benign race: any lane's time is fair)
             seen[stage] = _cycles()
+
+
+@njit(cache=True, inline="always")
+def _wait_at_least(word, index, value, limit):
+    """Poll word[index] until it is >= value, yielding every YIELD_EVERY polls; False after `limit` polls
+    (limit < 0: no limit)."""
+    polls = 0
+    while _load_acquire(word, index) < value:
+        polls += 1
+        if polls % YIELD_EVERY == 0:
+            _yield_cpu()
+        if 0 <= limit < polls:
+            return False
+    return True
 
 
 @njit(cache=True, inline="always")
@@ -856,35 +900,25 @@ def moe_layer_int8(codec, buf, buf16, buf32, nbytes, offs, has_bias, i, group, t
     n_exp = buf.shape[0] // nbytes
     n_thr = max(1, lanes)
     v = _carve(s64, s32, s8, n_tok, n_a, n_exp, n_thr, d, i, group)
-    _prepare(tokens_in, experts_in, weights_in, n_exp, n_tok, d, i, group, n_thr, v)
-    t_in, seen = v[7], v[6]
+    n0, n1, n2, n3, n4 = _prepare(tokens_in, experts_in, weights_in, n_exp, n_tok, d, i, group, n_thr, v)
+    sync, seen, t_in = v[5], v[6], v[7]
+    for j in range(sync.shape[0]):
+        sync[j] = 0
+    plan = (0, 0, 0, 0, 0, n0, n1, n2, n3, n4)
+    always = sync[:1]                                     # gen_word: sync[0] is padding, 0 throughout
     phases[0] += _cycles() - c0
     for lane in prange(n_thr):
         t_in[lane] = _cycles()
         _stages(codec, buf, buf16, buf32, nbytes, offs, has_bias, i, group, table, x, n_a, gate_scale, up_scale,
-                down_scale, activation, alpha, limit, out, v, answer, ticket)
+                down_scale, activation, alpha, limit, out, v, plan, answer, ticket, always, 0)
     _mark_phases(phases, c0, t_in, n_thr, seen, _cycles())
 
 
-# The worker's lanes between requests (`serve_layers`): shared words of `ctl`, each on its own 128 bytes
-CTL_GEN, CTL_DONE, CTL_QUIT, CTL_IN = (j * SYNC_STRIDE for j in range(4))   # requests published, lanes finished
-CTL_LAST, CTL_LAYER, CTL_T, CTL_A, CTL_C0 = (4 * SYNC_STRIDE + j for j in range(5))   # (lane 0 writes these)
-CTL_FAILED = 5 * SYNC_STRIDE           # set once the lanes did not all come: kept (not zeroed) between calls
-CTL_SIZE = CTL_FAILED + 1
-
-
-@njit(cache=True, inline="always")
-def _wait_at_least(word, index, value, limit):
-    """Poll word[index] until it is >= value, yielding every YIELD_EVERY polls; False after `limit` polls
-    (limit < 0: no limit)."""
-    polls = 0
-    while _load_acquire(word, index) < value:
-        polls += 1
-        if polls % YIELD_EVERY == 0:
-            _yield_cpu()
-        if 0 <= limit < polls:
-            return False
-    return True
+# The worker's lanes between requests (`serve_layers`): shared words of `ctl`, the first three each on its own
+# 128 bytes; lane 0 writes the request's parameters (its plan: the stages' counter bases, then task counts)
+CTL_GEN, CTL_BEGIN, CTL_QUIT, CTL_PLAN = (j * SYNC_STRIDE for j in range(4))   # request published, being written
+CTL_LAYER, CTL_A, CTL_T, CTL_TICKET, CTL_C0, CTL_LAST = (CTL_PLAN + 2 * N_STAGES + j for j in range(6))
+CTL_SIZE = CTL_PLAN + 2 * N_STAGES + 6
 
 
 @njit(parallel=True, cache=True, fastmath=True, nogil=True)
@@ -895,12 +929,16 @@ def serve_layers(req, resp, meta, ids, weights, x, out, last, spins, clock, phas
     that stay in one parallel region from request to request: lane 0 polls the mailbox, gathers a request's
     assignments and publishes it (ctl[CTL_GEN]); every lane, spinning on that word between requests, runs the
     kernel's stages (`_stages`); the lane that finishes the last task answers. No region is started or joined
-    per request (that cost ~20 µs each way on the GPU machine's 16 cores, its threads woken from libgomp's
-    wait), and nothing is allocated: the views are made once, for the mailbox's most tokens and assignments.
-    Returns the last ticket served once `spins` polls saw nothing new, or -1 when the lanes did not all come
-    within a bounded wait (the OS or the OpenMP runtime ran fewer threads than lanes): nothing was served then,
-    ctl[CTL_FAILED] is set, and the caller serves through `moe_layer_int8` from then on. ctl [CTL_SIZE] int64.
-    Lanes must not exceed the caller's thread count."""
+    per request (run s: ~20-37 µs to start one on the GPU machine's 16 cores, its threads woken from libgomp's
+    wait, and ~38 to join it), and nothing is allocated: the views are made once, for the mailbox's most tokens
+    and assignments. Returns the last ticket served once `spins` polls saw nothing new.
+
+    Nobody waits for a lane: the stages' counters run on from request to request (each request's tasks are a
+    window of them, taken by compare-and-swap, so a counter never passes its window's end), and lane 0 sets up
+    the next request as soon as every task of the last one is done. A lane the OS ran late (or, with more lanes
+    than threads, after lane 0 left) finds its window's tasks all taken and moves on - it never touches a later
+    request's data with an old plan, and lane 0 alone can serve everything. The plan is read under a
+    sequence check (CTL_BEGIN is bumped before it is written, CTL_GEN after)."""
     # Every shared word the lanes read inside the prange is read with _load_acquire: numba hoists a plain
     # `meta[0]` or `ctl[i]` (a constant index into an array the loop does not look like it writes) out of the
     # loop, so every request after the first read the first one's layer and token count
@@ -910,22 +948,17 @@ def serve_layers(req, resp, meta, ids, weights, x, out, last, spins, clock, phas
     k = a_max // t_max
     n_exp = bufs[0].shape[0] // nbytes
     v = _carve(s64, s32, s8, t_max, a_max, n_exp, n_thr, d, inter, group)
-    t_in, seen = v[7], v[6]
-    for j in range(CTL_FAILED):
+    sync, seen, t_in = v[5], v[6], v[7]
+    for j in range(sync.shape[0]):
+        sync[j] = 0
+    for j in range(ctl.shape[0]):
         ctl[j] = 0
     ctl[CTL_LAST] = last
-    arrive = max(spins, 1 << 20)                    # polls lane 0 waits for the others to come in
     for lane in prange(n_thr):
-        _fetch_add(ctl, CTL_IN, 1)
-        mine = 0                                    # requests this lane has run
+        mine = 0                                    # the last request this lane ran
+        b0 = b1 = b2 = b3 = b4 = 0                  # (lane 0) the stages' counters so far
         while True:
             if lane == 0:
-                if mine == 0 and not _wait_at_least(ctl, CTL_IN, n_thr, arrive):
-                    ctl[CTL_LAST] = -1
-                    ctl[CTL_FAILED] = 1
-                    _store_release(ctl, CTL_QUIT, 1)
-                    _store_release(ctl, CTL_GEN, 1)
-                    break
                 seen_seq = _load_acquire(ctl, CTL_LAST)
                 seq = _load_acquire(req, 0)
                 n = 0
@@ -934,6 +967,7 @@ def serve_layers(req, resp, meta, ids, weights, x, out, last, spins, clock, phas
                     n += 1
                 if seq == seen_seq:                 # quiet for `spins` polls: every lane leaves the region
                     _store_release(ctl, CTL_QUIT, 1)
+                    _store_release(ctl, CTL_BEGIN, mine + 1)
                     _store_release(ctl, CTL_GEN, mine + 1)
                     break
                 c0 = _cycles()
@@ -950,26 +984,46 @@ def serve_layers(req, resp, meta, ids, weights, x, out, last, spins, clock, phas
                 if a == 0:                          # nothing for the CPU: zero rows, answered at once
                     _store_release(resp, 0, seq)
                     clock[0] += _cycles() - c0
-                    ctl[CTL_LAST] = seq
+                    _store_release(ctl, CTL_LAST, seq)
                     continue
-                _prepare(sel64[:a], sel64[a_max:a_max + a], sel32[:a], n_exp, t, d, inter, group, n_thr, v)
-                ctl[CTL_LAYER], ctl[CTL_T], ctl[CTL_A], ctl[CTL_C0], ctl[CTL_LAST] = li, t, a, c0, seq
+                n0, n1, n2, n3, n4 = _prepare(sel64[:a], sel64[a_max:a_max + a], sel32[:a], n_exp, t, d, inter,
+                                              group, n_thr, v)
+                plan = (b0, b1, b2, b3, b4, n0, n1, n2, n3, n4)
+                b0, b1, b2, b3, b4 = b0 + n0, b1 + n1, b2 + n2, b3 + n3, b4 + n4
+                g = mine + 1
+                _store_release(ctl, CTL_BEGIN, g)
+                for j in range(2 * N_STAGES):
+                    _store_release(ctl, CTL_PLAN + j, plan[j])
+                _store_release(ctl, CTL_LAYER, li)
+                _store_release(ctl, CTL_A, a)
+                _store_release(ctl, CTL_TICKET, seq)
+                _store_release(ctl, CTL_C0, c0)
+                _store_release(ctl, CTL_LAST, seq)
                 phases[0] += _cycles() - c0
-                _store_release(ctl, CTL_GEN, mine + 1)
+                _store_release(ctl, CTL_GEN, g)
             else:
                 _wait_at_least(ctl, CTL_GEN, mine + 1, -1)
+                g = _load_acquire(ctl, CTL_GEN)     # before QUIT: the quitting generation comes with QUIT set
                 if _load_acquire(ctl, CTL_QUIT):
                     break
-            mine += 1
-            t_in[lane] = _cycles()
-            li = _load_acquire(ctl, CTL_LAYER)
+                plan = (_load_acquire(ctl, CTL_PLAN), _load_acquire(ctl, CTL_PLAN + 1),
+                        _load_acquire(ctl, CTL_PLAN + 2), _load_acquire(ctl, CTL_PLAN + 3),
+                        _load_acquire(ctl, CTL_PLAN + 4), _load_acquire(ctl, CTL_PLAN + 5),
+                        _load_acquire(ctl, CTL_PLAN + 6), _load_acquire(ctl, CTL_PLAN + 7),
+                        _load_acquire(ctl, CTL_PLAN + 8), _load_acquire(ctl, CTL_PLAN + 9))
+                li = _load_acquire(ctl, CTL_LAYER)
+                a = _load_acquire(ctl, CTL_A)
+                seq = _load_acquire(ctl, CTL_TICKET)
+                if _load_acquire(ctl, CTL_BEGIN) != g:   # lane 0 is writing the next one: read that instead
+                    continue
+            mine = g
+            if _load_acquire(ctl, CTL_GEN) == g:
+                t_in[lane] = _cycles()
             buf = bufs[li]
             _stages(codec, buf, buf.view(np.uint16), buf.view(np.float32), nbytes, offs, has_bias, inter, group,
-                    table, x, _load_acquire(ctl, CTL_A), g_scale[li], u_scale[li], d_scale[li], activation, alpha,
-                    limit, out, v, resp, _load_acquire(ctl, CTL_LAST))
-            _fetch_add(ctl, CTL_DONE, 1)
-            if lane == 0:                           # every lane out of this request before the next is set up
-                _wait_at_least(ctl, CTL_DONE, mine * n_thr, -1)
+                    table, x, a, g_scale[li], u_scale[li], d_scale[li], activation, alpha, limit, out, v, plan,
+                    resp, seq, ctl, g)
+            if lane == 0:
                 joined = _cycles()
                 c0 = _load_acquire(ctl, CTL_C0)
                 _mark_phases(phases, c0, t_in, n_thr, seen, joined)

@@ -49,8 +49,8 @@ QUIET_SLEEP_S = 0.005         # ...every 5 ms
 try:
     from numba import njit
 
-    from runtime.experts.cpu_kernels_int8 import (CTL_FAILED, CTL_SIZE, N_PHASES, _cycles, _load_acquire,
-                                                  _store_release, moe_layer_int8, serve_layers)
+    from runtime.experts.cpu_kernels_int8 import (CTL_SIZE, N_PHASES, _cycles, _load_acquire, _store_release,
+                                                  moe_layer_int8, serve_layers)
 
     @njit(nogil=True, cache=True)
     def spin_until_changed(word, last, spins):
@@ -84,8 +84,10 @@ try:
 
         The poll runs on this thread alone; once a request comes, `serve_layers` serves it and every one after it
         with all lanes kept in one parallel region until the spin ends (an idle worker keeps one core busy, not
-        all of them). Where that region cannot keep its lanes (CTL_FAILED), each request is one call of
-        `moe_layer_int8` (a region started and joined per request)."""
+        all of them). One lane: each request is one call of `moe_layer_int8`.
+
+        numba's cache keys this function by this file only: after editing cpu_kernels_int8.py (whose kernels
+        are compiled into it), touch this file, or a stale build runs."""
         k = ids.shape[0] // x.shape[0]
         while True:
             seq = _load_acquire(req, 0)
@@ -95,13 +97,10 @@ try:
                 n += 1
             if seq == last:
                 return last
-            if lanes > 1 and ctl[CTL_FAILED] == 0:
-                served = serve_layers(req, resp, meta, ids, weights, x, out, last, spins, clock, phases, lanes,
-                                      sel64, sel32, s64, s32, s8, ctl, codec, bufs, g_scale, u_scale, d_scale,
-                                      nbytes, offs, has_bias, inter, group, table, activation, alpha, limit)
-                if served >= 0:
-                    return served
-                continue                         # (the lanes did not come: this request again, one call each)
+            if lanes > 1:
+                return serve_layers(req, resp, meta, ids, weights, x, out, last, spins, clock, phases, lanes, sel64,
+                                    sel32, s64, s32, s8, ctl, codec, bufs, g_scale, u_scale, d_scale, nbytes, offs,
+                                    has_bias, inter, group, table, activation, alpha, limit)
             c0 = _cycles()
             li, t = meta[0], meta[1]
             a = 0
@@ -237,7 +236,6 @@ class CpuShareWorker:
         self._phases = np.zeros(N_PHASES if HAVE_NUMBA else 1, dtype=np.int64)
         self._lanes = 1                                  # the kernel's threads, as the worker thread sets them
         self._cycles_per_s = 0.0
-        self._told_lanes_failed = False
         if int8_args is not None and HAVE_NUMBA:
             import numba
             self._scratch = self._scratch_for(numba.config.NUMBA_NUM_THREADS)   # enough for any lane count
@@ -311,17 +309,7 @@ class CpuShareWorker:
         b = self.box._np
         seq = int(serve_int8(b["req"], b["resp"], b["meta"], b["ids"], b["weights"], b["x"], b["out"], last, spins,
                              self._clock, self._phases, self._lanes, *self._scratch, *self.int8_args))
-        if self.lanes_failed and not self._told_lanes_failed:
-            self._told_lanes_failed = True
-            log.warning("the CPU expert worker's %d threads did not all start together; it now starts them for "
-                        "each request (slower)", self._lanes)
         return seq
-
-    @property
-    def lanes_failed(self) -> bool:
-        """Compiled serving: the lanes could not be kept in one region (fewer threads ran than lanes), so each
-        request starts and joins its own (cpu_kernels_int8.serve_layers)."""
-        return bool(self._scratch[-1][CTL_FAILED]) if self.int8_args is not None and HAVE_NUMBA else False
 
     @property
     def kernel_seconds(self) -> float | None:
