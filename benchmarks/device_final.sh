@@ -30,7 +30,8 @@
 #   (device) bash benchmarks/device_final.sh s   # session 9: the kernel without its three hidden parallel regions,
 #                                                # answering at its last task (carry .ab: `git archive 083088a ...`)
 #   (device) bash benchmarks/device_final.sh t   # session 9: the worker's lanes kept in one region across requests
-#                                                # (cpu_kernels_int8.serve_layers) against 083088a, then 4 GiB, b4
+#                                                # (cpu_kernels_int8.serve_layers) against 083088a, then 4 GiB
+#   (device) bash benchmarks/device_final.sh u   # session 9: t again once nobody waits for a lane, and qwen3.6
 # carry .site (numba, llvmlite, fla-core, platformdirs unpacked, xz). Results under $OUT. Build .site once (the
 # wheels alone pass the 64 MiB carry limit; unpacked and xz-compressed they take ~44 MB):
 #   pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
@@ -277,7 +278,9 @@ elif [ "$1" = s ]; then
   mkdir -p /tmp/old && tar xf .ab/old.tar -C /tmp/old
   (cd /tmp/old && PYTHONPATH=/tmp/site:/tmp/old timeout 120 python3 -m runtime.experts.bench model "${rows[@]}" \
     --out "$OUT" 2>&1 | tee "$OUT/bench_q3_old.txt" | grep -v "^{"); true
-elif [ "$1" = t ]; then
+elif [ "$1" = t ] || [ "$1" = u ]; then
+  # (u: run t's later rows found the lanes' bounded check-in failing and fell back to a region a request; now
+  # nobody waits for a lane - counters run on, tasks taken by compare-and-swap - and qwen3.6 after)
   # run s: the hidden regions gone, the prologue fell 49 -> 1 us, but the one region left now took ~20-37 us to
   # start (its threads woken from libgomp's wait) and ~38 to join: no gain (66.4 vs 70.1 tok/s at 0.5). Now the
   # worker's lanes stay in one parallel region while requests come (serve_layers), lane 0 polling the mailbox
@@ -292,7 +295,9 @@ elif [ "$1" = t ]; then
   (cd /tmp/old && PYTHONPATH=/tmp/site:/tmp/old timeout 120 python3 -m runtime.experts.bench model "${rows[@]}" \
     --out "$OUT" 2>&1 | tee "$OUT/bench_q3_old.txt" | grep -v "^{")
   bench_rows 150 q3_more --models qwen3-30b-a3b --dense-int8 --budgets 4 8 --routings uniform --cpu-share 0.5 0.8 \
-    --modes graphs --tokens 64 --warmup 32 --prefill-budgets 99 --ttft-context 0; true
+    --modes graphs --tokens 64 --warmup 32 --prefill-budgets 99 --ttft-context 0
+  [ "$1" = u ] && bench_rows 150 q36 --models qwen3.6-35b-a3b --dense-int8 --budgets 8 --routings uniform \
+    --cpu-share 0.3 0.5 --modes graphs --tokens 64 --warmup 32 --prefill-budgets 99 --ttft-context 0; true
 else
   # decode rows through graphs only (eager rows cost minutes); the CPU share learned (auto; printed with a *),
   # fixed 0 and 0.3
