@@ -87,7 +87,7 @@ try:
         all of them). One lane: each request is one call of `moe_layer_int8`.
 
         numba's cache keys this function by this file only: after editing cpu_kernels_int8.py (whose kernels
-        are compiled into it), touch this file, or a stale build runs."""
+        are compiled into it), clear runtime/experts/__pycache__/*.nb?, or a stale build runs."""
         k = ids.shape[0] // x.shape[0]
         while True:
             seq = _load_acquire(req, 0)
