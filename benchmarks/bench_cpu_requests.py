@@ -164,8 +164,9 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.perf_counter()
     store = HostExpertStore.synthetic(layers=args.layers, num_experts=128, hidden=2048, intermediate=768,
                                       codec="int4", group=128, seed=3)
-    print(f"store {store.nbytes / GB:.2f} GB built in {time.perf_counter() - t0:.1f} s; OpenMP binding {binding}",
-          flush=True)
+    from runtime.experts.cpu_kernels_int8 import ISA
+    print(f"store {store.nbytes / GB:.2f} GB built in {time.perf_counter() - t0:.1f} s; OpenMP binding {binding}; "
+          f"dot products {ISA}", flush=True)
     cpu = CpuExecutor(store, ExpertSpec())
     cpu.warm_up(store.layers[0])                    # compiled on one thread, as the tier does before its worker starts
     torch.set_num_threads(1)                        # the stand-in handoff's torch ops: no torch pool beside numba's

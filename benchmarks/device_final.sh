@@ -32,6 +32,8 @@
 #   (device) bash benchmarks/device_final.sh t   # session 9: the worker's lanes kept in one region across requests
 #                                                # (cpu_kernels_int8.serve_layers) against 083088a, then 4 GiB
 #   (device) bash benchmarks/device_final.sh u   # session 9: t again once nobody waits for a lane, and qwen3.6
+#   (device) bash benchmarks/device_final.sh v   # session 9: AVX-VNNI (256-bit) against AVX-512 dot products on
+#                                                # small requests, the learned share with the lanes
 # carry .site (numba, llvmlite, fla-core, platformdirs unpacked, xz). Results under $OUT. Build .site once (the
 # wheels alone pass the 64 MiB carry limit; unpacked and xz-compressed they take ~44 MB):
 #   pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
@@ -298,6 +300,21 @@ elif [ "$1" = t ] || [ "$1" = u ]; then
     --modes graphs --tokens 64 --warmup 32 --prefill-budgets 99 --ttft-context 0
   [ "$1" = u ] && bench_rows 150 q36 --models qwen3.6-35b-a3b --dense-int8 --budgets 8 --routings uniform \
     --cpu-share 0.3 0.5 --modes graphs --tokens 64 --warmup 32 --prefill-budgets 99 --ttft-context 0; true
+elif [ "$1" = v ]; then
+  # run u: a lane's first tasks of a request run ~5x slower than its later ones (one expert in cache: ~20 us a
+  # 32 KB task; eight: ~3.7). If the AVX-512 units power down while the lanes spin between requests, the 256-bit
+  # flavour (FREETOKEN_CPU_ISA=avxvnni, its own numba cache) avoids it. Then the learned share with the lanes
+  for isa in default avxvnni; do
+    env_isa=(); [ "$isa" = default ] || env_isa=(FREETOKEN_CPU_ISA=$isa NUMBA_CACHE_DIR=/tmp/nbc_$isa)
+    env "${env_isa[@]}" timeout 100 python3 benchmarks/bench_cpu_requests.py --threads 14 --experts 1 3 8 \
+      --no-sweeps --json "$OUT/cpu_requests_$isa.json" > "$OUT/cpu_requests_$isa.txt" 2>&1
+    echo "cpu_requests $isa rc=$?"; grep -v Warning "$OUT/cpu_requests_$isa.txt" | grep -v "@njit"
+  done
+  FREETOKEN_CPU_ISA=avxvnni NUMBA_CACHE_DIR=/tmp/nbc_avxvnni bench_rows 110 q3_ymm --models qwen3-30b-a3b \
+    --dense-int8 --budgets 8 --routings uniform --cpu-share 0.5 --modes graphs --tokens 64 --warmup 32 \
+    --prefill-budgets 99 --ttft-context 0
+  bench_rows 150 q3_auto --models qwen3-30b-a3b --dense-int8 --budgets 8 --routings uniform --cpu-share 0.5 auto \
+    --modes graphs --tokens 64 --warmup 32 --prefill-budgets 99 --ttft-context 0; true
 else
   # decode rows through graphs only (eager rows cost minutes); the CPU share learned (auto; printed with a *),
   # fixed 0 and 0.3

@@ -375,3 +375,20 @@ def test_the_layer_kernel_is_one_parallel_region():
     assert answer[0] == 5 and np.abs(out).sum() > 0
     (compiled,) = fresh.overloads.values()
     assert len(compiled.metadata["parfor_diagnostics"].initial_parfors) == 1
+
+
+def test_a_flavour_can_be_picked_for_measurements_with_its_own_cache(monkeypatch):
+    """FREETOKEN_CPU_ISA picks a flavour this CPU runs (an A/B of 256- against 512-bit dot products); numba's cache
+    does not key the kernels by it, so without a cache folder of its own it refuses, and an unknown one too."""
+    flavour = k8.host_isas()[-1]                    # "generic": every CPU runs it
+    monkeypatch.setenv("FREETOKEN_CPU_ISA", flavour)
+    monkeypatch.delenv("NUMBA_CACHE_DIR", raising=False)
+    with pytest.raises(RuntimeError, match="NUMBA_CACHE_DIR"):
+        k8.detect_isa()
+    monkeypatch.setenv("NUMBA_CACHE_DIR", "/tmp/freetoken-isa-cache")
+    assert k8.detect_isa() == flavour
+    monkeypatch.setenv("FREETOKEN_CPU_ISA", "sse9")
+    with pytest.raises(ValueError, match="this CPU runs"):
+        k8.detect_isa()
+    monkeypatch.delenv("FREETOKEN_CPU_ISA")
+    assert k8.detect_isa() == k8.ISA

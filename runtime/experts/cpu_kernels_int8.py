@@ -38,6 +38,7 @@ Shapes: A assignments, U distinct experts, T tokens, D hidden, I expert width, G
 from __future__ import annotations
 
 import math
+import os
 import platform
 
 import llvmlite.binding as llvm
@@ -75,7 +76,18 @@ def _host_has(isa: str) -> bool:
 
 def detect_isa() -> str:
     """The dot-product flavour for the CPU numba compiles for. It is baked into the cached machine code, which
-    numba keys by CPU name and features, so a cache from another machine is never reused here."""
+    numba keys by CPU name and features, so a cache from another machine is never reused here.
+
+    `FREETOKEN_CPU_ISA` picks another flavour this CPU runs, for measurements (e.g. 256-bit AVX-VNNI against
+    AVX-512 on a Xeon). numba's cache does not key the kernels by it, so it needs a NUMBA_CACHE_DIR of its own."""
+    want = os.environ.get("FREETOKEN_CPU_ISA", "").strip()
+    if want:
+        if want not in host_isas():
+            raise ValueError(f"FREETOKEN_CPU_ISA={want}: this CPU runs {', '.join(host_isas())}")
+        if not os.environ.get("NUMBA_CACHE_DIR"):
+            raise RuntimeError("FREETOKEN_CPU_ISA needs a NUMBA_CACHE_DIR of its own: numba's cache does not key "
+                               "the kernels by the flavour, so the default cache would serve another one")
+        return want
     if config.CPU_NAME not in (None, "host"):      # compiling for another CPU (portable cache): no host features
         return "generic"
     return host_isas()[0]
