@@ -53,6 +53,12 @@ bench_rows() {   # SECONDS NAME ARGS...: `bench model` rows to $OUT/bench_NAME.t
     | grep -v "^{"
   mv "$OUT/model.json" "$OUT/model_$name.json" 2>/dev/null
 }
+old_rows() {     # SECONDS ARGS...: the same `bench model` rows with the older code of .ab/old.tar (an A/B in one call)
+  local seconds=$1; shift
+  mkdir -p /tmp/old && tar xf .ab/old.tar -C /tmp/old
+  (cd /tmp/old && PYTHONPATH=/tmp/site:/tmp/old timeout "$seconds" python3 -m runtime.experts.bench model "$@" \
+    --out "$OUT" 2>&1 | tee "$OUT/bench_q3_old.txt" | grep -v "^{")
+}
 cuda_tests() {   # SECONDS PYTEST-ARGS...: CUDA tests to $OUT/cuda_tests.log, its last lines printed
   local seconds=$1; shift
   timeout "$seconds" python3 -m pytest -q -p no:cacheprovider --device cuda "$@" > "$OUT/cuda_tests.log" 2>&1
@@ -262,9 +268,7 @@ elif [ "$1" = q ] || [ "$1" = r ]; then
   rows=(--models qwen3-30b-a3b --dense-int8 --budgets 8 --routings uniform --cpu-share 0.5 0.7 --modes graphs
         --tokens 64 --warmup 32 --prefill-budgets 99 --ttft-context 0)
   bench_rows 150 q3_new "${rows[@]}"
-  mkdir -p /tmp/old && tar xf .ab/old.tar -C /tmp/old
-  (cd /tmp/old && PYTHONPATH=/tmp/site:/tmp/old timeout 110 python3 -m runtime.experts.bench model "${rows[@]}" \
-    --out "$OUT" 2>&1 | tee "$OUT/bench_q3_old.txt" | grep -v "^{"); true
+  old_rows 110 "${rows[@]}"; true
 elif [ "$1" = s ]; then
   # run r's 58 us "prologue" was three fills (`sync[:] = 0`) that numba's parallel=True made regions of their own,
   # each started and joined by 14 threads; now plain loops (one region: a test counts them), the stages' counters
@@ -277,9 +281,7 @@ elif [ "$1" = s ]; then
   rows=(--models qwen3-30b-a3b --dense-int8 --budgets 8 --routings uniform --cpu-share 0.5 0.7 --modes graphs
         --tokens 64 --warmup 32 --prefill-budgets 99 --ttft-context 0)
   bench_rows 150 q3_new "${rows[@]}"
-  mkdir -p /tmp/old && tar xf .ab/old.tar -C /tmp/old
-  (cd /tmp/old && PYTHONPATH=/tmp/site:/tmp/old timeout 120 python3 -m runtime.experts.bench model "${rows[@]}" \
-    --out "$OUT" 2>&1 | tee "$OUT/bench_q3_old.txt" | grep -v "^{"); true
+  old_rows 120 "${rows[@]}"; true
 elif [ "$1" = t ] || [ "$1" = u ]; then
   # (u: run t's later rows found the lanes' bounded check-in failing and fell back to a region a request; now
   # nobody waits for a lane - counters run on, tasks taken by compare-and-swap - and qwen3.6 after)
@@ -293,9 +295,7 @@ elif [ "$1" = t ] || [ "$1" = u ]; then
   rows=(--models qwen3-30b-a3b --dense-int8 --budgets 8 --routings uniform --cpu-share 0.5 0.7 --modes graphs
         --tokens 64 --warmup 32 --prefill-budgets 99 --ttft-context 0)
   bench_rows 150 q3_new "${rows[@]}"
-  mkdir -p /tmp/old && tar xf .ab/old.tar -C /tmp/old
-  (cd /tmp/old && PYTHONPATH=/tmp/site:/tmp/old timeout 120 python3 -m runtime.experts.bench model "${rows[@]}" \
-    --out "$OUT" 2>&1 | tee "$OUT/bench_q3_old.txt" | grep -v "^{")
+  old_rows 120 "${rows[@]}"
   bench_rows 150 q3_more --models qwen3-30b-a3b --dense-int8 --budgets 4 8 --routings uniform --cpu-share 0.5 0.8 \
     --modes graphs --tokens 64 --warmup 32 --prefill-budgets 99 --ttft-context 0
   [ "$1" = u ] && bench_rows 150 q36 --models qwen3.6-35b-a3b --dense-int8 --budgets 8 --routings uniform \

@@ -85,6 +85,22 @@ def _post(box, cpu, layer, gen, t=2):
     return _want(cpu, layer, x, ids, w, table)
 
 
+@pytest.fixture
+def two_threads():
+    """The calling thread's numba threads set to two for the test, restored after."""
+    before = numba.get_num_threads()
+    numba.set_num_threads(2)
+    yield
+    numba.set_num_threads(before)
+
+
+def _direct(box, cpu, lanes):
+    """What serve_int8 needs besides the mailbox, as the worker makes it: its scratch, clock and marks."""
+    worker_like = CpuShareWorker.__new__(CpuShareWorker)
+    worker_like.box, worker_like.int8_args = box, cpu.int8_args()
+    return worker_like._scratch_for(lanes), np.zeros(2, dtype=np.int64), np.zeros(k8.N_PHASES, dtype=np.int64)
+
+
 def _serve(box, cpu, scratch, lanes, last, clock, phases):
     b = box._np
     return serve_int8(b["req"], b["resp"], b["meta"], b["ids"], b["weights"], b["x"], b["out"], last, 1000, clock,
@@ -92,45 +108,29 @@ def _serve(box, cpu, scratch, lanes, last, clock, phases):
 
 
 @pytest.mark.skipif(numba.config.NUMBA_NUM_THREADS < 2, reason="needs 2 numba threads")
-def test_more_lanes_than_threads_still_answer_every_request(cpu):
+def test_more_lanes_than_threads_still_answer_every_request(cpu, two_threads):
     """Three lanes on two threads: one thread runs two lanes one after the other, so one lane only comes in once
     lane 0 has left. Nobody waits for a lane (each request's tasks go to whoever takes them), so lane 0 and the
     other thread serve everything, and the late lane finds nothing left to do."""
     box = _box()
     gen = torch.Generator().manual_seed(6)
-    worker_like = CpuShareWorker.__new__(CpuShareWorker)
-    worker_like.box, worker_like.int8_args = box, cpu.int8_args()
-    scratch = worker_like._scratch_for(3)
-    clock, phases = np.zeros(2, dtype=np.int64), np.zeros(k8.N_PHASES, dtype=np.int64)
-    before = numba.get_num_threads()
-    numba.set_num_threads(2)
-    try:
-        last = 0
-        for step in range(3):
-            want = _post(box, cpu, step % 2, gen)
-            last = _serve(box, cpu, scratch, 3, last, clock, phases)
-            assert last == int(box.ticket[0]) == step + 1
-            assert torch.equal(collect_reference(torch.zeros(2, D), box), want), step
-        assert clock[1] == 3 and phases[-1] == 3
-    finally:
-        numba.set_num_threads(before)
+    scratch, clock, phases = _direct(box, cpu, 3)
+    last = 0
+    for step in range(3):
+        want = _post(box, cpu, step % 2, gen)
+        last = _serve(box, cpu, scratch, 3, last, clock, phases)
+        assert last == int(box.ticket[0]) == step + 1
+        assert torch.equal(collect_reference(torch.zeros(2, D), box), want), step
+    assert clock[1] == 3 and phases[-1] == 3
 
 
 @pytest.mark.skipif(numba.config.NUMBA_NUM_THREADS < 2, reason="needs 2 numba threads")
-def test_two_lanes_on_two_threads_serve_in_one_region(cpu):
+def test_two_lanes_on_two_threads_serve_in_one_region(cpu, two_threads):
     box = _box()
     gen = torch.Generator().manual_seed(7)
-    worker_like = CpuShareWorker.__new__(CpuShareWorker)
-    worker_like.box, worker_like.int8_args = box, cpu.int8_args()
-    scratch = worker_like._scratch_for(2)
-    clock, phases = np.zeros(2, dtype=np.int64), np.zeros(k8.N_PHASES, dtype=np.int64)
-    before = numba.get_num_threads()
-    numba.set_num_threads(2)
-    try:
-        want = _post(box, cpu, 1, gen, t=3)
-        assert _serve(box, cpu, scratch, 2, 0, clock, phases) == 1
-        assert torch.equal(collect_reference(torch.zeros(3, D), box), want)
-        assert scratch[-1][k8.CTL_GEN] == 2 and clock[1] == 1      # the request, then the quit
-        assert phases[-1] == 1                      # the lanes marked their one request
-    finally:
-        numba.set_num_threads(before)
+    scratch, clock, phases = _direct(box, cpu, 2)
+    want = _post(box, cpu, 1, gen, t=3)
+    assert _serve(box, cpu, scratch, 2, 0, clock, phases) == 1
+    assert torch.equal(collect_reference(torch.zeros(3, D), box), want)
+    assert scratch[-1][k8.CTL_GEN] == 2 and clock[1] == 1      # the request, then the quit
+    assert phases[-1] == 1                      # the lanes marked their one request
