@@ -53,6 +53,11 @@ bench_rows() {   # SECONDS NAME ARGS...: `bench model` rows to $OUT/bench_NAME.t
     | grep -v "^{"
   mv "$OUT/model.json" "$OUT/model_$name.json" 2>/dev/null
 }
+cpu_requests() {   # SECONDS: the worker on small requests (14 threads, 1/3/8 experts), its lines printed
+  timeout "$1" python3 benchmarks/bench_cpu_requests.py --threads 14 --experts 1 3 8 --no-sweeps \
+    --json "$OUT/cpu_requests.json" > "$OUT/cpu_requests.txt" 2>&1
+  echo "cpu_requests rc=$?"; grep -v Warning "$OUT/cpu_requests.txt" | grep -v "@njit"
+}
 old_rows() {     # SECONDS ARGS...: the same `bench model` rows with the older code of .ab/old.tar (an A/B in one call)
   local seconds=$1; shift
   mkdir -p /tmp/old && tar xf .ab/old.tar -C /tmp/old
@@ -262,9 +267,7 @@ elif [ "$1" = q ] || [ "$1" = r ]; then
   # run p: each static region took ~150 us whatever its work, the serial quantisations ~90 us. Now one region whose
   # threads take tasks from counters. The same rows with the kernel before (65ddd07, from .ab/old.tar) in the same
   # machine: hosts differ run to run (the same row measured 43.6-72.1 tok/s in runs n-p)
-  timeout 100 python3 benchmarks/bench_cpu_requests.py --threads 14 --experts 1 3 8 --no-sweeps \
-    --json "$OUT/cpu_requests.json" > "$OUT/cpu_requests.txt" 2>&1
-  echo "cpu_requests rc=$?"; grep -v Warning "$OUT/cpu_requests.txt" | grep -v "@njit"
+  cpu_requests 100
   rows=(--models qwen3-30b-a3b --dense-int8 --budgets 8 --routings uniform --cpu-share 0.5 0.7 --modes graphs
         --tokens 64 --warmup 32 --prefill-budgets 99 --ttft-context 0)
   bench_rows 150 q3_new "${rows[@]}"
@@ -275,9 +278,7 @@ elif [ "$1" = s ]; then
   # a stride apart, down tasks of 32 rows, and the lane that finishes the last task answers (no wait for the join).
   # The CUDA tests first (the answer moved into the kernel), then the same rows against 083088a (.ab/old.tar)
   cuda_tests 150 tests/test_hybrid_zero_copy.py -k "compiled or graph_step or error_flag"
-  timeout 90 python3 benchmarks/bench_cpu_requests.py --threads 14 --experts 1 3 8 --no-sweeps \
-    --json "$OUT/cpu_requests.json" > "$OUT/cpu_requests.txt" 2>&1
-  echo "cpu_requests rc=$?"; grep -v Warning "$OUT/cpu_requests.txt" | grep -v "@njit"
+  cpu_requests 90
   rows=(--models qwen3-30b-a3b --dense-int8 --budgets 8 --routings uniform --cpu-share 0.5 0.7 --modes graphs
         --tokens 64 --warmup 32 --prefill-budgets 99 --ttft-context 0)
   bench_rows 150 q3_new "${rows[@]}"
@@ -289,9 +290,7 @@ elif [ "$1" = t ] || [ "$1" = u ]; then
   # start (its threads woken from libgomp's wait) and ~38 to join: no gain (66.4 vs 70.1 tok/s at 0.5). Now the
   # worker's lanes stay in one parallel region while requests come (serve_layers), lane 0 polling the mailbox
   cuda_tests 200 tests/test_hybrid_zero_copy.py tests/test_cpu_share_lanes.py -k "compiled or graph_step or error_flag or lanes"
-  timeout 90 python3 benchmarks/bench_cpu_requests.py --threads 14 --experts 1 3 8 --no-sweeps \
-    --json "$OUT/cpu_requests.json" > "$OUT/cpu_requests.txt" 2>&1
-  echo "cpu_requests rc=$?"; grep -v Warning "$OUT/cpu_requests.txt" | grep -v "@njit"
+  cpu_requests 90
   rows=(--models qwen3-30b-a3b --dense-int8 --budgets 8 --routings uniform --cpu-share 0.5 0.7 --modes graphs
         --tokens 64 --warmup 32 --prefill-budgets 99 --ttft-context 0)
   bench_rows 150 q3_new "${rows[@]}"

@@ -673,8 +673,8 @@ def scratch_sizes(n_tokens: int, n_assign: int, n_experts: int, hidden: int, int
     kernel allocates nothing: run q measured its ~20 small allocations at ~90 µs a request on the GPU machine's
     host, as long as the gate/up rows)."""
     a, t = n_assign, n_tokens
-    i64 = ((n_experts + 1) + 3 * a + 1 + 2 * N_STAGES + (2 * N_STAGES + 1) * SYNC_STRIDE   # counts, tok, uniq,
-           + max(1, lanes))                                         # starts, tasks, seen, sync, lanes
+    i64 = ((n_experts + 1) + 3 * a + 1 + N_STAGES + (2 * N_STAGES + 1) * SYNC_STRIDE   # counts, tok, uniq,
+           + max(1, lanes))                                         # starts, seen, sync, lanes
     f32 = a + 2 * t * (hidden // group) + a * inter + 2 * a * (inter // group) + a * hidden   # w, xs, xm, h, ...
     i8 = t * hidden + a * inter                                                  # xq, hq
     return i64, f32, i8
@@ -730,8 +730,6 @@ def _carve(s64, s32, s8, n_tok, n_a, n_exp, n_thr, d, i, group):
     at += n_a
     starts = s64[at:at + n_a + 1]
     at += n_a + 1
-    tasks = s64[at:at + N_STAGES]
-    at += N_STAGES
     sync = s64[at:at + (2 * N_STAGES + 1) * SYNC_STRIDE]  # per stage: tasks taken, tasks done, a stride apart
     at += (2 * N_STAGES + 1) * SYNC_STRIDE
     seen = s64[at:at + N_STAGES]                          # when a thread first saw each stage done
@@ -753,14 +751,14 @@ def _carve(s64, s32, s8, n_tok, n_a, n_exp, n_thr, d, i, group):
     y = s32[at:at + n_a * d].reshape((n_a, d))
     xq = s8[:n_tok * d]
     hq = s8[n_tok * d:n_tok * d + n_a * i]
-    return counts, tokens, experts, starts, tasks, sync, seen, t_in, weights, xs, xm, h, hs, hm, y, xq, hq
+    return counts, tokens, experts, starts, sync, seen, t_in, weights, xs, xm, h, hs, hm, y, xq, hq
 
 
 @njit(cache=True, inline="always")
 def _prepare(tokens_in, experts_in, weights_in, n_exp, n_tok, d, i, group, n_thr, v):
     """A call's serial start: its assignments sorted by expert, the marks cleared (plain loops: in a
     parallel=True function `seen[:] = 0` would be a parallel region of its own); each stage's task count."""
-    counts, tokens, experts, starts, tasks, sync, seen, t_in, weights = v[:9]
+    counts, tokens, experts, starts, sync, seen, t_in, weights = v[:8]
     n_u = group_by_expert(tokens_in, experts_in, weights_in, n_exp, n_tok, counts, tokens, weights, experts, starts)
     for j in range(N_STAGES):
         seen[j] = 0
@@ -782,8 +780,8 @@ def _stages(codec, buf, buf16, buf32, nbytes, offs, has_bias, i, group, table, x
     in the worker (`serve_layers`), so a call's tasks are base..base + count. The lane that finishes the call's
     last task stores `ticket` in answer[0] when answer is not empty (out is whole then). A stage's mark is kept
     only while gen_word[0] == gen (a lane late for its call does not mark the next one)."""
-    tokens, experts, starts, sync, seen = v[1], v[2], v[3], v[5], v[6]
-    weights, xs, xm, h, hs, hm, y, xq, hq = v[8:]
+    tokens, experts, starts, sync, seen = v[1], v[2], v[3], v[4], v[5]
+    weights, xs, xm, h, hs, hm, y, xq, hq = v[7:]
     d = x.shape[1]
     o = offs
     nb = np.uint64(nbytes)
@@ -840,23 +838,19 @@ def _stages(codec, buf, buf16, buf32, nbytes, offs, has_bias, i, group, table, x
             if _fetch_add(sync, (2 * stage + 2) * SYNC_STRIDE, 1) == end - 1 and stage == N_STAGES - 1 \
                     and answer.shape[0] > 0:
                 _store_release(answer, 0, ticket)     # the last task: out is whole
-        _wait_at_least(sync, (2 * stage + 2) * SYNC_STRIDE, end, -1)    # the stage done on every lane
+        _wait_at_least(sync, (2 * stage + 2) * SYNC_STRIDE, end)    # the stage done on every lane
         if seen[stage] == 0 and _load_acquire(gen_word, 0) == gen:   # (a benign race: any lane's time is fair)
             seen[stage] = _cycles()
 
 
 @njit(cache=True, inline="always")
-def _wait_at_least(word, index, value, limit):
-    """Poll word[index] until it is >= value, yielding every YIELD_EVERY polls; False after `limit` polls
-    (limit < 0: no limit)."""
+def _wait_at_least(word, index, value):
+    """Poll word[index] until it is >= value, yielding every YIELD_EVERY polls."""
     polls = 0
     while _load_acquire(word, index) < value:
         polls += 1
         if polls % YIELD_EVERY == 0:
             _yield_cpu()
-        if 0 <= limit < polls:
-            return False
-    return True
 
 
 @njit(cache=True, inline="always")
@@ -913,7 +907,7 @@ def moe_layer_int8(codec, buf, buf16, buf32, nbytes, offs, has_bias, i, group, t
     n_thr = max(1, lanes)
     v = _carve(s64, s32, s8, n_tok, n_a, n_exp, n_thr, d, i, group)
     n0, n1, n2, n3, n4 = _prepare(tokens_in, experts_in, weights_in, n_exp, n_tok, d, i, group, n_thr, v)
-    sync, seen, t_in = v[5], v[6], v[7]
+    sync, seen, t_in = v[4], v[5], v[6]
     for j in range(sync.shape[0]):
         sync[j] = 0
     plan = (0, 0, 0, 0, 0, n0, n1, n2, n3, n4)
@@ -929,8 +923,8 @@ def moe_layer_int8(codec, buf, buf16, buf32, nbytes, offs, has_bias, i, group, t
 # The worker's lanes between requests (`serve_layers`): shared words of `ctl`, the first three each on its own
 # 128 bytes; lane 0 writes the request's parameters (its plan: the stages' counter bases, then task counts)
 CTL_GEN, CTL_BEGIN, CTL_QUIT, CTL_PLAN = (j * SYNC_STRIDE for j in range(4))   # request published, being written
-CTL_LAYER, CTL_A, CTL_T, CTL_TICKET, CTL_C0, CTL_LAST = (CTL_PLAN + 2 * N_STAGES + j for j in range(6))
-CTL_SIZE = CTL_PLAN + 2 * N_STAGES + 6
+CTL_LAYER, CTL_A, CTL_TICKET, CTL_C0, CTL_LAST = (CTL_PLAN + 2 * N_STAGES + j for j in range(5))
+CTL_SIZE = CTL_PLAN + 2 * N_STAGES + 5
 
 
 @njit(parallel=True, cache=True, fastmath=True, nogil=True)
@@ -960,7 +954,7 @@ def serve_layers(req, resp, meta, ids, weights, x, out, last, spins, clock, phas
     k = a_max // t_max
     n_exp = bufs[0].shape[0] // nbytes
     v = _carve(s64, s32, s8, t_max, a_max, n_exp, n_thr, d, inter, group)
-    sync, seen, t_in = v[5], v[6], v[7]
+    sync, seen, t_in = v[4], v[5], v[6]
     for j in range(sync.shape[0]):
         sync[j] = 0
     for j in range(ctl.shape[0]):
@@ -1014,7 +1008,7 @@ def serve_layers(req, resp, meta, ids, weights, x, out, last, spins, clock, phas
                 phases[0] += _cycles() - c0
                 _store_release(ctl, CTL_GEN, g)
             else:
-                _wait_at_least(ctl, CTL_GEN, mine + 1, -1)
+                _wait_at_least(ctl, CTL_GEN, mine + 1)
                 g = _load_acquire(ctl, CTL_GEN)     # before QUIT: the quitting generation comes with QUIT set
                 if _load_acquire(ctl, CTL_QUIT):
                     break

@@ -49,8 +49,8 @@ QUIET_SLEEP_S = 0.005         # ...every 5 ms
 try:
     from numba import njit
 
-    from runtime.experts.cpu_kernels_int8 import (CTL_SIZE, N_PHASES, _cycles, _load_acquire, _store_release,
-                                                  moe_layer_int8, serve_layers)
+    from runtime.experts.cpu_kernels_int8 import CTL_SIZE, N_PHASES, _cycles, _load_acquire, _store_release, \
+        serve_layers
 
     @njit(nogil=True, cache=True)
     def spin_until_changed(word, last, spins):
@@ -84,48 +84,15 @@ try:
 
         The poll runs on this thread alone; once a request comes, `serve_layers` serves it and every one after it
         with all lanes kept in one parallel region until the spin ends (an idle worker keeps one core busy, not
-        all of them). One lane: each request is one call of `moe_layer_int8`.
+        all of them).
 
         numba's cache keys this function by this file only: after editing cpu_kernels_int8.py (whose kernels
         are compiled into it), clear runtime/experts/__pycache__/*.nb?, or a stale build runs."""
-        k = ids.shape[0] // x.shape[0]
-        while True:
-            seq = _load_acquire(req, 0)
-            n = 0
-            while seq == last and n < spins:
-                seq = _load_acquire(req, 0)
-                n += 1
-            if seq == last:
-                return last
-            if lanes > 1:
-                return serve_layers(req, resp, meta, ids, weights, x, out, last, spins, clock, phases, lanes, sel64,
-                                    sel32, s64, s32, s8, ctl, codec, bufs, g_scale, u_scale, d_scale, nbytes, offs,
-                                    has_bias, inter, group, table, activation, alpha, limit)
-            c0 = _cycles()
-            li, t = meta[0], meta[1]
-            a = 0
-            for j in range(t * k):
-                if ids[j] >= 0:
-                    a += 1
-            tok = sel64[:a]
-            exp = sel64[a:2 * a]
-            w = sel32[:a]
-            a = 0
-            for j in range(t * k):
-                if ids[j] >= 0:
-                    tok[a], exp[a], w[a] = j // k, ids[j], weights[j]
-                    a += 1
-            rows = out[:t]
-            rows[:] = 0.0
-            clock[1] += 1                        # counted before the answer: whoever sees it sees the count
-            if a:
-                buf = bufs[li]
-                moe_layer_int8(codec, buf, buf.view(np.uint16), buf.view(np.float32), nbytes, offs, has_bias, inter,
-                               group, table, x[:t], tok, exp, w, g_scale[li], u_scale[li], d_scale[li], activation,
-                               alpha, limit, rows, phases, lanes, s64, s32, s8, resp, seq)   # answers at its last task
-            _store_release(resp, 0, seq)         # (again, or the first time when no assignment was the CPU's)
-            clock[0] += _cycles() - c0           # to the region's join: one answer behind a reader of the clock
-            last = seq
+        if spin_until_changed(req, last, spins) == last:
+            return last
+        return serve_layers(req, resp, meta, ids, weights, x, out, last, spins, clock, phases, lanes, sel64, sel32,
+                            s64, s32, s8, ctl, codec, bufs, g_scale, u_scale, d_scale, nbytes, offs, has_bias, inter,
+                            group, table, activation, alpha, limit)
 
     HAVE_NUMBA = True
 except ImportError:           # numba absent: the worker polls in Python (tests; the real path needs numba)
@@ -307,15 +274,14 @@ class CpuShareWorker:
     def _serve_compiled(self, last: int, spins: int) -> int:
         """Every request that comes within `spins` polls, in compiled code; the last ticket answered."""
         b = self.box._np
-        seq = int(serve_int8(b["req"], b["resp"], b["meta"], b["ids"], b["weights"], b["x"], b["out"], last, spins,
-                             self._clock, self._phases, self._lanes, *self._scratch, *self.int8_args))
-        return seq
+        return int(serve_int8(b["req"], b["resp"], b["meta"], b["ids"], b["weights"], b["x"], b["out"], last, spins,
+                              self._clock, self._phases, self._lanes, *self._scratch, *self.int8_args))
 
     @property
     def kernel_seconds(self) -> float | None:
-        """Compiled serving: seconds from seeing requests to the kernel's return (its join; the GPU had the answer
-        at the kernel's last task, ~20 µs before), not the wait for them, by the CPU's cycle counter; None where
-        that clock is unavailable."""
+        """Compiled serving: seconds from seeing requests to lane 0's end of each (the GPU has the answer at the
+        last task, a few µs before), not the wait for them, by the CPU's cycle counter; None where that clock is
+        unavailable."""
         if not self._cycles_per_s:
             return None
         return float(self._clock[0]) / self._cycles_per_s
