@@ -359,6 +359,7 @@ import sys
 sys.path.insert(0, "tests")
 import test_cpu_kernels_int8 as t
 print("regions", t.count_layer_kernel_regions())
+print("refcounts", t.count_stage_refcounts())
 """
 
 
@@ -382,10 +383,18 @@ def count_layer_kernel_regions() -> int:
     return len(compiled.metadata["parfor_diagnostics"].initial_parfors)
 
 
+def count_stage_refcounts() -> int:
+    """NRT reference-count calls in the stages' code as compiled (afresh: after count_layer_kernel_regions)."""
+    import re
+    return sum(len(re.findall(r"call void @NRT_(?:incref|decref)", k8._stages.inspect_llvm(sig)))
+               for sig in k8._stages.signatures)
+
+
 def test_the_layer_kernel_is_one_parallel_region(tmp_path):
     """numba makes a parallel region of every whole-array expression in a parallel=True function (`a[:] = 0`),
     and each costs ~20 µs to start and join on the GPU machine's 16 cores (three fills were run r's 58 µs
-    "prologue" a request): the kernel has its prange alone. In a subprocess with LLVM's optimiser off
+    "prologue" a request): the kernel has its prange alone; and the stages it runs count no references. In a
+    subprocess with LLVM's optimiser off
     (NUMBA_OPT=0: the regions are counted before LLVM; it halves the ~75 s compile) and a cache of its own."""
     import os
     import subprocess
@@ -398,6 +407,10 @@ def test_the_layer_kernel_is_one_parallel_region(tmp_path):
                          cwd=root, env=env)
     assert run.returncode == 0, run.stderr[-2000:]
     assert "regions 1" in run.stdout, run.stdout
+    # the stages are a function of their own (compiled once for the kernel and the worker's loop), called by each
+    # lane: with numba's reference counting on, every helper inlined into it counted the shared arrays it was
+    # passed - atomics on the same words from every lane at every row, ~10x slower on 14 lanes (runs w, x)
+    assert "refcounts 0" in run.stdout, run.stdout
 
 
 def test_a_flavour_can_be_picked_for_measurements_with_its_own_cache(monkeypatch):

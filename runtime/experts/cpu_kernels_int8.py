@@ -771,7 +771,14 @@ def _prepare(tokens_in, experts_in, weights_in, n_exp, n_tok, d, i, group, n_thr
 SUM_COLS = 256           # output columns per task of the weighted sum
 
 
-@njit(cache=True, fastmath=True, inline="always")
+# A function of its own, not inlined into its two callers (the per-call kernel and the worker's loop): numba
+# compiles and optimises it once, where inlined each caller's parallel region re-ran it through LLVM (a fresh
+# install compiled the kernels for ~150 s on the 2-core dev VM, ~120 s on the GPU machine; now ~70 and ~55).
+# _nrt=False: without it every helper inlined here increfs and decrefs the shared arrays it is passed - atomics
+# on the same words from every lane at every row, ~10x slower on 14 lanes (session 10's runs w and x; inside the
+# region's own function numba had pruned them). It allocates nothing, so it needs no reference counts (a test
+# checks its compiled code has none).
+@njit(cache=True, fastmath=True, nogil=True, _nrt=False)
 def _stages(codec, buf, buf16, buf32, nbytes, offs, has_bias, i, group, table, x, n_a, gate_scale, up_scale,
             down_scale, activation, alpha, limit, out, v, plan, answer, ticket, gen_word, gen):
     """One lane's part of a call: each stage's tasks taken from its counter until none is left, then a wait until
@@ -910,13 +917,14 @@ def moe_layer_int8(codec, buf, buf16, buf32, nbytes, offs, has_bias, i, group, t
     sync, seen, t_in = v[4], v[5], v[6]
     for j in range(sync.shape[0]):
         sync[j] = 0
-    plan = (0, 0, 0, 0, 0, n0, n1, n2, n3, n4)
+    zero = np.int64(0)                                    # (typed as serve_layers' plan: _stages compiles once)
+    plan = (zero, zero, zero, zero, zero, n0, n1, n2, n3, n4)
     always = sync[:1]                                     # gen_word: sync[0] is padding, 0 throughout
     phases[0] += _cycles() - c0
     for lane in prange(n_thr):
         t_in[lane] = _cycles()
         _stages(codec, buf, buf16, buf32, nbytes, offs, has_bias, i, group, table, x, n_a, gate_scale, up_scale,
-                down_scale, activation, alpha, limit, out, v, plan, answer, ticket, always, 0)
+                down_scale, activation, alpha, limit, out, v, plan, answer, ticket, always, zero)
     _mark_phases(phases, c0, t_in, n_thr, seen, _cycles())
 
 
