@@ -46,6 +46,7 @@ def _want(cpu, layer, x, ids, w, table):
 def test_the_lanes_answer_request_after_request_as_the_executor_does(cpu):
     box = _box()
     worker = CpuShareWorker(box, None, int8_args=cpu.int8_args(), threads=2)
+    compiled = set(k8.serve_layers.signatures)   # the worker compiled its loop while it was built...
     gen = torch.Generator().manual_seed(5)
     try:
         for step in range(12):
@@ -61,6 +62,7 @@ def test_the_lanes_answer_request_after_request_as_the_executor_does(cpu):
                 assert torch.equal(got, _want(cpu, layer, x, ids, w, table)), step
             assert worker.error is None and int(box.error[0]) == 0
         assert worker.kernel_requests == int(box.ticket[0]) > 8
+        assert set(k8.serve_layers.signatures) == compiled    # ...for the types it serves with: not again at a request
         worker.close()                               # (its last spin ends: the region quits)
         ctl = worker._scratch[-1]
         assert ctl[k8.CTL_QUIT] == 1 and ctl[k8.CTL_GEN] >= 2   # served by the lanes' region (requests + its quit)

@@ -71,12 +71,11 @@ try:
     def read_cycles():
         return _cycles()
 
-    @njit(nogil=True, cache=True)
     def serve_int8(req, resp, meta, ids, weights, x, out, last, spins, clock, phases, lanes, sel64, sel32, s64, s32,
                    s8, ctl, codec, bufs, g_scale, u_scale, d_scale, nbytes, offs, has_bias, inter, group, table,
                    activation, alpha, limit):
-        """The worker's whole request loop in compiled code, without the GIL: poll the request word, gather the
-        CPU's assignments, run the int8 kernel over the layer's blocks, answer. Returns the last ticket served
+        """The worker's request loop, in compiled code without the GIL: poll the request word, gather the CPU's
+        assignments, run the int8 kernel over the layer's blocks, answer. Returns the last ticket served
         once `spins` polls saw nothing new (the Python side then checks its stop flag and naps). clock [2] int64
         accumulates the cycles from seeing a request to the kernel's end, and the requests answered; phases the
         kernel's own time marks (cpu_kernels_int8.PHASES); lanes its threads; sel64 [2A], sel32 [A] and s64, s32,
@@ -84,10 +83,10 @@ try:
 
         The poll runs on this thread alone; once a request comes, `serve_layers` serves it and every one after it
         with all lanes kept in one parallel region until the spin ends (an idle worker keeps one core busy, not
-        all of them).
-
-        numba's cache keys this function by this file only: after editing cpu_kernels_int8.py (whose kernels
-        are compiled into it), clear runtime/experts/__pycache__/*.nb?, or a stale build runs."""
+        all of them). The step between the two is Python's, once a burst of requests (~10 µs of dispatch): as a
+        compiled function of its own this loop made numba optimise the whole kernel once more (~6 s of a fresh
+        install's compile) and, cached by this file alone, ran a stale kernel after an edit of
+        cpu_kernels_int8.py."""
         if spin_until_changed(req, last, spins) == last:
             return last
         return serve_layers(req, resp, meta, ids, weights, x, out, last, spins, clock, phases, lanes, sel64, sel32,
@@ -206,8 +205,11 @@ class CpuShareWorker:
         if int8_args is not None and HAVE_NUMBA:
             import numba
             self._scratch = self._scratch_for(numba.config.NUMBA_NUM_THREADS)   # enough for any lane count
-            serve_int8(b["req"], b["resp"], b["meta"], b["ids"], b["weights"], b["x"], b["out"], int(b["req"][0]), 0,
-                       self._clock, self._phases, 1, *self._scratch, *int8_args)
+            # compiled for these arguments' types without running it (a parallel region run on this thread
+            # would leave it a pool of kernel threads for good: CpuExecutor.warm_up)
+            args = (b["req"], b["resp"], b["meta"], b["ids"], b["weights"], b["x"], b["out"], int(b["req"][0]), 0,
+                    self._clock, self._phases, 1, *self._scratch, *int8_args)
+            serve_layers.compile(tuple(numba.typeof(a) for a in args))
             self._cycles_per_s = _cycle_rate()
         self.error: BaseException | None = None
         self.served = 0
