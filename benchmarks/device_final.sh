@@ -34,6 +34,11 @@
 #   (device) bash benchmarks/device_final.sh u   # session 9: t again once nobody waits for a lane, and qwen3.6
 #   (device) bash benchmarks/device_final.sh v   # session 9: AVX-VNNI (256-bit) against AVX-512 dot products on
 #                                                # small requests, the learned share with the lanes
+#   (device) bash benchmarks/device_final.sh w   # session 10: compile times, v's ISA comparison with warmed caches,
+#                                                # lanes 6 vs 14 on small requests, the 8 GiB row against f09a455
+#   (device) bash benchmarks/device_final.sh x   # session 10: w's slow kernel undone but for _stages as a function
+#                                                # of its own (compile time), against f09a455
+#   (device) bash benchmarks/device_final.sh y   # session 10: x with reference counting off in _stages
 # carry .site (numba, llvmlite, fla-core, platformdirs unpacked, xz). Results under $OUT. Build .site once (the
 # wheels alone pass the 64 MiB carry limit; unpacked and xz-compressed they take ~44 MB):
 #   pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
@@ -302,7 +307,9 @@ elif [ "$1" = t ] || [ "$1" = u ]; then
 elif [ "$1" = v ]; then
   # run u: a lane's first tasks of a request run ~5x slower than its later ones (one expert in cache: ~20 us a
   # 32 KB task; eight: ~3.7). If the AVX-512 units power down while the lanes spin between requests, the 256-bit
-  # flavour (FREETOKEN_CPU_ISA=avxvnni, its own numba cache) avoids it. Then the learned share with the lanes
+  # flavour (FREETOKEN_CPU_ISA=avxvnni, its own numba cache) avoids it. Then the learned share with the lanes.
+  # First the CUDA tests of the worker's loop as f09a455 left it (one lane is a region of one)
+  cuda_tests 150 tests/test_hybrid_zero_copy.py tests/test_cpu_share_lanes.py
   for isa in default avxvnni; do
     env_isa=(); [ "$isa" = default ] || env_isa=(FREETOKEN_CPU_ISA=$isa NUMBA_CACHE_DIR=/tmp/nbc_$isa)
     env "${env_isa[@]}" timeout 100 python3 benchmarks/bench_cpu_requests.py --threads 14 --experts 1 3 8 \
@@ -315,6 +322,60 @@ elif [ "$1" = v ]; then
   [ -n "${WITH_AUTO:-}" ] && bench_rows 150 q3_auto --models qwen3-30b-a3b --dense-int8 --budgets 8 \
     --routings uniform --cpu-share 0.5 auto --modes graphs --tokens 64 --warmup 32 --prefill-budgets 99 \
     --ttft-context 0; true   # (WITH_AUTO=1: the learned share too; left out of run v, the device budget was short)
+elif [ "$1" = w ]; then
+  # session 10: run v's compiles timed out (a fresh compile of the kernels and the worker's loop took ~150 s on
+  # the dev VM; now ~60). Compile times of both trees, then v's ISA comparison with caches warmed first, the
+  # thread count on small requests (a fixed cost per stage from the task counters' contention grows with lanes;
+  # a 512-bit unit's warm-up does not), and the 8 GiB row against f09a455 (gate/up now one row site) and in ymm
+  mkdir -p /tmp/old && tar xf .ab/old.tar -C /tmp/old && cp benchmarks/warm_cpu_kernels.py /tmp/old/benchmarks/
+  (cd /tmp/old && PYTHONPATH=/tmp/site:/tmp/old timeout 250 python3 benchmarks/warm_cpu_kernels.py \
+    > "$OUT/warm_old.txt" 2>&1) &
+  FREETOKEN_CPU_ISA=avxvnni NUMBA_CACHE_DIR=/tmp/nbc_avxvnni timeout 250 python3 benchmarks/warm_cpu_kernels.py \
+    > "$OUT/warm_avxvnni.txt" 2>&1 &
+  timeout 250 python3 benchmarks/warm_cpu_kernels.py > "$OUT/warm_new.txt" 2>&1
+  cuda_tests 120 tests/test_hybrid_zero_copy.py tests/test_cpu_share_lanes.py
+  wait; grep "CPU kernels" "$OUT"/warm_*.txt
+  for isa in default avxvnni; do
+    env_isa=(); [ "$isa" = default ] || env_isa=(FREETOKEN_CPU_ISA=$isa NUMBA_CACHE_DIR=/tmp/nbc_$isa)
+    threads="14"; [ "$isa" = default ] && threads="6 14"
+    env "${env_isa[@]}" timeout 100 python3 benchmarks/bench_cpu_requests.py --threads $threads --experts 1 3 8 \
+      --no-sweeps --json "$OUT/cpu_requests_$isa.json" > "$OUT/cpu_requests_$isa.txt" 2>&1
+    echo "cpu_requests $isa rc=$?"; grep -v Warning "$OUT/cpu_requests_$isa.txt" | grep -v "@njit"
+  done
+  rows=(--models qwen3-30b-a3b --dense-int8 --budgets 8 --routings uniform --cpu-share 0.5 --modes graphs
+        --tokens 64 --warmup 32 --prefill-budgets 99 --ttft-context 0)
+  bench_rows 100 q3_new "${rows[@]}"
+  old_rows 100 "${rows[@]}"
+  FREETOKEN_CPU_ISA=avxvnni NUMBA_CACHE_DIR=/tmp/nbc_avxvnni bench_rows 100 q3_ymm "${rows[@]}"
+elif [ "$1" = x ]; then
+  # session 10: run w's kernel (_stages a function of its own, the odd-shape row path a call, gate/up one row
+  # site) ran ~10x slower on 14 lanes (1.8 ms a request; f09a455: 178 µs). This is the layer stages alone as a
+  # function (two row sites, everything inside it inlined): compile time, small requests, the row against f09a455
+  mkdir -p /tmp/old && tar xf .ab/old.tar -C /tmp/old && cp benchmarks/warm_cpu_kernels.py /tmp/old/benchmarks/
+  (cd /tmp/old && PYTHONPATH=/tmp/site:/tmp/old timeout 200 python3 benchmarks/warm_cpu_kernels.py \
+    2>&1 | grep "CPU kernels" | sed 's/^/f09a455: /') &
+  timeout 200 python3 benchmarks/warm_cpu_kernels.py 2>&1 | grep "CPU kernels" | sed 's/^/new: /'
+  cuda_tests 100 tests/test_cpu_share_lanes.py tests/test_hybrid_zero_copy.py -k "compiled or lanes or graph_step"
+  wait
+  cpu_requests 100
+  rows=(--models qwen3-30b-a3b --dense-int8 --budgets 8 --routings uniform --cpu-share 0.5 --modes graphs
+        --tokens 64 --warmup 32 --prefill-budgets 99 --ttft-context 0)
+  bench_rows 100 q3_new "${rows[@]}"
+  old_rows 100 "${rows[@]}"
+elif [ "$1" = y ]; then
+  # session 10: x's kernel was as slow as w's: _stages as a function of its own took NRT reference counts on the
+  # shared arrays at every inlined helper's call (per row, on 14 lanes: ~1.7 ms a heavy stage). The same with
+  # numba's reference counting off in _stages (_nrt=False: none left in its IR)
+  mkdir -p /tmp/old && tar xf .ab/old.tar -C /tmp/old && cp benchmarks/warm_cpu_kernels.py /tmp/old/benchmarks/
+  (cd /tmp/old && PYTHONPATH=/tmp/site:/tmp/old timeout 150 python3 benchmarks/warm_cpu_kernels.py \
+    2>&1 | grep "CPU kernels" | sed 's/^/f09a455: /') &
+  timeout 150 python3 benchmarks/warm_cpu_kernels.py 2>&1 | grep "CPU kernels" | sed 's/^/new: /'
+  cpu_requests 80
+  rows=(--models qwen3-30b-a3b --dense-int8 --budgets 8 --routings uniform --cpu-share 0.5 --modes graphs
+        --tokens 64 --warmup 32 --prefill-budgets 99 --ttft-context 0)
+  bench_rows 90 q3_new "${rows[@]}"
+  wait
+  old_rows 90 "${rows[@]}"
 else
   # decode rows through graphs only (eager rows cost minutes); the CPU share learned (auto; printed with a *),
   # fixed 0 and 0.3
