@@ -394,8 +394,8 @@ def test_the_layer_kernel_is_one_parallel_region(tmp_path):
     """numba makes a parallel region of every whole-array expression in a parallel=True function (`a[:] = 0`),
     and each costs ~20 µs to start and join on the GPU machine's 16 cores (three fills were run r's 58 µs
     "prologue" a request): the kernel has its prange alone; and the stages it runs count no references. In a
-    subprocess with LLVM's optimiser off
-    (NUMBA_OPT=0: the regions are counted before LLVM; it halves the ~75 s compile) and a cache of its own."""
+    subprocess with LLVM's optimiser off (NUMBA_OPT=0: both are counted before LLVM; ~25 s of compile instead of
+    ~40) and a cache of its own."""
     import os
     import subprocess
     import sys
