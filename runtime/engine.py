@@ -45,7 +45,8 @@ MAX_KEPT_RESULTS = 1024          # finished requests whose GenerationResult wait
 ProgressFn = Callable[[int, int, str], None]      # (done, total, stage)
 PrefillFn = Callable[[int, int], None]            # (done, total) prompt tokens
 # experts_factory(package, spec, *, device, dtype, vram_budget, cpu_experts_per_layer, progress,
-#                 context_length, max_sequences, dense_bytes_on_device) -> Experts
+#                 stage_progress, context_length, max_sequences, dense_bytes_on_device) -> Experts
+# (progress: the "experts" stage's (done, total); stage_progress(name): another stage's, for steps of its own)
 ExpertsFactory = Callable[..., Experts]
 
 
@@ -328,6 +329,7 @@ class Engine:
             # the dense weights are on the device already; the planner counts them itself, so it is told
             experts = factory(package, model.expert_spec(), device=dev, dtype=dtype, vram_budget=vram_budget,
                               cpu_experts_per_layer=cpu_experts_per_layer, progress=stage("experts"),
+                              stage_progress=stage,
                               context_length=context_length, max_sequences=max_batch,
                               dense_bytes_on_device=dense_bytes if dev.type == "cuda" else 0, **learned)
         except MemoryError as exc:   # the plan (or the device) says the experts do not fit

@@ -58,3 +58,29 @@ def test_the_engine_prefills_in_the_shorter_chunk_a_tight_plan_asks_for(ftw_pack
     assert chosen.plan["prefill_chunk"] == 5 and chosen.scheduler.config.prefill_chunk == 5
     prompt, greedy = [3, 17, 42, 5, 99, 7, 64, 12], SamplingParams(temperature=0.0, max_tokens=4, stop_token_ids=[])
     assert tight.generate(prompt, greedy).tokens == chosen.generate(prompt, greedy).tokens
+
+
+def test_a_load_whose_misses_run_on_the_cpu_shows_the_kernels_compiling_as_a_stage(ftw_packages):
+    """The CPU kernels compile at the first load on a machine (about a minute): the load's progress names that
+    step, between the experts' start and end, instead of sitting at "experts 0%"; a plan with every expert in
+    VRAM runs nothing on the CPU and shows no such stage."""
+    import functools
+
+    from runtime.engine import Engine
+    from runtime.experts.hybrid import KERNELS_STAGE
+    from runtime.experts.planner import GiB, Hardware
+
+    path = ftw_packages("qwen3_moe", "int4")
+    seen: list[tuple[int, int, str]] = []
+    Engine.load(path, device="cpu", experts_factory=functools.partial(hybrid_experts_factory, slots=6),
+                progress=lambda done, total, stage: seen.append((done, total, stage)))
+    kernels = [i for i, (_, _, stage) in enumerate(seen) if stage == KERNELS_STAGE]
+    assert [seen[i][:2] for i in kernels] == [(0, 1), (1, 1)]
+    experts_done = seen.index((1, 1, "experts"))
+    assert kernels[-1] < experts_done
+    seen.clear()
+    hw = Hardware(vram_free=8 * GiB, vram_total=8 * GiB, ram_total=16 * GiB, ram_available=16 * GiB,
+                  pinnable=8 * GiB, h2d_gbps=20.0, cpu_gbps=10.0, has_cuda=True)
+    Engine.load(path, device="cpu", experts_factory=functools.partial(hybrid_experts_factory, hardware=hw),
+                progress=lambda done, total, stage: seen.append((done, total, stage)))
+    assert (1, 1, "experts") in seen and all(stage != KERNELS_STAGE for _, _, stage in seen)

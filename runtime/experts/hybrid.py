@@ -137,7 +137,7 @@ class HybridExperts:
         self.cpu = CpuExecutor(store, spec, threads=options.cpu_threads)
         if options.slots < len(store.layers) * store.num_experts:
             # misses may run on the CPU: compile (or load from numba's cache) the kernel now, while the
-            # model loads, not during the first answer (a first compile takes ~20 s)
+            # model loads, not during the first answer (a first compile takes about a minute)
             self.cpu.warm_up(store.layers[0])
         self.split = SplitController(cpu_gbps=options.cpu_gbps, pcie_gbps=options.h2d_gbps if options.slots else 0.0)
         self.counters = ExpertStats()
@@ -825,7 +825,7 @@ def hybrid_experts_factory(package, spec: ExpertSpec, *, device, dtype, vram_bud
                            max_sequences: int = 1, hardware=None, slots: int | None = None, policy: str = "lru",
                            routing_stats_path: Path | None = None, prefetch: bool = False,
                            dense_bytes_on_device: int = 0, zero_copy: bool | None = None,
-                           cpu_share: float | None = None, **_unused):
+                           cpu_share: float | None = None, stage_progress=None, **_unused):
     """The engine's seam (runtime/engine.py `experts_factory`): plan, then build the tier the plan asks for.
 
     "gpu" -> every expert resident on the device (resident.py); "hybrid"/"cpu" -> HybridExperts with the
@@ -833,7 +833,9 @@ def hybrid_experts_factory(package, spec: ExpertSpec, *, device, dtype, vram_bud
     earlier runs at `routing_stats_path` seed the pinned hot set, so the cache starts warm; beside them
     (`policy.share_state_path`) the learned CPU share of zero-copy decode is remembered per model, VRAM budget,
     slot count and machine, so a learned share (`cpu_share=None`) starts where the last load of it ended.
-    `dense_bytes_on_device`: what the engine already placed on the GPU (the plan counts it itself)."""
+    `dense_bytes_on_device`: what the engine already placed on the GPU (the plan counts it itself).
+    `stage_progress(name)`: the load's progress for a stage of its own (KERNELS_STAGE, while the CPU kernels
+    compile or load from numba's cache - a minute the first time, which must not look like a hang)."""
     from runtime.experts.planner import Hardware, ModelShape, plan_memory
     from runtime.experts.resident import ResidentExperts
 
@@ -897,12 +899,21 @@ def hybrid_experts_factory(package, spec: ExpertSpec, *, device, dtype, vram_bud
                                                      {"codec": store.codec, "block_nbytes": store.block_nbytes,
                                                       "layers": list(store.layers), "experts": store.num_experts}),
                              machine=f"{cpu_model_name()} | {hw.gpu_name or device.type}")
+    kernels = stage_progress(KERNELS_STAGE) if stage_progress and n_slots < len(store.layers) * store.num_experts \
+        else None                        # misses run on the CPU: the tier compiles its kernels as it is built
+    if kernels:
+        kernels(0, 1)
     experts = _build_hybrid(store, spec, device=device, dtype=dtype, options=options, routing=stats,
                             prefetcher=prefetcher, share_memory=memory)
+    if kernels:
+        kernels(1, 1)
     experts.planned = plan.to_dict()
     if progress:
         progress(1, 1)
     return experts
+
+
+KERNELS_STAGE = "CPU expert kernels (compiled on the first load: about a minute)"
 
 
 def _build_hybrid(store, spec, *, device, dtype, options, routing, prefetcher=None, share_memory=None):
