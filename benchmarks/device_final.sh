@@ -63,9 +63,20 @@ cpu_requests() {   # SECONDS: the worker on small requests (14 threads, 1/3/8 ex
     --json "$OUT/cpu_requests.json" > "$OUT/cpu_requests.txt" 2>&1
   echo "cpu_requests rc=$?"; grep -v Warning "$OUT/cpu_requests.txt" | grep -v "@njit"
 }
+old_tree() {     # .ab/old.tar unpacked in /tmp/old (the older code of an A/B in one call), with today's warm script
+  mkdir -p /tmp/old && tar xf .ab/old.tar -C /tmp/old && cp benchmarks/warm_cpu_kernels.py /tmp/old/benchmarks/
+}
+warm() {         # SECONDS LABEL [old]: a fresh compile of the CPU kernels timed (and cached), its line printed
+  local seconds=$1 label=$2 dir=$PWD
+  [ "${3:-}" = old ] && old_tree && dir=/tmp/old
+  (cd "$dir" && PYTHONPATH=/tmp/site:$dir timeout "$seconds" python3 benchmarks/warm_cpu_kernels.py 2>&1 \
+    | grep "CPU kernels" | sed "s/^/$label: /")
+}
+Q3_ROW=(--models qwen3-30b-a3b --dense-int8 --budgets 8 --routings uniform --cpu-share 0.5 --modes graphs
+        --tokens 64 --warmup 32 --prefill-budgets 99 --ttft-context 0)   # session 10's 8 GiB row at share 0.5
 old_rows() {     # SECONDS ARGS...: the same `bench model` rows with the older code of .ab/old.tar (an A/B in one call)
   local seconds=$1; shift
-  mkdir -p /tmp/old && tar xf .ab/old.tar -C /tmp/old
+  old_tree
   (cd /tmp/old && PYTHONPATH=/tmp/site:/tmp/old timeout "$seconds" python3 -m runtime.experts.bench model "$@" \
     --out "$OUT" 2>&1 | tee "$OUT/bench_q3_old.txt" | grep -v "^{")
 }
@@ -327,14 +338,11 @@ elif [ "$1" = w ]; then
   # the dev VM; now ~60). Compile times of both trees, then v's ISA comparison with caches warmed first, the
   # thread count on small requests (a fixed cost per stage from the task counters' contention grows with lanes;
   # a 512-bit unit's warm-up does not), and the 8 GiB row against f09a455 (gate/up now one row site) and in ymm
-  mkdir -p /tmp/old && tar xf .ab/old.tar -C /tmp/old && cp benchmarks/warm_cpu_kernels.py /tmp/old/benchmarks/
-  (cd /tmp/old && PYTHONPATH=/tmp/site:/tmp/old timeout 250 python3 benchmarks/warm_cpu_kernels.py \
-    > "$OUT/warm_old.txt" 2>&1) &
-  FREETOKEN_CPU_ISA=avxvnni NUMBA_CACHE_DIR=/tmp/nbc_avxvnni timeout 250 python3 benchmarks/warm_cpu_kernels.py \
-    > "$OUT/warm_avxvnni.txt" 2>&1 &
-  timeout 250 python3 benchmarks/warm_cpu_kernels.py > "$OUT/warm_new.txt" 2>&1
+  warm 250 f09a455 old &
+  FREETOKEN_CPU_ISA=avxvnni NUMBA_CACHE_DIR=/tmp/nbc_avxvnni warm 250 avxvnni &
+  warm 250 new
   cuda_tests 120 tests/test_hybrid_zero_copy.py tests/test_cpu_share_lanes.py
-  wait; grep "CPU kernels" "$OUT"/warm_*.txt
+  wait
   for isa in default avxvnni; do
     env_isa=(); [ "$isa" = default ] || env_isa=(FREETOKEN_CPU_ISA=$isa NUMBA_CACHE_DIR=/tmp/nbc_$isa)
     threads="14"; [ "$isa" = default ] && threads="6 14"
@@ -342,40 +350,30 @@ elif [ "$1" = w ]; then
       --no-sweeps --json "$OUT/cpu_requests_$isa.json" > "$OUT/cpu_requests_$isa.txt" 2>&1
     echo "cpu_requests $isa rc=$?"; grep -v Warning "$OUT/cpu_requests_$isa.txt" | grep -v "@njit"
   done
-  rows=(--models qwen3-30b-a3b --dense-int8 --budgets 8 --routings uniform --cpu-share 0.5 --modes graphs
-        --tokens 64 --warmup 32 --prefill-budgets 99 --ttft-context 0)
-  bench_rows 100 q3_new "${rows[@]}"
-  old_rows 100 "${rows[@]}"
-  FREETOKEN_CPU_ISA=avxvnni NUMBA_CACHE_DIR=/tmp/nbc_avxvnni bench_rows 100 q3_ymm "${rows[@]}"
+  bench_rows 100 q3_new "${Q3_ROW[@]}"
+  old_rows 100 "${Q3_ROW[@]}"
+  FREETOKEN_CPU_ISA=avxvnni NUMBA_CACHE_DIR=/tmp/nbc_avxvnni bench_rows 100 q3_ymm "${Q3_ROW[@]}"
 elif [ "$1" = x ]; then
   # session 10: run w's kernel (_stages a function of its own, the odd-shape row path a call, gate/up one row
   # site) ran ~10x slower on 14 lanes (1.8 ms a request; f09a455: 178 µs). This is the layer stages alone as a
   # function (two row sites, everything inside it inlined): compile time, small requests, the row against f09a455
-  mkdir -p /tmp/old && tar xf .ab/old.tar -C /tmp/old && cp benchmarks/warm_cpu_kernels.py /tmp/old/benchmarks/
-  (cd /tmp/old && PYTHONPATH=/tmp/site:/tmp/old timeout 200 python3 benchmarks/warm_cpu_kernels.py \
-    2>&1 | grep "CPU kernels" | sed 's/^/f09a455: /') &
-  timeout 200 python3 benchmarks/warm_cpu_kernels.py 2>&1 | grep "CPU kernels" | sed 's/^/new: /'
+  warm 200 f09a455 old &
+  warm 200 new
   cuda_tests 100 tests/test_cpu_share_lanes.py tests/test_hybrid_zero_copy.py -k "compiled or lanes or graph_step"
   wait
   cpu_requests 100
-  rows=(--models qwen3-30b-a3b --dense-int8 --budgets 8 --routings uniform --cpu-share 0.5 --modes graphs
-        --tokens 64 --warmup 32 --prefill-budgets 99 --ttft-context 0)
-  bench_rows 100 q3_new "${rows[@]}"
-  old_rows 100 "${rows[@]}"
+  bench_rows 100 q3_new "${Q3_ROW[@]}"
+  old_rows 100 "${Q3_ROW[@]}"
 elif [ "$1" = y ]; then
   # session 10: x's kernel was as slow as w's: _stages as a function of its own took NRT reference counts on the
   # shared arrays at every inlined helper's call (per row, on 14 lanes: ~1.7 ms a heavy stage). The same with
   # numba's reference counting off in _stages (_nrt=False: none left in its IR)
-  mkdir -p /tmp/old && tar xf .ab/old.tar -C /tmp/old && cp benchmarks/warm_cpu_kernels.py /tmp/old/benchmarks/
-  (cd /tmp/old && PYTHONPATH=/tmp/site:/tmp/old timeout 150 python3 benchmarks/warm_cpu_kernels.py \
-    2>&1 | grep "CPU kernels" | sed 's/^/f09a455: /') &
-  timeout 150 python3 benchmarks/warm_cpu_kernels.py 2>&1 | grep "CPU kernels" | sed 's/^/new: /'
+  warm 150 f09a455 old &
+  warm 150 new
   cpu_requests 80
-  rows=(--models qwen3-30b-a3b --dense-int8 --budgets 8 --routings uniform --cpu-share 0.5 --modes graphs
-        --tokens 64 --warmup 32 --prefill-budgets 99 --ttft-context 0)
-  bench_rows 90 q3_new "${rows[@]}"
+  bench_rows 90 q3_new "${Q3_ROW[@]}"
   wait
-  old_rows 90 "${rows[@]}"
+  old_rows 90 "${Q3_ROW[@]}"
 else
   # decode rows through graphs only (eager rows cost minutes); the CPU share learned (auto; printed with a *),
   # fixed 0 and 0.3

@@ -74,8 +74,8 @@ try:
     def serve_int8(req, resp, meta, ids, weights, x, out, last, spins, clock, phases, lanes, sel64, sel32, s64, s32,
                    s8, ctl, codec, bufs, g_scale, u_scale, d_scale, nbytes, offs, has_bias, inter, group, table,
                    activation, alpha, limit):
-        """The worker's request loop, in compiled code without the GIL: poll the request word, gather the CPU's
-        assignments, run the int8 kernel over the layer's blocks, answer. Returns the last ticket served
+        """The worker's request loop: poll the request word, gather the CPU's assignments, run the int8 kernel
+        over the layer's blocks, answer - in two compiled steps without the GIL. Returns the last ticket served
         once `spins` polls saw nothing new (the Python side then checks its stop flag and naps). clock [2] int64
         accumulates the cycles from seeing a request to the kernel's end, and the requests answered; phases the
         kernel's own time marks (cpu_kernels_int8.PHASES); lanes its threads; sel64 [2A], sel32 [A] and s64, s32,

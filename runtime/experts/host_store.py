@@ -194,8 +194,13 @@ class HostExpertStore:
     block_nbytes = property(lambda self: self.layout.nbytes)
 
     @property
+    def n_blocks(self) -> int:
+        """Experts over all layers: a slot pool this large holds every one (no miss ever runs on the CPU)."""
+        return len(self.layers) * self.num_experts
+
+    @property
     def nbytes(self) -> int:
-        return len(self.layers) * self.num_experts * self.layout.nbytes
+        return self.n_blocks * self.layout.nbytes
 
     def layer_buffer(self, layer: int) -> np.ndarray:
         """The layer's blocks, [E, nbytes] uint8, zero-copy (C-contiguous: what the CPU kernels index)."""

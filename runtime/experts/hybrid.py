@@ -123,7 +123,7 @@ class HybridExperts:
         self.cpu_share = 0.0
         directory = SlotDirectory(options.slots, make_policy(options.policy), pinned=options.hot_set)
         self.transport = Transport(store, self.device)
-        total = len(store.layers) * store.num_experts
+        total = store.n_blocks
         want_zero_copy = options.split in ("auto", "fetch") if options.zero_copy is None else options.zero_copy
         self.zero_copy = bool(want_zero_copy and options.slots < total and (
             options.zero_copy or (self.cuda and self.transport.pinned and int4_pool_triton.supports(store.layout, spec))))
@@ -135,7 +135,7 @@ class HybridExperts:
         elif not self.cuda:
             warn_if_private_beside_torch()
         self.cpu = CpuExecutor(store, spec, threads=options.cpu_threads)
-        if options.slots < len(store.layers) * store.num_experts:
+        if options.slots < total:
             # misses may run on the CPU: compile (or load from numba's cache) the kernel now, while the
             # model loads, not during the first answer (a first compile takes about a minute)
             self.cpu.warm_up(store.layers[0])
@@ -714,7 +714,7 @@ class HybridExperts:
                 break
             keys.append(key)
             slots.append(got[0])
-        if len(keys) == len(self.store.layers) * self.store.num_experts == self.cache.pool.shape[0] \
+        if len(keys) == self.store.n_blocks == self.cache.pool.shape[0] \
                 and slots == list(range(len(keys))):
             try:
                 self.store.copy_to_device(self.cache.pool, stream=self.transport.stream)
@@ -786,7 +786,7 @@ class HybridExperts:
     def plan(self) -> dict:
         """What the engine's plan carries under "experts" (and the planner's own plan, when it made this)."""
         return {"backend": self.backend, "slots": self.options.slots, "planner": getattr(self, "planned", None),
-                "slot_total": len(self.store.layers) * self.store.num_experts, "pool_bytes": self.cache.pool.numel(),
+                "slot_total": self.store.n_blocks, "pool_bytes": self.cache.pool.numel(),
                 "policy": self.options.policy, "hot_set": len(self.cache.directory.pinned),
                 "stream_threshold_tokens": self.stream_threshold, "codec": self.layout.codec}
 
@@ -862,7 +862,7 @@ def hybrid_experts_factory(package, spec: ExpertSpec, *, device, dtype, vram_bud
     if plan.backend == "gpu" and slots is None:
         # quantized experts stay packed in a pool that holds them all (the plan counted packed bytes;
         # dequantizing to bf16 would need ~4x the VRAM it reserved): every layer is resident, sync-free
-        slots = len(store.layers) * store.num_experts
+        slots = store.n_blocks
         hot_all = tuple((layer, e) for layer in store.layers for e in range(store.num_experts))
     if plan.experts_pinned and device.type == "cuda" and not hot_all:   # all in VRAM: no pinned host copy
         store = store.pinned_copy()
@@ -899,8 +899,8 @@ def hybrid_experts_factory(package, spec: ExpertSpec, *, device, dtype, vram_bud
                                                      {"codec": store.codec, "block_nbytes": store.block_nbytes,
                                                       "layers": list(store.layers), "experts": store.num_experts}),
                              machine=f"{cpu_model_name()} | {hw.gpu_name or device.type}")
-    kernels = stage_progress(KERNELS_STAGE) if stage_progress and n_slots < len(store.layers) * store.num_experts \
-        else None                        # misses run on the CPU: the tier compiles its kernels as it is built
+    # misses run on the CPU: the tier compiles its kernels as it is built
+    kernels = stage_progress(KERNELS_STAGE) if stage_progress and n_slots < store.n_blocks else None
     if kernels:
         kernels(0, 1)
     experts = _build_hybrid(store, spec, device=device, dtype=dtype, options=options, routing=stats,
