@@ -6,8 +6,8 @@ against a stand-in payload when makensis is installed.
 from __future__ import annotations
 
 import ast
-import re
 import importlib.util
+import re
 import shutil
 import subprocess
 import sys

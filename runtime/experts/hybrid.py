@@ -820,6 +820,10 @@ class HybridExperts:
             self.share_memory.save(self.share_controller)
 
 
+# the load-progress stage of the CPU kernels' compile (a minute at a machine's first hybrid load)
+KERNELS_STAGE = "CPU expert kernels (compiled on the first load: about a minute)"
+
+
 def hybrid_experts_factory(package, spec: ExpertSpec, *, device, dtype, vram_budget: int | None = None,
                            cpu_experts_per_layer: int | None = None, progress=None, context_length: int = 8192,
                            max_sequences: int = 1, hardware=None, slots: int | None = None, policy: str = "lru",
@@ -912,8 +916,6 @@ def hybrid_experts_factory(package, spec: ExpertSpec, *, device, dtype, vram_bud
         progress(1, 1)
     return experts
 
-
-KERNELS_STAGE = "CPU expert kernels (compiled on the first load: about a minute)"
 
 
 def _build_hybrid(store, spec, *, device, dtype, options, routing, prefetcher=None, share_memory=None):
