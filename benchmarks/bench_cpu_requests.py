@@ -133,6 +133,14 @@ def time_requests(worker, box, store, *, experts: int, calls: int, gap_s: float,
     return trips[10:], ((worker.kernel_seconds or 0.0) - busy) / max(n, 1)
 
 
+def lanes_line(lanes: dict) -> str:
+    """Per stage, µs a request: a lane's time in its tasks (mean / busiest lane), its wait for the others' (mean /
+    longest), its tasks, and µs a task - whether a slow stage's tasks are slow or its lanes wait."""
+    return "    lanes, µs a request (busy mean/max, waiting mean/max, tasks a lane, µs a task): " + "; ".join(
+        f"{name} {c['busy_us']:.1f}/{c['busy_max_us']:.1f}, {c['wait_us']:.1f}/{c['wait_max_us']:.1f}, "
+        f"{c['tasks_per_lane']:.1f}, {c['us_per_task']:.2f}" for name, c in lanes.items())
+
+
 def in_thread(fn, *args):
     """fn(*args) in a thread of its own that then ends, and with it the OpenMP pool it made."""
     out = []
@@ -210,6 +218,10 @@ def main(argv: list[str] | None = None) -> int:
                     line = phases_line(worker, marks)      # (the warm-up calls included: 10 of them)
                     if line:
                         print(line, flush=True)
+                    lanes = worker.lane_counts(marks)
+                    if lanes:
+                        r["lanes"] = lanes
+                        print(lanes_line(lanes), flush=True)
         worker.close()
     if args.sweeps:
         views = [store.layer_buffer(layer).reshape(-1).view(np.uint64) for layer in store.layers]

@@ -39,6 +39,9 @@
 #   (device) bash benchmarks/device_final.sh x   # session 10: w's slow kernel undone but for _stages as a function
 #                                                # of its own (compile time), against f09a455
 #   (device) bash benchmarks/device_final.sh y   # session 10: x with reference counting off in _stages
+#   (device) bash benchmarks/device_final.sh z   # session 12: two barriers fewer (x quantized serially, down summing
+#                                                # into out), padded scratch, per-lane busy/wait counts, against
+#                                                # 2074728 (carry .ab: `git archive 2074728 ...`); AVX-VNNI; qwen3.6
 # carry .site (numba, llvmlite, fla-core, platformdirs unpacked, xz). Results under $OUT. Build .site once (the
 # wheels alone pass the 64 MiB carry limit; unpacked and xz-compressed they take ~44 MB):
 #   pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
@@ -374,6 +377,31 @@ elif [ "$1" = y ]; then
   bench_rows 90 q3_new "${Q3_ROW[@]}"
   wait
   old_rows 90 "${Q3_ROW[@]}"
+elif [ "$1" = z ]; then
+  # session 12: run w's stage times were F + c x tasks a lane, F ~91-164 µs a heavy stage, and ~8 µs a barrier.
+  # Now: x of a decode request quantized in the serial start and down summing straight into out (four stages, two
+  # barriers of a decode request fewer), every scratch region on its own 128 bytes, and each lane's cycles in
+  # tasks and waiting per stage (the lanes lines). Against 2074728 in the same call, AVX-VNNI again, then qwen3.6
+  warm 250 2074728 old &
+  FREETOKEN_CPU_ISA=avxvnni NUMBA_CACHE_DIR=/tmp/nbc_avxvnni warm 250 avxvnni &
+  warm 250 new
+  cuda_tests 120 tests/test_hybrid_zero_copy.py tests/test_cpu_share_lanes.py tests/test_cpu_kernels_int8.py
+  wait
+  for isa in default avxvnni; do
+    env_isa=(); [ "$isa" = default ] || env_isa=(FREETOKEN_CPU_ISA=$isa NUMBA_CACHE_DIR=/tmp/nbc_$isa)
+    threads="14"; [ "$isa" = default ] && threads="6 14"
+    env "${env_isa[@]}" timeout 100 python3 benchmarks/bench_cpu_requests.py --threads $threads --experts 1 3 8 \
+      --no-sweeps --json "$OUT/cpu_requests_$isa.json" > "$OUT/cpu_requests_$isa.txt" 2>&1
+    echo "cpu_requests $isa rc=$?"; grep -v Warning "$OUT/cpu_requests_$isa.txt" | grep -v "@njit"
+  done
+  (cd /tmp/old && PYTHONPATH=/tmp/site:/tmp/old timeout 80 python3 benchmarks/bench_cpu_requests.py --threads 14 \
+    --experts 1 3 8 --no-sweeps > "$OUT/cpu_requests_old.txt" 2>&1; echo "cpu_requests old rc=$?")
+  grep -v Warning "$OUT/cpu_requests_old.txt" | grep -v "@njit"
+  bench_rows 100 q3_new "${Q3_ROW[@]}"
+  old_rows 100 "${Q3_ROW[@]}"
+  FREETOKEN_CPU_ISA=avxvnni NUMBA_CACHE_DIR=/tmp/nbc_avxvnni bench_rows 100 q3_ymm "${Q3_ROW[@]}"
+  bench_rows 170 q36 --models qwen3.6-35b-a3b --dense-int8 --budgets 8 --routings uniform --cpu-share 0.3 0.5 \
+    --modes graphs --tokens 64 --warmup 32 --prefill-budgets 99 --ttft-context 0
 else
   # decode rows through graphs only (eager rows cost minutes); the CPU share learned (auto; printed with a *),
   # fixed 0 and 0.3

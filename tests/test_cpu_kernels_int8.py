@@ -313,6 +313,81 @@ def test_more_lanes_than_threads_finish_with_the_same_result():
     assert all(np.array_equal(o, outs[0]) for o in outs[1:])
 
 
+def _layer_call(ex, x, tokens, experts, w, phases, lanes):
+    """moe_layer_int8 on layer 0 of ex's store, as CpuExecutor calls it, with the caller's phases: its out."""
+    lay = ex.store.layout
+    out = np.zeros_like(x)
+    flat = ex._layer_flat(0)
+    g, u, d = ex._global_scales(0, ex.store.layer_parts(0))
+    k8.moe_layer_int8(ex._int8_codec(), flat, flat.view(np.uint16), flat.view(np.float32), lay.nbytes,
+                      ex._int8_offsets(), lay.has_bias, lay.intermediate, lay.group, ex._scale_table, x, tokens,
+                      experts, w, g, u, d, 0, np.float32(ex.spec.swiglu_alpha), np.float32(ex.spec.swiglu_limit),
+                      out, phases, lanes, *k8.Scratch().fit(x.shape[0], len(experts), ex.store.num_experts,
+                                                            lay.hidden, lay.intermediate, lay.group, lanes),
+                      np.zeros(0, dtype=np.int64), 0)
+    return out
+
+
+def test_a_token_gets_the_same_bits_whether_x_is_quantized_serially_or_by_tasks():
+    """One or two tokens are quantized in the call's serial start (SERIAL_X_TOKENS), more by the lanes; the down
+    stage sums every expert into out itself, its row slices sized by the call's expert count. A token's answer
+    must not depend on any of that: token 0 alone equals token 0 among three, bit for bit."""
+    gen = torch.Generator().manual_seed(31)
+    store = HostExpertStore.from_weights(_weights(gen, d=512, i=512, e=24, bias=True), codec="int4", group=64)
+    ex = CpuExecutor(store, ExpertSpec())
+    x = torch.randn(3, 512, generator=gen).numpy()
+    experts = np.arange(24, dtype=np.int64)              # 24 distinct experts: the 16-row slices (_down_rows)
+    tokens = np.repeat(np.arange(3, dtype=np.int64), 8)
+    w = torch.rand(24, generator=gen).numpy()
+    lanes = min(2, numba.config.NUMBA_NUM_THREADS)
+    phases = k8.new_phases(lanes)
+    three = _layer_call(ex, x, tokens, experts, w, phases, lanes)
+    one = _layer_call(ex, x[:1].copy(), tokens[:8], experts[:8], w[:8], phases, lanes)
+    assert np.abs(one).sum() > 0
+    assert np.array_equal(one[0], three[0])
+    want = ex.run(0, torch.from_numpy(x), tokens, experts, w)        # (the executor: the same kernel)
+    assert np.array_equal(np.asarray(want), three)
+
+
+def test_each_lane_counts_its_tasks_and_cycles_per_stage():
+    """With a `new_phases` array the lanes add up, per stage, their tasks and their cycles in tasks and waiting:
+    the tasks over all lanes are exactly the call's plan."""
+    gen = torch.Generator().manual_seed(32)
+    store = HostExpertStore.from_weights(_weights(gen, d=512, i=512, e=6, bias=False), codec="int4", group=64)
+    ex = CpuExecutor(store, ExpertSpec())
+    lanes = min(2, numba.config.NUMBA_NUM_THREADS)
+    for t, experts in ((1, [4, 1, 5]), (3, [0, 2, 2, 3, 5, 0])):
+        phases = k8.new_phases(lanes)
+        assert phases.ctypes.data % k8.ALIGN_BYTES == 0
+        x = torch.randn(t, 512, generator=gen).numpy()
+        tokens = np.arange(len(experts), dtype=np.int64) % t
+        _layer_call(ex, x, tokens, np.array(experts, dtype=np.int64), np.full(len(experts), 0.5, np.float32),
+                    phases, lanes)
+        blocks = phases[k8.LANE_BASE:k8.LANE_BASE + lanes * k8.LANE_WORDS].reshape(lanes, k8.LANE_WORDS)
+        tasks = blocks[:, k8.LANE_TASKS:k8.LANE_TASKS + k8.N_STAGES].sum(axis=0)
+        n_u = len(set(experts))
+        want = [0 if t <= k8.SERIAL_X_TOKENS else t * 512 // 64, n_u * 512 // k8.ROWS_PER_TASK,
+                len(experts) * 512 // 64, 512 // k8.DOWN_ROWS_PER_TASK]
+        assert tasks.tolist() == want, t
+        busy = blocks[:, k8.LANE_BUSY:k8.LANE_BUSY + k8.N_STAGES].sum(axis=0)
+        if k8._HAVE_TSC:
+            assert all((b > 0) == (n > 0) for b, n in zip(busy, want)), busy
+            assert (blocks[:, k8.LANE_WAIT:k8.LANE_WAIT + k8.N_STAGES] >= 0).all()
+        assert phases[k8.N_PHASES - 1] == 1                  # one call counted
+        assert not phases[k8.N_PHASES:k8.LANE_BASE].any()    # the padding before the lanes' blocks untouched
+
+
+def test_the_scratch_regions_each_start_on_their_own_line_pair():
+    """A region that shares a cache line with the one before it (the activations' scales with the first rows of h)
+    is invalidated for every lane by the task writing there."""
+    s64, s32, s8 = k8.Scratch().fit(3, 7, 9, 512, 384, 64, 4)
+    views = k8._carve(s64, s32, s8, 3, 7, 9, 4, 512, 384, 64)
+    assert all(v.ctypes.data % k8.ALIGN_BYTES == 0 for v in views), [v.ctypes.data % 128 for v in views]
+    ends = sorted((v.ctypes.data, v.ctypes.data + v.nbytes) for v in views)
+    assert all(a[1] <= b[0] for a, b in zip(ends, ends[1:]) if a[0] // 8 != b[0] // 8)   # no two overlap
+    assert s64.ctypes.data + s64.nbytes >= max(v.ctypes.data + v.nbytes for v in views[:7])
+
+
 def test_which_path_runs_when():
     """int8 for real layer widths, the exact float kernels for small ones, the reference without numba's groups."""
     gen = torch.Generator().manual_seed(8)

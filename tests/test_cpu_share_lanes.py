@@ -69,11 +69,16 @@ def test_the_lanes_answer_request_after_request_as_the_executor_does(cpu):
         m = worker.kernel_phases()
         if m is not None:      # marks in order, as from the per-request kernel - up to the cores' clock skew
             skew = 2.0         # µs: lanes read their own core's time-stamp counter (a VM's vCPUs differ by ~0.3)
-            order = ("prologue", "first thread in", "x quantized", "gate/up done", "down done", "sum done",
-                     "joined")             # (a lane the OS runs late may come in after a stage is done)
+            order = ("prologue", "first thread in", "x quantized", "gate/up done", "down inputs done",
+                     "down and sum done", "joined")   # (a lane the OS runs late may come in after a stage is done)
             assert all(m[a] <= m[b] + skew for a, b in zip(order, order[1:])), m
             assert m["first thread in"] <= m["last thread in"] <= m["joined"] + skew, m
             assert m["joined"] > m["gate/up done"] > 0
+            lanes = worker.lane_counts()           # per stage: the tasks over both lanes, a request's on average
+            total = {name: 2 * c["tasks_per_lane"] for name, c in lanes.items()}
+            assert total["down and sum"] == D // k8.DOWN_ROWS_PER_TASK     # every request: <= 6 experts
+            assert 0 < total["x to int8"] < T_MAX * D // 64    # only the 3-token requests' x by tasks
+            assert lanes["gate/up"]["busy_us"] > 0 and lanes["gate/up"]["us_per_task"] > 0
     finally:
         worker.close()
 

@@ -386,8 +386,8 @@ def test_the_compiled_worker_loop_answers_with_the_int8_kernels_result():
         # (up to the cores' clock skew: with more than one lane each reads its own core's counter, ~0.3 µs apart on
         # the GPU machine's VM; and with the lanes kept in one region, "joined" is the request's whole time)
         m, skew = tier._worker.kernel_phases(), 2.0
-        order = ("prologue", "first thread in", "x quantized", "gate/up done", "down inputs done", "down done",
-                 "sum done", "joined")
+        order = ("prologue", "first thread in", "x quantized", "gate/up done", "down inputs done",
+                 "down and sum done", "joined")
         assert all(m[a] <= m[b] + skew for a, b in zip(order, order[1:])), m
         assert m["first thread in"] <= m["last thread in"] + skew and m["joined"] > 0
         assert m["joined"] <= 1e6 * tier._worker.kernel_seconds / 4 + skew

@@ -406,7 +406,7 @@ _dot_int4_8, _dot_int4_16, _dot_int4_32, _dot_int4_64 = (make_dot(n, "int4", ISA
 _dot_fp4_8, _dot_fp4_16, _dot_fp4_32, _dot_fp4_64 = (make_dot(n, "fp4", ISA) for n in GROUP_BYTES)
 
 ROWS_PER_TASK = 16       # rows of one gate/up matrix per task (2 x 16 rows of 1 KB at hidden 2048, int4)
-DOWN_ROWS_PER_TASK = 32  # rows of one down matrix per task (its rows are 2-4x shorter: 32 x 384 B at width 768)
+DOWN_ROWS_PER_TASK = 32  # rows of out per down task, of every expert of the call (`_down_rows`): 32 x 384 B each
 SYNC_STRIDE = 16         # int64s between the stages' shared counters: each on its own 128 bytes (a line and the
                          # adjacent-line prefetcher's pair), so lanes polling one are not invalidated by another
 
@@ -524,9 +524,50 @@ YIELD_EVERY = 1024      # a waiting lane yields after this many polls (~50 µs):
 # time goes: the serial start, the region's threads coming in, each stage done as the first thread saw it, the
 # join) and counts calls
 PHASES = ("prologue", "first thread in", "last thread in", "x quantized", "gate/up done", "down inputs done",
-          "down done", "sum done", "joined")
+          "down and sum done", "joined")
 N_PHASES = len(PHASES) + 1                     # + the call count
 _NEVER = (1 << 63) - 1
+# After the call's marks, from word LANE_BASE, a block of LANE_WORDS words (128 bytes: no two lanes write one line)
+# per lane, when `phases` is that long (`new_phases`): per stage, the cycles the lane spent in its tasks, the cycles
+# it waited for the stage's other tasks, and its task count - whether a slow stage's tasks are slow themselves or
+# its lanes wait
+LANE_BASE = 16
+LANE_WORDS = 16
+LANE_BUSY, LANE_WAIT, LANE_TASKS = 0, 4, 8     # a block's three runs of N_STAGES words
+ALIGN_BYTES = 128                              # the scratch's regions each start on a line pair of their own
+
+
+def aligned_zeros(n: int, dtype) -> np.ndarray:
+    """n zeros of dtype starting on an ALIGN_BYTES boundary (numpy aligns to 16 or 64 bytes only)."""
+    item = np.dtype(dtype).itemsize
+    raw = np.zeros(n * item + ALIGN_BYTES, dtype=np.uint8)
+    skip = (-raw.ctypes.data) % ALIGN_BYTES
+    return raw[skip:skip + n * item].view(dtype)
+
+
+def new_phases(lanes: int) -> np.ndarray:
+    """A `phases` array with room for every lane's counts (LANE_BASE)."""
+    return aligned_zeros(LANE_BASE + max(1, lanes) * LANE_WORDS, np.int64)
+
+
+def lane_counts(d: np.ndarray, lanes: int, cycles_per_s: float) -> dict[str, dict[str, float]] | None:
+    """From a `new_phases` array's difference over some requests (its count at N_PHASES - 1): per stage, mean µs a
+    request a lane spent in tasks and waiting (and the busiest lane's), and tasks a request per lane. None without
+    requests or a cycle counter, or when the array has no lane blocks."""
+    n = int(d[N_PHASES - 1])
+    if not n or not cycles_per_s or d.shape[0] < LANE_BASE + lanes * LANE_WORDS:
+        return None
+    us = 1e6 / n / cycles_per_s
+    blocks = d[LANE_BASE:LANE_BASE + lanes * LANE_WORDS].reshape(lanes, LANE_WORDS)
+    result = {}
+    for j, name in enumerate(STAGE_NAMES):
+        busy, wait = blocks[:, LANE_BUSY + j] * us, blocks[:, LANE_WAIT + j] * us
+        tasks = blocks[:, LANE_TASKS + j] / n
+        result[name] = {"busy_us": float(busy.mean()), "busy_max_us": float(busy.max()),
+                        "wait_us": float(wait.mean()), "wait_max_us": float(wait.max()),
+                        "tasks_per_lane": float(tasks.mean()),
+                        "us_per_task": float(busy.sum() / max(tasks.sum(), 1e-9))}
+    return result
 
 
 # ------------------------------------------------------------------ kernels
@@ -663,7 +704,10 @@ def group_by_expert(tokens, experts, weights, n_experts, n_tokens, counts, tok, 
     return n_u
 
 
-N_STAGES = 5
+N_STAGES = 4
+STAGE_NAMES = ("x to int8", "gate/up", "down inputs", "down and sum")
+SERIAL_X_TOKENS = 2      # up to this many tokens the call's serial start quantizes x (~1 µs a token): for a decode
+                         # request, one stage and its barrier (~8 µs on the GPU machine's host) fewer
 
 
 def scratch_sizes(n_tokens: int, n_assign: int, n_experts: int, hidden: int, inter: int, group: int,
@@ -675,9 +719,10 @@ def scratch_sizes(n_tokens: int, n_assign: int, n_experts: int, hidden: int, int
     a, t = n_assign, n_tokens
     i64 = ((n_experts + 1) + 3 * a + 1 + N_STAGES + (2 * N_STAGES + 1) * SYNC_STRIDE   # counts, tok, uniq,
            + max(1, lanes))                                         # starts, seen, sync, lanes
-    f32 = a + 2 * t * (hidden // group) + a * inter + 2 * a * (inter // group) + a * hidden   # w, xs, xm, h, ...
+    f32 = a + 2 * t * (hidden // group) + a * inter + 2 * a * (inter // group)   # w, xs, xm, h, hs, hm
     i8 = t * hidden + a * inter                                                  # xq, hq
-    return i64, f32, i8
+    pad = 8 * ALIGN_BYTES                      # each region rounded up to ALIGN_BYTES (`_carve`), 7 at most
+    return i64 + pad // 8, f32 + pad // 4, i8 + pad
 
 
 class Scratch:
@@ -689,20 +734,20 @@ class Scratch:
 
     def __init__(self, keep_bytes: int = KEEP_BYTES):
         self.keep_bytes = keep_bytes
-        self.i64 = np.zeros(0, dtype=np.int64)
-        self.f32 = np.zeros(0, dtype=np.float32)
-        self.i8 = np.zeros(0, dtype=np.int8)
+        self.i64 = aligned_zeros(0, np.int64)
+        self.f32 = aligned_zeros(0, np.float32)
+        self.i8 = aligned_zeros(0, np.int8)
 
     def fit(self, *sizes_args) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         n64, n32, n8 = scratch_sizes(*sizes_args)
         if 8 * n64 + 4 * n32 + n8 > self.keep_bytes:
-            return np.zeros(n64, dtype=np.int64), np.zeros(n32, dtype=np.float32), np.zeros(n8, dtype=np.int8)
+            return aligned_zeros(n64, np.int64), aligned_zeros(n32, np.float32), aligned_zeros(n8, np.int8)
         if self.i64.shape[0] < n64:
-            self.i64 = np.zeros(n64, dtype=np.int64)
+            self.i64 = aligned_zeros(n64, np.int64)
         if self.f32.shape[0] < n32:
-            self.f32 = np.zeros(n32, dtype=np.float32)
+            self.f32 = aligned_zeros(n32, np.float32)
         if self.i8.shape[0] < n8:
-            self.i8 = np.zeros(n8, dtype=np.int8)
+            self.i8 = aligned_zeros(n8, np.int8)
         return self.i64, self.f32, self.i8
 
 
@@ -717,58 +762,79 @@ def _task_rows(task, blocks, experts, nb, n_rows, rows_per_task):
 
 
 @njit(cache=True, inline="always")
-def _carve(s64, s32, s8, n_tok, n_a, n_exp, n_thr, d, i, group):
-    """The scratch arrays as the kernel's views, for up to n_tok tokens and n_a assignments (views only: made
-    outside the parallel loop, since a view is an atomic reference count on the shared buffer)."""
-    gdn, gin = d // group, i // group
-    at = 0
-    counts = s64[at:at + n_exp + 1]
-    at += n_exp + 1
-    tokens = s64[at:at + n_a]
-    at += n_a
-    experts = s64[at:at + n_a]
-    at += n_a
-    starts = s64[at:at + n_a + 1]
-    at += n_a + 1
-    sync = s64[at:at + (2 * N_STAGES + 1) * SYNC_STRIDE]  # per stage: tasks taken, tasks done, a stride apart
-    at += (2 * N_STAGES + 1) * SYNC_STRIDE
-    seen = s64[at:at + N_STAGES]                          # when a thread first saw each stage done
-    at += N_STAGES
-    t_in = s64[at:at + n_thr]
-    at = 0
-    weights = s32[at:at + n_a]
-    at += n_a
-    xs = s32[at:at + n_tok * gdn]
-    at += n_tok * gdn
-    xm = s32[at:at + n_tok * gdn]
-    at += n_tok * gdn
-    h = s32[at:at + n_a * i].reshape((n_a, i))
-    at += n_a * i
-    hs = s32[at:at + n_a * gin]
-    at += n_a * gin
-    hm = s32[at:at + n_a * gin]
-    at += n_a * gin
-    y = s32[at:at + n_a * d].reshape((n_a, d))
-    xq = s8[:n_tok * d]
-    hq = s8[n_tok * d:n_tok * d + n_a * i]
-    return counts, tokens, experts, starts, sync, seen, t_in, weights, xs, xm, h, hs, hm, y, xq, hq
+def _aligned(at, elements):
+    """at rounded up to a multiple of `elements` (an ALIGN_BYTES boundary in elements of the region's type)."""
+    return (at + elements - 1) // elements * elements
 
 
 @njit(cache=True, inline="always")
-def _prepare(tokens_in, experts_in, weights_in, n_exp, n_tok, d, i, group, n_thr, v):
+def _carve(s64, s32, s8, n_tok, n_a, n_exp, n_thr, d, i, group):
+    """The scratch arrays as the kernel's views, for up to n_tok tokens and n_a assignments (views only: made
+    outside the parallel loop, since a view is an atomic reference count on the shared buffer). Every region starts
+    on an ALIGN_BYTES boundary of its array (Scratch aligns the arrays): a task writing the first rows of h does not
+    invalidate the line that holds the activations' scales every lane reads, nor a neighbouring task's rows."""
+    gdn, gin = d // group, i // group
+    q64, q32, q8 = ALIGN_BYTES // 8, ALIGN_BYTES // 4, ALIGN_BYTES
+    at = 0
+    counts = s64[at:at + n_exp + 1]
+    at = _aligned(at + n_exp + 1, q64)
+    tokens = s64[at:at + n_a]
+    at = _aligned(at + n_a, q64)
+    experts = s64[at:at + n_a]
+    at = _aligned(at + n_a, q64)
+    starts = s64[at:at + n_a + 1]
+    at = _aligned(at + n_a + 1, q64)
+    sync = s64[at:at + (2 * N_STAGES + 1) * SYNC_STRIDE]  # per stage: tasks taken, tasks done, a stride apart
+    at = _aligned(at + (2 * N_STAGES + 1) * SYNC_STRIDE, q64)
+    seen = s64[at:at + N_STAGES]                          # when a thread first saw each stage done
+    at = _aligned(at + N_STAGES, q64)
+    t_in = s64[at:at + n_thr]
+    at = 0
+    weights = s32[at:at + n_a]
+    at = _aligned(at + n_a, q32)
+    xs = s32[at:at + n_tok * gdn]
+    at = _aligned(at + n_tok * gdn, q32)
+    xm = s32[at:at + n_tok * gdn]
+    at = _aligned(at + n_tok * gdn, q32)
+    h = s32[at:at + n_a * i].reshape((n_a, i))
+    at = _aligned(at + n_a * i, q32)
+    hs = s32[at:at + n_a * gin]
+    at = _aligned(at + n_a * gin, q32)
+    hm = s32[at:at + n_a * gin]
+    xq = s8[:n_tok * d]
+    at8 = _aligned(n_tok * d, q8)
+    hq = s8[at8:at8 + n_a * i]
+    return counts, tokens, experts, starts, sync, seen, t_in, weights, xs, xm, h, hs, hm, xq, hq
+
+
+@njit(cache=True, inline="always")
+def _prepare(x, tokens_in, experts_in, weights_in, n_exp, n_tok, d, i, group, n_thr, v):
     """A call's serial start: its assignments sorted by expert, the marks cleared (plain loops: in a
-    parallel=True function `seen[:] = 0` would be a parallel region of its own); each stage's task count."""
-    counts, tokens, experts, starts, sync, seen, t_in, weights = v[:8]
+    parallel=True function `seen[:] = 0` would be a parallel region of its own), x quantized here when it is a
+    token or two (SERIAL_X_TOKENS); each stage's task count."""
+    counts, tokens, experts, starts, sync, seen, t_in, weights, xs, xm = v[:10]
+    xq = v[13]
     n_u = group_by_expert(tokens_in, experts_in, weights_in, n_exp, n_tok, counts, tokens, weights, experts, starts)
     for j in range(N_STAGES):
         seen[j] = 0
     for j in range(n_thr):
         t_in[j] = _NEVER
-    return (n_tok * (d // group), n_u * ((i + ROWS_PER_TASK - 1) // ROWS_PER_TASK), experts_in.shape[0] * (i // group),
-            n_u * ((d + DOWN_ROWS_PER_TASK - 1) // DOWN_ROWS_PER_TASK), (d + SUM_COLS - 1) // SUM_COLS)
+    n_x = n_tok * (d // group)
+    if n_tok <= SERIAL_X_TOKENS:
+        for n in range(n_tok):
+            _quantize_row(x, n, group, xq, xs, xm)
+        n_x = 0
+    return (n_x, n_u * ((i + ROWS_PER_TASK - 1) // ROWS_PER_TASK), experts_in.shape[0] * (i // group),
+            (d + _down_rows(n_u) - 1) // _down_rows(n_u))
 
 
-SUM_COLS = 256           # output columns per task of the weighted sum
+@njit(cache=True, inline="always")
+def _down_rows(n_u):
+    """Rows of the output a down task covers, over all of a call's n_u experts: 32 (128 bytes of each token's
+    row of out: no two tasks write one line) while that leaves 64 tasks at hidden 2048 for a decode request's
+    few experts; 16 for a bigger call, whose 32-row tasks would be few and long (a lane late on its last one
+    holds the stage up)."""
+    return DOWN_ROWS_PER_TASK if n_u <= 16 else DOWN_ROWS_PER_TASK // 2
 
 
 # A function of its own, not inlined into its two callers (the per-call kernel and the worker's loop): numba
@@ -780,15 +846,20 @@ SUM_COLS = 256           # output columns per task of the weighted sum
 # checks its compiled code has none).
 @njit(cache=True, fastmath=True, nogil=True, _nrt=False)
 def _stages(codec, buf, buf16, buf32, nbytes, offs, has_bias, i, group, table, x, n_a, gate_scale, up_scale,
-            down_scale, activation, alpha, limit, out, v, plan, answer, ticket, gen_word, gen):
+            down_scale, activation, alpha, limit, out, v, plan, answer, ticket, gen_word, gen, lane, phases):
     """One lane's part of a call: each stage's tasks taken from its counter until none is left, then a wait until
     every task of the stage is done (counting tasks, not lanes: a lane the OS never runs takes none, and nothing
     waits for it). plan: (the stages' counter bases, then their task counts) - counters run on from call to call
     in the worker (`serve_layers`), so a call's tasks are base..base + count. The lane that finishes the call's
     last task stores `ticket` in answer[0] when answer is not empty (out is whole then). A stage's mark is kept
-    only while gen_word[0] == gen (a lane late for its call does not mark the next one)."""
+    only while gen_word[0] == gen (a lane late for its call does not mark the next one). When phases has this
+    lane's block (LANE_BASE), the lane adds its cycles in tasks and waiting, and its tasks, per stage.
+
+    The down stage sums into out itself: a task is a slice of out's columns over every expert of the call (each
+    assignment's row dot added to its token's row, in the assignments' order: the old weighted-sum stage's order),
+    so no two tasks write one element and no stage of its own (and barrier) adds the experts up."""
     tokens, experts, starts, sync, seen = v[1], v[2], v[3], v[4], v[5]
-    weights, xs, xm, h, hs, hm, y, xq, hq = v[7:]
+    weights, xs, xm, h, hs, hm, xq, hq = v[7:]
     d = x.shape[1]
     o = offs
     nb = np.uint64(nbytes)
@@ -796,15 +867,20 @@ def _stages(codec, buf, buf16, buf32, nbytes, offs, has_bias, i, group, table, x
     hg = np.uint64(group // 2)
     gd, gi = np.uint64(d // group), np.uint64(i // group)
     up_blocks = (i + ROWS_PER_TASK - 1) // ROWS_PER_TASK
-    down_blocks = (d + DOWN_ROWS_PER_TASK - 1) // DOWN_ROWS_PER_TASK
+    n_u = plan[N_STAGES + 1] // up_blocks
+    down_rows = _down_rows(n_u)
+    lb = LANE_BASE + lane * LANE_WORDS
+    counting = phases.shape[0] >= lb + LANE_WORDS
     for stage in range(N_STAGES):
         base = plan[stage]
         end = base + plan[N_STAGES + stage]
+        free = _cycles()                              # when this lane last finished something
         while True:
             task = _take(sync, (2 * stage + 1) * SYNC_STRIDE, end)
             if task < 0:
                 break
             task -= base
+            began = _cycles()
             if stage == 0:                            # x: token, group
                 _quantize_group(x, task // (d // group), task % (d // group), group, xq, xs, xm)
             elif stage == 1:                          # gate and up rows of one expert
@@ -823,29 +899,31 @@ def _stages(codec, buf, buf16, buf32, nbytes, offs, has_bias, i, group, table, x
                         h[a, r] = _act(g, w, activation, alpha, limit)
             elif stage == 2:                          # down inputs: assignment, group
                 _quantize_group(h, task // (i // group), task % (i // group), group, hq, hs, hm)
-            elif stage == 3:                          # down rows of one expert
-                u, e, b0, r0, r1 = _task_rows(task, down_blocks, experts, nb, d, DOWN_ROWS_PER_TASK)
-                for r in range(r0, r1):
-                    ru = np.uint64(r)
-                    for a in range(starts[u], starts[u + 1]):
-                        w = _row(codec, buf, buf16, b0, o[6], o[7], o[8], ru, gi, hg, table, hq, hs, hm,
-                                 np.uint64(a))
-                        w *= down_scale[e]
-                        if has_bias:
-                            w += buf32[((b0 + o[11]) >> two) + ru]
-                        y[a, r] = w
-            else:                                     # the weighted sum over one slice of columns
-                c_lo = task * SUM_COLS
-                c_hi = min(c_lo + SUM_COLS, d)
-                for a in range(n_a):
-                    t = tokens[a]
-                    wa = weights[a]
-                    for r in range(c_lo, c_hi):
-                        out[t, r] += wa * y[a, r]
+            else:                                     # down rows r0..r1 of every expert, summed into out
+                r0 = task * down_rows
+                r1 = min(r0 + down_rows, d)
+                for u in range(n_u):
+                    e = np.uint64(experts[u])
+                    b0 = e * nb
+                    for r in range(r0, r1):
+                        ru = np.uint64(r)
+                        for a in range(starts[u], starts[u + 1]):
+                            w = _row(codec, buf, buf16, b0, o[6], o[7], o[8], ru, gi, hg, table, hq, hs, hm,
+                                     np.uint64(a))
+                            w *= down_scale[e]
+                            if has_bias:
+                                w += buf32[((b0 + o[11]) >> two) + ru]
+                            out[tokens[a], r] += weights[a] * w
             if _fetch_add(sync, (2 * stage + 2) * SYNC_STRIDE, 1) == end - 1 and stage == N_STAGES - 1 \
                     and answer.shape[0] > 0:
                 _store_release(answer, 0, ticket)     # the last task: out is whole
+            if counting:
+                free = _cycles()
+                phases[lb + LANE_BUSY + stage] += free - began
+                phases[lb + LANE_TASKS + stage] += 1
         _wait_at_least(sync, (2 * stage + 2) * SYNC_STRIDE, end)    # the stage done on every lane
+        if counting:
+            phases[lb + LANE_WAIT + stage] += _cycles() - free
         if seen[stage] == 0 and _load_acquire(gen_word, 0) == gen:   # (a benign race: any lane's time is fair)
             seen[stage] = _cycles()
 
@@ -871,8 +949,8 @@ def _mark_phases(phases, c0, t_in, n_thr, seen, joined):
     phases[2] += last - c0
     for stage in range(N_STAGES):
         phases[3 + stage] += seen[stage] - c0
-    phases[8] += joined - c0
-    phases[9] += 1
+    phases[3 + N_STAGES] += joined - c0
+    phases[N_PHASES - 1] += 1
 
 
 @njit(parallel=True, cache=True, fastmath=True)
@@ -893,9 +971,10 @@ def moe_layer_int8(codec, buf, buf16, buf32, nbytes, offs, has_bias, i, group, t
     int64: when not empty, the lane that finishes the last task stores `ticket` in answer[0] (release) - out is
     complete then - so a waiting GPU goes on without the region's join (~20 µs on the GPU machine's host).
 
-    One parallel region for the whole layer, in five stages: the tokens' activations to int8 (a task a group),
-    gate and up rows (a task = ROWS_PER_TASK rows of one expert), the down projection's inputs to int8 (a task
-    a group of one assignment), down rows, and the weighted sum (a task a slice of the output's columns).
+    One parallel region for the whole layer, in four stages: the tokens' activations to int8 (a task a group;
+    for one or two tokens done in the serial start instead, and the stage has no tasks), gate and up rows (a
+    task = ROWS_PER_TASK rows of one expert), the down projection's inputs to int8 (a task a group of one
+    assignment), and the down rows summed into out (a task a slice of out's columns over every expert).
     Threads take a stage's tasks from a shared counter and wait until every task of the stage is done before
     the next (`_stages`): a thread the OS delays holds up only the task it is on (with a static split, its whole
     share held the region up: run p, ~150 µs a region whatever its work), and no stage runs on one thread while
@@ -913,18 +992,18 @@ def moe_layer_int8(codec, buf, buf16, buf32, nbytes, offs, has_bias, i, group, t
     n_exp = buf.shape[0] // nbytes
     n_thr = max(1, lanes)
     v = _carve(s64, s32, s8, n_tok, n_a, n_exp, n_thr, d, i, group)
-    n0, n1, n2, n3, n4 = _prepare(tokens_in, experts_in, weights_in, n_exp, n_tok, d, i, group, n_thr, v)
+    n0, n1, n2, n3 = _prepare(x, tokens_in, experts_in, weights_in, n_exp, n_tok, d, i, group, n_thr, v)
     sync, seen, t_in = v[4], v[5], v[6]
     for j in range(sync.shape[0]):
         sync[j] = 0
     zero = np.int64(0)                                    # (typed as serve_layers' plan: _stages compiles once)
-    plan = (zero, zero, zero, zero, zero, n0, n1, n2, n3, n4)
+    plan = (zero, zero, zero, zero, n0, n1, n2, n3)
     always = sync[:1]                                     # gen_word: sync[0] is padding, 0 throughout
     phases[0] += _cycles() - c0
     for lane in prange(n_thr):
         t_in[lane] = _cycles()
         _stages(codec, buf, buf16, buf32, nbytes, offs, has_bias, i, group, table, x, n_a, gate_scale, up_scale,
-                down_scale, activation, alpha, limit, out, v, plan, answer, ticket, always, zero)
+                down_scale, activation, alpha, limit, out, v, plan, answer, ticket, always, zero, lane, phases)
     _mark_phases(phases, c0, t_in, n_thr, seen, _cycles())
 
 
@@ -970,7 +1049,7 @@ def serve_layers(req, resp, meta, ids, weights, x, out, last, spins, clock, phas
     ctl[CTL_LAST] = last
     for lane in prange(n_thr):
         mine = 0                                    # the last request this lane ran
-        b0 = b1 = b2 = b3 = b4 = 0                  # (lane 0) the stages' counters so far
+        b0 = b1 = b2 = b3 = 0                       # (lane 0) the stages' counters so far
         while True:
             if lane == 0:
                 seen_seq = _load_acquire(ctl, CTL_LAST)
@@ -1000,10 +1079,10 @@ def serve_layers(req, resp, meta, ids, weights, x, out, last, spins, clock, phas
                     clock[0] += _cycles() - c0
                     _store_release(ctl, CTL_LAST, seq)
                     continue
-                n0, n1, n2, n3, n4 = _prepare(sel64[:a], sel64[a_max:a_max + a], sel32[:a], n_exp, t, d, inter,
-                                              group, n_thr, v)
-                plan = (b0, b1, b2, b3, b4, n0, n1, n2, n3, n4)
-                b0, b1, b2, b3, b4 = b0 + n0, b1 + n1, b2 + n2, b3 + n3, b4 + n4
+                n0, n1, n2, n3 = _prepare(x, sel64[:a], sel64[a_max:a_max + a], sel32[:a], n_exp, t, d, inter,
+                                          group, n_thr, v)
+                plan = (b0, b1, b2, b3, n0, n1, n2, n3)
+                b0, b1, b2, b3 = b0 + n0, b1 + n1, b2 + n2, b3 + n3
                 g = mine + 1
                 _store_release(ctl, CTL_BEGIN, g)
                 for j in range(2 * N_STAGES):
@@ -1023,8 +1102,7 @@ def serve_layers(req, resp, meta, ids, weights, x, out, last, spins, clock, phas
                 plan = (_load_acquire(ctl, CTL_PLAN), _load_acquire(ctl, CTL_PLAN + 1),
                         _load_acquire(ctl, CTL_PLAN + 2), _load_acquire(ctl, CTL_PLAN + 3),
                         _load_acquire(ctl, CTL_PLAN + 4), _load_acquire(ctl, CTL_PLAN + 5),
-                        _load_acquire(ctl, CTL_PLAN + 6), _load_acquire(ctl, CTL_PLAN + 7),
-                        _load_acquire(ctl, CTL_PLAN + 8), _load_acquire(ctl, CTL_PLAN + 9))
+                        _load_acquire(ctl, CTL_PLAN + 6), _load_acquire(ctl, CTL_PLAN + 7))
                 li = _load_acquire(ctl, CTL_LAYER)
                 a = _load_acquire(ctl, CTL_A)
                 seq = _load_acquire(ctl, CTL_TICKET)
@@ -1036,7 +1114,7 @@ def serve_layers(req, resp, meta, ids, weights, x, out, last, spins, clock, phas
             buf = bufs[li]
             _stages(codec, buf, buf.view(np.uint16), buf.view(np.float32), nbytes, offs, has_bias, inter, group,
                     table, x, a, g_scale[li], u_scale[li], d_scale[li], activation, alpha, limit, out, v, plan,
-                    resp, seq, ctl, g)
+                    resp, seq, ctl, g, lane, phases)
             if lane == 0:
                 joined = _cycles()
                 c0 = _load_acquire(ctl, CTL_C0)

@@ -50,7 +50,12 @@ try:
     from numba import njit
 
     from runtime.experts.cpu_kernels_int8 import CTL_SIZE, N_PHASES, _cycles, _load_acquire, _store_release, \
-        serve_layers
+        lane_counts, new_phases, serve_layers
+
+    def numba_lanes() -> int:
+        """The most lanes any worker thread can set (numba's pool size)."""
+        import numba
+        return numba.config.NUMBA_NUM_THREADS
 
     @njit(nogil=True, cache=True)
     def spin_until_changed(word, last, spins):
@@ -199,7 +204,7 @@ class CpuShareWorker:
         spin_until_changed(b["req"], int(b["req"][0]), 0)
         publish(np.zeros(1, dtype=np.int64), 0)
         self._clock = np.zeros(2, dtype=np.int64)       # compiled serving: cycles busy, requests answered
-        self._phases = np.zeros(N_PHASES if HAVE_NUMBA else 1, dtype=np.int64)
+        self._phases = new_phases(numba_lanes()) if HAVE_NUMBA else np.zeros(1, dtype=np.int64)   # + every lane's
         self._lanes = 1                                  # the kernel's threads, as the worker thread sets them
         self._cycles_per_s = 0.0
         if int8_args is not None and HAVE_NUMBA:
@@ -297,11 +302,20 @@ class CpuShareWorker:
         serial start, the lanes coming in, each stage done, the join), over the requests since `since` (a
         `phase_marks()` copy; None: all), or None where the cycle counter is unavailable or no request came."""
         d = self._phases if since is None or since.shape != self._phases.shape else self._phases - since
-        n = int(d[-1]) if HAVE_NUMBA else 0
+        n = int(d[N_PHASES - 1]) if HAVE_NUMBA else 0
         if not self._cycles_per_s or not n:
             return None
         from runtime.experts.cpu_kernels_int8 import PHASES
         return {name: 1e6 * float(c) / n / self._cycles_per_s for name, c in zip(PHASES, d)}
+
+    def lane_counts(self, since: np.ndarray | None = None) -> dict[str, dict[str, float]] | None:
+        """Compiled serving: per stage of the kernel, the mean µs a request each lane spent in its tasks and
+        waiting for the others' (and the busiest lane's), its tasks, over the requests since `since` (a
+        `phase_marks()` copy); None as for `kernel_phases`."""
+        if not HAVE_NUMBA:
+            return None
+        d = self._phases if since is None or since.shape != self._phases.shape else self._phases - since
+        return lane_counts(d, self._lanes, self._cycles_per_s)
 
     @property
     def kernel_requests(self) -> int:
