@@ -42,6 +42,8 @@
 #   (device) bash benchmarks/device_final.sh z   # session 12: two barriers fewer (x quantized serially, down summing
 #                                                # into out), padded scratch, per-lane busy/wait counts, against
 #                                                # 2074728 (carry .ab: `git archive 2074728 ...`); AVX-VNNI; qwen3.6
+#   (device) bash benchmarks/device_final.sh z2  # session 12: z with x's quantization vectorised, 16-row down tasks
+#                                                # beyond two experts, each lane's first task timed; against 2074728
 # carry .site (numba, llvmlite, fla-core, platformdirs unpacked, xz). Results under $OUT. Build .site once (the
 # wheels alone pass the 64 MiB carry limit; unpacked and xz-compressed they take ~44 MB):
 #   pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
@@ -402,6 +404,25 @@ elif [ "$1" = z ]; then
   FREETOKEN_CPU_ISA=avxvnni NUMBA_CACHE_DIR=/tmp/nbc_avxvnni bench_rows 100 q3_ymm "${Q3_ROW[@]}"
   bench_rows 170 q36 --models qwen3.6-35b-a3b --dense-int8 --budgets 8 --routings uniform --cpu-share 0.3 0.5 \
     --modes graphs --tokens 64 --warmup 32 --prefill-budgets 99 --ttft-context 0
+elif [ "$1" = z2 ]; then
+  # run z: the serial x took ~15 µs (math.floor was a libm call per element), 8-expert down tasks were too few
+  # (17 µs of waiting), and lanes are busy, not waiting, in gate/up - a fixed ~57 µs a lane at 14 lanes. Now each
+  # lane's first task of a stage is timed too (is the fixed cost the first task?). Few files: $OUT keeps ~8
+  warm 250 2074728 old &
+  warm 250 new
+  wait
+  timeout 100 python3 benchmarks/bench_cpu_requests.py --threads 14 --experts 1 3 8 --no-sweeps \
+    --json "$OUT/cpu_requests_new.json" > /tmp/cpu_requests_new.txt 2>&1
+  echo "cpu_requests new rc=$?"; grep -v "Warning\|@njit\|CPU kernel marks" /tmp/cpu_requests_new.txt
+  grep "threads\|CPU kernel marks" /tmp/cpu_requests_new.txt | head -4
+  (cd /tmp/old && PYTHONPATH=/tmp/site:/tmp/old timeout 80 python3 benchmarks/bench_cpu_requests.py --threads 14 \
+    --experts 1 3 8 --no-sweeps > /tmp/cpu_requests_old.txt 2>&1; echo "cpu_requests old rc=$?")
+  grep -v "Warning\|@njit\|CPU kernel marks" /tmp/cpu_requests_old.txt | tail -7
+  bench_rows 100 q3_new "${Q3_ROW[@]}"
+  old_rows 100 "${Q3_ROW[@]}"
+  bench_rows 100 q3_new2 "${Q3_ROW[@]}"
+  cuda_tests 150 tests/test_hybrid_zero_copy.py tests/test_cpu_share_lanes.py tests/test_cpu_kernels_int8.py
+  rm -f "$OUT"/model_*.json
 else
   # decode rows through graphs only (eager rows cost minutes); the CPU share learned (auto; printed with a *),
   # fixed 0 and 0.3

@@ -329,7 +329,7 @@ def _layer_call(ex, x, tokens, experts, w, phases, lanes):
 
 
 def test_a_token_gets_the_same_bits_whether_x_is_quantized_serially_or_by_tasks():
-    """One or two tokens are quantized in the call's serial start (SERIAL_X_TOKENS), more by the lanes; the down
+    """A single token is quantized in the call's serial start (SERIAL_X_TOKENS), more by the lanes; the down
     stage sums every expert into out itself, its row slices sized by the call's expert count. A token's answer
     must not depend on any of that: token 0 alone equals token 0 among three, bit for bit."""
     gen = torch.Generator().manual_seed(31)
@@ -367,7 +367,7 @@ def test_each_lane_counts_its_tasks_and_cycles_per_stage():
         tasks = blocks[:, k8.LANE_TASKS:k8.LANE_TASKS + k8.N_STAGES].sum(axis=0)
         n_u = len(set(experts))
         want = [0 if t <= k8.SERIAL_X_TOKENS else t * 512 // 64, n_u * 512 // k8.ROWS_PER_TASK,
-                len(experts) * 512 // 64, 512 // k8.DOWN_ROWS_PER_TASK]
+                len(experts) * 512 // 64, 512 // k8._down_rows(n_u)]
         assert tasks.tolist() == want, t
         busy = blocks[:, k8.LANE_BUSY:k8.LANE_BUSY + k8.N_STAGES].sum(axis=0)
         if k8._HAVE_TSC:
@@ -375,6 +375,8 @@ def test_each_lane_counts_its_tasks_and_cycles_per_stage():
             assert (blocks[:, k8.LANE_WAIT:k8.LANE_WAIT + k8.N_STAGES] >= 0).all()
         assert phases[k8.N_PHASES - 1] == 1                  # one call counted
         assert not phases[k8.N_PHASES:k8.LANE_BASE].any()    # the padding before the lanes' blocks untouched
+        first = blocks[:, k8.LANE_FIRST:k8.LANE_FIRST + k8.N_STAGES]
+        assert (first <= blocks[:, k8.LANE_BUSY:k8.LANE_BUSY + k8.N_STAGES]).all()   # one task's share of all
 
 
 def test_the_scratch_regions_each_start_on_their_own_line_pair():

@@ -37,7 +37,6 @@ Shapes: A assignments, U distinct experts, T tokens, D hidden, I expert width, G
 """
 from __future__ import annotations
 
-import math
 import os
 import platform
 
@@ -533,7 +532,8 @@ _NEVER = (1 << 63) - 1
 # its lanes wait
 LANE_BASE = 16
 LANE_WORDS = 16
-LANE_BUSY, LANE_WAIT, LANE_TASKS = 0, 4, 8     # a block's three runs of N_STAGES words
+LANE_BUSY, LANE_WAIT, LANE_TASKS, LANE_FIRST = 0, 4, 8, 12   # a block's four runs of N_STAGES words (the last: the
+                                               # cycles of the lane's first task of each stage)
 ALIGN_BYTES = 128                              # the scratch's regions each start on a line pair of their own
 
 
@@ -563,7 +563,9 @@ def lane_counts(d: np.ndarray, lanes: int, cycles_per_s: float) -> dict[str, dic
     for j, name in enumerate(STAGE_NAMES):
         busy, wait = blocks[:, LANE_BUSY + j] * us, blocks[:, LANE_WAIT + j] * us
         tasks = blocks[:, LANE_TASKS + j] / n
+        first = blocks[:, LANE_FIRST + j] * us
         result[name] = {"busy_us": float(busy.mean()), "busy_max_us": float(busy.max()),
+                        "first_task_us": float(first.mean()),
                         "wait_us": float(wait.mean()), "wait_max_us": float(wait.max()),
                         "tasks_per_lane": float(tasks.mean()),
                         "us_per_task": float(busy.sum() / max(tasks.sum(), 1e-9))}
@@ -635,34 +637,55 @@ def _row(codec, buf, buf16, base, q_off, s_off, m_off, r, n_groups, hg, table, x
 
 
 @njit(cache=True, fastmath=True, inline="always")
+def _round_half_up(y):
+    """floor(y + 0.5) as int32, without math.floor: numba calls libm's floorf for it, once per element, which
+    kept the loop scalar (session 12: ~1.2 µs a group of 128 on the GPU machine's host)."""
+    y = y + np.float32(0.5)
+    q = np.int32(y)
+    return q - np.int32(np.float32(q) > y)
+
+
+@njit(cache=True, fastmath=True, inline="always")
 def _quantize_group(v, n, g, group, vq, vs, vm):
     """Group g of row n of v [N, K] float32 -> int8 into vq [N * K], the group's scale into vs [N * G] and scale *
     sum of its int8 values into vm [N * G]. Layout: when K is a multiple of 64 (the whole-row path), every 64
     elements as their 32 even ones then their 32 odd ones (the order of a 32-byte step's low, then high nibbles);
-    otherwise every group as its even elements then its odd ones (the group-by-group path)."""
+    otherwise every group as its even elements then its odd ones (the group-by-group path). Indices unsigned and
+    stores contiguous, so the loops vectorise."""
     k = v.shape[1]
-    hg = group // 2
-    chunked = k % 64 == 0
-    b = g * group
+    one = np.uint64(1)
+    nu = np.uint64(n)
+    b = np.uint64(g * group)
     amax = np.float32(0.0)
-    for j in range(group):
-        amax = max(amax, abs(v[n, b + j]))
+    for j in range(np.uint64(group)):
+        amax = max(amax, abs(v[nu, b + np.uint64(j)]))
     scale = amax / np.float32(127.0)
     inv = np.float32(127.0) / amax if amax > np.float32(0.0) else np.float32(0.0)
-    total = 0
+    total = np.int32(0)
     row = n * k
-    for j in range(hg):
-        ke = b + 2 * j
-        qe = np.int32(math.floor(v[n, ke] * inv + np.float32(0.5)))
-        qo = np.int32(math.floor(v[n, ke + 1] * inv + np.float32(0.5)))
-        if chunked:
-            pe = (ke // 64) * 64 + (ke % 64) // 2
-            vq[row + pe] = qe
-            vq[row + pe + 32] = qo
-        else:
-            vq[row + b + j] = qe
-            vq[row + b + hg + j] = qo
-        total += qe + qo
+    if k % 64 == 0:
+        span = min(group, 64)                            # the group's part inside one chunk of 64
+        for s in range(group // span):
+            at = g * group + s * span
+            lo = np.uint64(row + (at & ~63) + ((at & 63) >> 1))   # its evens' first slot; odds 32 later
+            au = np.uint64(at)
+            for j in range(np.uint64(span // 2)):
+                ju = np.uint64(j)
+                qe = _round_half_up(v[nu, au + ju + ju] * inv)
+                qo = _round_half_up(v[nu, au + ju + ju + one] * inv)
+                vq[lo + ju] = qe
+                vq[lo + np.uint64(32) + ju] = qo
+                total += qe + qo
+    else:
+        hg = np.uint64(group // 2)
+        lo = np.uint64(row) + b
+        for j in range(hg):
+            ju = np.uint64(j)
+            qe = _round_half_up(v[nu, b + ju + ju] * inv)
+            qo = _round_half_up(v[nu, b + ju + ju + one] * inv)
+            vq[lo + ju] = qe
+            vq[lo + hg + ju] = qo
+            total += qe + qo
     vs[n * (k // group) + g] = scale
     vm[n * (k // group) + g] = scale * np.float32(total)
 
@@ -706,8 +729,9 @@ def group_by_expert(tokens, experts, weights, n_experts, n_tokens, counts, tok, 
 
 N_STAGES = 4
 STAGE_NAMES = ("x to int8", "gate/up", "down inputs", "down and sum")
-SERIAL_X_TOKENS = 2      # up to this many tokens the call's serial start quantizes x (~1 µs a token): for a decode
-                         # request, one stage and its barrier (~8 µs on the GPU machine's host) fewer
+SERIAL_X_TOKENS = 1      # up to this many tokens the call's serial start quantizes x: for a decode request one
+                         # stage and its barrier (~6 µs on the GPU machine's host) fewer. (Run z: with math.floor
+                         # a token took ~15 µs there; `_round_half_up` vectorises, ~3x faster on the dev VM)
 
 
 def scratch_sizes(n_tokens: int, n_assign: int, n_experts: int, hidden: int, inter: int, group: int,
@@ -811,7 +835,7 @@ def _carve(s64, s32, s8, n_tok, n_a, n_exp, n_thr, d, i, group):
 def _prepare(x, tokens_in, experts_in, weights_in, n_exp, n_tok, d, i, group, n_thr, v):
     """A call's serial start: its assignments sorted by expert, the marks cleared (plain loops: in a
     parallel=True function `seen[:] = 0` would be a parallel region of its own), x quantized here when it is a
-    token or two (SERIAL_X_TOKENS); each stage's task count."""
+    single token (SERIAL_X_TOKENS); each stage's task count."""
     counts, tokens, experts, starts, sync, seen, t_in, weights, xs, xm = v[:10]
     xq = v[13]
     n_u = group_by_expert(tokens_in, experts_in, weights_in, n_exp, n_tok, counts, tokens, weights, experts, starts)
@@ -831,10 +855,10 @@ def _prepare(x, tokens_in, experts_in, weights_in, n_exp, n_tok, d, i, group, n_
 @njit(cache=True, inline="always")
 def _down_rows(n_u):
     """Rows of the output a down task covers, over all of a call's n_u experts: 32 (128 bytes of each token's
-    row of out: no two tasks write one line) while that leaves 64 tasks at hidden 2048 for a decode request's
-    few experts; 16 for a bigger call, whose 32-row tasks would be few and long (a lane late on its last one
-    holds the stage up)."""
-    return DOWN_ROWS_PER_TASK if n_u <= 16 else DOWN_ROWS_PER_TASK // 2
+    row of out) for one or two experts; 16 (64 bytes: still no two tasks write one line) beyond, whose 32-row
+    tasks are few and long - run z's 8-expert requests: 4.6 tasks a lane on 14 lanes, 17 µs of waiting for the
+    last one."""
+    return DOWN_ROWS_PER_TASK if n_u <= 2 else DOWN_ROWS_PER_TASK // 2
 
 
 # A function of its own, not inlined into its two callers (the per-call kernel and the worker's loop): numba
@@ -875,12 +899,15 @@ def _stages(codec, buf, buf16, buf32, nbytes, offs, has_bias, i, group, table, x
         base = plan[stage]
         end = base + plan[N_STAGES + stage]
         free = _cycles()                              # when this lane last finished something
+        task_first = -1
         while True:
             task = _take(sync, (2 * stage + 1) * SYNC_STRIDE, end)
             if task < 0:
                 break
             task -= base
             began = _cycles()
+            if task_first < 0:
+                task_first = task
             if stage == 0:                            # x: token, group
                 _quantize_group(x, task // (d // group), task % (d // group), group, xq, xs, xm)
             elif stage == 1:                          # gate and up rows of one expert
@@ -920,6 +947,8 @@ def _stages(codec, buf, buf16, buf32, nbytes, offs, has_bias, i, group, table, x
             if counting:
                 free = _cycles()
                 phases[lb + LANE_BUSY + stage] += free - began
+                if task == task_first:
+                    phases[lb + LANE_FIRST + stage] += free - began
                 phases[lb + LANE_TASKS + stage] += 1
         _wait_at_least(sync, (2 * stage + 2) * SYNC_STRIDE, end)    # the stage done on every lane
         if counting:
@@ -972,7 +1001,7 @@ def moe_layer_int8(codec, buf, buf16, buf32, nbytes, offs, has_bias, i, group, t
     complete then - so a waiting GPU goes on without the region's join (~20 µs on the GPU machine's host).
 
     One parallel region for the whole layer, in four stages: the tokens' activations to int8 (a task a group;
-    for one or two tokens done in the serial start instead, and the stage has no tasks), gate and up rows (a
+    for a single token done in the serial start instead, and the stage has no tasks), gate and up rows (a
     task = ROWS_PER_TASK rows of one expert), the down projection's inputs to int8 (a task a group of one
     assignment), and the down rows summed into out (a task a slice of out's columns over every expert).
     Threads take a stage's tasks from a shared counter and wait until every task of the stage is done before
