@@ -417,7 +417,7 @@ elif [ "$1" = z2 ]; then
   grep "threads\|CPU kernel marks" /tmp/cpu_requests_new.txt | head -4
   (cd /tmp/old && PYTHONPATH=/tmp/site:/tmp/old timeout 80 python3 benchmarks/bench_cpu_requests.py --threads 14 \
     --experts 1 3 8 --no-sweeps > /tmp/cpu_requests_old.txt 2>&1; echo "cpu_requests old rc=$?")
-  grep -v "Warning\|@njit\|CPU kernel marks" /tmp/cpu_requests_old.txt | tail -7
+  grep -v "Warning\|@njit\|CPU kernel marks" /tmp/cpu_requests_old.txt | grep -v "^store\|^H2D"
   bench_rows 100 q3_new "${Q3_ROW[@]}"
   old_rows 100 "${Q3_ROW[@]}"
   bench_rows 100 q3_new2 "${Q3_ROW[@]}"
