@@ -44,6 +44,8 @@
 #                                                # 2074728 (carry .ab: `git archive 2074728 ...`); AVX-VNNI; qwen3.6
 #   (device) bash benchmarks/device_final.sh z2  # session 12: z with x's quantization vectorised, 16-row down tasks
 #                                                # beyond two experts, each lane's first task timed; against 2074728
+#   (device) bash benchmarks/device_final.sh z3  # session 12: the host's core/thread layout, 8 lanes against 14
+#                                                # on small requests (are the 16 vCPUs hyperthread pairs?)
 # carry .site (numba, llvmlite, fla-core, platformdirs unpacked, xz). Results under $OUT. Build .site once (the
 # wheels alone pass the 64 MiB carry limit; unpacked and xz-compressed they take ~44 MB):
 #   pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
@@ -423,6 +425,15 @@ elif [ "$1" = z2 ]; then
   bench_rows 100 q3_new2 "${Q3_ROW[@]}"
   cuda_tests 150 tests/test_hybrid_zero_copy.py tests/test_cpu_share_lanes.py tests/test_cpu_kernels_int8.py
   rm -f "$OUT"/model_*.json
+elif [ "$1" = z3 ]; then
+  # run z2: every task of a small request is slow (a 32 KB gate/up task 9.7 µs with one expert, 3.4 with eight,
+  # hot both), lanes do not wait. If the 16 vCPUs are 8 cores' hyperthread pairs, 14 lanes put two on most cores
+  lscpu | grep -i "model name\|thread(s) per core\|core(s) per socket\|socket(s)\|numa node(s)\|L2\|L3"
+  lscpu -e=CPU,CORE,SOCKET,NODE | head -20 | tr '\n' ';'; echo
+  warm 250 new
+  timeout 150 python3 benchmarks/bench_cpu_requests.py --threads 8 14 --experts 1 3 8 --no-sweeps \
+    --json "$OUT/cpu_requests_z3.json" > /tmp/cpu_requests_z3.txt 2>&1
+  echo "cpu_requests rc=$?"; grep -v "Warning\|@njit\|CPU kernel marks\|^store" /tmp/cpu_requests_z3.txt
 else
   # decode rows through graphs only (eager rows cost minutes); the CPU share learned (auto; printed with a *),
   # fixed 0 and 0.3
