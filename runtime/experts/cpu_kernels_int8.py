@@ -645,7 +645,10 @@ def _round_half_up(y):
     return q - np.int32(np.float32(q) > y)
 
 
-@njit(cache=True, fastmath=True, inline="always")
+# Called, not inlined: vectorised, its loops inlined at the kernel's three sites made LLVM take ~26 s longer over
+# the layer kernel and the worker's loop on the dev VM (a fresh install's first load); a call per group costs ns.
+# _nrt=False as for _stages: no reference counts on the arrays it is passed.
+@njit(cache=True, fastmath=True, nogil=True, _nrt=False)
 def _quantize_group(v, n, g, group, vq, vs, vm):
     """Group g of row n of v [N, K] float32 -> int8 into vq [N * K], the group's scale into vs [N * G] and scale *
     sum of its int8 values into vm [N * G]. Layout: when K is a multiple of 64 (the whole-row path), every 64
