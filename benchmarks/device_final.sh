@@ -45,7 +45,8 @@
 #   (device) bash benchmarks/device_final.sh z2  # session 12: z with x's quantization vectorised, 16-row down tasks
 #                                                # beyond two experts, each lane's first task timed; against 2074728
 #   (device) bash benchmarks/device_final.sh z3  # session 12: the host's core/thread layout, 8 lanes against 14
-#                                                # on small requests (are the 16 vCPUs hyperthread pairs?)
+#                                                # on small requests (are the 16 vCPUs hyperthread pairs?), the
+#                                                # final code's 8 GiB row and CUDA tests
 # carry .site (numba, llvmlite, fla-core, platformdirs unpacked, xz). Results under $OUT. Build .site once (the
 # wheels alone pass the 64 MiB carry limit; unpacked and xz-compressed they take ~44 MB):
 #   pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
@@ -434,6 +435,9 @@ elif [ "$1" = z3 ]; then
   timeout 150 python3 benchmarks/bench_cpu_requests.py --threads 8 14 --experts 1 3 8 --no-sweeps \
     --json "$OUT/cpu_requests_z3.json" > /tmp/cpu_requests_z3.txt 2>&1
   echo "cpu_requests rc=$?"; grep -v "Warning\|@njit\|CPU kernel marks\|^store" /tmp/cpu_requests_z3.txt
+  bench_rows 100 q3_final "${Q3_ROW[@]}"
+  cuda_tests 100 tests/test_hybrid_zero_copy.py tests/test_cpu_share_lanes.py
+  rm -f "$OUT"/model_*.json
 else
   # decode rows through graphs only (eager rows cost minutes); the CPU share learned (auto; printed with a *),
   # fixed 0 and 0.3
