@@ -47,6 +47,8 @@
 #   (device) bash benchmarks/device_final.sh z3  # session 12: the host's core/thread layout, 8 lanes against 14
 #                                                # on small requests (are the 16 vCPUs hyperthread pairs?), the
 #                                                # final code's 8 GiB row and CUDA tests
+#   (device) bash benchmarks/device_final.sh z4  # session 12: rows asked for ahead (llvm.prefetch) against the
+#                                                # same code without (carry .ab: `git archive 0f7f1d5 ...`)
 # carry .site (numba, llvmlite, fla-core, platformdirs unpacked, xz). Results under $OUT. Build .site once (the
 # wheels alone pass the 64 MiB carry limit; unpacked and xz-compressed they take ~44 MB):
 #   pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
@@ -437,6 +439,22 @@ elif [ "$1" = z3 ]; then
   echo "cpu_requests rc=$?"; grep -v "Warning\|@njit\|CPU kernel marks\|^store" /tmp/cpu_requests_z3.txt
   bench_rows 100 q3_final "${Q3_ROW[@]}"
   cuda_tests 100 tests/test_hybrid_zero_copy.py tests/test_cpu_share_lanes.py
+  rm -f "$OUT"/model_*.json
+elif [ "$1" = z4 ]; then
+  # run z3: no hyperthreads (16 cores, 2 MiB L2 each, 300 MiB L3); a row task's cost depends on the request's
+  # expert count, not the lanes (hot: ~9.6 µs a 32 KB task with one expert, ~3.1 with eight). A hot down row
+  # took ~400 ns: a miss's latency a row. Now each task prefetches PREFETCH_ROWS rows ahead; against 0f7f1d5
+  warm 200 0f7f1d5 old &
+  warm 200 new
+  wait
+  for tree in new old; do
+    dir=$PWD; [ $tree = old ] && dir=/tmp/old
+    (cd $dir && PYTHONPATH=/tmp/site:$dir timeout 80 python3 benchmarks/bench_cpu_requests.py --threads 14 \
+      --experts 1 3 8 --no-sweeps > /tmp/cpu_requests_$tree.txt 2>&1; echo "cpu_requests $tree rc=$?")
+    grep -v "Warning\|@njit\|CPU kernel marks\|^store\|^H2D" /tmp/cpu_requests_$tree.txt
+  done
+  bench_rows 100 q3_new "${Q3_ROW[@]}"
+  old_rows 100 "${Q3_ROW[@]}"
   rm -f "$OUT"/model_*.json
 else
   # decode rows through graphs only (eager rows cost minutes); the CPU share learned (auto; printed with a *),

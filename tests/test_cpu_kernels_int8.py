@@ -437,6 +437,7 @@ sys.path.insert(0, "tests")
 import test_cpu_kernels_int8 as t
 print("regions", t.count_layer_kernel_regions())
 print("refcounts", t.count_stage_refcounts())
+print("prefetches", t.count_stage_prefetches())
 """
 
 
@@ -467,6 +468,11 @@ def count_stage_refcounts() -> int:
                for sig in k8._stages.signatures)
 
 
+def count_stage_prefetches() -> int:
+    """llvm.prefetch calls in the stages' code (the rows a task asks for ahead: gate, up, down; codes and scales)."""
+    return sum(k8._stages.inspect_llvm(sig).count("call void @llvm.prefetch") for sig in k8._stages.signatures)
+
+
 def test_the_layer_kernel_is_one_parallel_region(tmp_path):
     """numba makes a parallel region of every whole-array expression in a parallel=True function (`a[:] = 0`),
     and each costs ~20 µs to start and join on the GPU machine's 16 cores (three fills were run r's 58 µs
@@ -488,6 +494,9 @@ def test_the_layer_kernel_is_one_parallel_region(tmp_path):
     # lane: with numba's reference counting on, every helper inlined into it counted the shared arrays it was
     # passed - atomics on the same words from every lane at every row, ~10x slower on 14 lanes (runs w, x)
     assert "refcounts 0" in run.stdout, run.stdout
+    # and its row tasks ask for the rows ahead of the one they compute (run z2: a hot row's ~400 ns was a miss's
+    # latency): a prefetch of codes and scales at each of the three row sites, before and inside the row loops
+    assert int(run.stdout.split("prefetches")[1].split()[0]) >= 6, run.stdout
 
 
 def test_a_flavour_can_be_picked_for_measurements_with_its_own_cache(monkeypatch):

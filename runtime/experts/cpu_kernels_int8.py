@@ -499,6 +499,38 @@ def _take(typingctx, arr, index, end):
     return sig, codegen
 
 
+@intrinsic
+def _prefetch(typingctx, arr, index):
+    """Ask for the cache line of arr[index] (llvm.prefetch: read, keep in every level); never faults, so an index
+    past the data is harmless."""
+    sig = types.void(arr, index)
+
+    def codegen(context, builder, sig, args):
+        ptr = _item_ptr(context, builder, sig, args)
+        opaque = getattr(ptr.type, "is_opaque", False)
+        if not opaque:
+            ptr = builder.bitcast(ptr, ir.IntType(8).as_pointer())
+        fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(ir.VoidType(), [ptr.type, I32, I32, I32]),
+                                            "llvm.prefetch.p0" if opaque else "llvm.prefetch.p0i8")
+        builder.call(fn, [ptr, ir.Constant(I32, 0), ir.Constant(I32, 3), ir.Constant(I32, 1)])
+        return context.get_dummy_value()
+    return sig, codegen
+
+
+PREFETCH_ROWS = 2        # a task asks for its matrix row r + PREFETCH_ROWS while it computes row r (run z2: a small
+                         # request's row took ~400 ns when hot - a miss's latency a row, not bandwidth)
+
+
+@njit(cache=True, inline="always")
+def _prefetch_row(buf, base, q_off, s_off, r, row_bytes, scale_bytes):
+    """Every line of row r's packed codes (from base + q_off) and of its scales (from base + s_off)."""
+    q = base + q_off + r * row_bytes
+    six = np.uint64(6)
+    for k in range(row_bytes >> six):
+        _prefetch(buf, q + (np.uint64(k) << six))
+    _prefetch(buf, base + s_off + r * scale_bytes)
+
+
 _HAVE_SCHED_YIELD = platform.system() != "Windows"            # POSIX's sched_yield, resolved from libc at load
 
 
@@ -896,6 +928,10 @@ def _stages(codec, buf, buf16, buf32, nbytes, offs, has_bias, i, group, table, x
     up_blocks = (i + ROWS_PER_TASK - 1) // ROWS_PER_TASK
     n_u = plan[N_STAGES + 1] // up_blocks
     down_rows = _down_rows(n_u)
+    ahead = np.uint64(PREFETCH_ROWS)
+    row_d, row_i = gd * hg, gi * hg                   # packed bytes of a gate/up row, of a down row
+    scale_b = np.uint64(2) if codec == 0 else np.uint64(1)
+    scale_d, scale_i = gd * scale_b, gi * scale_b    # its scale bytes (int4: fp16; fp4: one byte)
     lb = LANE_BASE + lane * LANE_WORDS
     counting = phases.shape[0] >= lb + LANE_WORDS
     for stage in range(N_STAGES):
@@ -915,8 +951,14 @@ def _stages(codec, buf, buf16, buf32, nbytes, offs, has_bias, i, group, table, x
                 _quantize_group(x, task // (d // group), task % (d // group), group, xq, xs, xm)
             elif stage == 1:                          # gate and up rows of one expert
                 u, e, b0, r0, r1 = _task_rows(task, up_blocks, experts, nb, i, ROWS_PER_TASK)
+                for r in range(r0, min(r0 + PREFETCH_ROWS, r1)):      # the first rows asked for at once
+                    _prefetch_row(buf, b0, o[0], o[1], np.uint64(r), row_d, scale_d)
+                    _prefetch_row(buf, b0, o[3], o[4], np.uint64(r), row_d, scale_d)
                 for r in range(r0, r1):
                     ru = np.uint64(r)
+                    if r + PREFETCH_ROWS < r1:
+                        _prefetch_row(buf, b0, o[0], o[1], ru + ahead, row_d, scale_d)
+                        _prefetch_row(buf, b0, o[3], o[4], ru + ahead, row_d, scale_d)
                     for a in range(starts[u], starts[u + 1]):
                         t = np.uint64(tokens[a])
                         g = _row(codec, buf, buf16, b0, o[0], o[1], o[2], ru, gd, hg, table, xq, xs, xm, t)
@@ -935,8 +977,12 @@ def _stages(codec, buf, buf16, buf32, nbytes, offs, has_bias, i, group, table, x
                 for u in range(n_u):
                     e = np.uint64(experts[u])
                     b0 = e * nb
+                    for r in range(r0, min(r0 + PREFETCH_ROWS, r1)):
+                        _prefetch_row(buf, b0, o[6], o[7], np.uint64(r), row_i, scale_i)
                     for r in range(r0, r1):
                         ru = np.uint64(r)
+                        if r + PREFETCH_ROWS < r1:
+                            _prefetch_row(buf, b0, o[6], o[7], ru + ahead, row_i, scale_i)
                         for a in range(starts[u], starts[u + 1]):
                             w = _row(codec, buf, buf16, b0, o[6], o[7], o[8], ru, gi, hg, table, hq, hs, hm,
                                      np.uint64(a))
