@@ -48,7 +48,7 @@
 #                                                # on small requests (are the 16 vCPUs hyperthread pairs?), the
 #                                                # final code's 8 GiB row and CUDA tests
 #   (device) bash benchmarks/device_final.sh z4  # session 12: rows asked for ahead (llvm.prefetch) against the
-#                                                # same code without (carry .ab: `git archive 0f7f1d5 ...`)
+#                                                # same code without (carry .ab: `git archive 7b9df99 ...`)
 # carry .site (numba, llvmlite, fla-core, platformdirs unpacked, xz). Results under $OUT. Build .site once (the
 # wheels alone pass the 64 MiB carry limit; unpacked and xz-compressed they take ~44 MB):
 #   pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
@@ -443,8 +443,8 @@ elif [ "$1" = z3 ]; then
 elif [ "$1" = z4 ]; then
   # run z3: no hyperthreads (16 cores, 2 MiB L2 each, 300 MiB L3); a row task's cost depends on the request's
   # expert count, not the lanes (hot: ~9.6 µs a 32 KB task with one expert, ~3.1 with eight). A hot down row
-  # took ~400 ns: a miss's latency a row. Now each task prefetches PREFETCH_ROWS rows ahead; against 0f7f1d5
-  warm 200 0f7f1d5 old &
+  # took ~400 ns: a miss's latency a row. Now each task prefetches PREFETCH_ROWS rows ahead; against 7b9df99
+  warm 200 7b9df99 old &
   warm 200 new
   wait
   for tree in new old; do
