@@ -135,7 +135,8 @@ def time_requests(worker, box, store, *, experts: int, calls: int, gap_s: float,
 
 def lanes_line(lanes: dict) -> str:
     """Per stage, µs a request: a lane's time in its tasks (mean / busiest lane), its wait for the others' (mean /
-    longest), its tasks, and µs a task - whether a slow stage's tasks are slow or its lanes wait."""
+    longest), its tasks, µs a task and its first task's µs - whether a slow stage's tasks are slow or its lanes
+    wait."""
     return "    lanes, µs a request (busy mean/max, waiting mean/max, tasks a lane, µs a task, first task): " + \
         "; ".join(f"{name} {c['busy_us']:.1f}/{c['busy_max_us']:.1f}, {c['wait_us']:.1f}/{c['wait_max_us']:.1f}, "
                   f"{c['tasks_per_lane']:.1f}, {c['us_per_task']:.2f}, {c['first_task_us']:.2f}"

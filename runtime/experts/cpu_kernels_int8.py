@@ -560,12 +560,11 @@ N_PHASES = len(PHASES) + 1                     # + the call count
 _NEVER = (1 << 63) - 1
 # After the call's marks, from word LANE_BASE, a block of LANE_WORDS words (128 bytes: no two lanes write one line)
 # per lane, when `phases` is that long (`new_phases`): per stage, the cycles the lane spent in its tasks, the cycles
-# it waited for the stage's other tasks, and its task count - whether a slow stage's tasks are slow themselves or
-# its lanes wait
+# it waited for the stage's other tasks, its task count and its first task's cycles - whether a slow stage's tasks
+# are slow themselves or its lanes wait (session 12: the tasks)
 LANE_BASE = 16
 LANE_WORDS = 16
-LANE_BUSY, LANE_WAIT, LANE_TASKS, LANE_FIRST = 0, 4, 8, 12   # a block's four runs of N_STAGES words (the last: the
-                                               # cycles of the lane's first task of each stage)
+LANE_BUSY, LANE_WAIT, LANE_TASKS, LANE_FIRST = 0, 4, 8, 12   # a block's four runs of N_STAGES words
 ALIGN_BYTES = 128                              # the scratch's regions each start on a line pair of their own
 
 
