@@ -95,6 +95,22 @@ cuda_tests() {   # SECONDS PYTEST-ARGS...: CUDA tests to $OUT/cuda_tests.log, it
   timeout "$seconds" python3 -m pytest -q -p no:cacheprovider --device cuda "$@" > "$OUT/cuda_tests.log" 2>&1
   echo "pytest rc=$?" >> "$OUT/cuda_tests.log"; tail -3 "$OUT/cuda_tests.log"
 }
+isa_requests() { # small requests in both flavours: AVX-512 (default) on 6 and 14 lanes, AVX-VNNI (own cache) on 14
+  for isa in default avxvnni; do
+    env_isa=(); [ "$isa" = default ] || env_isa=(FREETOKEN_CPU_ISA=$isa NUMBA_CACHE_DIR=/tmp/nbc_$isa)
+    threads="14"; [ "$isa" = default ] && threads="6 14"
+    env "${env_isa[@]}" timeout 100 python3 benchmarks/bench_cpu_requests.py --threads $threads --experts 1 3 8 \
+      --no-sweeps --json "$OUT/cpu_requests_$isa.json" > "$OUT/cpu_requests_$isa.txt" 2>&1
+    echo "cpu_requests $isa rc=$?"; grep -v Warning "$OUT/cpu_requests_$isa.txt" | grep -v "@njit"
+  done
+}
+tree_requests() { # SECONDS new|old: small requests (14 lanes; 1/3/8 experts) of today's tree or .ab's (old_tree
+  local seconds=$1 tree=$2 dir=$PWD   # first), to /tmp/cpu_requests_TREE.txt, printed without the marks lines
+  [ "$tree" = old ] && dir=/tmp/old
+  (cd "$dir" && PYTHONPATH=/tmp/site:$dir timeout "$seconds" python3 benchmarks/bench_cpu_requests.py --threads 14 \
+    --experts 1 3 8 --no-sweeps > "/tmp/cpu_requests_$tree.txt" 2>&1; echo "cpu_requests $tree rc=$?")
+  grep -v "Warning\|@njit\|CPU kernel marks\|^store\|^H2D" "/tmp/cpu_requests_$tree.txt"
+}
 if [ "${1:-a}" = a ]; then
   timeout 250 python3 -m pytest -q -p no:cacheprovider --device cuda tests/test_kernels_interpreted.py \
     tests/test_kernels_fused.py tests/test_decode_graph.py tests/test_hybrid_kernels.py tests/test_hybrid_experts.py \
@@ -353,13 +369,7 @@ elif [ "$1" = w ]; then
   warm 250 new
   cuda_tests 120 tests/test_hybrid_zero_copy.py tests/test_cpu_share_lanes.py
   wait
-  for isa in default avxvnni; do
-    env_isa=(); [ "$isa" = default ] || env_isa=(FREETOKEN_CPU_ISA=$isa NUMBA_CACHE_DIR=/tmp/nbc_$isa)
-    threads="14"; [ "$isa" = default ] && threads="6 14"
-    env "${env_isa[@]}" timeout 100 python3 benchmarks/bench_cpu_requests.py --threads $threads --experts 1 3 8 \
-      --no-sweeps --json "$OUT/cpu_requests_$isa.json" > "$OUT/cpu_requests_$isa.txt" 2>&1
-    echo "cpu_requests $isa rc=$?"; grep -v Warning "$OUT/cpu_requests_$isa.txt" | grep -v "@njit"
-  done
+  isa_requests
   bench_rows 100 q3_new "${Q3_ROW[@]}"
   old_rows 100 "${Q3_ROW[@]}"
   FREETOKEN_CPU_ISA=avxvnni NUMBA_CACHE_DIR=/tmp/nbc_avxvnni bench_rows 100 q3_ymm "${Q3_ROW[@]}"
@@ -394,16 +404,8 @@ elif [ "$1" = z ]; then
   warm 250 new
   cuda_tests 120 tests/test_hybrid_zero_copy.py tests/test_cpu_share_lanes.py tests/test_cpu_kernels_int8.py
   wait
-  for isa in default avxvnni; do
-    env_isa=(); [ "$isa" = default ] || env_isa=(FREETOKEN_CPU_ISA=$isa NUMBA_CACHE_DIR=/tmp/nbc_$isa)
-    threads="14"; [ "$isa" = default ] && threads="6 14"
-    env "${env_isa[@]}" timeout 100 python3 benchmarks/bench_cpu_requests.py --threads $threads --experts 1 3 8 \
-      --no-sweeps --json "$OUT/cpu_requests_$isa.json" > "$OUT/cpu_requests_$isa.txt" 2>&1
-    echo "cpu_requests $isa rc=$?"; grep -v Warning "$OUT/cpu_requests_$isa.txt" | grep -v "@njit"
-  done
-  (cd /tmp/old && PYTHONPATH=/tmp/site:/tmp/old timeout 80 python3 benchmarks/bench_cpu_requests.py --threads 14 \
-    --experts 1 3 8 --no-sweeps > "$OUT/cpu_requests_old.txt" 2>&1; echo "cpu_requests old rc=$?")
-  grep -v Warning "$OUT/cpu_requests_old.txt" | grep -v "@njit"
+  isa_requests
+  tree_requests 80 old
   bench_rows 100 q3_new "${Q3_ROW[@]}"
   old_rows 100 "${Q3_ROW[@]}"
   FREETOKEN_CPU_ISA=avxvnni NUMBA_CACHE_DIR=/tmp/nbc_avxvnni bench_rows 100 q3_ymm "${Q3_ROW[@]}"
@@ -416,13 +418,9 @@ elif [ "$1" = z2 ]; then
   warm 250 2074728 old &
   warm 250 new
   wait
-  timeout 100 python3 benchmarks/bench_cpu_requests.py --threads 14 --experts 1 3 8 --no-sweeps \
-    --json "$OUT/cpu_requests_new.json" > /tmp/cpu_requests_new.txt 2>&1
-  echo "cpu_requests new rc=$?"; grep -v "Warning\|@njit\|CPU kernel marks" /tmp/cpu_requests_new.txt
+  tree_requests 100 new
   grep "threads\|CPU kernel marks" /tmp/cpu_requests_new.txt | head -4
-  (cd /tmp/old && PYTHONPATH=/tmp/site:/tmp/old timeout 80 python3 benchmarks/bench_cpu_requests.py --threads 14 \
-    --experts 1 3 8 --no-sweeps > /tmp/cpu_requests_old.txt 2>&1; echo "cpu_requests old rc=$?")
-  grep -v "Warning\|@njit\|CPU kernel marks" /tmp/cpu_requests_old.txt | grep -v "^store\|^H2D"
+  tree_requests 80 old
   bench_rows 100 q3_new "${Q3_ROW[@]}"
   old_rows 100 "${Q3_ROW[@]}"
   bench_rows 100 q3_new2 "${Q3_ROW[@]}"
@@ -447,12 +445,8 @@ elif [ "$1" = z4 ]; then
   warm 200 7b9df99 old &
   warm 200 new
   wait
-  for tree in new old; do
-    dir=$PWD; [ $tree = old ] && dir=/tmp/old
-    (cd $dir && PYTHONPATH=/tmp/site:$dir timeout 80 python3 benchmarks/bench_cpu_requests.py --threads 14 \
-      --experts 1 3 8 --no-sweeps > /tmp/cpu_requests_$tree.txt 2>&1; echo "cpu_requests $tree rc=$?")
-    grep -v "Warning\|@njit\|CPU kernel marks\|^store\|^H2D" /tmp/cpu_requests_$tree.txt
-  done
+  tree_requests 80 new
+  tree_requests 80 old
   bench_rows 100 q3_new "${Q3_ROW[@]}"
   old_rows 100 "${Q3_ROW[@]}"
   rm -f "$OUT"/model_*.json

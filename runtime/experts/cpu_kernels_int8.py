@@ -882,8 +882,9 @@ def _prepare(x, tokens_in, experts_in, weights_in, n_exp, n_tok, d, i, group, n_
         for n in range(n_tok):
             _quantize_row(x, n, group, xq, xs, xm)
         n_x = 0
+    rows = _down_rows(n_u)
     return (n_x, n_u * ((i + ROWS_PER_TASK - 1) // ROWS_PER_TASK), experts_in.shape[0] * (i // group),
-            (d + _down_rows(n_u) - 1) // _down_rows(n_u))
+            (d + rows - 1) // rows)
 
 
 @njit(cache=True, inline="always")
@@ -911,7 +912,8 @@ def _stages(codec, buf, buf16, buf32, nbytes, offs, has_bias, i, group, table, x
     in the worker (`serve_layers`), so a call's tasks are base..base + count. The lane that finishes the call's
     last task stores `ticket` in answer[0] when answer is not empty (out is whole then). A stage's mark is kept
     only while gen_word[0] == gen (a lane late for its call does not mark the next one). When phases has this
-    lane's block (LANE_BASE), the lane adds its cycles in tasks and waiting, and its tasks, per stage.
+    lane's block (LANE_BASE), the lane adds its cycles in tasks and waiting, its tasks and its first task's
+    cycles, per stage.
 
     The down stage sums into out itself: a task is a slice of out's columns over every expert of the call (each
     assignment's row dot added to its token's row, in the assignments' order: the old weighted-sum stage's order),
@@ -937,15 +939,13 @@ def _stages(codec, buf, buf16, buf32, nbytes, offs, has_bias, i, group, table, x
         base = plan[stage]
         end = base + plan[N_STAGES + stage]
         free = _cycles()                              # when this lane last finished something
-        task_first = -1
+        first = True                                  # (the lane's first task of the stage)
         while True:
             task = _take(sync, (2 * stage + 1) * SYNC_STRIDE, end)
             if task < 0:
                 break
             task -= base
             began = _cycles()
-            if task_first < 0:
-                task_first = task
             if stage == 0:                            # x: token, group
                 _quantize_group(x, task // (d // group), task % (d // group), group, xq, xs, xm)
             elif stage == 1:                          # gate and up rows of one expert
@@ -995,8 +995,9 @@ def _stages(codec, buf, buf16, buf32, nbytes, offs, has_bias, i, group, table, x
             if counting:
                 free = _cycles()
                 phases[lb + LANE_BUSY + stage] += free - began
-                if task == task_first:
+                if first:
                     phases[lb + LANE_FIRST + stage] += free - began
+                    first = False
                 phases[lb + LANE_TASKS + stage] += 1
         _wait_at_least(sync, (2 * stage + 2) * SYNC_STRIDE, end)    # the stage done on every lane
         if counting:

@@ -52,11 +52,6 @@ try:
     from runtime.experts.cpu_kernels_int8 import CTL_SIZE, N_PHASES, _cycles, _load_acquire, _store_release, \
         lane_counts, new_phases, serve_layers
 
-    def numba_lanes() -> int:
-        """The most lanes any worker thread can set (numba's pool size)."""
-        import numba
-        return numba.config.NUMBA_NUM_THREADS
-
     @njit(nogil=True, cache=True)
     def spin_until_changed(word, last, spins):
         """Poll word[0] (acquire) up to `spins` times without the GIL; its value (== last if nothing came)."""
@@ -198,18 +193,19 @@ class CpuShareWorker:
             # do it by accident; a worker built alone segfaulted at its first request
             import numba
             numba.get_num_threads()
+        most_lanes = numba.config.NUMBA_NUM_THREADS if HAVE_NUMBA else 1   # any lane count the thread can set
         # compile (or load from numba's cache) the polling code here, while the model loads: compiled in the
         # thread at its first request, it would keep the GPU waiting for seconds (past collect's bounded wait)
         b = box._np
         spin_until_changed(b["req"], int(b["req"][0]), 0)
         publish(np.zeros(1, dtype=np.int64), 0)
         self._clock = np.zeros(2, dtype=np.int64)       # compiled serving: cycles busy, requests answered
-        self._phases = new_phases(numba_lanes()) if HAVE_NUMBA else np.zeros(1, dtype=np.int64)   # + every lane's
+        self._phases = new_phases(most_lanes) if HAVE_NUMBA else np.zeros(1, dtype=np.int64)   # + every lane's
         self._lanes = 1                                  # the kernel's threads, as the worker thread sets them
         self._cycles_per_s = 0.0
         if int8_args is not None and HAVE_NUMBA:
             import numba
-            self._scratch = self._scratch_for(numba.config.NUMBA_NUM_THREADS)   # enough for any lane count
+            self._scratch = self._scratch_for(most_lanes)
             # compiled for these arguments' types without running it (a parallel region run on this thread
             # would leave it a pool of kernel threads for good: CpuExecutor.warm_up)
             args = (b["req"], b["resp"], b["meta"], b["ids"], b["weights"], b["x"], b["out"], int(b["req"][0]), 0,
