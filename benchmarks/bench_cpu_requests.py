@@ -109,14 +109,21 @@ def time_requests(worker, box, store, *, experts: int, calls: int, gap_s: float,
     from runtime.experts.cpu_share import collect_reference, handoff_reference
 
     rng = np.random.default_rng(seed)
-    layers, e, d = store.layers, store.num_experts, store.layout.hidden
-    fixed = rng.choice(e, experts, replace=False).astype(np.int64)
+    layers, e, d, k = store.layers, store.num_experts, store.layout.hidden, box.top_k
+    # a token's k experts: `experts` misses for the CPU, the other k - experts resident (hits, never the CPU's):
+    # the mailbox's row holds all k, as the GPU's handoff writes it (sessions 8-12 sent a shorter row, and the
+    # worker read the rest of the row's stale ids: expert 0 for every padding entry, an extra expert and seven
+    # assignments in the "1 expert" rows)
+    resident = np.arange(e - (k - experts), e, dtype=np.int64)
+    table = torch.full((e,), -1, dtype=torch.int64)
+    table[torch.from_numpy(resident)] = 0
+    fixed = rng.choice(e - len(resident), experts, replace=False).astype(np.int64)
     work = [(i % len(layers) if not hot else 0,
-             torch.from_numpy((fixed if hot else rng.choice(e, experts, replace=False).astype(np.int64))[None]))
+             torch.from_numpy(np.concatenate([fixed if hot else rng.choice(e - len(resident), experts,
+                                                                            replace=False), resident])[None]))
             for i in range(calls + 10)]
     x = torch.from_numpy(rng.standard_normal((1, d), dtype=np.float32))
-    w = torch.full((1, experts), 1.0 / experts)
-    table = torch.full((e,), -1, dtype=torch.int64)                 # nothing resident: every expert a miss
+    w = torch.full((1, k), 1.0 / k)
     out = torch.zeros(1, d)
     trips = []
     for i, (li, ids) in enumerate(work):

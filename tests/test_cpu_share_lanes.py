@@ -7,6 +7,9 @@ and experts changing), and that lanes the OS runs late (here: more lanes than th
 """
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
@@ -141,3 +144,35 @@ def test_two_lanes_on_two_threads_serve_in_one_region(cpu, two_threads):
     assert torch.equal(collect_reference(torch.zeros(3, D), box), want)
     assert scratch[-1][k8.CTL_GEN] == 2 and clock[1] == 1      # the request, then the quit
     assert phases[-1] == 1                      # the lanes marked their one request
+
+
+def test_a_row_shorter_than_the_mailbox_is_refused(cpu):
+    """The worker reads T rows of the mailbox's K ids: a row of fewer would leave the rest's stale ids in the
+    request (sessions 8-12's small-request bench sent one id into a row of eight, and the worker computed expert 0
+    for the seven stale zeros besides)."""
+    box = Mailbox(max_tokens=1, top_k=4, hidden=D, device=torch.device("cpu"), share=1.0)
+    with pytest.raises(ValueError, match="1 experts a token, the mailbox 4"):
+        handoff_reference(0, torch.tensor([[3]]), torch.ones(1, 1), torch.randn(1, D), torch.full((E,), -1), box)
+    assert int(box.ticket[0]) == 0 and int(box._np["req"][0]) == 0     # nothing was published
+
+
+@pytest.mark.skipif(numba.config.NUMBA_NUM_THREADS < 2, reason="needs 2 numba threads")
+def test_the_small_request_bench_sends_exactly_its_experts(cpu):
+    """bench_cpu_requests' rows: a request of n experts is n experts' tasks for the worker, whatever the mailbox's
+    K (the token's other experts resident)."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+    from bench_cpu_requests import time_requests
+    box = Mailbox(max_tokens=1, top_k=4, hidden=D, device=torch.device("cpu"), share=1.0)
+    worker = CpuShareWorker(box, None, int8_args=cpu.int8_args(), threads=2)
+    try:
+        for experts in (1, 3):
+            since = worker.phase_marks()
+            trips, busy = time_requests(worker, box, cpu.store, experts=experts, calls=4, gap_s=0.0, hot=False)
+            assert len(trips) == 4 and busy > 0 and worker.error is None
+            ids = box._np["ids"][:4]
+            assert (ids >= 0).sum() == experts and ids[experts:].tolist() == [-1] * (4 - experts)
+            lanes = worker.lane_counts(since)
+            up_blocks = -(-I // k8.ROWS_PER_TASK)
+            assert 2 * lanes["gate/up"]["tasks_per_lane"] == pytest.approx(experts * up_blocks)
+    finally:
+        worker.close()

@@ -123,6 +123,7 @@ class Mailbox:
 
     def __init__(self, *, max_tokens: int, top_k: int, hidden: int, device: torch.device, share: float):
         pin = device.type == "cuda"
+        self.top_k = top_k
         a = max_tokens * top_k
         host = lambda *shape, dtype: torch.zeros(shape, dtype=dtype, pin_memory=pin)       # noqa: E731
         self.req, self.resp = host(1, dtype=torch.int64), host(1, dtype=torch.int64)        # tickets
@@ -350,6 +351,8 @@ def handoff_reference(layer_index: int, ids: torch.Tensor, weights: torch.Tensor
                       table_row: torch.Tensor, box: Mailbox) -> tuple[torch.Tensor, torch.Tensor]:
     """What `handoff_triton.handoff` does, in torch/numpy on a CPU device (tests): same rule, same mailbox."""
     t, k = ids.shape
+    if k != box.top_k:      # the worker reads T rows of the mailbox's K: a shorter row would leave stale ids
+        raise ValueError(f"ids have {k} experts a token, the mailbox {box.top_k}")
     slot = table_row[ids]                                               # [T, K]
     miss = (slot < 0).reshape(-1)
     rank = torch.cumsum(miss.int(), 0) - miss.int()
