@@ -495,7 +495,7 @@ def test_the_layer_kernel_is_one_parallel_region(tmp_path):
     # passed - atomics on the same words from every lane at every row, ~10x slower on 14 lanes (runs w, x)
     assert "refcounts 0" in run.stdout, run.stdout
     # and its row tasks ask for the rows ahead of the one they compute (run z2: a hot row's ~400 ns was a miss's
-    # latency): a prefetch of codes and scales at each of the three row sites, before and inside the row loops
+    # latency): a prefetch of codes, scales and mins at each of the three row sites, before and inside the loops
     assert int(run.stdout.split("prefetches")[1].split()[0]) >= 6, run.stdout
 
 
@@ -514,3 +514,27 @@ def test_a_flavour_can_be_picked_for_measurements_with_its_own_cache(monkeypatch
         k8.detect_isa()
     monkeypatch.delenv("FREETOKEN_CPU_ISA")
     assert k8.detect_isa() == k8.ISA
+
+
+def test_a_prefetch_variant_is_picked_like_a_flavour(monkeypatch):
+    """FREETOKEN_CPU_PREFETCH_BYTES / _LOCALITY change constants compiled into the stages (session 13's A/B of
+    2 KB, 4 KB and prefetcht1): like FREETOKEN_CPU_ISA, another value needs a cache folder of its own, and a value
+    out of range is refused; the default needs nothing."""
+    monkeypatch.delenv("NUMBA_CACHE_DIR", raising=False)
+    monkeypatch.setenv("FREETOKEN_CPU_PREFETCH_BYTES", "4096")
+    with pytest.raises(RuntimeError, match="NUMBA_CACHE_DIR"):
+        k8._measurement_knob("FREETOKEN_CPU_PREFETCH_BYTES", 2048, range(64, 1 << 16))
+    monkeypatch.setenv("FREETOKEN_CPU_PREFETCH_BYTES", str(k8.PREFETCH_BYTES))
+    assert k8._measurement_knob("FREETOKEN_CPU_PREFETCH_BYTES", k8.PREFETCH_BYTES, range(64, 1 << 16)) == 2048
+    monkeypatch.setenv("NUMBA_CACHE_DIR", "/tmp/freetoken-prefetch-cache")
+    monkeypatch.setenv("FREETOKEN_CPU_PREFETCH_LOCALITY", "2")
+    assert k8._measurement_knob("FREETOKEN_CPU_PREFETCH_LOCALITY", 3, range(4)) == 2
+    monkeypatch.setenv("FREETOKEN_CPU_PREFETCH_LOCALITY", "7")
+    with pytest.raises(ValueError, match="expected 0..3"):
+        k8._measurement_knob("FREETOKEN_CPU_PREFETCH_LOCALITY", 3, range(4))
+
+
+def test_a_row_s_rows_ahead_are_a_byte_distance():
+    """PREFETCH_BYTES of codes ahead, in whole rows and at least one: a gate/up row of 1 KB (hidden 2048, int4)
+    2 rows ahead, a down row of 384 B (width 768) 6, a 4 KB row 1."""
+    assert [int(k8._rows_ahead(np.uint64(n))) for n in (1024, 384, 4096)] == [2, 6, 1]

@@ -95,6 +95,22 @@ def detect_isa() -> str:
 ISA = detect_isa()
 
 
+def _measurement_knob(name: str, default: int, allowed: range) -> int:
+    """An integer baked into the compiled kernels that an environment variable may change for a measurement (an
+    A/B of compiled variants in one call). numba's cache does not key the kernels by it, so a changed value needs a
+    NUMBA_CACHE_DIR of its own, as FREETOKEN_CPU_ISA does."""
+    raw = os.environ.get(name, "").strip()
+    if not raw:
+        return default
+    value = int(raw)
+    if value not in allowed:
+        raise ValueError(f"{name}={raw}: expected {allowed.start}..{allowed.stop - 1}")
+    if value != default and not os.environ.get("NUMBA_CACHE_DIR"):
+        raise RuntimeError(f"{name} needs a NUMBA_CACHE_DIR of its own: numba's cache does not key the kernels by "
+                           "it, so the default cache would serve another value")
+    return value
+
+
 # ------------------------------------------------------------------ IR helpers
 def _vec(elt, n):
     return ir.VectorType(elt, n)
@@ -499,9 +515,12 @@ def _take(typingctx, arr, index, end):
     return sig, codegen
 
 
+PREFETCH_LOCALITY = _measurement_knob("FREETOKEN_CPU_PREFETCH_LOCALITY", 3, range(4))  # llvm.prefetch's: 3 = T0
+
+
 @intrinsic
 def _prefetch(typingctx, arr, index):
-    """Ask for the cache line of arr[index] (llvm.prefetch: read, keep in every level); never faults, so an index
+    """Ask for the cache line of arr[index] (llvm.prefetch: read, PREFETCH_LOCALITY); never faults, so an index
     past the data is harmless."""
     sig = types.void(arr, index)
 
@@ -512,23 +531,50 @@ def _prefetch(typingctx, arr, index):
             ptr = builder.bitcast(ptr, ir.IntType(8).as_pointer())
         fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(ir.VoidType(), [ptr.type, I32, I32, I32]),
                                             "llvm.prefetch.p0" if opaque else "llvm.prefetch.p0i8")
-        builder.call(fn, [ptr, ir.Constant(I32, 0), ir.Constant(I32, 3), ir.Constant(I32, 1)])
+        builder.call(fn, [ptr, ir.Constant(I32, 0), ir.Constant(I32, PREFETCH_LOCALITY), ir.Constant(I32, 1)])
         return context.get_dummy_value()
     return sig, codegen
 
 
-PREFETCH_ROWS = 2        # a task asks for its matrix row r + PREFETCH_ROWS while it computes row r (run z2: a small
-                         # request's row took ~400 ns when hot - a miss's latency a row, not bandwidth)
+# How far ahead a row task asks for the rows it will read, in bytes of one matrix's codes: a gate/up row (1 KB
+# at hidden 2048, int4) 2 rows ahead, a down row (384 B at width 768) 6. Run z4 measured 2 rows everywhere: a small
+# request's down task read ~2 GB/s a lane cold, 768 B ahead of a ~150 ns miss being too little in flight.
+PREFETCH_BYTES = _measurement_knob("FREETOKEN_CPU_PREFETCH_BYTES", 2048, range(64, 1 << 16))
 
 
 @njit(cache=True, inline="always")
-def _prefetch_row(buf, base, q_off, s_off, r, row_bytes, scale_bytes):
-    """Every line of row r's packed codes (from base + q_off) and of its scales (from base + s_off)."""
+def _rows_ahead(row_bytes):
+    """Rows a task asks for ahead of the one it computes: PREFETCH_BYTES of codes, at least one row."""
+    return max(np.uint64(1), (np.uint64(PREFETCH_BYTES) + row_bytes - np.uint64(1)) // row_bytes)
+
+
+@njit(cache=True, inline="always")
+def _prefetch_row(buf, base, q_off, s_off, m_off, r, row_bytes, scale_bytes, mins):
+    """Every line of row r's packed codes (from base + q_off), of its scales (from base + s_off) and, when mins
+    (int4), of its mins (from base + m_off): every byte `_row` will read for it. A row's scales may straddle a line
+    (12 bytes a down row at width 768, int4 g128), so its first and last bytes are asked for."""
     q = base + q_off + r * row_bytes
     six = np.uint64(6)
+    one = np.uint64(1)
     for k in range(row_bytes >> six):
         _prefetch(buf, q + (np.uint64(k) << six))
-    _prefetch(buf, base + s_off + r * scale_bytes)
+    s = base + s_off + r * scale_bytes
+    _prefetch(buf, s)
+    _prefetch(buf, s + scale_bytes - one)
+    if mins:
+        m = base + m_off + r * scale_bytes
+        _prefetch(buf, m)
+        _prefetch(buf, m + scale_bytes - one)
+
+
+@njit(cache=True, inline="always")
+def _prefetch_down(buf, experts, nb, o, pu, pr, r0, r1, row_i, scale_i, mins):
+    """Ask for down row pr of the call's expert pu; the cursor's next place (a down task's rows r0..r1 of each
+    expert in turn, the order the task computes them)."""
+    _prefetch_row(buf, np.uint64(experts[pu]) * nb, o[6], o[7], o[8], np.uint64(pr), row_i, scale_i, mins)
+    if pr + 1 == r1:
+        return pu + 1, r0
+    return pu, pr + 1
 
 
 _HAVE_SCHED_YIELD = platform.system() != "Windows"            # POSIX's sched_yield, resolved from libc at load
@@ -929,10 +975,11 @@ def _stages(codec, buf, buf16, buf32, nbytes, offs, has_bias, i, group, table, x
     up_blocks = (i + ROWS_PER_TASK - 1) // ROWS_PER_TASK
     n_u = plan[N_STAGES + 1] // up_blocks
     down_rows = _down_rows(n_u)
-    ahead = np.uint64(PREFETCH_ROWS)
     row_d, row_i = gd * hg, gi * hg                   # packed bytes of a gate/up row, of a down row
     scale_b = np.uint64(2) if codec == 0 else np.uint64(1)
     scale_d, scale_i = gd * scale_b, gi * scale_b    # its scale bytes (int4: fp16; fp4: one byte)
+    ahead_d, ahead_i = np.int64(_rows_ahead(row_d)), np.int64(_rows_ahead(row_i))   # rows asked for ahead
+    mins = codec == 0                                # int4 rows have mins too
     lb = LANE_BASE + lane * LANE_WORDS
     counting = phases.shape[0] >= lb + LANE_WORDS
     for stage in range(N_STAGES):
@@ -950,14 +997,14 @@ def _stages(codec, buf, buf16, buf32, nbytes, offs, has_bias, i, group, table, x
                 _quantize_group(x, task // (d // group), task % (d // group), group, xq, xs, xm)
             elif stage == 1:                          # gate and up rows of one expert
                 u, e, b0, r0, r1 = _task_rows(task, up_blocks, experts, nb, i, ROWS_PER_TASK)
-                for r in range(r0, min(r0 + PREFETCH_ROWS, r1)):      # the first rows asked for at once
-                    _prefetch_row(buf, b0, o[0], o[1], np.uint64(r), row_d, scale_d)
-                    _prefetch_row(buf, b0, o[3], o[4], np.uint64(r), row_d, scale_d)
+                for r in range(r0, min(r0 + ahead_d, r1)):           # the first rows asked for at once
+                    _prefetch_row(buf, b0, o[0], o[1], o[2], np.uint64(r), row_d, scale_d, mins)
+                    _prefetch_row(buf, b0, o[3], o[4], o[5], np.uint64(r), row_d, scale_d, mins)
                 for r in range(r0, r1):
                     ru = np.uint64(r)
-                    if r + PREFETCH_ROWS < r1:
-                        _prefetch_row(buf, b0, o[0], o[1], ru + ahead, row_d, scale_d)
-                        _prefetch_row(buf, b0, o[3], o[4], ru + ahead, row_d, scale_d)
+                    if r + ahead_d < r1:
+                        _prefetch_row(buf, b0, o[0], o[1], o[2], np.uint64(r + ahead_d), row_d, scale_d, mins)
+                        _prefetch_row(buf, b0, o[3], o[4], o[5], np.uint64(r + ahead_d), row_d, scale_d, mins)
                     for a in range(starts[u], starts[u + 1]):
                         t = np.uint64(tokens[a])
                         g = _row(codec, buf, buf16, b0, o[0], o[1], o[2], ru, gd, hg, table, xq, xs, xm, t)
@@ -973,15 +1020,18 @@ def _stages(codec, buf, buf16, buf32, nbytes, offs, has_bias, i, group, table, x
             else:                                     # down rows r0..r1 of every expert, summed into out
                 r0 = task * down_rows
                 r1 = min(r0 + down_rows, d)
+                # the rows ahead run on over the experts (a cursor pu, pr over the task's experts' rows in the
+                # order they are computed): the next expert's first rows are in flight when this one's end
+                pu, pr = 0, r0
+                for _ in range(min(ahead_i, n_u * (r1 - r0))):
+                    pu, pr = _prefetch_down(buf, experts, nb, o, pu, pr, r0, r1, row_i, scale_i, mins)
                 for u in range(n_u):
                     e = np.uint64(experts[u])
                     b0 = e * nb
-                    for r in range(r0, min(r0 + PREFETCH_ROWS, r1)):
-                        _prefetch_row(buf, b0, o[6], o[7], np.uint64(r), row_i, scale_i)
                     for r in range(r0, r1):
                         ru = np.uint64(r)
-                        if r + PREFETCH_ROWS < r1:
-                            _prefetch_row(buf, b0, o[6], o[7], ru + ahead, row_i, scale_i)
+                        if pu < n_u:
+                            pu, pr = _prefetch_down(buf, experts, nb, o, pu, pr, r0, r1, row_i, scale_i, mins)
                         for a in range(starts[u], starts[u + 1]):
                             w = _row(codec, buf, buf16, b0, o[6], o[7], o[8], ru, gi, hg, table, hq, hs, hm,
                                      np.uint64(a))
