@@ -111,6 +111,12 @@ tree_requests() { # SECONDS new|old: small requests (14 lanes; 1/3/8 experts) of
     --experts 1 3 8 --no-sweeps > "/tmp/cpu_requests_$tree.txt" 2>&1; echo "cpu_requests $tree rc=$?")
   grep -v "Warning\|@njit\|CPU kernel marks\|^store\|^H2D" "/tmp/cpu_requests_$tree.txt"
 }
+requests() {     # SECONDS NAME DIR [ENV...]: small requests (14 lanes; 1/2/3/8 experts) of the tree in DIR with
+  local seconds=$1 name=$2 dir=$3; shift 3   # ENV (a variant: give it a NUMBA_CACHE_DIR of its own), to
+  (cd "$dir" && env PYTHONPATH=/tmp/site:$dir "$@" timeout "$seconds" python3 benchmarks/bench_cpu_requests.py \
+    --threads 14 --experts 1 2 3 8 --no-sweeps > "$OUT/req_$name.txt" 2>&1; echo "cpu_requests $name rc=$?")
+  grep "^ *14 \|^threads" "$OUT/req_$name.txt"   # $OUT/req_NAME.txt; its table printed
+}
 if [ "${1:-a}" = a ]; then
   timeout 250 python3 -m pytest -q -p no:cacheprovider --device cuda tests/test_kernels_interpreted.py \
     tests/test_kernels_fused.py tests/test_decode_graph.py tests/test_hybrid_kernels.py tests/test_hybrid_experts.py \
@@ -450,6 +456,40 @@ elif [ "$1" = z4 ]; then
   bench_rows 100 q3_new "${Q3_ROW[@]}"
   old_rows 100 "${Q3_ROW[@]}"
   rm -f "$OUT"/model_*.json
+elif [ "$1" = s13a ]; then
+  # session 13: the small-request bench sent one id into a row of eight (expert 0 computed for the stale rest:
+  # every "1 expert" row was two experts and eight assignments), fixed in 9dd2df0 (= .ab/old.tar). Against it,
+  # the rows' mins prefetched too, down rows asked for 2 KB ahead across the task's experts (new); 4 KB (k4);
+  # 2 KB into L2 only (t1: prefetcht1)
+  cat /sys/kernel/mm/transparent_hugepage/enabled /sys/kernel/mm/transparent_hugepage/defrag
+  warm 200 9dd2df0 old &
+  warm 200 new &
+  NUMBA_CACHE_DIR=/tmp/nbc_k4 FREETOKEN_CPU_PREFETCH_BYTES=4096 warm 200 k4 &
+  NUMBA_CACHE_DIR=/tmp/nbc_t1 FREETOKEN_CPU_PREFETCH_LOCALITY=2 warm 200 t1 &
+  wait
+  requests 80 old /tmp/old
+  requests 80 new "$PWD"
+  requests 80 k4 "$PWD" NUMBA_CACHE_DIR=/tmp/nbc_k4 FREETOKEN_CPU_PREFETCH_BYTES=4096
+  requests 80 t1 "$PWD" NUMBA_CACHE_DIR=/tmp/nbc_t1 FREETOKEN_CPU_PREFETCH_LOCALITY=2
+  ( while sleep 5; do grep AnonHugePages /proc/meminfo; done ) > /tmp/thp.txt & thp=$!
+  bench_rows 130 q3_new "${Q3_ROW[@]}"
+  kill $thp; sort -u /tmp/thp.txt | tail -3
+  old_rows 130 "${Q3_ROW[@]}"
+  rm -f "$OUT"/model_*.json
+elif [ "$1" = s13b ]; then
+  # run s13a: the CPU request is ~140 µs of a ~250 µs layer. A traced row (2 steps) says what the GPU's side of
+  # the layer is made of; the row A/B twice (old = 9dd2df0, new = the prefetch of mins and of down rows across
+  # experts); the CUDA tests of the final kernel last, so their summary ends the output
+  warm 200 9dd2df0 old &
+  warm 200 new
+  wait
+  bench_rows 150 q3_trace "${Q3_ROW[@]}" --trace 2 | grep -E "^qwen|CPU worker|kernel marks"
+  for t in "$OUT"/trace_*.json.gz; do python3 benchmarks/trace_summary.py "$t"; rm -f "$t"; done
+  old_rows 110 "${Q3_ROW[@]}"
+  bench_rows 110 q3_new2 "${Q3_ROW[@]}"
+  old_rows 110 "${Q3_ROW[@]}"
+  rm -f "$OUT"/model_*.json "$OUT"/model.json
+  cuda_tests 200 tests/test_hybrid_zero_copy.py tests/test_cpu_share_lanes.py tests/test_cpu_kernels_int8.py
 else
   # decode rows through graphs only (eager rows cost minutes); the CPU share learned (auto; printed with a *),
   # fixed 0 and 0.3
