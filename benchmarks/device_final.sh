@@ -490,6 +490,17 @@ elif [ "$1" = s13b ]; then
   old_rows 110 "${Q3_ROW[@]}"
   rm -f "$OUT"/model_*.json "$OUT"/model.json
   cuda_tests 200 tests/test_hybrid_zero_copy.py tests/test_cpu_share_lanes.py tests/test_cpu_kernels_int8.py
+elif [ "$1" = s13c ]; then
+  # run s13b's trace: per layer a ~142 µs gather, then ~28 µs of pool kernels (misses and hits) on one stream.
+  # Now the hits run on a stream of their own beside the gather: the same process gives rows with the hits
+  # beside and after (twice, in both orders), the first pair traced; the CUDA tests last
+  warm 200 new
+  bench_rows 220 q3_hits "${Q3_ROW[@]}" --hits beside after --trace 2 | grep -E "^qwen|CPU worker|kernel marks"
+  for t in "$OUT"/trace_*.json.gz; do echo "${t##*/}"; python3 benchmarks/trace_summary.py "$t" | head -34
+    rm -f "$t"; done
+  bench_rows 150 q3_hits2 "${Q3_ROW[@]}" --hits after beside
+  rm -f "$OUT"/model_*.json "$OUT"/model.json
+  cuda_tests 220 tests/test_hybrid_zero_copy.py tests/test_decode_graph.py tests/test_decode_graph_batch.py
 else
   # decode rows through graphs only (eager rows cost minutes); the CPU share learned (auto; printed with a *),
   # fixed 0 and 0.3

@@ -4,7 +4,7 @@
 
 Reads a Chrome trace from `freetoken bench model --trace N` (torch.profiler; the kernels of a replayed CUDA graph
 appear one by one) and prints, per step: each kernel name's count, median and total µs, and the GPU's idle time
-(gaps between kernels); then a middle layer's kernels in order, each with the gap before it - what the critical
+(gaps between kernels); then a typical layer's kernels in order, each with the gap before it - what the critical
 path of one layer is made of. A layer is cut at each kernel whose name contains --layer-kernel (the handoff to
 the CPU worker, the first expert kernel of a zero-copy layer). Runs anywhere: it only reads the JSON.
 """
@@ -45,11 +45,13 @@ def summarize(ks: list[tuple[float, float, str]], steps: int, layer_kernel: str)
         lines.append(f"{name:<48} {len(ds) / steps:>7.1f} {statistics.median(ds):>9.1f} {sum(ds) / steps:>9.1f}")
     cuts = [i for i, (_, _, name) in enumerate(ks) if layer_kernel in name]
     if len(cuts) >= 3:
-        mid = len(cuts) // 2
+        # the layer whose period (its layer kernel to the next one's) is the median: a typical one, not a
+        # step's first or last (their periods hold the host's gap between steps)
+        periods = sorted((ks[c2][0] - ks[c1][0], i) for i, (c1, c2) in enumerate(zip(cuts, cuts[1:])))
+        period, mid = periods[len(periods) // 2]
         a, b = cuts[mid], cuts[mid + 1]
-        lines.append(f"a middle layer ({b - a} kernels, {(ks[b][0] - ks[a][0]):.1f} µs from its "
-                     f"{layer_kernel} to the next; median over layers "
-                     f"{statistics.median(ks[c2][0] - ks[c1][0] for c1, c2 in zip(cuts, cuts[1:])):.1f} µs):")
+        lines.append(f"a typical layer ({b - a} kernels, {period:.1f} µs from its {layer_kernel} to the next, "
+                     f"the median over layers):")
         # one period: this layer's expert kernels from its handoff, then the next layer's dense ones
         prev_end = ks[a - 1][0] + ks[a - 1][1]
         for t, d, name in ks[a:b]:

@@ -169,6 +169,33 @@ def test_zero_copy_graph_step_on_cuda_matches_eager(device, share, gather):
     assert tier.counters.total.misses > 0 and tier.counters.total.hits > 0
 
 
+@pytest.mark.parametrize("share", [0.0, 0.5])
+def test_hits_beside_the_gather_give_the_same_bits_as_hits_after_it(device, share):
+    """On the GPU machine: the hits' pool kernels on a stream of their own (a branch of the recorded graph, beside
+    the misses' gather) give the very bits of the hits computed after it, replay after replay; the tier without
+    the option has no side stream."""
+    if device != "cuda":
+        pytest.skip("needs the GPU machine (--device cuda)")
+    dev = torch.device("cuda")
+    runs = []
+    for beside in (True, False):
+        _, tier = _tier(dev, slots=6, hot=[(0, 0), (0, 3), (1, 1)], pin=True, cpu_share=share, hits_beside=beside)
+        assert (tier._hit_stream is not None) == beside
+        x = torch.randn(1, 64, device=dev, dtype=torch.bfloat16, generator=torch.Generator(dev).manual_seed(3))
+        ids = torch.tensor([[0, 5]], device=dev)
+        w = torch.full((1, 2), 0.5, device=dev)
+        out, g = _recorded_call(tier, x, ids, w)
+        outs = []
+        for step in range(6):
+            ids.copy_(torch.tensor([[(3 * step) % 8, (step + 5) % 8]]))      # hits (0, 3), misses, or both
+            g.replay()
+            torch.cuda.synchronize()
+            outs.append(out.clone())
+        runs.append(torch.stack(outs))
+        del g, tier
+    assert torch.equal(runs[0], runs[1])
+
+
 def test_the_cuda_handoff_gives_the_cpu_nothing_once_the_error_flag_is_up(device):
     """On the GPU machine: the Triton handoff reads the error flag (a worker that missed an answer): no request, so
     `collect` does not wait, and the GPU's own path computes every miss exactly."""

@@ -243,17 +243,17 @@ def run_model(name: str, args, hw, report: dict) -> None:
         splits = args.split if slots < layers * e else args.split[:1]     # a split needs misses
         shares = list(args.cpu_share)
         gathers, thread_counts = getattr(args, "gather", ["on"]), getattr(args, "cpu_threads", [0])
-        waits = getattr(args, "host_wait", ["spin"])
-        for routing, split, share, gather, threads, host_wait in [
-                (r, sp, sh, g, th, hw_) for r in args.routings for sp in splits
+        waits, hits_modes = getattr(args, "host_wait", ["spin"]), getattr(args, "hits", ["beside"])
+        for routing, split, share, gather, threads, host_wait, hits_mode in [
+                (r, sp, sh, g, th, hw_, hm) for r in args.routings for sp in splits
                 for sh in (shares if sp == "auto" else shares[:1]) for g in gathers
-                for th in (thread_counts if sh != 0 else thread_counts[:1]) for hw_ in waits]:
+                for th in (thread_counts if sh != 0 else thread_counts[:1]) for hw_ in waits for hm in hits_modes]:
             if device.type == "cuda":
                 torch.cuda.empty_cache()
                 torch.cuda.reset_peak_memory_stats()
             hybrid = HybridExperts(store, ExpertSpec(), device=device, dtype=dtype, options=HybridOptions(
                 slots=slots, top_k=k, cpu_gbps=hw.cpu_gbps, h2d_gbps=hw.h2d_gbps, split=split, cpu_share=share,
-                zero_copy_gather=gather == "on", cpu_threads=threads or None,
+                zero_copy_gather=gather == "on", cpu_threads=threads or None, hits_beside=hits_mode == "beside",
                 hot_set=tuple((lay, x) for lay in moe_layers for x in range(e)) if slots >= layers * e else ()))
             router = Router(routing, layers=layers, experts=e, k=k, seed=1)
             dec = np.stack([np.stack([router.route(lay, 1) for lay in range(layers)]) for _ in range(steps)])
@@ -307,6 +307,7 @@ def run_model(name: str, args, hw, report: dict) -> None:
                                         f"{hybrid.cpu_share:.2f}{'*' if share is None else ''}"
                                         + (f" {threads} thr" if threads else "")
                                         + ({"sleep": " sleep-wait", "chain": " chained"}.get(host_wait, ""))
+                                        + ("" if hits_mode == "beside" else " hits after")
                                         if hybrid.zero_copy else hybrid.split.mode)
                                        + ("" if split == "auto" else " (forced)")))
                 print(_fmt(rows[-1]), flush=True)
@@ -327,7 +328,7 @@ def run_model(name: str, args, hw, report: dict) -> None:
                     print(line, flush=True)
                 if use_graphs and args.trace and args.out and slots < layers * e:
                     trace_decode(graphs, cache, experts, args.trace, args.out / (
-                        f"trace_{name}_{label.replace(' ', '')}_{routing}_{split}{share}.json.gz"))
+                        f"trace_{name}_{label.replace(' ', '')}_{routing}_{split}{share}_{hits_mode}.json.gz"))
                 cache.release()                 # a state slot goes back to the pool
                 del cache
             for use_graphs in [m == "graphs" for m in args.modes if args.batch > 1 and (graphs.capture or m == "eager")]:
