@@ -501,6 +501,15 @@ elif [ "$1" = s13c ]; then
   bench_rows 150 q3_hits2 "${Q3_ROW[@]}" --hits after beside
   rm -f "$OUT"/model_*.json "$OUT"/model.json
   cuda_tests 220 tests/test_hybrid_zero_copy.py tests/test_decode_graph.py tests/test_decode_graph_batch.py
+elif [ "$1" = s13d ]; then
+  # run s13c: hits beside the gather 92.5 against 79.6 tok/s after it (one process); its second process's first
+  # row got the worker 48 requests in all (share ~0 in effect) and still made 88.7. One process: shares 0.5 and
+  # 0, hits beside and after; then the CUDA tests (a worker count read inside its spin, fixed)
+  warm 200 new
+  bench_rows 300 q3_s13d --models qwen3-30b-a3b --dense-int8 --budgets 8 --routings uniform --cpu-share 0.5 0 \
+    --modes graphs --tokens 64 --warmup 32 --prefill-budgets 99 --ttft-context 0 --hits beside after
+  rm -f "$OUT"/model_*.json "$OUT"/model.json
+  cuda_tests 200 tests/test_hybrid_zero_copy.py
 else
   # decode rows through graphs only (eager rows cost minutes); the CPU share learned (auto; printed with a *),
   # fixed 0 and 0.3

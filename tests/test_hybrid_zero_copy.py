@@ -446,7 +446,7 @@ def test_the_compiled_worker_answers_inside_a_cuda_graph(device):
         want = _reference(store, 0, x.float().cpu(), ids.cpu(), w.cpu())
         err = (out.float().cpu() - want).norm() / want.norm()
         assert err < 0.03, (step, float(err))
-    assert tier._worker.served >= 5 and int(tier._box.error[0]) == 0
+    assert tier._worker.kernel_requests >= 5 and int(tier._box.error[0]) == 0   # (served lags inside a spin)
     tier.close()
 
 
