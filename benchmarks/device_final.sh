@@ -510,6 +510,12 @@ elif [ "$1" = s13d ]; then
     --modes graphs --tokens 64 --warmup 32 --prefill-budgets 99 --ttft-context 0 --hits beside after
   rm -f "$OUT"/model_*.json "$OUT"/model.json
   cuda_tests 200 tests/test_hybrid_zero_copy.py
+elif [ "$1" = s13e ]; then
+  # qwen3.6 at 8 GiB (fp4, Gated DeltaNet) with the hits beside the gather and after it, one process
+  timeout 300 python3 -m runtime.experts.bench model --models qwen3.6-35b-a3b --dense-int8 --budgets 8 \
+    --routings uniform --cpu-share 0.5 --modes graphs --tokens 64 --warmup 32 --prefill-budgets 99 \
+    --ttft-context 0 --hits beside after --out "$OUT" 2>&1 | grep -E "^qwen|CPU worker"
+  rm -f "$OUT"/model.json
 else
   # decode rows through graphs only (eager rows cost minutes); the CPU share learned (auto; printed with a *),
   # fixed 0 and 0.3
