@@ -175,3 +175,29 @@ def test_the_small_request_bench_sends_exactly_its_experts(cpu):
         lanes = worker.lane_counts()
         up_blocks = -(-I // k8.ROWS_PER_TASK)
         assert 2 * lanes["gate/up"]["tasks_per_lane"] == pytest.approx(experts * up_blocks)
+
+
+@pytest.mark.skipif(numba.config.NUMBA_NUM_THREADS < 2, reason="needs 2 numba threads")
+def test_the_bench_counts_every_request_while_the_worker_still_spins(cpu):
+    """`bench model`'s worker line reads `requests` (the compiled loop's own count), not `served`, which is added
+    to only when a spin runs out: a decode run's requests come closer together than the spin, and session 13's
+    rows read 44 requests for ~4,500 (and 12,360 µs each)."""
+    from types import SimpleNamespace
+
+    from runtime.experts.bench_model import worker_counts
+    from runtime.experts.cpu_share import polls_per_second
+    box = _box()
+    worker = CpuShareWorker(box, None, int8_args=cpu.int8_args(), threads=2)
+    worker.spin_polls = int(polls_per_second() * 0.5)  # the loop stays in its spin between these requests
+    tier = SimpleNamespace(_worker=worker)
+    gen = torch.Generator().manual_seed(8)
+    try:
+        before = worker_counts(tier)
+        for _ in range(6):
+            _post(box, cpu, 0, gen, t=1)
+            collect_reference(torch.zeros(1, D), box)
+        after = worker_counts(tier)
+        assert after[0] - before[0] == 6 and after[2] > before[2]       # current: requests and their cycles
+        assert worker.served == after[4] < after[0]                     # served waits for the spin to end
+    finally:
+        worker.close()

@@ -454,13 +454,14 @@ def warm_up_share(ctl, model, graphs, experts, router, args, *, layers: int, ste
 
 
 def worker_counts(hybrid) -> tuple:
-    """(requests served, seconds in its serving calls, seconds from seeing requests to answering them: 0 where
-    the cycle counter is unavailable, the kernel's phase marks so far) of the tier's CPU-share worker; zeros
-    without one."""
+    """(requests answered, seconds in its serving calls, seconds from seeing requests to answering them: 0 where
+    the cycle counter is unavailable, the kernel's phase marks so far, requests of its finished serving calls) of
+    the tier's CPU-share worker; zeros without one. The first and third are current; the second and last are
+    added to only when a serving call ends (its spin runs out), so they go together."""
     w = getattr(hybrid, "_worker", None)
     if w is None:
-        return (0, 0.0, 0.0, np.zeros(1, dtype=np.int64))
-    return (w.served, w.busy_seconds, w.kernel_seconds or 0.0, w.phase_marks())
+        return (0, 0.0, 0.0, np.zeros(1, dtype=np.int64), 0)
+    return (w.requests, w.busy_seconds, w.kernel_seconds or 0.0, w.phase_marks(), w.served)
 
 
 def phases_line(worker, before: np.ndarray) -> str | None:
@@ -477,11 +478,12 @@ def print_worker_line(hybrid, before: tuple[int, float], row: dict, *, steps: in
     answer (the compiled loop's cycle counter: the kernel and the answer, not the wait), beside the step's time
     per layer, so a reader sees whether the CPU's part bounds a layer; also the µs of its serving calls, waits
     included (close to the layer time when requests come back to back)."""
-    served, busy, kernel, _ = worker_counts(hybrid)
-    n = served - before[0]
+    requests, busy, kernel, _, served = worker_counts(hybrid)
+    n = requests - before[0]
     if n <= 0:
         return
-    us = 1e6 * (busy - before[1]) / n
+    finished = served - before[4] if len(before) > 4 else n    # requests of the serving calls that ended since
+    us = 1e6 * (busy - before[1]) / finished if finished > 0 else float("nan")
     kernel_us = 1e6 * (kernel - before[2]) / n
     per_layer = 1e6 / max(row["tok_s"], 1e-9) * (int(row["kind"].split()[1][1:]) if row["kind"].startswith("decode b")
                                                  else 1) / max(1, len(hybrid.store.layers))

@@ -817,7 +817,7 @@ class HybridExperts:
                       "pcie_gbps": round(self.split.pcie_gbps, 2)}
         if self.zero_copy:
             d["zero_copy"] = {"cpu_share": round(self.cpu_share, 3), "learned": self._share_control is not None,
-                              "worker_calls": 0 if self._worker is None else self._worker.served,
+                              "worker_calls": 0 if self._worker is None else self._worker.requests,
                               "worker_seconds": 0.0 if self._worker is None else round(self._worker.busy_seconds, 4)}
         if self.prefetcher is not None:
             c = self.prefetcher.counters
