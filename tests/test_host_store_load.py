@@ -167,3 +167,25 @@ def test_page_locking_registers_exactly_the_store_and_unregisters_when_the_last_
     calls.clear()
     buf = HostBuffer(1 << 20)
     assert buf.pin() is True and [c[3] for c in calls] == [3, 0]
+
+
+def test_huge_pages_are_counted_inside_the_buffer_only():
+    """The benchmark reports how much of a store sits in transparent huge pages: smaps' AnonHugePages of the
+    mappings inside the buffer's range, not its neighbours'."""
+    from runtime.experts.host_store import HostBuffer, huge_bytes_in
+
+    smaps = "\n".join([
+        "7f0000000000-7f0000200000 rw-p 00000000 00:00 0 ",          # before the buffer
+        "Size:               2048 kB", "AnonHugePages:      2048 kB",
+        "7f0000200000-7f0000a00000 rw-p 00000000 00:00 0 ",          # the buffer, in two mappings
+        "Size:               8192 kB", "AnonHugePages:      6144 kB", "VmFlags: rd wr mr mw me ac hg",
+        "7f0000a00000-7f0000c00000 rw-p 00000000 00:00 0 ",
+        "AnonHugePages:      2048 kB",
+        "7f0000c00000-7f0000e00000 r--p 00000000 08:01 42 /usr/lib/libc.so.6",   # after it
+        "AnonHugePages:         0 kB", "ShmemPmdMapped:     2048 kB"])
+    assert huge_bytes_in(smaps, 0x7f0000200000, 0x7f0000c00000) == (6144 + 2048) << 10
+    assert huge_bytes_in(smaps, 0x7f0000200000, 0x7f0000a00000) == 6144 << 10
+    buf = HostBuffer(64 << 20)
+    buf.array[:] = 1                                        # faulted in: huge pages only where the OS gives them
+    got = buf.huge_page_bytes()
+    assert got is None or 0 <= got <= buf.nbytes

@@ -205,6 +205,11 @@ def run_model(name: str, args, hw, report: dict) -> None:
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     store = HostExpertStore.synthetic(layers=layers, num_experts=e, hidden=d, intermediate=i, codec=codec,
                                       group=group, pin=device.type == "cuda")
+    huge = store._owner.huge_page_bytes()
+    if huge is not None:
+        report.setdefault("huge_page_gib", {})[name] = huge / GiB
+        print(f"{name} store {store.nbytes / GiB:.2f} GiB, {huge / GiB:.2f} GiB in transparent huge pages",
+              flush=True)
     shape = ModelShape.from_config(cfg, codec=codec, group_size=group, block_size=group,
                                    block_nbytes=store.block_nbytes)
     model = random_model(cfg, device=device, dtype=dtype)
