@@ -42,6 +42,7 @@ from runtime.experts.openmp import load_private_openmp, warn_if_private_beside_t
 from runtime.experts.planner import DECODE_SCRATCH_TOKENS
 from runtime.experts.policy import (Key, RoutingStats, ShareController, ShareMemory, SlotDirectory, SplitController,
                                     cpu_model_name, make_policy, model_fingerprint, share_state_path)
+from runtime.experts.promotion_budget import PromotionBudget
 from runtime.experts.slot_cache import SlotCache
 from runtime.experts.stats import ExpertStats
 from runtime.experts.transport import Transport
@@ -103,6 +104,9 @@ class HybridOptions:
                                                 # pool to its hot set so they can reason about its contents)
     zero_copy_gather: bool = True               # zero-copy misses copied into VRAM scratch by one copy kernel
                                                 # before the pool kernels run (False: read in place over PCIe)
+    adaptive_promotions: bool = True            # zero-copy mode: the step's promotion budget falls while
+                                                # promoted experts are hit no more than residents are
+                                                # (promotion_budget.py; False: always the byte budget's blocks)
     hits_beside: bool = True                    # zero-copy decode on CUDA: the hits' pool kernels on a stream
                                                 # of their own, beside the misses' reads over PCIe (a branch of
                                                 # the step's graph), not after them (run s13c-f: +3 to +16 %)
@@ -231,7 +235,9 @@ class HybridExperts:
                                     dtype=torch.uint8, device=self.device) if self.options.zero_copy_gather else None
         self._snapshot = self.cache.host_table.copy()        # the table the current step runs against
         self._hit_stream = torch.cuda.Stream(self.device) if self.cuda and self.options.hits_beside else None
-        self._promote_step_blocks = self.options.promote_bytes_per_step // max(1, store.block_nbytes)
+        # the blocks a step may promote: the byte budget's while promotions are hit more than residents are
+        most = self.options.promote_bytes_per_step // max(1, store.block_nbytes)
+        self._promotion_budget = PromotionBudget(most, floor=1 if self.options.adaptive_promotions else most)
         self._box = self._worker = None
         fixed = self.options.cpu_share
         self._share_control = None
@@ -415,8 +421,9 @@ class HybridExperts:
             if self._worker is not None and self._worker.error is not None:
                 self.close()
         ids = self._log_host.numpy()                                        # [L, T, K], -1 unused
-        nb, budget = self.store.block_nbytes, self._promote_step_blocks
+        nb, budget = self.store.block_nbytes, self._promotion_budget.blocks
         dirc, seen = self.cache.directory, self._seen
+        used_keys, evicted, promoted_before = [], [], len(self._promotions)
         for li, layer in enumerate(self.store.layers):
             row = ids[li]
             used = row >= 0
@@ -429,6 +436,7 @@ class HybridExperts:
             n_hits = int(np.count_nonzero(ready))
             dirc.record(layer, uniq, n_hits)
             self.routing.add_distinct(layer, uniq)
+            used_keys += [(layer, e) for e in uniq.tolist()]
             missed = uniq[~ready]
             n_cpu = 0
             if share > 0:          # the handoff's rule replayed per call (one call per step per layer)
@@ -437,8 +445,11 @@ class HybridExperts:
                                      nb, 0.0)
             if budget > 0 and len(missed) and self.options.slots:
                 before = len(self._promotions)
-                self._promote(layer, missed, budget_bytes=budget * nb)
+                evicted += self._promote(layer, missed, budget_bytes=budget * nb)
                 budget -= len(self._promotions) - before
+        # this step's uses first: the experts promoted now were used now (that is why), which is no yield
+        self._promotion_budget.observe(used_keys)
+        self._promotion_budget.promoted([key for key, _, _ in self._promotions[promoted_before:]], evicted)
 
     # ------------------------------------------------------------------ few tokens
     def _decode(self, layer, hidden, topk_ids, topk_weights) -> torch.Tensor:
@@ -673,13 +684,14 @@ class HybridExperts:
 
     # ------------------------------------------------------------------ promotion (off the critical path)
     def _promote(self, layer: int, experts: np.ndarray, *, budget_bytes: int | None = None,
-                 admit_all: bool = False) -> None:
+                 admit_all: bool = False) -> list[Key]:
         """Copy `layer`'s experts most worth caching into the pool on the copy stream; they are published
         (become hits) only once their bytes have landed (`_finish_promotions`). `admit_all` (prefetch) skips
-        the rule that a newcomer must have been used more than the expert it replaces."""
+        the rule that a newcomer must have been used more than the expert it replaces. Returns the experts
+        evicted for them."""
         budget = self._promote_blocks if budget_bytes is None else budget_bytes // max(1, self.store.block_nbytes)
         if not self.options.slots or not len(experts) or budget <= 0:
-            return
+            return []
         cache, dirc = self.cache, self.cache.directory
         policy = dirc.policy
         scores = policy.scores(layer, experts)
@@ -707,6 +719,7 @@ class HybridExperts:
             done = self.transport.submit([(blocks[k[1]], cache.pool[s]) for k, s in started], after=self._record())
             self._promotions += [(key, slot, done) for key, slot in started]
             self.counters.add(promoted_experts=len(started), bytes_h2d=len(started) * self.store.block_nbytes)
+        return evicted
 
     def _finish_promotions(self) -> None:
         still, landed, slots = [], [], []
@@ -819,7 +832,8 @@ class HybridExperts:
         if self.zero_copy:
             d["zero_copy"] = {"cpu_share": round(self.cpu_share, 3), "learned": self._share_control is not None,
                               "worker_calls": 0 if self._worker is None else self._worker.requests,
-                              "worker_seconds": 0.0 if self._worker is None else round(self._worker.busy_seconds, 4)}
+                              "worker_seconds": 0.0 if self._worker is None else round(self._worker.busy_seconds, 4),
+                              "promote_blocks_per_step": self._promotion_budget.blocks}
         if self.prefetcher is not None:
             c = self.prefetcher.counters
             d["prefetch"] = {"predicted": c.predicted, "precision": round(c.precision, 4), "recall": round(c.recall, 4)}
