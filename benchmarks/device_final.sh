@@ -49,6 +49,12 @@
 #                                                # final code's 8 GiB row and CUDA tests
 #   (device) bash benchmarks/device_final.sh z4  # session 12: rows asked for ahead (llvm.prefetch) against the
 #                                                # same code without (carry .ab: `git archive 7b9df99 ...`)
+#   (device) bash benchmarks/device_final.sh s13a # session 13: the fixed small-request bench, prefetch variants
+#                                                # (mins, 2/4 KB ahead, prefetcht1) against 9dd2df0 (carry .ab)
+#   (device) bash benchmarks/device_final.sh s13b # session 13: a traced 8 GiB row (trace_summary.py), the row A/B
+#                                                # twice, CUDA tests of the kernel
+#   (device) bash benchmarks/device_final.sh s13c # session 13: hits beside / after the gather in one process,
+#                                                # traced; s13d: shares 0.5 and 0 too; s13e: qwen3.6
 # carry .site (numba, llvmlite, fla-core, platformdirs unpacked, xz). Results under $OUT. Build .site once (the
 # wheels alone pass the 64 MiB carry limit; unpacked and xz-compressed they take ~44 MB):
 #   pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
