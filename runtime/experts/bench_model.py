@@ -249,16 +249,19 @@ def run_model(name: str, args, hw, report: dict) -> None:
         shares = list(args.cpu_share)
         gathers, thread_counts = getattr(args, "gather", ["on"]), getattr(args, "cpu_threads", [0])
         waits, hits_modes = getattr(args, "host_wait", ["spin"]), getattr(args, "hits", ["beside"])
-        for routing, split, share, gather, threads, host_wait, hits_mode in [
-                (r, sp, sh, g, th, hw_, hm) for r in args.routings for sp in splits
+        promotions = getattr(args, "promotions", ["adaptive"])
+        for routing, split, share, gather, threads, host_wait, hits_mode, promotion in [
+                (r, sp, sh, g, th, hw_, hm, pm) for r in args.routings for sp in splits
                 for sh in (shares if sp == "auto" else shares[:1]) for g in gathers
-                for th in (thread_counts if sh != 0 else thread_counts[:1]) for hw_ in waits for hm in hits_modes]:
+                for th in (thread_counts if sh != 0 else thread_counts[:1]) for hw_ in waits for hm in hits_modes
+                for pm in promotions]:
             if device.type == "cuda":
                 torch.cuda.empty_cache()
                 torch.cuda.reset_peak_memory_stats()
             hybrid = HybridExperts(store, ExpertSpec(), device=device, dtype=dtype, options=HybridOptions(
                 slots=slots, top_k=k, cpu_gbps=hw.cpu_gbps, h2d_gbps=hw.h2d_gbps, split=split, cpu_share=share,
                 zero_copy_gather=gather == "on", cpu_threads=threads or None, hits_beside=hits_mode == "beside",
+                adaptive_promotions=promotion == "adaptive",
                 hot_set=tuple((lay, x) for lay in moe_layers for x in range(e)) if slots >= layers * e else ()))
             router = Router(routing, layers=layers, experts=e, k=k, seed=1)
             dec = np.stack([np.stack([router.route(lay, 1) for lay in range(layers)]) for _ in range(steps)])
@@ -313,6 +316,7 @@ def run_model(name: str, args, hw, report: dict) -> None:
                                         + (f" {threads} thr" if threads else "")
                                         + ({"sleep": " sleep-wait", "chain": " chained"}.get(host_wait, ""))
                                         + ("" if hits_mode == "beside" else " hits after")
+                                        + ("" if promotion == "adaptive" else " fixed promotions")
                                         if hybrid.zero_copy else hybrid.split.mode)
                                        + ("" if split == "auto" else " (forced)")))
                 print(_fmt(rows[-1]), flush=True)
@@ -333,7 +337,7 @@ def run_model(name: str, args, hw, report: dict) -> None:
                     print(line, flush=True)
                 if use_graphs and args.trace and args.out and slots < layers * e:
                     trace_decode(graphs, cache, experts, args.trace, args.out / (
-                        f"trace_{name}_{label.replace(' ', '')}_{routing}_{split}{share}_{hits_mode}.json.gz"))
+                        f"trace_{name}_{label.replace(' ', '')}_{routing}_{split}{share}_{hits_mode}_{promotion}.json.gz"))
                 cache.release()                 # a state slot goes back to the pool
                 del cache
             for use_graphs in [m == "graphs" for m in args.modes if args.batch > 1 and (graphs.capture or m == "eager")]:
