@@ -112,13 +112,6 @@ isa_requests() { # small requests in both flavours: AVX-512 (default) on 6 and 1
     echo "cpu_requests $isa rc=$?"; grep -v Warning "$OUT/cpu_requests_$isa.txt" | grep -v "@njit"
   done
 }
-tree_requests() { # SECONDS new|old: small requests (14 lanes; 1/3/8 experts) of today's tree or .ab's (old_tree
-  local seconds=$1 tree=$2 dir=$PWD   # first), to /tmp/cpu_requests_TREE.txt, printed without the marks lines
-  [ "$tree" = old ] && dir=/tmp/old
-  (cd "$dir" && PYTHONPATH=/tmp/site:$dir timeout "$seconds" python3 benchmarks/bench_cpu_requests.py --threads 14 \
-    --experts 1 3 8 --no-sweeps > "/tmp/cpu_requests_$tree.txt" 2>&1; echo "cpu_requests $tree rc=$?")
-  grep -v "Warning\|@njit\|CPU kernel marks\|^store\|^H2D" "/tmp/cpu_requests_$tree.txt"
-}
 requests() {     # SECONDS NAME DIR [ENV...]: small requests (14 lanes; 1/2/3/8 experts) of the tree in DIR with
   local seconds=$1 name=$2 dir=$3; shift 3   # ENV (a variant: give it a NUMBA_CACHE_DIR of its own), to
   (cd "$dir" && env PYTHONPATH=/tmp/site:$dir "$@" timeout "$seconds" python3 benchmarks/bench_cpu_requests.py \
@@ -419,7 +412,7 @@ elif [ "$1" = z ]; then
   cuda_tests 120 tests/test_hybrid_zero_copy.py tests/test_cpu_share_lanes.py tests/test_cpu_kernels_int8.py
   wait
   isa_requests
-  tree_requests 80 old
+  requests 80 old /tmp/old
   bench_rows 100 q3_new "${Q3_ROW[@]}"
   old_rows 100 "${Q3_ROW[@]}"
   FREETOKEN_CPU_ISA=avxvnni NUMBA_CACHE_DIR=/tmp/nbc_avxvnni bench_rows 100 q3_ymm "${Q3_ROW[@]}"
@@ -432,9 +425,9 @@ elif [ "$1" = z2 ]; then
   warm 250 2074728 old &
   warm 250 new
   wait
-  tree_requests 100 new
+  requests 100 new "$PWD"
   grep "threads\|CPU kernel marks" /tmp/cpu_requests_new.txt | head -4
-  tree_requests 80 old
+  requests 80 old /tmp/old
   bench_rows 100 q3_new "${Q3_ROW[@]}"
   old_rows 100 "${Q3_ROW[@]}"
   bench_rows 100 q3_new2 "${Q3_ROW[@]}"
@@ -459,8 +452,8 @@ elif [ "$1" = z4 ]; then
   warm 200 7b9df99 old &
   warm 200 new
   wait
-  tree_requests 80 new
-  tree_requests 80 old
+  requests 80 new "$PWD"
+  requests 80 old /tmp/old
   bench_rows 100 q3_new "${Q3_ROW[@]}"
   old_rows 100 "${Q3_ROW[@]}"
   rm -f "$OUT"/model_*.json

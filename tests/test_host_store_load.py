@@ -189,3 +189,6 @@ def test_huge_pages_are_counted_inside_the_buffer_only():
     buf.array[:] = 1                                        # faulted in: huge pages only where the OS gives them
     got = buf.huge_page_bytes()
     assert got is None or 0 <= got <= buf.nbytes
+    store = HostExpertStore.synthetic(layers=1, num_experts=4, hidden=64, intermediate=64, codec="int4")
+    got = store.huge_page_bytes()                           # the store asks its buffer
+    assert got is None or 0 <= got <= store.nbytes

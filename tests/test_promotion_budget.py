@@ -17,7 +17,7 @@ def _steps(budget, steps, *, promoted_rate, evicted_rate, rng, per_step=4):
     for _ in range(steps):
         used = [k for k in promoted[-budget.window * per_step:] if rng.random() < promoted_rate]
         used += [k for k in evicted[-budget.window * per_step:] if rng.random() < evicted_rate]
-        budget.observe(used)
+        budget.observe([(li, np.array([e for layer, e in used if layer == li], dtype=np.int64)) for li in (0, 1)])
         new = [(0, nxt[0] + j) for j in range(min(per_step, budget.blocks))]
         gone = [(1, nxt[0] + j) for j in range(len(new))]
         nxt[0] += per_step
@@ -28,7 +28,7 @@ def _steps(budget, steps, *, promoted_rate, evicted_rate, rng, per_step=4):
 
 def test_promotions_that_buy_nothing_shrink_the_budget_to_its_floor_and_come_back_when_they_pay():
     rng = np.random.default_rng(0)
-    b = PromotionBudget(8, floor=1, window=16)
+    b = PromotionBudget(8, layers=2, experts=1024, floor=1, window=16)
     _steps(b, 16 * 6, promoted_rate=0.06, evicted_rate=0.06, rng=rng)      # uniform routing: a swap is a wash
     assert b.blocks == 1 and b.yield_ratio == pytest.approx(1.0, abs=0.3)
     _steps(b, 16 * 6, promoted_rate=0.3, evicted_rate=0.05, rng=rng)       # locality: promoted experts come back
@@ -36,18 +36,18 @@ def test_promotions_that_buy_nothing_shrink_the_budget_to_its_floor_and_come_bac
 
 
 def test_promotions_that_pay_keep_the_whole_budget():
-    b = PromotionBudget(7, window=8)
+    b = PromotionBudget(7, layers=2, experts=1024, window=8)
     _steps(b, 8 * 5, promoted_rate=0.2, evicted_rate=0.05, rng=np.random.default_rng(1))
     assert b.blocks == 7 and b.yield_ratio > 2
 
 
 def test_nothing_evicted_or_a_fixed_budget_leaves_it_alone():
-    b = PromotionBudget(5, window=4)
+    b = PromotionBudget(5, layers=1, experts=64, window=4)
     for step in range(20):                         # free slots: promotions evict nothing, nothing to weigh
-        b.observe([(0, step - 1)])
+        b.observe([(0, np.array([step - 1]))] if step else [])   # the expert promoted a step before
         b.promoted([(0, step)], [])
     assert b.blocks == 5 and b.yield_ratio is None
-    fixed = PromotionBudget(5, floor=5, window=4)  # adaptive_promotions=False
+    fixed = PromotionBudget(5, layers=2, experts=1024, floor=5, window=4)  # adaptive_promotions=False
     _steps(fixed, 40, promoted_rate=0.0, evicted_rate=0.5, rng=np.random.default_rng(2))
     assert fixed.blocks == 5 and fixed.yield_ratio == 0.0
 
@@ -55,7 +55,7 @@ def test_nothing_evicted_or_a_fixed_budget_leaves_it_alone():
 def test_bad_budgets_are_refused():
     for kwargs in ({"most": -1}, {"most": 4, "window": 0}, {"most": 4, "gain": 0}):
         with pytest.raises(ValueError, match="bad promotion budget"):
-            PromotionBudget(**kwargs)
+            PromotionBudget(**kwargs, layers=1, experts=1)
 
 
 @pytest.mark.parametrize("routing,adaptive", [("uniform", True), ("uniform", False), ("skewed", True)])

@@ -205,7 +205,7 @@ def run_model(name: str, args, hw, report: dict) -> None:
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     store = HostExpertStore.synthetic(layers=layers, num_experts=e, hidden=d, intermediate=i, codec=codec,
                                       group=group, pin=device.type == "cuda")
-    huge = store._owner.huge_page_bytes()
+    huge = store.huge_page_bytes()
     if huge is not None:
         report.setdefault("huge_page_gib", {})[name] = huge / GiB
         print(f"{name} store {store.nbytes / GiB:.2f} GiB, {huge / GiB:.2f} GiB in transparent huge pages",
@@ -482,7 +482,7 @@ def phases_line(worker, before: np.ndarray) -> str | None:
     return "    CPU kernel marks (µs from a request's start): " + ", ".join(f"{n} {u:.0f}" for n, u in marks.items())
 
 
-def print_worker_line(hybrid, before: tuple[int, float], row: dict, *, steps: int) -> None:
+def print_worker_line(hybrid, before: tuple, row: dict, *, steps: int) -> None:
     """Under a row with a CPU share: the worker's requests and the µs each took from the worker seeing it to its
     answer (the compiled loop's cycle counter: the kernel and the answer, not the wait), beside the step's time
     per layer, so a reader sees whether the CPU's part bounds a layer; also the µs of its serving calls, waits
@@ -491,7 +491,7 @@ def print_worker_line(hybrid, before: tuple[int, float], row: dict, *, steps: in
     n = requests - before[0]
     if n <= 0:
         return
-    finished = served - before[4] if len(before) > 4 else n    # requests of the serving calls that ended since
+    finished = served - before[4]                  # requests of the serving calls that ended since `before`
     us = 1e6 * (busy - before[1]) / finished if finished > 0 else float("nan")
     kernel_us = 1e6 * (kernel - before[2]) / n
     per_layer = 1e6 / max(row["tok_s"], 1e-9) * (int(row["kind"].split()[1][1:]) if row["kind"].startswith("decode b")
@@ -500,7 +500,7 @@ def print_worker_line(hybrid, before: tuple[int, float], row: dict, *, steps: in
     print(f"    CPU worker: {n} requests ({n / steps:.1f} per step), {kernel_us:.0f} µs each from seeing it to "
           f"answering (cycle counter; {us:.0f} µs with the waits); a layer's share of the step: {per_layer:.0f} µs",
           flush=True)
-    line = phases_line(hybrid._worker, before[3]) if len(before) > 3 else None
+    line = phases_line(hybrid._worker, before[3])
     if line:
         print(line, flush=True)
 

@@ -83,13 +83,19 @@ def detect_isa() -> str:
     if want:
         if want not in host_isas():
             raise ValueError(f"FREETOKEN_CPU_ISA={want}: this CPU runs {', '.join(host_isas())}")
-        if not os.environ.get("NUMBA_CACHE_DIR"):
-            raise RuntimeError("FREETOKEN_CPU_ISA needs a NUMBA_CACHE_DIR of its own: numba's cache does not key "
-                               "the kernels by the flavour, so the default cache would serve another one")
+        _needs_own_cache("FREETOKEN_CPU_ISA")
         return want
     if config.CPU_NAME not in (None, "host"):      # compiling for another CPU (portable cache): no host features
         return "generic"
     return host_isas()[0]
+
+
+def _needs_own_cache(name: str) -> None:
+    """A measurement setting that changes the compiled kernels: numba's cache does not key them by it, so the
+    default cache would serve code built for another value."""
+    if not os.environ.get("NUMBA_CACHE_DIR"):
+        raise RuntimeError(f"{name} needs a NUMBA_CACHE_DIR of its own: numba's cache does not key the kernels by "
+                           "it, so the default cache would serve another value")
 
 
 ISA = detect_isa()
@@ -102,12 +108,14 @@ def _measurement_knob(name: str, default: int, allowed: range) -> int:
     raw = os.environ.get(name, "").strip()
     if not raw:
         return default
-    value = int(raw)
+    try:
+        value = int(raw)
+    except ValueError:
+        value = None
     if value not in allowed:
-        raise ValueError(f"{name}={raw}: expected {allowed.start}..{allowed.stop - 1}")
-    if value != default and not os.environ.get("NUMBA_CACHE_DIR"):
-        raise RuntimeError(f"{name} needs a NUMBA_CACHE_DIR of its own: numba's cache does not key the kernels by "
-                           "it, so the default cache would serve another value")
+        raise ValueError(f"{name}={raw}: expected {allowed.start}..{allowed.stop - 1} (a whole number)")
+    if value != default:
+        _needs_own_cache(name)
     return value
 
 

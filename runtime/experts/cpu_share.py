@@ -298,7 +298,7 @@ class CpuShareWorker:
         """Compiled serving: the kernel's mean µs a request from its start to each of its marks (PHASES: the
         serial start, the lanes coming in, each stage done, the join), over the requests since `since` (a
         `phase_marks()` copy; None: all), or None where the cycle counter is unavailable or no request came."""
-        d = self._phases if since is None or since.shape != self._phases.shape else self._phases - since
+        d = self._phases_since(since)
         n = int(d[N_PHASES - 1]) if HAVE_NUMBA else 0
         if not self._cycles_per_s or not n:
             return None
@@ -311,8 +311,11 @@ class CpuShareWorker:
         `phase_marks()` copy); None as for `kernel_phases`."""
         if not HAVE_NUMBA:
             return None
-        d = self._phases if since is None or since.shape != self._phases.shape else self._phases - since
-        return lane_counts(d, self._lanes, self._cycles_per_s)
+        return lane_counts(self._phases_since(since), self._lanes, self._cycles_per_s)
+
+    def _phases_since(self, since: np.ndarray | None) -> np.ndarray:
+        """The kernel's phase words added since `since` (a `phase_marks()` copy; None: all of them)."""
+        return self._phases if since is None or since.shape != self._phases.shape else self._phases - since
 
     @property
     def requests(self) -> int:

@@ -227,6 +227,11 @@ class HostExpertStore:
     def nbytes(self) -> int:
         return self.n_blocks * self.layout.nbytes
 
+    def huge_page_bytes(self) -> int | None:
+        """Bytes of an in-memory store in transparent huge pages now (`HostBuffer.huge_page_bytes`); None for a
+        mapped file or where the OS does not say."""
+        return self._owner.huge_page_bytes() if isinstance(self._owner, HostBuffer) else None
+
     def layer_buffer(self, layer: int) -> np.ndarray:
         """The layer's blocks, [E, nbytes] uint8, zero-copy (C-contiguous: what the CPU kernels index)."""
         try:

@@ -235,9 +235,10 @@ class HybridExperts:
                                     dtype=torch.uint8, device=self.device) if self.options.zero_copy_gather else None
         self._snapshot = self.cache.host_table.copy()        # the table the current step runs against
         self._hit_stream = torch.cuda.Stream(self.device) if self.cuda and self.options.hits_beside else None
-        # the blocks a step may promote: the byte budget's while promotions are hit more than residents are
+        # the blocks a step may promote: the byte budget's while promoted experts are used more than those they evict
         most = self.options.promote_bytes_per_step // max(1, store.block_nbytes)
-        self._promotion_budget = PromotionBudget(most, floor=1 if self.options.adaptive_promotions else most)
+        self._promotion_budget = PromotionBudget(most, layers=len(store.layers), experts=store.num_experts,
+                                                 floor=1 if self.options.adaptive_promotions else most)
         self._box = self._worker = None
         fixed = self.options.cpu_share
         self._share_control = None
@@ -423,7 +424,7 @@ class HybridExperts:
         ids = self._log_host.numpy()                                        # [L, T, K], -1 unused
         nb, budget = self.store.block_nbytes, self._promotion_budget.blocks
         dirc, seen = self.cache.directory, self._seen
-        used_keys, evicted, promoted_before = [], [], len(self._promotions)
+        used_rows, evicted, promoted_before = [], [], len(self._promotions)
         for li, layer in enumerate(self.store.layers):
             row = ids[li]
             used = row >= 0
@@ -436,7 +437,7 @@ class HybridExperts:
             n_hits = int(np.count_nonzero(ready))
             dirc.record(layer, uniq, n_hits)
             self.routing.add_distinct(layer, uniq)
-            used_keys += [(layer, e) for e in uniq.tolist()]
+            used_rows.append((li, uniq))
             missed = uniq[~ready]
             n_cpu = 0
             if share > 0:          # the handoff's rule replayed per call (one call per step per layer)
@@ -448,8 +449,10 @@ class HybridExperts:
                 evicted += self._promote(layer, missed, budget_bytes=budget * nb)
                 budget -= len(self._promotions) - before
         # this step's uses first: the experts promoted now were used now (that is why), which is no yield
-        self._promotion_budget.observe(used_keys)
-        self._promotion_budget.promoted([key for key, _, _ in self._promotions[promoted_before:]], evicted)
+        index = self.cache.layer_index
+        self._promotion_budget.observe(used_rows)
+        self._promotion_budget.promoted([(index[layer], e) for (layer, e), _, _ in self._promotions[promoted_before:]],
+                                        [(index[layer], e) for layer, e in evicted])
 
     # ------------------------------------------------------------------ few tokens
     def _decode(self, layer, hidden, topk_ids, topk_weights) -> torch.Tensor:
