@@ -101,45 +101,6 @@ def read_sweep_gbps(views, threads: int, rounds: int = 3) -> float:
     return nbytes / best / GB
 
 
-def time_requests(worker, box, store, *, experts: int, calls: int, gap_s: float, hot: bool,
-                  seed: int = 0) -> tuple[list[float], float]:
-    """The real CPU-share worker (compiled serving loop) answering `calls` requests of one token and `experts`
-    distinct experts, sent through the mailbox by the CPU stand-in of the GPU's handoff: (round trips in seconds,
-    the worker's own mean seconds a request from seeing it to answering, by its cycle counter)."""
-    from runtime.experts.cpu_share import collect_reference, handoff_reference
-
-    rng = np.random.default_rng(seed)
-    layers, e, d, k = store.layers, store.num_experts, store.layout.hidden, box.top_k
-    # a token's k experts: `experts` misses for the CPU, the other k - experts resident (hits, never the CPU's):
-    # the mailbox's row holds all k, as the GPU's handoff writes it (sessions 8-12 sent a shorter row, and the
-    # worker read the rest of the row's stale ids: expert 0 for every padding entry, an extra expert and seven
-    # assignments in the "1 expert" rows)
-    resident = np.arange(e - (k - experts), e, dtype=np.int64)
-    table = torch.full((e,), -1, dtype=torch.int64)
-    table[torch.from_numpy(resident)] = 0
-    fixed = rng.choice(e - len(resident), experts, replace=False).astype(np.int64)
-    work = [(i % len(layers) if not hot else 0,
-             torch.from_numpy(np.concatenate([fixed if hot else rng.choice(e - len(resident), experts,
-                                                                            replace=False), resident])[None]))
-            for i in range(calls + 10)]
-    x = torch.from_numpy(rng.standard_normal((1, d), dtype=np.float32))
-    w = torch.full((1, k), 1.0 / k)
-    out = torch.zeros(1, d)
-    trips = []
-    for i, (li, ids) in enumerate(work):
-        if i == 10:
-            served, busy = worker.kernel_requests, worker.kernel_seconds or 0.0
-        t0 = time.perf_counter()
-        handoff_reference(li, ids, w, x, table, box)
-        collect_reference(out, box)
-        t1 = time.perf_counter()
-        trips.append(t1 - t0)
-        while time.perf_counter() - t1 < gap_s:      # the GPU's part of the layer: the worker spins meanwhile
-            pass
-    n = worker.kernel_requests - served
-    return trips[10:], ((worker.kernel_seconds or 0.0) - busy) / max(n, 1)
-
-
 def lanes_line(lanes: dict) -> str:
     """Per stage, µs a request: a lane's time in its tasks (mean / busiest lane), its wait for the others' (mean /
     longest), its tasks, µs a task and its first task's µs - whether a slow stage's tasks are slow or its lanes
@@ -190,7 +151,7 @@ def main(argv: list[str] | None = None) -> int:
     bg = BackgroundH2D() if torch.cuda.is_available() else None
     report: dict = {"block_bytes": store.block_nbytes, "binding": binding,
                     "spin_count": os.environ.get("FREETOKEN_OMP_SPINCOUNT"), "rows": []}
-    from runtime.experts.bench_model import phases_line
+    from runtime.experts.bench_model import phases_line, time_requests
     if bg is not None:
         report["h2d_alone_gbps"] = h2d_alone(bg)
         print(f"H2D alone: {report['h2d_alone_gbps']:.1f} GB/s", flush=True)

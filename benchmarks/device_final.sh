@@ -55,8 +55,8 @@
 #                                                # twice, CUDA tests of the kernel
 #   (device) bash benchmarks/device_final.sh s13c # session 13: hits beside / after the gather in one process,
 #                                                # traced; s13d: shares 0.5 and 0 too; s13e: qwen3.6
-#   (device) bash benchmarks/device_final.sh s14a # for session 14: adaptive against fixed promotions (uniform,
-#                                                # skewed), the store's huge pages, CUDA tests
+#   (device) bash benchmarks/device_final.sh s14a # session 14: adaptive against fixed promotions (uniform, skewed),
+#                                                # learned share and 0.5, both ceilings; qwen3.6 learned and 0.5
 # carry .site (numba, llvmlite, fla-core, platformdirs unpacked, xz). Results under $OUT. Build .site once (the
 # wheels alone pass the 64 MiB carry limit; unpacked and xz-compressed they take ~44 MB):
 #   pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
@@ -518,15 +518,15 @@ elif [ "$1" = s13e ]; then
     --ttft-context 0 --hits beside after --out "$OUT" 2>&1 | grep -E "^qwen|CPU worker"
   rm -f "$OUT"/model.json
 elif [ "$1" = s14a ]; then
-  # written at the end of session 13 for the next one: the adaptive promotion budget against the fixed one, uniform
-  # and skewed routing, one process (bench_promotions.py predicted ~14 MB a step less on the link under uniform
-  # routing, nothing under skewed); the store's huge pages are printed first; then the CUDA tests
+  # session 14: the adaptive promotion budget against the fixed one (uniform, skewed), the learned share beside 0.5,
+  # every row with both ceilings (the CPU kernel's bandwidth, as issue 10 defines it, and the read probe's);
+  # qwen3.6 at 8 GiB learned and at 0.5
   warm 200 new
   bench_rows 300 q3_promotions --models qwen3-30b-a3b --dense-int8 --budgets 8 --routings uniform skewed \
-    --cpu-share 0.5 --modes graphs --tokens 64 --warmup 32 --prefill-budgets 99 --ttft-context 0 \
-    --promotions adaptive fixed | grep -E "^qwen|huge pages|CPU worker"
-  rm -f "$OUT"/model_*.json "$OUT"/model.json
-  cuda_tests 200 tests/test_hybrid_zero_copy.py tests/test_decode_graph.py
+    --cpu-share auto 0.5 --modes graphs --tokens 64 --warmup 32 --prefill-budgets 99 --ttft-context 0 \
+    --promotions adaptive fixed | grep -E "^qwen|huge pages|CPU kernel|CPU worker|learned"
+  bench_rows 170 q36 --models qwen3.6-35b-a3b --dense-int8 --budgets 8 --routings uniform --cpu-share auto 0.5 --modes graphs \
+    --tokens 64 --warmup 32 --prefill-budgets 99 --ttft-context 0 | grep -E "^qwen|CPU kernel|learned"
 else
   # decode rows through graphs only (eager rows cost minutes); the CPU share learned (auto; printed with a *),
   # fixed 0 and 0.3

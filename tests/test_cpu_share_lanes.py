@@ -7,9 +7,6 @@ and experts changing), and that lanes the OS runs late (here: more lanes than th
 """
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import numpy as np
 import pytest
 import torch
@@ -160,8 +157,7 @@ def test_a_row_shorter_than_the_mailbox_is_refused(cpu):
 def test_the_small_request_bench_sends_exactly_its_experts(cpu):
     """bench_cpu_requests' rows: a request of n experts is n experts' tasks for the worker, whatever the mailbox's
     K (the token's other experts resident)."""
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
-    from bench_cpu_requests import time_requests
+    from runtime.experts.bench_model import time_requests
     for experts in (1, 3):
         box = Mailbox(max_tokens=1, top_k=4, hidden=D, device=torch.device("cpu"), share=1.0)
         worker = CpuShareWorker(box, None, int8_args=cpu.int8_args(), threads=2)
@@ -201,3 +197,15 @@ def test_the_bench_counts_every_request_while_the_worker_still_spins(cpu):
         assert worker.served == after[4] < after[0]                     # served waits for the spin to end
     finally:
         worker.close()
+
+
+@pytest.mark.skipif(numba.config.NUMBA_NUM_THREADS < 2, reason="needs 2 numba threads")
+def test_the_ceilings_cpu_kernel_bandwidth_is_the_workers_on_whole_cold_layers(cpu):
+    """`bench model`'s ceiling takes the CPU kernel's bandwidth (issue 10: "the measured PCIe and CPU-kernel
+    bandwidths"): the worker's own time on requests of a layer's K experts, all missed. A store the int8 kernel
+    does not take has no such figure (0.0: the row falls back to the read probe)."""
+    from runtime.experts.bench_model import cpu_kernel_gbps
+    gbps = cpu_kernel_gbps(cpu.store, top_k=K, threads=2, calls=4, gap_s=0.0)
+    assert 0.0 < gbps < 1e4
+    plain = HostExpertStore.synthetic(layers=1, num_experts=E, hidden=D, intermediate=I, codec="bf16", seed=2)
+    assert cpu_kernel_gbps(plain, top_k=K, threads=2, calls=2, gap_s=0.0) == 0.0

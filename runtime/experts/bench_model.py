@@ -8,8 +8,11 @@ the engine's prefix cache brings it). Experts live in `HybridExperts` over a syn
 routing is the benchmark's (uniform: the worst case; skewed: Zipf popularity with temporal locality), because a
 random model routes nearly every token to the same few experts.
 
-Ceiling (decode) = miss bytes per token / (PCIe + CPU read bandwidth) + the dense time, where the dense time is
-the recorded step with experts that cost nothing. Rows print as they are measured and go to JSON.
+Ceiling (decode, issue 10's "physical ceiling") = miss bytes per token / (PCIe + CPU-kernel bandwidth) + the dense
+time, where the CPU-kernel bandwidth is the CPU-share worker's on a layer's every expert missed and cold
+(`cpu_kernel_gbps`) and the dense time is the recorded step with experts that cost nothing. Sessions 1-13 put the
+CPU's read probe in that sum instead (83-130 GB/s on the GPU machine's hosts, against the kernel's ~65-72): rows
+print that ratio too, as "read probe". Rows print as they are measured and go to JSON.
 Options: runtime/experts/bench.py (`freetoken bench model --help`).
 """
 from __future__ import annotations
@@ -191,7 +194,75 @@ def prefill(model, cache, n: int, *, chunk: int, device) -> float:
     return time.perf_counter() - t0
 
 
+def time_requests(worker, box, store, *, experts: int, calls: int, gap_s: float, hot: bool,
+                  seed: int = 0) -> tuple[list[float], float]:
+    """The real CPU-share worker (compiled serving loop) answering `calls` requests of one token and `experts`
+    distinct experts, sent through the mailbox by the CPU stand-in of the GPU's handoff: (round trips in seconds,
+    the worker's own mean seconds a request from seeing it to answering, by its cycle counter)."""
+    from runtime.experts.cpu_share import collect_reference, handoff_reference
+
+    rng = np.random.default_rng(seed)
+    layers, e, d, k = store.layers, store.num_experts, store.layout.hidden, box.top_k
+    # a token's k experts: `experts` misses for the CPU, the other k - experts resident (hits, never the CPU's):
+    # the mailbox's row holds all k, as the GPU's handoff writes it (sessions 8-12 sent a shorter row, and the
+    # worker read the rest of the row's stale ids: expert 0 for every padding entry, an extra expert and seven
+    # assignments in the "1 expert" rows)
+    resident = np.arange(e - (k - experts), e, dtype=np.int64)
+    table = torch.full((e,), -1, dtype=torch.int64)
+    table[torch.from_numpy(resident)] = 0
+    fixed = rng.choice(e - len(resident), experts, replace=False).astype(np.int64)
+    work = [(i % len(layers) if not hot else 0,
+             torch.from_numpy(np.concatenate([fixed if hot else rng.choice(e - len(resident), experts,
+                                                                            replace=False), resident])[None]))
+            for i in range(calls + 10)]
+    x = torch.from_numpy(rng.standard_normal((1, d), dtype=np.float32))
+    w = torch.full((1, k), 1.0 / k)
+    out = torch.zeros(1, d)
+    trips = []
+    for i, (li, ids) in enumerate(work):
+        if i == 10:
+            served, busy = worker.kernel_requests, worker.kernel_seconds or 0.0
+        t0 = time.perf_counter()
+        handoff_reference(li, ids, w, x, table, box)
+        collect_reference(out, box)
+        t1 = time.perf_counter()
+        trips.append(t1 - t0)
+        while time.perf_counter() - t1 < gap_s:      # the GPU's part of the layer: the worker spins meanwhile
+            pass
+    n = worker.kernel_requests - served
+    return trips[10:], ((worker.kernel_seconds or 0.0) - busy) / max(n, 1)
+
+
+
+def cpu_kernel_gbps(store, *, top_k: int, threads: int, calls: int | None = None, gap_s: float = 100e-6) -> float:
+    """The CPU-kernel bandwidth in issue 10's physical ceiling, GB/s of expert bytes: the CPU-share worker (the
+    compiled loop that decode's CPU share runs in, at its thread count) answering one-token requests of a whole
+    layer's `top_k` experts, every one a miss and cold (request i reads layer i of the store, past the caches), over
+    the worker's own time a request. The kernel's best case in decode (a layer's every expert at once: the fixed
+    cost of a request is spread over the most bytes), so the ceiling it gives is the highest the kernel allows.
+    0.0 where the int8 kernel or the worker's cycle clock is not available."""
+    from runtime.experts.cpu_executor import CpuExecutor
+    from runtime.experts.cpu_share import CpuShareWorker, Mailbox
+    from runtime.experts.interface import ExpertSpec
+    from runtime.experts.openmp import load_private_openmp
+
+    load_private_openmp()                       # as the tier does before its worker's threads exist
+    cpu = CpuExecutor(store, ExpertSpec())
+    if not cpu.int8:
+        return 0.0
+    cpu.warm_up(store.layers[0])                # compiled on this thread, alone, as the tier does
+    box = Mailbox(max_tokens=1, top_k=top_k, hidden=store.layout.hidden, device=torch.device("cpu"), share=1.0)
+    worker = CpuShareWorker(box, None, int8_args=cpu.int8_args(), threads=threads)
+    try:
+        _, busy = time_requests(worker, box, store, experts=top_k, calls=calls or 2 * len(store.layers),
+                                gap_s=gap_s, hot=False)
+    finally:
+        worker.close()                          # its thread ends, and with it its OpenMP pool
+    return top_k * store.block_nbytes / busy / 1e9 if busy > 0 else 0.0
+
+
 def run_model(name: str, args, hw, report: dict) -> None:
+    from runtime.experts.cpu_share import default_worker_threads
     from runtime.experts.host_store import HostExpertStore
     from runtime.experts.hybrid import HybridExperts, HybridOptions
     from runtime.experts.interface import ExpertSpec
@@ -212,6 +283,13 @@ def run_model(name: str, args, hw, report: dict) -> None:
               flush=True)
     shape = ModelShape.from_config(cfg, codec=codec, group_size=group, block_size=group,
                                    block_nbytes=store.block_nbytes)
+    # issue 10's ceiling is over the CPU kernel's bandwidth (measured here, on this store, at the worker's threads);
+    # the read probe's (hw.cpu_gbps) is kept beside it: the bar the kernel itself is held to
+    kernel_gbps = cpu_kernel_gbps(store, top_k=k, threads=default_worker_threads())
+    report.setdefault("cpu_kernel_gbps", {})[name] = kernel_gbps
+    print(f"{name} CPU kernel {kernel_gbps:.1f} GB/s (a layer's {k} experts cold, one token, "
+          f"{default_worker_threads()} threads); read probe {hw.cpu_gbps:.1f} GB/s, PCIe {hw.h2d_gbps:.1f} GB/s",
+          flush=True)
     model = random_model(cfg, device=device, dtype=dtype)
     dense = "bf16" if dtype == torch.bfloat16 else str(dtype).replace("torch.", "")
     if getattr(args, "dense_int8", False):
@@ -277,10 +355,14 @@ def run_model(name: str, args, hw, report: dict) -> None:
                 """A decode row from the tier's counters over the row's `steps` steps of `sequences` tokens; the
                 ceiling is the step's miss bytes over both links' rates plus the dense step."""
                 misses = (c["cpu_experts"] + c["fetched_experts"]) / steps                     # per step
-                ceiling = sequences / (misses * store.block_nbytes / ((hw.h2d_gbps + hw.cpu_gbps) * 1e9) + dense_s)
+                over = lambda cpu_gbps: sequences / (                                          # noqa: E731
+                    misses * store.block_nbytes / ((hw.h2d_gbps + cpu_gbps) * 1e9) + dense_s)
+                # the issue's: the CPU kernel's bandwidth (or the read probe's where it could not be measured)
+                ceiling, ceiling_read = over(kernel_gbps or hw.cpu_gbps), over(hw.cpu_gbps)
                 laptop = sequences / (misses * store.block_nbytes / (LAPTOP_LINKS_GBPS * 1e9) + dense_s)
                 return {"model": name, "budget": label, "routing": routing, "kind": kind, "slots": slots, "dense": dense,
                         "tok_s": tok_s, "ceiling_tok_s": ceiling, "of_ceiling": tok_s / ceiling,
+                        "ceiling_read_tok_s": ceiling_read, "of_ceiling_read": tok_s / ceiling_read,
                         # issue 10's projection: the same share of a ceiling with a laptop's links
                         "laptop_tok_s": laptop * tok_s / ceiling,
                         "hit_rate": c["hit_rate"], "cpu_share": c["cpu_share"], "split": split_label,
@@ -592,6 +674,8 @@ def _fmt(r: dict) -> str:
     distinct = f"  E/layer {r['distinct_per_layer']:>5.1f}" if "distinct_per_layer" in r else ""
     if r.get("dense") == "int8":
         distinct += "  dense int8"
+    if r.get("ceiling_read_tok_s"):
+        distinct += f"  (read probe: ceiling {r['ceiling_read_tok_s']:.1f}, {100 * r['of_ceiling_read']:.1f}%)"
     if r.get("laptop_tok_s"):
         distinct += f"  laptop {r['laptop_tok_s']:>6.1f} tok/s"
     return (f"{r['model']:<16} {r['budget']:>9} {r['routing']:<7} {r['kind']:<18} slots {r['slots']:>5}  "
