@@ -285,7 +285,8 @@ def run_model(name: str, args, hw, report: dict) -> None:
                                    block_nbytes=store.block_nbytes)
     # issue 10's ceiling is over the CPU kernel's bandwidth (measured here, on this store, at the worker's threads);
     # the read probe's (hw.cpu_gbps) is kept beside it: the bar the kernel itself is held to
-    kernel_gbps = cpu_kernel_gbps(store, top_k=k, threads=default_worker_threads())
+    # (on a GPU only: a CPU-only engine keeps one OpenMP instance, which the worker measured here would split)
+    kernel_gbps = cpu_kernel_gbps(store, top_k=k, threads=default_worker_threads()) if device.type == "cuda" else 0.0
     report.setdefault("cpu_kernel_gbps", {})[name] = kernel_gbps
     print(f"{name} CPU kernel {kernel_gbps:.1f} GB/s (a layer's {k} experts cold, one token, "
           f"{default_worker_threads()} threads); read probe {hw.cpu_gbps:.1f} GB/s, PCIe {hw.h2d_gbps:.1f} GB/s",
