@@ -57,6 +57,8 @@
 #                                                # traced; s13d: shares 0.5 and 0 too; s13e: qwen3.6
 #   (device) bash benchmarks/device_final.sh s14a # session 14: adaptive against fixed promotions (uniform, skewed),
 #                                                # learned share and 0.5, both ceilings; qwen3.6 learned and 0.5
+#   (device) bash benchmarks/device_final.sh s14b # session 14: the gather in two parts against one, promotions
+#                                                # adaptive/fixed, learned share and 0.5; CUDA tests
 # carry .site (numba, llvmlite, fla-core, platformdirs unpacked, xz). Results under $OUT. Build .site once (the
 # wheels alone pass the 64 MiB carry limit; unpacked and xz-compressed they take ~44 MB):
 #   pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
@@ -527,6 +529,15 @@ elif [ "$1" = s14a ]; then
     --promotions adaptive fixed | grep -E "^qwen|huge pages|CPU kernel|CPU worker|learned"
   bench_rows 170 q36 --models qwen3.6-35b-a3b --dense-int8 --budgets 8 --routings uniform --cpu-share auto 0.5 --modes graphs \
     --tokens 64 --warmup 32 --prefill-budgets 99 --ttft-context 0 | grep -E "^qwen|CPU kernel|learned"
+elif [ "$1" = s14b ]; then
+  # session 14: the misses gathered in two parts (gate/up kernel beside the down parts' copy) against one gather,
+  # adaptive against fixed promotions, learned share and 0.5, one process, both ceilings; then the CUDA tests
+  warm 200 new
+  bench_rows 300 q3_parts --models qwen3-30b-a3b --dense-int8 --budgets 8 --routings uniform \
+    --cpu-share auto 0.5 --modes graphs --tokens 64 --warmup 32 --prefill-budgets 99 --ttft-context 0 \
+    --gather-parts two one --promotions adaptive fixed | grep -E "^qwen|huge pages|CPU kernel|CPU worker|learned"
+  rm -f "$OUT"/model_*.json "$OUT"/model.json
+  cuda_tests 200 tests/test_hybrid_zero_copy.py tests/test_kernels_interpreted.py tests/test_decode_graph.py
 else
   # decode rows through graphs only (eager rows cost minutes); the CPU share learned (auto; printed with a *),
   # fixed 0 and 0.3

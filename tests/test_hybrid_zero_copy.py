@@ -169,18 +169,22 @@ def test_zero_copy_graph_step_on_cuda_matches_eager(device, share, gather):
     assert tier.counters.total.misses > 0 and tier.counters.total.hits > 0
 
 
-@pytest.mark.parametrize("share", [0.0, 0.5])
-def test_hits_beside_the_gather_give_the_same_bits_as_hits_after_it(device, share):
-    """On the GPU machine: the hits' pool kernels on a stream of their own (a branch of the recorded graph, beside
-    the misses' gather) give the very bits of the hits computed after it, replay after replay; the tier without
-    the option has no side stream."""
+@pytest.mark.parametrize("share,slots", [(0.0, 6), (0.5, 6), (0.5, 0)])
+def test_hits_beside_and_the_gather_in_two_give_the_same_bits_as_one_stream(device, share, slots):
+    """On the GPU machine: the hits' pool kernels on a side stream (beside the misses' gather), and the misses'
+    blocks gathered in two parts with their gate/up kernel on the side stream beside the second part's copy, are
+    branches of the recorded graph that give the very bits of everything on one stream, replay after replay; the
+    side stream exists only for them, and the two-part gather splits at the block's down part."""
     if device != "cuda":
         pytest.skip("needs the GPU machine (--device cuda)")
+    from runtime.kernels.int4_pool_triton import down_offset
     dev = torch.device("cuda")
     runs = []
-    for beside in (True, False):
-        _, tier = _tier(dev, slots=6, hot=[(0, 0), (0, 3), (1, 1)], pin=True, cpu_share=share, hits_beside=beside)
-        assert (tier._hit_stream is not None) == beside
+    for beside, split in ((True, True), (True, False), (False, True), (False, False)):
+        _, tier = _tier(dev, slots=slots, hot=[(0, 0), (0, 3), (1, 1)][:slots], pin=True, cpu_share=share,
+                        hits_beside=beside, split_gather=split)
+        assert (tier._side_stream is not None) == (beside or split)
+        assert tier._split_at == (down_offset(tier.layout) if split else 0) and (tier._split_at > 0) == split
         x = torch.randn(1, 64, device=dev, dtype=torch.bfloat16, generator=torch.Generator(dev).manual_seed(3))
         ids = torch.tensor([[0, 5]], device=dev)
         w = torch.full((1, 2), 0.5, device=dev)
@@ -191,9 +195,11 @@ def test_hits_beside_the_gather_give_the_same_bits_as_hits_after_it(device, shar
             g.replay()
             torch.cuda.synchronize()
             outs.append(out.clone())
+        outs.append(tier._zero_copy_decode(0, x, ids, w))                   # eagerly too
         runs.append(torch.stack(outs))
         del g, tier
-    assert torch.equal(runs[0], runs[1])
+    for other in runs[1:]:
+        assert torch.equal(runs[0], other)
 
 
 def test_the_cuda_handoff_gives_the_cpu_nothing_once_the_error_flag_is_up(device):

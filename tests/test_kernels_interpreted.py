@@ -161,6 +161,40 @@ def case_pool_matches_torch(codec, group, fmt, d, i, activation, k1, bn1, half):
     assert got16.dtype == dt and _rel(got16, want16) < tol, (dt, _rel(got16, want16))
 
 
+def case_gate_up_reads_nothing_of_the_down_part():
+    pool_k, _ = _kernels()
+    for codec, group, fmt in (("int4", 64, ""), ("fp4", 32, "mxfp4")):
+        store = make_store(codec, group, fmt, 128, 64, False, experts=4)
+        layout = store.layout
+        cut = pool_k.down_offset(layout)
+        assert cut == layout.parts["down"].offset > 0
+        pool = torch.from_numpy(store.layer_buffer(0).copy())
+        clean = pool.clone()
+        pool[:, cut:] = 0xFF                                                  # the down parts not yet copied: NaNs
+        gen = torch.Generator().manual_seed(11)
+        x = torch.randn(2, 128, generator=gen)
+        slots = torch.tensor([[0, 3], [2, -1]])
+        h, looked = pool_k.pool_gate_up_triton(pool, layout, ExpertSpec(), x, slots)
+        h_clean, _ = pool_k.pool_gate_up_triton(clean, layout, ExpertSpec(), x, slots)
+        assert torch.equal(h[:3], h_clean[:3]) and torch.isfinite(h[:3]).all() and looked is slots
+        pool[:, cut:] = clean[:, cut:]                                        # the down parts land
+        weights = torch.rand(2, 2, generator=gen)
+        y = pool_k.pool_down_triton(pool, layout, h, looked, weights, out_dtype=x.dtype)
+        assert torch.equal(y, pool_k.pool_forward_triton(clean, layout, ExpertSpec(), x, slots, weights))
+    # a layout whose gate/up parts do not all lie below its down part cannot be gathered in two parts
+    from dataclasses import replace
+    parts = dict(layout.parts)
+    parts["up"] = replace(parts["up"], offset=layout.nbytes - parts["up"].nbytes)
+    assert pool_k.down_offset(replace(layout, parts=parts)) == 0
+
+
+def test_gate_up_reads_nothing_of_the_down_part(interpreter):
+    """Zero-copy decode may run the gate/up kernel while the down parts of the missed blocks are still being
+    copied (hybrid.py `split_gather`): it must read nothing at or above `down_offset` (NaN bytes there leave h
+    the same), and its h with the down launch after gives pool_forward_triton's very bits, for int4 and MXFP4."""
+    interpreter.run("gate_up_reads_nothing_of_the_down_part")
+
+
 @pytest.mark.parametrize("codec, group, fmt, d, i, activation, k1, bn1, half", POOL_GRID)
 def test_pool_kernels_match_torch(interpreter, codec, group, fmt, d, i, activation, k1, bn1, half):
     interpreter.run("pool_matches_torch", codec=codec, group=group, fmt=fmt, d=d, i=i, activation=activation,
@@ -328,6 +362,30 @@ def case_gather_copies_the_missed_blocks():
         slots = gk.gather_blocks(src, e, got, table=table)
         assert torch.equal(slots, torch.tensor([[0, 1, 2], [2, 1, -1]]))
         assert torch.equal(slots, gk.gather_blocks_reference(src, e, want, table=table)) and torch.equal(got, want)
+        # byte ranges: two launches, the first bytes then the rest, copy what one does; a range alone writes only
+        # its bytes (16-byte bounds take 4-byte words, others single bytes)
+        ids = torch.tensor([[3, 7, -1], [7, 3, 5]])
+        whole = torch.full((6, nbytes), 7, dtype=torch.uint8)
+        gk.gather_blocks(src, ids, whole)
+        for cut in (48, 37):
+            got, want = torch.full((6, nbytes), 7, dtype=torch.uint8), torch.full((6, nbytes), 7, dtype=torch.uint8)
+            first = gk.gather_blocks(src, ids, got, byte_range=(0, cut), chunk_bytes=16)
+            assert torch.equal(got[:, cut:], want[:, cut:])                         # the rest: not yet written
+            second = gk.gather_blocks(src, ids, got, byte_range=(cut, nbytes), chunk_bytes=16)
+            assert torch.equal(got, whole) and torch.equal(first, second)
+            gk.gather_blocks_reference(src, ids, want, byte_range=(0, cut))
+            gk.gather_blocks_reference(src, ids, want, byte_range=(cut, nbytes))
+            assert torch.equal(want, whole)
+        got = torch.zeros(6, nbytes, dtype=torch.uint8)
+        gk.gather_blocks(src, ids, got, byte_range=(5, 21))
+        assert torch.equal(got[0, 5:21], src[3, 5:21]) and int(got[:, :5].sum()) == int(got[:, 21:].sum()) == 0
+    for bad in ((0, 0), (30, 20), (0, 51)):
+        try:
+            gk.gather_blocks(src, ids, torch.zeros(6, 50, dtype=torch.uint8), byte_range=bad)
+        except ValueError as exc:
+            assert "byte range" in str(exc)
+        else:
+            raise AssertionError(f"the byte range {bad} was accepted")
     try:
         gk.gather_blocks(src, ids, torch.zeros(5, 50, dtype=torch.uint8))
     except ValueError as exc:
@@ -340,7 +398,8 @@ def test_gather_copies_the_missed_blocks(interpreter):
     """The zero-copy decode's gather kernel copies block ids[t, k] (or table[ids]) to scratch row t*K + k, in
     chunks, for 16-byte and odd block sizes; rows of -1 (hits, the CPU's share, ids outside the table) are
     neither read nor written; an expert several tokens share is copied once and its later assignments get the
-    first one's row; the slots it returns are what the pool kernels take; the torch reference agrees."""
+    first one's row; the slots it returns are what the pool kernels take; a byte range copies only those bytes of
+    each block (two ranges make the whole), and a range outside a block is refused; the torch reference agrees."""
     interpreter.run("gather_copies_the_missed_blocks")
 
 
@@ -706,10 +765,12 @@ def test_kernels_compile_for_h200_without_spilling(tmp_path, monkeypatch):
                        G=8, HD=128),
                   dict(CHUNK=64, SPLITS=16, BLOCK_S=64, BLOCK_G=16, BLOCK_D=128, DOT_FP32=False), 4))
     from runtime.kernels import gather_triton as gather_k
-    for lookup in (False, True):                                                              # zero-copy gather
+    words = 2506752 // 4                                           # qwen3-30b-a3b's int4/128 block
+    for lookup, first, count in ((False, 0, words), (True, 0, words),                         # zero-copy gather
+                                 (True, 1671168 // 4, words - 1671168 // 4)):                 # (its down part)
         cases.append((gather_k._gather_kernel,
                       dict(src_ptr="*i32", ids_ptr="*i64", table_ptr="*i64", E=128, dst_ptr="*i32", slots_ptr="*i64",
-                           words=2654208 // 4),
+                           words=words, first=first, count=count),
                       dict(LOOKUP=lookup, CHUNK=gather_k.CHUNK_BYTES // 4, ABLOCK=32), gather_k.NUM_WARPS))
     for fn, args, constexprs, warps in cases:
         regs, local, sass = _compile_sm90(fn, args, constexprs, warps, tmp_path)

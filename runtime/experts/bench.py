@@ -541,6 +541,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     m.add_argument("--hits", nargs="+", default=["beside"], choices=["beside", "after"],
                    help="zero-copy decode on CUDA: the hits' pool kernels on a stream of their own beside the "
                         "misses' gather (beside) or after it on the step's stream (after); both: a row each")
+    m.add_argument("--gather-parts", dest="gather_parts", nargs="+", default=["two"], choices=["two", "one"],
+                   help="zero-copy decode on CUDA: the misses' blocks gathered in two parts, the gate/up kernel beside "
+                        "the down parts' copy (two), or in one launch before both kernels (one); both: a row each")
     m.add_argument("--promotions", nargs="+", default=["adaptive"], choices=["adaptive", "fixed"],
                    help="zero-copy decode: the step's promotion budget learned from what promotions buy (adaptive) "
                         "or always the byte budget's blocks (fixed); both: a row each")

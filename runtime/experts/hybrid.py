@@ -110,6 +110,9 @@ class HybridOptions:
     hits_beside: bool = True                    # zero-copy decode on CUDA: the hits' pool kernels on a stream
                                                 # of their own, beside the misses' reads over PCIe (a branch of
                                                 # the step's graph), not after them (run s13c-f: +3 to +16 %)
+    split_gather: bool = True                   # zero-copy decode on CUDA with the gather: the misses' blocks
+                                                # gathered in two launches, gate/up parts then down parts, the
+                                                # gate/up kernel on the side stream beside the second (session 14)
 
 
 class HybridExperts:
@@ -234,7 +237,14 @@ class HybridExperts:
         self._scratch = torch.empty((ZERO_COPY_MAX_TOKENS * self.options.top_k, store.block_nbytes),
                                     dtype=torch.uint8, device=self.device) if self.options.zero_copy_gather else None
         self._snapshot = self.cache.host_table.copy()        # the table the current step runs against
-        self._hit_stream = torch.cuda.Stream(self.device) if self.cuda and self.options.hits_beside else None
+        # where a block's down part begins, when the misses are gathered in two parts (0: one gather)
+        self._split_at = int4_pool_triton.down_offset(self.layout) if (
+            self.cuda and self.options.split_gather and self._scratch is not None
+            and self._pool_forward is int4_pool_triton.pool_forward_triton) else 0
+        # the step graph's side branch: the hits' pool kernels beside the misses' gather (`hits_beside`) and the
+        # misses' gate/up kernel beside the gather of their down parts (`split_gather`)
+        self._side_stream = torch.cuda.Stream(self.device) if self.cuda and (
+            self.options.hits_beside or self._split_at) else None
         # the blocks a step may promote: the byte budget's while promoted experts are used more than those they evict
         most = self.options.promote_bytes_per_step // max(1, store.block_nbytes)
         self._promotion_budget = PromotionBudget(most, layers=len(store.layers), experts=store.num_experts,
@@ -334,14 +344,14 @@ class HybridExperts:
         stream of their own while the misses' gather waits on PCIe - a branch of the recorded step's graph,
         joined before the sum (run s13b's trace: ~28 µs a layer of pool kernels after a ~142 µs gather); else
         one after the other. The sum is the same either way: out = misses, then out += hits."""
-        if self._hit_stream is None:
+        if self._side_stream is None or not self.options.hits_beside:
             return misses().add_(hits())
         main = torch.cuda.current_stream(self.device)
-        self._hit_stream.wait_stream(main)              # after the handoff wrote the hits' slots
-        with torch.cuda.stream(self._hit_stream):
+        self._side_stream.wait_stream(main)             # after the handoff wrote the hits' slots
+        with torch.cuda.stream(self._side_stream):
             h = hits()
         out = misses()
-        main.wait_stream(self._hit_stream)
+        main.wait_stream(self._side_stream)
         return out.add_(h)
 
     def _misses(self, li: int, x: torch.Tensor, rows: torch.Tensor, topk_weights: torch.Tensor, *,
@@ -355,11 +365,29 @@ class HybridExperts:
             if table_row is None:
                 return self._pool_forward(host, self.layout, self.spec, x, rows, topk_weights)
             return self._looked_up(host, x, rows, topk_weights, table_row)
+        if self._split_at:
+            return self._gathered_in_two(host, x, rows, topk_weights, table_row)
         if self.cuda:
             slots = gather_triton.gather_blocks(host, rows, self._scratch, table=table_row)
         else:
             slots = gather_triton.gather_blocks_reference(host, rows, self._scratch, table=table_row)
         return self._pool_forward(self._scratch, self.layout, self.spec, x, slots, topk_weights)
+
+    def _gathered_in_two(self, host, x, rows, topk_weights, table_row) -> torch.Tensor:
+        """`_misses` with the blocks gathered in two launches, their gate/up parts first: the gate/up kernel runs on
+        the side stream as soon as the first launch is done, beside the second's reads over PCIe, so only the down
+        kernel waits for the whole gather (a traced 8 GiB layer ran ~14 µs of the misses' pool kernels after its
+        ~155 µs gather, run s13b). The same kernels and sums as one gather: the same bits."""
+        main, side, cut = torch.cuda.current_stream(self.device), self._side_stream, self._split_at
+        slots = gather_triton.gather_blocks(host, rows, self._scratch, table=table_row, byte_range=(0, cut))
+        side.wait_stream(main)                          # (after the hits' kernels, when they run there too)
+        with torch.cuda.stream(side):
+            h, looked_up = int4_pool_triton.pool_gate_up_triton(self._scratch, self.layout, self.spec, x, slots)
+        gather_triton.gather_blocks(host, rows, self._scratch, table=table_row,
+                                    byte_range=(cut, self.store.block_nbytes))
+        main.wait_stream(side)
+        return int4_pool_triton.pool_down_triton(self._scratch, self.layout, h, looked_up, topk_weights,
+                                                 out_dtype=x.dtype)
 
     def _looked_up(self, pool, x, topk_ids, topk_weights, table_row) -> torch.Tensor:
         """The pool kernels over `pool` with `table_row` [E] turning expert ids into its rows (-1: skipped); the

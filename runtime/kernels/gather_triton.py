@@ -7,7 +7,8 @@ can keep megabytes in flight (every program loads its whole chunk before storing
 kernels then read the blocks from VRAM at ~1 TB/s. It is also shaped by bytes, not by experts: when the CPU
 takes a share of the misses, the GPU's part still spreads over every SM.
 
-    grid (A, cdiv(words, CHUNK)):  a = assignment (token t = a // K, k = a % K), c = chunk of the block
+    grid (A, cdiv(count, CHUNK)):  a = assignment (token t = a // K, k = a % K), c = chunk of the block's words
+                                    [first, first + count) (the whole block, or a byte range of it: see below)
         row = rows[a]          (or table[ids[a]] with a table: the layer's miss row, expert id -> host row;
                                 an id outside the table counts as -1)
         owner = the first a' <= a with ids[a'] == ids[a] (tokens of a call that share an expert copy it once)
@@ -15,7 +16,11 @@ takes a share of the misses, the GPU's part still spreads over every SM.
         programs of chunk 0 also write slots[a] = owner if row >= 0 else -1: the scratch rows the pool kernels read
 
 Nothing on the host depends on the data: the launch records in a CUDA graph. Words are 4 bytes when a block
-is a multiple of 16 bytes (16-byte vector loads), else single bytes.
+(and the byte range, if any) is a multiple of 16 bytes (16-byte vector loads), else single bytes.
+
+`byte_range`: the launch copies only bytes [lo, hi) of each block, to the same place in its scratch row. Zero-copy
+decode gathers the gate/up parts of the missed blocks first and their down parts second, so the gate/up kernel can
+run on another stream while the down parts still cross PCIe (session 14; hybrid.py `split_gather`).
 """
 from __future__ import annotations
 
@@ -34,7 +39,7 @@ NUM_WARPS = 4
 
 if HAVE_TRITON:
     @triton.jit
-    def _gather_kernel(src_ptr, ids_ptr, table_ptr, E, dst_ptr, slots_ptr, words, LOOKUP: tl.constexpr,
+    def _gather_kernel(src_ptr, ids_ptr, table_ptr, E, dst_ptr, slots_ptr, words, first, count, LOOKUP: tl.constexpr,
                        CHUNK: tl.constexpr, ABLOCK: tl.constexpr):
         a = tl.program_id(0)
         c = tl.program_id(1)
@@ -52,51 +57,58 @@ if HAVE_TRITON:
         if c == 0:
             tl.store(slots_ptr + a, tl.where(row >= 0, owner, -1).to(slots_ptr.dtype.element_ty))
         if (row >= 0) & (owner == a):
-            idx = c * CHUNK + tl.arange(0, CHUNK)
-            inside = idx < words
+            idx = first + c * CHUNK + tl.arange(0, CHUNK)
+            inside = idx < first + count
             # one load of the whole chunk before any store: all its reads are in flight together
             v = tl.load(src_ptr + row.to(tl.int64) * words + idx, mask=inside)
             tl.store(dst_ptr + a.to(tl.int64) * words + idx, v, mask=inside)
 
 
-def _words(t: torch.Tensor) -> torch.Tensor:
-    """A [N, nbytes] uint8 tensor viewed as 4-byte words when its rows allow 16-byte loads."""
-    nbytes = t.shape[1]
-    if nbytes % 16 == 0 and t.data_ptr() % 16 == 0:
-        return t.view(torch.int32)
-    return t
+def _word_bytes(*tensors: torch.Tensor, bounds: tuple[int, int]) -> int:
+    """4 when every [N, nbytes] uint8 tensor's rows and both bounds allow 16-byte loads of 4-byte words, else 1."""
+    whole = all(t.shape[1] % 16 == 0 and t.data_ptr() % 16 == 0 for t in tensors)
+    return 4 if whole and bounds[0] % 16 == 0 and bounds[1] % 16 == 0 else 1
 
 
 def gather_blocks(src: torch.Tensor, ids: torch.Tensor, scratch: torch.Tensor, *,
-                  table: torch.Tensor | None = None, chunk_bytes: int = CHUNK_BYTES) -> torch.Tensor:
+                  table: torch.Tensor | None = None, chunk_bytes: int = CHUNK_BYTES,
+                  byte_range: tuple[int, int] | None = None) -> torch.Tensor:
     """src [E, nbytes] uint8 (host memory the GPU may read: page-locked and mapped), ids [T, K] int64 host rows
     (-1: skip), or expert ids looked up in `table` [E] (expert -> host row, -1: skip); scratch [>= T*K, nbytes]
     uint8 on the device. Copies block ids[t, k] to scratch row t*K + k, once per distinct id (a later assignment
     of the same expert shares the first one's row), and returns slots [T, K] int64: the row holding the block, or
-    -1 where there is none (what `pool_forward_triton(scratch, ..., slots)` takes). One launch."""
+    -1 where there is none (what `pool_forward_triton(scratch, ..., slots)` takes). `byte_range` (lo, hi): only
+    those bytes of each block are copied (the slots are the same). One launch."""
     t, k = ids.shape
     nbytes = src.shape[1]
     if scratch.shape[0] < t * k or scratch.shape[1] != nbytes or scratch.dtype != torch.uint8 or src.dtype != torch.uint8:
         raise ValueError(f"gather_blocks: scratch {scratch.dtype} {tuple(scratch.shape)} cannot hold {t * k} blocks "
                          f"of {nbytes} bytes from src {src.dtype} {tuple(src.shape)}")
+    lo, hi = byte_range if byte_range is not None else (0, nbytes)
+    if not 0 <= lo < hi <= nbytes:
+        raise ValueError(f"gather_blocks: byte range [{lo}, {hi}) is not inside a block of {nbytes} bytes")
     if not ids.is_contiguous():
         ids = ids.contiguous()
     slots = torch.empty((t, k), dtype=torch.int64, device=scratch.device)
     if t * k == 0:
         return slots
-    s, d = _words(src), _words(scratch)
-    words = s.shape[1]
-    chunk = triton.next_power_of_2(max(1, chunk_bytes // s.element_size()))
-    _gather_kernel[(t * k, triton.cdiv(words, chunk))](
-        s, ids, table if table is not None else ids, 0 if table is None else table.shape[0], d, slots, words,
-        LOOKUP=table is not None, CHUNK=chunk, ABLOCK=max(16, triton.next_power_of_2(t * k)), num_warps=NUM_WARPS)
+    word = _word_bytes(src, scratch, bounds=(lo, hi))
+    s, d = (src.view(torch.int32), scratch.view(torch.int32)) if word == 4 else (src, scratch)
+    chunk = triton.next_power_of_2(max(1, chunk_bytes // word))
+    count = (hi - lo) // word
+    _gather_kernel[(t * k, triton.cdiv(count, chunk))](
+        s, ids, table if table is not None else ids, 0 if table is None else table.shape[0], d, slots, s.shape[1],
+        lo // word, count, LOOKUP=table is not None, CHUNK=chunk, ABLOCK=max(16, triton.next_power_of_2(t * k)),
+        num_warps=NUM_WARPS)
     return slots
 
 
 def gather_blocks_reference(src: torch.Tensor, ids: torch.Tensor, scratch: torch.Tensor, *,
-                            table: torch.Tensor | None = None) -> torch.Tensor:
+                            table: torch.Tensor | None = None,
+                            byte_range: tuple[int, int] | None = None) -> torch.Tensor:
     """The same in torch (CPU tests and devices without Triton)."""
     t, k = ids.shape
+    lo, hi = byte_range if byte_range is not None else (0, src.shape[1])
     keys = ids.reshape(-1).tolist()
     if table is not None:
         inside = (ids >= 0) & (ids < table.shape[0])
@@ -107,5 +119,5 @@ def gather_blocks_reference(src: torch.Tensor, ids: torch.Tensor, scratch: torch
         owner = first.setdefault(key, a)
         slots.append(owner if row >= 0 else -1)
         if row >= 0 and owner == a:
-            scratch[a] = src[row].to(scratch.device)
+            scratch[a, lo:hi] = src[row, lo:hi].to(scratch.device)
     return torch.tensor(slots, dtype=torch.int64, device=scratch.device).view(t, k)

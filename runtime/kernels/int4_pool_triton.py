@@ -358,55 +358,109 @@ def pool_forward_triton(pool: torch.Tensor, layout, spec, x: torch.Tensor, slots
                         block_n: int | None = None, block_k: int | None = None,
                         plans: tuple[KernelPlan | None, KernelPlan | None] = (None, None)) -> torch.Tensor:
     """The same function as `expert_pool.pool_forward`: x [T, D], slots [T, K] (-1 skip), weights [T, K] ->
-    y [T, D] in x's dtype. Two launches.
+    y [T, D] in x's dtype. Two launches: `pool_gate_up_triton`, then `pool_down_triton`.
 
     `slot_table` [E] (int32/int64; -1: not resident): `slots` are then expert ids, looked up in the table by
     the first kernel (the layer's row of the slot table: no separate gather launch before the kernels).
     Tuning overrides (for tests and sweeps): `block_n` / `block_k` the tile sizes of both kernels (powers of
     two), `plans` = (gate_up, down) whole launch plans (None: `default_plans`)."""
     t, k = slots.shape
+    if weights.shape != (t, k):
+        raise ValueError(f"pool_forward_triton: weights {tuple(weights.shape)} do not agree with slots "
+                         f"{tuple(slots.shape)} ([T, K])")
+    h, looked_up = pool_gate_up_triton(pool, layout, spec, x, slots, slot_table=slot_table, block_n=block_n,
+                                       block_k=block_k, plan=plans[0])
+    return pool_down_triton(pool, layout, h, looked_up, weights, out_dtype=x.dtype, block_n=block_n, block_k=block_k,
+                            plan=plans[1])
+
+
+def _codec(layout) -> int:
+    """The kernels' CODEC (0 int4, 1 fp4), after checking that int4's fp16 scales/mins sit at even offsets."""
+    if layout.codec != "int4":
+        return 1
+    p = layout.parts
+    if layout.nbytes % 2 or any(p[f"{m}_{q}"].offset % 2 for m in ("gate", "up", "down") for q in ("scales", "mins")
+                                if f"{m}_{q}" in p):
+        raise ValueError("pool_forward_triton: fp16 scales/mins at odd byte offsets in the block layout")
+    return 0
+
+
+def _offset(layout, name: str) -> int:
+    return layout.parts[name].offset if name in layout.parts else 0
+
+
+def pool_gate_up_triton(pool: torch.Tensor, layout, spec, x: torch.Tensor, slots: torch.Tensor, *,
+                        slot_table: torch.Tensor | None = None, block_n: int | None = None,
+                        block_k: int | None = None, plan: KernelPlan | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The first of pool_forward_triton's two launches: x [T, D], slots [T, K] -> (h [T*K, I] the activations, in
+    x's dtype when 16-bit else fp32; the slots [T, K] the down kernel reads: `slots`, or the table's answers with
+    `slot_table`). It reads only the gate and up parts of each block (what lies below the down part in the FTW
+    layout), so it may run while a block's down part is still being copied (hybrid.py `split_gather`)."""
+    t, k = slots.shape
     d, i = layout.hidden, layout.intermediate
-    if x.shape != (t, d) or weights.shape != (t, k):
-        raise ValueError(f"pool_forward_triton: x {tuple(x.shape)}, slots {tuple(slots.shape)} and weights "
-                         f"{tuple(weights.shape)} do not agree with [T, {d}], [T, K], [T, K]")
+    if x.shape != (t, d):
+        raise ValueError(f"pool_forward_triton: x {tuple(x.shape)} and slots {tuple(slots.shape)} do not agree "
+                         f"with [T, {d}], [T, K]")
     if slot_table is not None and (slot_table.ndim != 1 or slot_table.dtype not in (torch.int32, torch.int64)
                                    or slot_table.stride(0) != 1):
         raise ValueError(f"pool_forward_triton: slot_table must be a contiguous [E] int32/int64 row, got "
                          f"{slot_table.dtype} {tuple(slot_table.shape)} strides {slot_table.stride()}")
     if d % 2 or i % 2:
         raise ValueError(f"pool_forward_triton: hidden {d} and expert width {i} must be even (packed pairs)")
-    y = torch.empty((t, d), dtype=x.dtype, device=x.device)
-    if t == 0 or k == 0:
-        return y.zero_()
-    if x.stride(1) != 1 or x.stride(0) % 2 or x.data_ptr() % (2 * x.element_size()):
-        x = x.contiguous()                              # rows of x read as whole words of element pairs
-    p = layout.parts
-    off = lambda name: p[name].offset if name in p else 0                      # noqa: E731
-    codec = 0 if layout.codec == "int4" else 1
-    if codec == 0 and (layout.nbytes % 2 or any(off(f"{m}_{q}") % 2 for m in ("gate", "up", "down")
-                                                for q in ("scales", "mins"))):
-        raise ValueError("pool_forward_triton: fp16 scales/mins at odd byte offsets in the block layout")
-    act = 0 if spec.activation == "silu" else 1
-    group = layout.group
-    default = default_plans(t, k, layout, sms=_sm_count(x.device), block_n=block_n, block_k=block_k)
-    gu, dn = (given or plan for given, plan in zip(plans, default))
     # [A, I] activations, rounded to x's dtype when it is 16-bit as the torch path rounds them (and half the
     # bytes for the down kernel to read); fp32 otherwise
     h = torch.empty((t * k, i), dtype=x.dtype if x.element_size() == 2 else torch.float32, device=x.device)
     lookup = slot_table is not None
     looked_up = torch.empty((t, k), dtype=slot_table.dtype, device=x.device) if lookup else slots   # [T, K] slots
+    if t == 0 or k == 0:
+        return h, looked_up
+    if x.stride(1) != 1 or x.stride(0) % 2 or x.data_ptr() % (2 * x.element_size()):
+        x = x.contiguous()                              # rows of x read as whole words of element pairs
+    codec, group, off = _codec(layout), layout.group, functools.partial(_offset, layout)
+    gu = plan or default_plans(t, k, layout, sms=_sm_count(x.device), block_n=block_n, block_k=block_k)[0]
     _gate_up_kernel[(t * k, triton.cdiv(i, gu.block_n))](
         pool, layout.nbytes, slots, slots.stride(0), slots.stride(1), slot_table if lookup else slots,
         slot_table.shape[0] if lookup else 0, looked_up, x, x.stride(0), h, k, d // 2, -(-d // group), i,
         off("gate"), off("gate_scales"), off("gate_mins"), off("up"), off("up_scales"), off("up_mins"),
         float(spec.swiglu_alpha), float(spec.swiglu_limit),
-        CODEC=codec, GROUP=group, ACT=act, LOOKUP=lookup, BLOCK_N=gu.block_n, BLOCK_K=gu.block_k,
-        STEPS=gu.steps, PREFETCH=gu.prefetch, EVEN=(d // 2) % gu.block_k == 0, ROWS_ALL=i % gu.block_n == 0,
-        num_warps=gu.warps)
+        CODEC=codec, GROUP=group, ACT=0 if spec.activation == "silu" else 1, LOOKUP=lookup, BLOCK_N=gu.block_n,
+        BLOCK_K=gu.block_k, STEPS=gu.steps, PREFETCH=gu.prefetch, EVEN=(d // 2) % gu.block_k == 0,
+        ROWS_ALL=i % gu.block_n == 0, num_warps=gu.warps)
+    return h, looked_up
+
+
+def pool_down_triton(pool: torch.Tensor, layout, h: torch.Tensor, slots: torch.Tensor, weights: torch.Tensor, *,
+                     out_dtype: torch.dtype, block_n: int | None = None, block_k: int | None = None,
+                     plan: KernelPlan | None = None) -> torch.Tensor:
+    """The second launch: h [T*K, I] and slots [T, K] from `pool_gate_up_triton`, weights [T, K] -> y [T, D] in
+    `out_dtype`: the weighted sum over each token's K experts of their down rows (slots < 0 skipped)."""
+    t, k = slots.shape
+    d, i = layout.hidden, layout.intermediate
+    if weights.shape != (t, k) or h.shape != (t * k, i):
+        raise ValueError(f"pool_down_triton: h {tuple(h.shape)} and weights {tuple(weights.shape)} do not agree "
+                         f"with slots {tuple(slots.shape)}: [T*K, {i}], [T, K]")
+    y = torch.empty((t, d), dtype=out_dtype, device=h.device)
+    if t == 0 or k == 0:
+        return y.zero_()
+    codec, group, off = _codec(layout), layout.group, functools.partial(_offset, layout)
+    dn = plan or default_plans(t, k, layout, sms=_sm_count(h.device), block_n=block_n, block_k=block_k)[1]
     _down_kernel[(t, triton.cdiv(d, dn.block_n))](
-        pool, layout.nbytes, looked_up, looked_up.stride(0), looked_up.stride(1), weights, weights.stride(0),
+        pool, layout.nbytes, slots, slots.stride(0), slots.stride(1), weights, weights.stride(0),
         weights.stride(1), h, y, k, d, i, i // 2, -(-i // group), off("down"), off("down_scales"), off("down_mins"),
         CODEC=codec, GROUP=group, KB=triton.next_power_of_2(k), BLOCK_N=dn.block_n, BLOCK_K=dn.block_k,
         STEPS=dn.steps, PREFETCH=dn.prefetch, EVEN=(i // 2) % dn.block_k == 0,
         num_warps=dn.warps)
     return y
+
+
+def down_offset(layout) -> int:
+    """Where a block's down part begins: every byte the gate_up kernel reads lies below it, every byte the down
+    kernel reads at or above it (checked; 0 when the layout is not split so, and a block cannot be gathered in two
+    parts)."""
+    p = layout.parts
+    down = [name for name in p if name.startswith("down")]
+    if not down or "down" not in p:
+        return 0
+    lo = min(p[name].offset for name in down)
+    below = all(part.offset + part.nbytes <= lo for name, part in p.items() if name not in down)
+    return lo if below else 0
