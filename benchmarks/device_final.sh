@@ -59,6 +59,7 @@
 #                                                # learned share and 0.5, both ceilings; qwen3.6 learned and 0.5
 #   (device) bash benchmarks/device_final.sh s14b # session 14: the gather in two parts against one, promotions
 #                                                # adaptive/fixed, learned share and 0.5; CUDA tests
+#   (device) bash benchmarks/device_final.sh s14c # session 14: s14b's A/B alternating, skewed promotions, qwen3.6
 # carry .site (numba, llvmlite, fla-core, platformdirs unpacked, xz). Results under $OUT. Build .site once (the
 # wheels alone pass the 64 MiB carry limit; unpacked and xz-compressed they take ~44 MB):
 #   pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
@@ -538,6 +539,19 @@ elif [ "$1" = s14b ]; then
     --gather-parts two one --promotions adaptive fixed | grep -E "^qwen|huge pages|CPU kernel|CPU worker|learned"
   rm -f "$OUT"/model_*.json "$OUT"/model.json
   cuda_tests 200 tests/test_hybrid_zero_copy.py tests/test_kernels_interpreted.py tests/test_decode_graph.py
+elif [ "$1" = s14c ]; then
+  # session 14: s14b's A/B again, alternating in one process (two, one, two, one) at 0.5 and learned; skewed
+  # routing with adaptive and fixed promotions; qwen3.6 at 8 GiB, gather in two and one, learned and 0.5
+  warm 200 new
+  bench_rows 200 q3_ab --models qwen3-30b-a3b --dense-int8 --budgets 8 --routings uniform \
+    --cpu-share 0.5 auto --modes graphs --tokens 64 --warmup 32 --prefill-budgets 99 --ttft-context 0 \
+    --gather-parts two one two one | grep -E "^qwen|CPU kernel|CPU worker|learned CPU share:"
+  bench_rows 100 q3_skewed --models qwen3-30b-a3b --dense-int8 --budgets 8 --routings skewed --cpu-share 0.5 \
+    --modes graphs --tokens 64 --warmup 32 --prefill-budgets 99 --ttft-context 0 --promotions adaptive fixed \
+    | grep -E "^qwen|CPU kernel"
+  bench_rows 200 q36 --models qwen3.6-35b-a3b --dense-int8 --budgets 8 --routings uniform --cpu-share 0.5 auto \
+    --modes graphs --tokens 64 --warmup 32 --prefill-budgets 99 --ttft-context 0 --gather-parts two one \
+    | grep -E "^qwen|CPU kernel|learned CPU share:"
 else
   # decode rows through graphs only (eager rows cost minutes); the CPU share learned (auto; printed with a *),
   # fixed 0 and 0.3
