@@ -60,6 +60,7 @@
 #   (device) bash benchmarks/device_final.sh s14b # session 14: the gather in two parts against one, promotions
 #                                                # adaptive/fixed, learned share and 0.5; CUDA tests
 #   (device) bash benchmarks/device_final.sh s14c # session 14: s14b's A/B alternating, skewed promotions, qwen3.6
+#   (device) bash benchmarks/device_final.sh s14d # session 14's final code: 8 and 4 GiB rows, qwen3.6, CUDA tests
 # carry .site (numba, llvmlite, fla-core, platformdirs unpacked, xz). Results under $OUT. Build .site once (the
 # wheels alone pass the 64 MiB carry limit; unpacked and xz-compressed they take ~44 MB):
 #   pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
@@ -552,6 +553,17 @@ elif [ "$1" = s14c ]; then
   bench_rows 200 q36 --models qwen3.6-35b-a3b --dense-int8 --budgets 8 --routings uniform --cpu-share 0.5 auto \
     --modes graphs --tokens 64 --warmup 32 --prefill-budgets 99 --ttft-context 0 --gather-parts two one \
     | grep -E "^qwen|CPU kernel|learned CPU share:"
+elif [ "$1" = s14d ]; then
+  # session 14's final code: the kernel ceiling as the best of three rounds; qwen3-30b at 8 and 4 GiB (learned share
+  # and 0.5), qwen3.6 at 8 GiB learned; the CUDA tests
+  warm 200 new
+  bench_rows 200 q3 --models qwen3-30b-a3b --dense-int8 --budgets 8 4 --routings uniform --cpu-share auto 0.5 \
+    --modes graphs --tokens 64 --warmup 32 --prefill-budgets 99 --ttft-context 0 \
+    | grep -E "^qwen|CPU kernel|CPU worker|learned CPU share:"
+  bench_rows 120 q36 --models qwen3.6-35b-a3b --dense-int8 --budgets 8 --routings uniform --cpu-share auto \
+    --modes graphs --tokens 64 --warmup 32 --prefill-budgets 99 --ttft-context 0 | grep -E "^qwen|CPU kernel|learned"
+  rm -f "$OUT"/model_*.json "$OUT"/model.json
+  cuda_tests 200 tests/test_hybrid_zero_copy.py tests/test_kernels_interpreted.py tests/test_decode_graph.py
 else
   # decode rows through graphs only (eager rows cost minutes); the CPU share learned (auto; printed with a *),
   # fixed 0 and 0.3
