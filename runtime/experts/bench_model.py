@@ -233,7 +233,6 @@ def time_requests(worker, box, store, *, experts: int, calls: int, gap_s: float,
     return trips[10:], ((worker.kernel_seconds or 0.0) - busy) / max(n, 1)
 
 
-
 def cpu_kernel_gbps(store, *, top_k: int, threads: int, calls: int | None = None, gap_s: float = 100e-6,
                     rounds: int = 3) -> float:
     """The CPU-kernel bandwidth in issue 10's physical ceiling, GB/s of expert bytes: the CPU-share worker (the
