@@ -31,17 +31,19 @@ GPU, HYBRID, CPU, NO_FIT, UNKNOWN = "gpu", "hybrid", "cpu", "does_not_fit", "unk
 @dataclass(frozen=True)
 class CostModel:
     """Peak rates x efficiencies (low, high). Every pair is a calibration; see docs/library.md."""
-    # Refitted on the fourth hybrid pass (docs/hybrid.md, "Fourth session"; H200 + 16-core Xeon, 2026-11-30,
-    # commit cc44398): the ranges bracket the measured qwen3-30b-a3b int4 rows, decode b1 51.3-55.5 tok/s at
-    # 8 GiB, 63.3-73.1 at 12 GiB, 272-292 all in VRAM; prefill at 8 GiB 19,019 (16K) - 21,636 (8K) tok/s.
-    # Re-fit when those rows change (docs/library.md).
+    # Refitted on the fourteenth hybrid pass (docs/hybrid.md, "Fourteenth session"; H200 + 16-core Xeon,
+    # 2026-12-03, commits 877e2fd-d619f4c): the decode ranges bracket the measured rows, qwen3-30b-a3b int4 b1
+    # 70.3-82.8 tok/s at 4 GiB, 84.5-98.0 at 8 GiB, 272-301 all in VRAM (sessions 4-6), qwen3.6-35b-a3b MXFP4 at
+    # 8 GiB 93.4-98.0; prefill (fourth pass) at 8 GiB 19,019 (16K) - 21,636 (8K) tok/s. Re-fit when those rows
+    # change (docs/library.md).
     # Share of the machine's measured memory-read bandwidth the CPU expert kernel reaches when the CPU computes
     # every miss (CPU-only plans; first pass: 21.8 of 106 GB/s at 16 threads, whole steps at 14% of their
     # ceiling; not re-measured since the int8 kernel).
     cpu_kernel_efficiency: tuple[float, float] = (0.14, 0.21)
-    # ...and the bandwidth a GPU plan's CPU share adds beside the GPU's own reads: small on a fast link (the H200:
-    # +8 % at share 0.3), more where PCIe is slow next to RAM.
-    cpu_share_efficiency: tuple[float, float] = (0.03, 0.06)
+    # ...and the bandwidth a GPU plan's CPU share adds beside the GPU's own reads. Refitted in session 14: the
+    # worker now takes 40-50 % of the misses at ~55 GB/s of the H200 host's ~88 GB/s read (a decode request of ~3
+    # experts), where session 4's share added 3-6 %.
+    cpu_share_efficiency: tuple[float, float] = (0.40, 0.55)
     # Share of the PCIe link estimate (lanes x per-lane rate) that decode's missed experts reach: the zero-copy
     # gather kernel moves 48.8 GB/s with its compute on the H200's 51.2 GB/s estimate.
     h2d_efficiency: tuple[float, float] = (0.93, 0.97)
@@ -50,6 +52,10 @@ class CostModel:
     # Fixed cost of one MoE layer in a decode step beyond its bytes (kernel gaps inside the step's CUDA graph,
     # small kernels), seconds: (slow end, fast end). It is what bounds the all-in-VRAM rows.
     decode_layer_overhead_s: tuple[float, float] = (0.060e-3, 0.040e-3)
+    # ...and what a linear-attention (Gated DeltaNet) layer adds to it: its convolution and recurrent-state update
+    # kernels. qwen3.6-35b-a3b's recorded dense step (experts costing nothing) took 3.9 ms for 40 layers against
+    # qwen3-30b-a3b's 2.2 ms for 48 (session 14's ceilings): ~70 µs a GDN layer more.
+    linear_layer_overhead_s: tuple[float, float] = (0.080e-3, 0.060e-3)
     # Share of the PCIe link that layer-by-layer expert streaming reaches in prefill (per uncached byte).
     prefill_stream_efficiency: tuple[float, float] = (0.55, 0.65)
     # Dense bf16 tensor throughput for prefill when NVML cannot tell (TFLOP/s), and the share reached.
@@ -206,7 +212,8 @@ def _decode_range(shape, plan, machine: Machine, cost: CostModel, dense_read: fl
         t = (t_miss + t_cpu_dense + t_disk + t_gpu) if i == 0 else max(t_miss + t_cpu_dense + t_disk, t_gpu)
         if hw.has_cuda:
             t = max(t, all_on_gpu / gpu_bw)
-        t += shape.moe_layers * cost.decode_layer_overhead_s[i]
+        t += shape.moe_layers * cost.decode_layer_overhead_s[i] + \
+            shape.linear_attention_layers * cost.linear_layer_overhead_s[i]
         rates.append(1.0 / t if t > 0 else 0.0)
     return rates[0], rates[1]
 
