@@ -322,10 +322,13 @@ def test_share_controller_finds_the_fastest_share_from_step_times(best):
 
 
 def test_a_learned_share_reaches_the_gpu_side_and_the_books():
-    """The tier applies the controller's share at the step boundary (mailbox share, counted per step)."""
+    """The tier applies the controller's share at the step boundary (mailbox share, counted per step); a fresh
+    controller starts at the bandwidth balance (the grid's nearest share to `_default_cpu_share`)."""
     cpu = torch.device("cpu")
     store, tier = _tier(cpu, slots=2, cpu_share=None)
-    assert tier._share_control is not None and tier._worker is not None and tier.cpu_share == 0.0
+    balance = tier._default_cpu_share()
+    assert 0.35 < balance < 0.45                       # 0.62 x 20 GB/s against 0.83 x 20 (the options' defaults)
+    assert tier._share_control is not None and tier._worker is not None and tier.cpu_share == 0.4
     tier._share_control.observe = lambda dt: 1.0
     x, w = torch.randn(1, 64), torch.full((1, 2), 0.5)
     ids = torch.tensor([[3, 6]])

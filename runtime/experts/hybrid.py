@@ -54,8 +54,10 @@ log = logging.getLogger(__name__)
 ZERO_COPY_MAX_TOKENS = DECODE_SCRATCH_TOKENS   # zero-copy moves an expert per assignment: only a few tokens
 NEVER_STREAM = 1 << 62                 # a stream threshold no call reaches
 SHARE_RESCAN_STEPS = 200               # the learned CPU share measures again once warm (policy.ShareController)
-ZERO_COPY_OF_H2D = 0.75                # the pool kernels reading host memory in place: ~41 of 55 GB/s (H200)
-CPU_KERNEL_OF_READ = 0.55              # the int8 CPU kernel: ~52 of ~95 GB/s of the host's read bandwidth
+ZERO_COPY_OF_H2D = 0.83                # zero-copy decode's gather beside the CPU's reads: ~45 of ~54 GB/s (H200,
+                                       # session 14)
+CPU_KERNEL_OF_READ = 0.62              # the int8 CPU kernel on a decode request of ~3 experts: ~55 of ~88 GB/s of
+                                       # the host's read bandwidth (H200, session 14; a whole layer's 8: ~0.85)
 STREAM_TOKENS_PER_ACTIVE_SHARE = 32   # stream a layer when tokens >= 32 * E / K (each byte serves enough tokens)
 MIN_STREAM_TOKENS = 32                # ...or sooner, when the CPU would take longer than the stream (below)
 CPU_EXPERT_FLOPS = 0.3e12             # the int8 CPU kernel on mid-size batches: ~0.3 TFLOP/s measured on the
@@ -97,8 +99,8 @@ class HybridOptions:
                                                 # memory (None: on CUDA when possible and split is auto/fetch)
     promote_bytes_per_step: int = 16 << 20      # zero-copy mode: promotions decided once per decode step
     cpu_share: float | None = None              # zero-copy mode: the CPU's share of misses; None: learned from
-                                                # step times (policy.ShareController), starting at 0 or, with a
-                                                # share_memory, where the last load ended; a number:
+                                                # step times (policy.ShareController), starting at the bandwidth
+                                                # balance or, with a share_memory, where the last load ended; a number:
                                                 # fixed (0: the GPU reads every miss; < 0: the bandwidth balance)
     fill_pool: bool | None = None               # fill free slots at load (None: on a GPU; CPU tests keep the
                                                 # pool to its hot set so they can reason about its contents)
@@ -252,10 +254,13 @@ class HybridExperts:
         self._box = self._worker = None
         fixed = self.options.cpu_share
         self._share_control = None
-        if fixed is None and (self.cpu.int8 or self.cpu.fast):      # learned: where the last load left it, or 0
-            # rescanned once warm: the CPU side's first ~100 steps after a load run slow (policy.py)
+        if fixed is None and (self.cpu.int8 or self.cpu.fast):
+            # learned: where the last load left it, or (a first load) at the share that balances the two sides'
+            # bandwidths - the H200's learned shares settled at 0.5-0.6 where the balance says ~0.55, and a start
+            # at 0 ran a fresh install's first 100 steps ~20 % slower (a laptop's: ~70 %; tests/
+            # test_share_controller.py); rescanned once warm: the CPU side's first ~100 steps after a load run slow
             make = self.share_memory.controller if self.share_memory else ShareController
-            self._share_control = make(rescan_after=SHARE_RESCAN_STEPS)
+            self._share_control = make(start=self._default_cpu_share(), rescan_after=SHARE_RESCAN_STEPS)
         share = (self._share_control.share if self._share_control else 0.0) if fixed is None else \
             self._default_cpu_share() if fixed < 0 else float(fixed)
         self._step_started = None

@@ -784,8 +784,8 @@ class ShareMemory:
             log.warning("learned CPU share %s ignored (%s): learning it afresh", self.path, exc)
             return []
 
-    def controller(self, **options) -> ShareController:
-        """A controller that starts at the remembered share for this key, or a fresh one (starting at 0)."""
+    def controller(self, *, start: float = 0.0, **options) -> ShareController:
+        """A controller that starts at the remembered share for this key, or a fresh one starting at `start`."""
         for entry in self._entries():
             if entry["key"] == self.key:
                 try:
@@ -799,8 +799,8 @@ class ShareMemory:
         else:
             if self.path.exists():
                 log.info("no CPU share learned for this model, VRAM budget, slot count and machine in %s: "
-                         "learning it from 0", self.path)
-        return ShareController(**options)
+                         "learning it from %.2f", self.path, start)
+        return ShareController(start=start, **options)
 
     def save(self, controller: ShareController) -> None:
         """Write the controller's state under this key (other keys kept). Nothing when it measured nothing."""
