@@ -61,6 +61,8 @@
 #                                                # adaptive/fixed, learned share and 0.5; CUDA tests
 #   (device) bash benchmarks/device_final.sh s14c # session 14: s14b's A/B alternating, skewed promotions, qwen3.6
 #   (device) bash benchmarks/device_final.sh s14d # session 14's final code: 8 and 4 GiB rows, qwen3.6, CUDA tests
+#   (device) bash benchmarks/device_final.sh s15a # for session 15: a first load's learned share from the balance
+#                                                # against from 0, alternating (steps timed from the first), rows
 # carry .site (numba, llvmlite, fla-core, platformdirs unpacked, xz). Results under $OUT. Build .site once (the
 # wheels alone pass the 64 MiB carry limit; unpacked and xz-compressed they take ~44 MB):
 #   pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
@@ -564,6 +566,17 @@ elif [ "$1" = s14d ]; then
     --modes graphs --tokens 64 --warmup 32 --prefill-budgets 99 --ttft-context 0 | grep -E "^qwen|CPU kernel|learned"
   rm -f "$OUT"/model_*.json "$OUT"/model.json
   cuda_tests 200 tests/test_hybrid_zero_copy.py tests/test_kernels_interpreted.py tests/test_decode_graph.py
+elif [ "$1" = s15a ]; then
+  # written at the end of session 14 for the next one: a first load's learned share from the bandwidth balance
+  # against from 0 (every step timed from the first, no warm-up: --first-load --step-times), then the 8 GiB rows
+  # learned and at 0.5 with the kernel ceiling, and qwen3.6 learned
+  warm 200 new
+  bench_rows 200 q3_first --models qwen3-30b-a3b --dense-int8 --budgets 8 --routings uniform --cpu-share auto \
+    --modes graphs --tokens 300 --warmup 0 --prefill-budgets 99 --ttft-context 0 --first-load --step-times \
+    --share-start 0 balance 0 balance | grep -E "^qwen|CPU kernel|learned CPU share|steps \(median"
+  bench_rows 200 q3 --models qwen3-30b-a3b --dense-int8 --budgets 8 4 --routings uniform --cpu-share auto 0.5 \
+    --modes graphs --tokens 64 --warmup 32 --prefill-budgets 99 --ttft-context 0 \
+    | grep -E "^qwen|CPU kernel|CPU worker|learned CPU share:"
 else
   # decode rows through graphs only (eager rows cost minutes); the CPU share learned (auto; printed with a *),
   # fixed 0 and 0.3

@@ -557,6 +557,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     m.add_argument("--trace", type=int, default=0,
                    help="record this many graph decode steps of each hybrid row with torch.profiler (Chrome "
                         "trace, gzipped, under --out)")
+    m.add_argument("--first-load", action="store_true",
+                   help="--cpu-share auto: time the learned share from its first step, as a first load decodes (with "
+                        "--step-times: per phase), instead of warming it up until it settles")
+    m.add_argument("--share-start", nargs="+", default=["balance"],
+                   help="where a learned share starts: balance (the two sides' bandwidths, the default) or a number; "
+                        "several: a row each")
     m.add_argument("--step-times", action="store_true",
                    help="time every b1 step (warm-up included): medians per phase and the worker's µs a request")
     m.add_argument("--dense-int8", action="store_true",

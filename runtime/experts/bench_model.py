@@ -331,11 +331,12 @@ def run_model(name: str, args, hw, report: dict) -> None:
         waits, hits_modes = getattr(args, "host_wait", ["spin"]), getattr(args, "hits", ["beside"])
         promotions = getattr(args, "promotions", ["adaptive"])
         parts_modes = getattr(args, "gather_parts", ["two"])
-        for routing, split, share, gather, threads, host_wait, hits_mode, promotion, parts in [
-                (r, sp, sh, g, th, hw_, hm, pm, pa) for r in args.routings for sp in splits
+        starts = getattr(args, "share_start", ["balance"])
+        for routing, split, share, gather, threads, host_wait, hits_mode, promotion, parts, start in [
+                (r, sp, sh, g, th, hw_, hm, pm, pa, st) for r in args.routings for sp in splits
                 for sh in (shares if sp == "auto" else shares[:1]) for g in gathers
                 for th in (thread_counts if sh != 0 else thread_counts[:1]) for hw_ in waits for hm in hits_modes
-                for pm in promotions for pa in parts_modes]:
+                for pm in promotions for pa in parts_modes for st in (starts if sh is None else starts[:1])]:
             if device.type == "cuda":
                 torch.cuda.empty_cache()
                 torch.cuda.reset_peak_memory_stats()
@@ -343,6 +344,7 @@ def run_model(name: str, args, hw, report: dict) -> None:
                 slots=slots, top_k=k, cpu_gbps=hw.cpu_gbps, h2d_gbps=hw.h2d_gbps, split=split, cpu_share=share,
                 zero_copy_gather=gather == "on", cpu_threads=threads or None, hits_beside=hits_mode == "beside",
                 adaptive_promotions=promotion == "adaptive", split_gather=parts == "two",
+                share_start=None if start == "balance" else float(start),
                 hot_set=tuple((lay, x) for lay in moe_layers for x in range(e)) if slots >= layers * e else ()))
             router = Router(routing, layers=layers, experts=e, k=k, seed=1)
             dec = np.stack([np.stack([router.route(lay, 1) for lay in range(layers)]) for _ in range(steps)])
@@ -376,7 +378,9 @@ def run_model(name: str, args, hw, report: dict) -> None:
             model.set_experts(experts)
             modes = [m == "graphs" for m in args.modes if graphs.capture or m == "eager"]
             ctl = hybrid.share_controller                 # --cpu-share auto on zero-copy: learned, else None
-            if ctl is not None and modes:
+            if ctl is not None:
+                print(f"    learned CPU share starts at {ctl.share:.2f} ({start})", flush=True)
+            if ctl is not None and modes and not getattr(args, "first_load", False):
                 warm = warm_up_share(ctl, model, graphs, experts, router, args, layers=layers, steps=steps,
                                      use_graphs=modes[0], device=device, dtype=dtype)
                 print(f"    learned CPU share: {'settled' if ctl.settled else 'NOT settled'} at "
@@ -403,6 +407,7 @@ def run_model(name: str, args, hw, report: dict) -> None:
                                         + ("" if hits_mode == "beside" else " hits after")
                                         + ("" if promotion == "adaptive" else " fixed promotions")
                                         + ("" if parts == "two" else " one gather")
+                                        + ("" if share is not None or start == "balance" else f" from {start}")
                                         if hybrid.zero_copy else hybrid.split.mode)
                                        + ("" if split == "auto" else " (forced)")))
                 print(_fmt(rows[-1]), flush=True)

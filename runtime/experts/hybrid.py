@@ -112,6 +112,8 @@ class HybridOptions:
     hits_beside: bool = True                    # zero-copy decode on CUDA: the hits' pool kernels on a stream
                                                 # of their own, beside the misses' reads over PCIe (a branch of
                                                 # the step's graph), not after them (run s13c-f: +3 to +16 %)
+    share_start: float | None = None            # a first load's learned share starts here (None: the bandwidth
+                                                # balance, `_default_cpu_share`; benchmarks compare it with 0)
     split_gather: bool = True                   # zero-copy decode on CUDA with the gather: the misses' blocks
                                                 # gathered in two launches, gate/up parts then down parts, the
                                                 # gate/up kernel on the side stream beside the second (session 14)
@@ -260,7 +262,8 @@ class HybridExperts:
             # at 0 ran a fresh install's first 100 steps ~20 % slower (a laptop's: ~70 %; tests/
             # test_share_controller.py); rescanned once warm: the CPU side's first ~100 steps after a load run slow
             make = self.share_memory.controller if self.share_memory else ShareController
-            self._share_control = make(start=self._default_cpu_share(), rescan_after=SHARE_RESCAN_STEPS)
+            start = self._default_cpu_share() if self.options.share_start is None else self.options.share_start
+            self._share_control = make(start=start, rescan_after=SHARE_RESCAN_STEPS)
         share = (self._share_control.share if self._share_control else 0.0) if fixed is None else \
             self._default_cpu_share() if fixed < 0 else float(fixed)
         self._step_started = None
