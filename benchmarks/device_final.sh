@@ -569,7 +569,9 @@ elif [ "$1" = s14d ]; then
 elif [ "$1" = s15a ]; then
   # written at the end of session 14 for the next one: a first load's learned share from the bandwidth balance
   # against from 0 (every step timed from the first, no warm-up: --first-load --step-times), then the 8 GiB rows
-  # and 4 GiB rows learned and at 0.5 with the kernel ceiling
+  # and 4 GiB rows learned and at 0.5 with the kernel ceiling; first, why the stores get no huge pages (0.00 GiB of
+  # 14.34 in session 14's three runs): the host's THP settings
+  for f in enabled defrag; do echo "THP $f: $(cat /sys/kernel/mm/transparent_hugepage/$f 2>&1)"; done
   warm 200 new
   bench_rows 200 q3_first --models qwen3-30b-a3b --dense-int8 --budgets 8 --routings uniform --cpu-share auto \
     --modes graphs --tokens 300 --warmup 0 --prefill-budgets 99 --ttft-context 0 --first-load --step-times \
