@@ -378,6 +378,7 @@ def run_model(name: str, args, hw, report: dict) -> None:
             model.set_experts(experts)
             modes = [m == "graphs" for m in args.modes if graphs.capture or m == "eager"]
             ctl = hybrid.share_controller                 # --cpu-share auto on zero-copy: learned, else None
+            warm = 0                                      # warm-up steps of a learned share (none: --first-load)
             if ctl is not None:
                 print(f"    learned CPU share starts at {ctl.share:.2f} ({start})", flush=True)
             if ctl is not None and modes and not getattr(args, "first_load", False):
