@@ -287,9 +287,10 @@ def run_model(name: str, args, hw, report: dict) -> None:
     # issue 10's ceiling is over the CPU kernel's bandwidth (measured here, on this store, at the worker's threads);
     # the read probe's (hw.cpu_gbps) is kept beside it: the bar the kernel itself is held to
     # (on a GPU only: a CPU-only engine keeps one OpenMP instance, which the worker measured here would split)
-    kernel_gbps = cpu_kernel_gbps(store, top_k=k, threads=default_worker_threads()) if device.type == "cuda" else 0.0
+    worker_threads = default_worker_threads()
+    kernel_gbps = cpu_kernel_gbps(store, top_k=k, threads=worker_threads) if device.type == "cuda" else 0.0
     report.setdefault("cpu_kernel_gbps", {})[name] = kernel_gbps
-    kernel = f"{kernel_gbps:.1f} GB/s (a layer's {k} experts cold, one token, {default_worker_threads()} threads)" \
+    kernel = f"{kernel_gbps:.1f} GB/s (a layer's {k} experts cold, one token, {worker_threads} threads)" \
         if kernel_gbps else "not measured (the ceiling takes the read probe)"
     print(f"{name} CPU kernel {kernel}; read probe {hw.cpu_gbps:.1f} GB/s, PCIe {hw.h2d_gbps:.1f} GB/s", flush=True)
     model = random_model(cfg, device=device, dtype=dtype)

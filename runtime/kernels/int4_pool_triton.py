@@ -368,10 +368,12 @@ def pool_forward_triton(pool: torch.Tensor, layout, spec, x: torch.Tensor, slots
     if weights.shape != (t, k):
         raise ValueError(f"pool_forward_triton: weights {tuple(weights.shape)} do not agree with slots "
                          f"{tuple(slots.shape)} ([T, K])")
-    h, looked_up = pool_gate_up_triton(pool, layout, spec, x, slots, slot_table=slot_table, block_n=block_n,
-                                       block_k=block_k, plan=plans[0])
-    return pool_down_triton(pool, layout, h, looked_up, weights, out_dtype=x.dtype, block_n=block_n, block_k=block_k,
-                            plan=plans[1])
+    # the two plans worked out once for both launches (the host-driven decode path calls this eagerly)
+    if t and k and not all(plans):
+        default = default_plans(t, k, layout, sms=_sm_count(x.device), block_n=block_n, block_k=block_k)
+        plans = tuple(given or plan for given, plan in zip(plans, default))
+    h, looked_up = pool_gate_up_triton(pool, layout, spec, x, slots, slot_table=slot_table, plan=plans[0])
+    return pool_down_triton(pool, layout, h, looked_up, weights, out_dtype=x.dtype, plan=plans[1])
 
 
 def _codec(layout) -> int:
@@ -391,7 +393,8 @@ def _offset(layout, name: str) -> int:
 
 def pool_gate_up_triton(pool: torch.Tensor, layout, spec, x: torch.Tensor, slots: torch.Tensor, *,
                         slot_table: torch.Tensor | None = None, block_n: int | None = None,
-                        block_k: int | None = None, plan: KernelPlan | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                        block_k: int | None = None,
+                        plan: KernelPlan | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """The first of pool_forward_triton's two launches: x [T, D], slots [T, K] -> (h [T*K, I] the activations, in
     x's dtype when 16-bit else fp32; the slots [T, K] the down kernel reads: `slots`, or the table's answers with
     `slot_table`). It reads only the gate and up parts of each block (what lies below the down part in the FTW
