@@ -349,6 +349,30 @@ def test_a_token_gets_the_same_bits_whether_x_is_quantized_serially_or_by_tasks(
     assert np.array_equal(np.asarray(want), three)
 
 
+def test_the_down_inputs_give_the_same_bits_quantized_by_gate_up_tasks_or_by_a_stage():
+    """Up to FUSED_DOWN_INPUTS_MAX assignments the gate/up task that finishes a group of h quantizes it (and lanes
+    take a down task early); a bigger call has a stage of its own for it. A token's answer is the same bits either
+    way: token 0 alone (8 assignments) against token 0 among five (40), int4 and fp4, with groups of as many rows
+    as a gate/up task and of two and four tasks."""
+    gen = torch.Generator().manual_seed(33)
+    for codec, group in (("int4", 64), ("int4", 32), ("fp4", 16), ("fp4", 32)):
+        store = HostExpertStore.from_weights(_weights(gen, d=512, i=256, e=12, bias=False), codec=codec, group=group)
+        ex = CpuExecutor(store, ExpertSpec(), int8=True)
+        assert ex.int8
+        n = k8.FUSED_DOWN_INPUTS_MAX // 8 + 1                         # tokens: one call past the fused size
+        x = torch.randn(n, 512, generator=gen).numpy()
+        experts = torch.randint(0, 12, (n * 8,), generator=gen).numpy().astype(np.int64)
+        tokens = np.repeat(np.arange(n, dtype=np.int64), 8)
+        w = torch.rand(n * 8, generator=gen).numpy()
+        assert k8.fused_down_inputs(8, store.layout.group) and not k8.fused_down_inputs(n * 8, store.layout.group)
+        lanes = min(2, numba.config.NUMBA_NUM_THREADS)
+        phases = k8.new_phases(lanes)
+        many = _layer_call(ex, x, tokens, experts, w, phases, lanes)
+        one = _layer_call(ex, x[:1].copy(), tokens[:8], experts[:8], w[:8], phases, lanes)
+        assert np.abs(one).sum() > 0
+        assert np.array_equal(one[0], many[0]), (codec, group)
+
+
 def test_each_lane_counts_its_tasks_and_cycles_per_stage():
     """With a `new_phases` array the lanes add up, per stage, their tasks and their cycles in tasks and waiting:
     the tasks over all lanes are exactly the call's plan."""
@@ -356,7 +380,7 @@ def test_each_lane_counts_its_tasks_and_cycles_per_stage():
     store = HostExpertStore.from_weights(_weights(gen, d=512, i=512, e=6, bias=False), codec="int4", group=64)
     ex = CpuExecutor(store, ExpertSpec())
     lanes = min(2, numba.config.NUMBA_NUM_THREADS)
-    for t, experts in ((1, [4, 1, 5]), (3, [0, 2, 2, 3, 5, 0])):
+    for t, experts in ((1, [4, 1, 5]), (3, [0, 2, 2, 3, 5, 0]), (5, [0, 1, 2, 3, 4, 5, 1, 3] * 5)):
         phases = k8.new_phases(lanes)
         assert phases.ctypes.data % k8.ALIGN_BYTES == 0
         x = torch.randn(t, 512, generator=gen).numpy()
@@ -367,7 +391,7 @@ def test_each_lane_counts_its_tasks_and_cycles_per_stage():
         tasks = blocks[:, k8.LANE_TASKS:k8.LANE_TASKS + k8.N_STAGES].sum(axis=0)
         n_u = len(set(experts))
         want = [0 if t <= k8.SERIAL_X_TOKENS else t * 512 // 64, n_u * 512 // k8.ROWS_PER_TASK,
-                len(experts) * 512 // 64, 512 // k8._down_rows(n_u)]
+                0 if k8.fused_down_inputs(len(experts), 64) else len(experts) * 512 // 64, 512 // k8._down_rows(n_u)]
         assert tasks.tolist() == want, t
         busy = blocks[:, k8.LANE_BUSY:k8.LANE_BUSY + k8.N_STAGES].sum(axis=0)
         if k8._HAVE_TSC:

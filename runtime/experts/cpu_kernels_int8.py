@@ -817,6 +817,12 @@ def group_by_expert(tokens, experts, weights, n_experts, n_tokens, counts, tok, 
 
 N_STAGES = 4
 STAGE_NAMES = ("x to int8", "gate/up", "down inputs", "down and sum")
+FUSED_DOWN_INPUTS_MAX = 32   # up to this many assignments (decode, batch <= 4) a call has no down-input stage:
+                             # the gate/up task that finishes a group of h rows quantizes that group itself (one
+                             # stage and its barrier fewer: ~4 µs of a ~150 µs request on the GPU machine's host,
+                             # session 14); a bigger call keeps the stage, whose tasks spread over every lane
+HELD_PREFETCH_BYTES = 16 << 10   # a lane done with its gate/up tasks takes its first down task early and asks for
+                                 # this much of its rows while the stage's last tasks finish (its L1 is 48 KB)
 SERIAL_X_TOKENS = 1      # up to this many tokens the call's serial start quantizes x: for a decode request one
                          # stage and its barrier (~6 µs on the GPU machine's host) fewer. (Run z: with math.floor
                          # a token took ~15 µs there; `_round_half_up` vectorises, ~3x faster on the dev VM)
@@ -830,10 +836,10 @@ def scratch_sizes(n_tokens: int, n_assign: int, n_experts: int, hidden: int, int
     host, as long as the gate/up rows)."""
     a, t = n_assign, n_tokens
     i64 = ((n_experts + 1) + 3 * a + 1 + N_STAGES + (2 * N_STAGES + 1) * SYNC_STRIDE   # counts, tok, uniq,
-           + max(1, lanes))                                         # starts, seen, sync, lanes
+           + max(1, lanes) + a * (inter // group))            # starts, seen, sync, lanes, groups of h done
     f32 = a + 2 * t * (hidden // group) + a * inter + 2 * a * (inter // group)   # w, xs, xm, h, hs, hm
     i8 = t * hidden + a * inter                                                  # xq, hq
-    pad = 8 * ALIGN_BYTES                      # each region rounded up to ALIGN_BYTES (`_carve`), 7 at most
+    pad = 8 * ALIGN_BYTES                      # each region rounded up to ALIGN_BYTES (`_carve`), 8 at most
     return i64 + pad // 8, f32 + pad // 4, i8 + pad
 
 
@@ -901,6 +907,8 @@ def _carve(s64, s32, s8, n_tok, n_a, n_exp, n_thr, d, i, group):
     seen = s64[at:at + N_STAGES]                          # when a thread first saw each stage done
     at = _aligned(at + N_STAGES, q64)
     t_in = s64[at:at + n_thr]
+    at = _aligned(at + n_thr, q64)
+    qdone = s64[at:at + n_a * gin]                        # per (distinct expert, group of h): its gate/up tasks done
     at = 0
     weights = s32[at:at + n_a]
     at = _aligned(at + n_a, q32)
@@ -916,17 +924,30 @@ def _carve(s64, s32, s8, n_tok, n_a, n_exp, n_thr, d, i, group):
     xq = s8[:n_tok * d]
     at8 = _aligned(n_tok * d, q8)
     hq = s8[at8:at8 + n_a * i]
-    return counts, tokens, experts, starts, sync, seen, t_in, weights, xs, xm, h, hs, hm, xq, hq
+    return counts, tokens, experts, starts, sync, seen, t_in, weights, xs, xm, h, hs, hm, xq, hq, qdone
+
+
+@njit(cache=True, inline="always")
+def fused_down_inputs(n_a, group):
+    """Whether a call of n_a assignments quantizes the down inputs in its gate/up tasks (FUSED_DOWN_INPUTS_MAX; a
+    group must be whole tasks of rows)."""
+    return n_a <= FUSED_DOWN_INPUTS_MAX and group % ROWS_PER_TASK == 0
 
 
 @njit(cache=True, inline="always")
 def _prepare(x, tokens_in, experts_in, weights_in, n_exp, n_tok, d, i, group, n_thr, v):
     """A call's serial start: its assignments sorted by expert, the marks cleared (plain loops: in a
     parallel=True function `seen[:] = 0` would be a parallel region of its own), x quantized here when it is a
-    single token (SERIAL_X_TOKENS); each stage's task count."""
+    single token (SERIAL_X_TOKENS); each stage's task count (none for the down inputs when the gate/up tasks
+    quantize them, `fused_down_inputs`: its groups' counters cleared instead)."""
     counts, tokens, experts, starts, sync, seen, t_in, weights, xs, xm = v[:10]
-    xq = v[13]
+    xq, qdone = v[13], v[15]
     n_u = group_by_expert(tokens_in, experts_in, weights_in, n_exp, n_tok, counts, tokens, weights, experts, starts)
+    n_down_in = experts_in.shape[0] * (i // group)
+    if fused_down_inputs(experts_in.shape[0], group):
+        for j in range(n_u * (i // group)):
+            qdone[j] = 0
+        n_down_in = 0
     for j in range(N_STAGES):
         seen[j] = 0
     for j in range(n_thr):
@@ -937,8 +958,7 @@ def _prepare(x, tokens_in, experts_in, weights_in, n_exp, n_tok, d, i, group, n_
             _quantize_row(x, n, group, xq, xs, xm)
         n_x = 0
     rows = _down_rows(n_u)
-    return (n_x, n_u * ((i + ROWS_PER_TASK - 1) // ROWS_PER_TASK), experts_in.shape[0] * (i // group),
-            (d + rows - 1) // rows)
+    return n_x, n_u * ((i + ROWS_PER_TASK - 1) // ROWS_PER_TASK), n_down_in, (d + rows - 1) // rows
 
 
 @njit(cache=True, inline="always")
@@ -971,9 +991,13 @@ def _stages(codec, buf, buf16, buf32, nbytes, offs, has_bias, i, group, table, x
 
     The down stage sums into out itself: a task is a slice of out's columns over every expert of the call (each
     assignment's row dot added to its token's row, in the assignments' order: the old weighted-sum stage's order),
-    so no two tasks write one element and no stage of its own (and barrier) adds the experts up."""
+    so no two tasks write one element and no stage of its own (and barrier) adds the experts up.
+
+    A small call (`fused_down_inputs`: its plan has no down-input tasks) quantizes each group of h in the gate/up
+    task that finishes it (a counter per expert and group), and a lane out of gate/up tasks takes its first down
+    task at once and asks for its rows while the stage's last tasks run: the down stage starts on rows in cache."""
     tokens, experts, starts, sync, seen = v[1], v[2], v[3], v[4], v[5]
-    weights, xs, xm, h, hs, hm, xq, hq = v[7:]
+    weights, xs, xm, h, hs, hm, xq, hq, qdone = v[7:]
     d = x.shape[1]
     o = offs
     nb = np.uint64(nbytes)
@@ -988,6 +1012,10 @@ def _stages(codec, buf, buf16, buf32, nbytes, offs, has_bias, i, group, table, x
     scale_d, scale_i = gd * scale_b, gi * scale_b    # its scale bytes (int4: fp16; fp4: one byte)
     ahead_d, ahead_i = np.int64(_rows_ahead(row_d)), np.int64(_rows_ahead(row_i))   # rows asked for ahead
     mins = codec == 0                                # int4 rows have mins too
+    fused = plan[N_STAGES + 2] == 0                  # the gate/up tasks quantize the down inputs
+    per_group = group // ROWS_PER_TASK               # (then) gate/up tasks a group of h rows
+    held = np.int64(-1)                              # a down task taken early
+    held_rows = max(ahead_i, np.int64(HELD_PREFETCH_BYTES) // (np.int64(row_i) + np.int64(2) * np.int64(scale_i)))
     lb = LANE_BASE + lane * LANE_WORDS
     counting = phases.shape[0] >= lb + LANE_WORDS
     for stage in range(N_STAGES):
@@ -996,7 +1024,11 @@ def _stages(codec, buf, buf16, buf32, nbytes, offs, has_bias, i, group, table, x
         free = _cycles()                              # when this lane last finished something
         first = True                                  # (the lane's first task of the stage)
         while True:
-            task = _take(sync, (2 * stage + 1) * SYNC_STRIDE, end)
+            if stage == N_STAGES - 1 and held >= 0:
+                task = held
+                held = -1
+            else:
+                task = _take(sync, (2 * stage + 1) * SYNC_STRIDE, end)
             if task < 0:
                 break
             task -= base
@@ -1023,6 +1055,9 @@ def _stages(codec, buf, buf16, buf32, nbytes, offs, has_bias, i, group, table, x
                             g += buf32[((b0 + o[9]) >> two) + ru]
                             w += buf32[((b0 + o[10]) >> two) + ru]
                         h[a, r] = _act(g, w, activation, alpha, limit)
+                if fused and _fetch_add(qdone, np.int64(u) * np.int64(gi) + r0 // group, 1) == per_group - 1:
+                    for a in range(starts[u], starts[u + 1]):     # the group's last task: its rows are all in h
+                        _quantize_group(h, a, r0 // group, group, hq, hs, hm)
             elif stage == 2:                          # down inputs: assignment, group
                 _quantize_group(h, task // (i // group), task % (i // group), group, hq, hs, hm)
             else:                                     # down rows r0..r1 of every expert, summed into out
@@ -1057,6 +1092,15 @@ def _stages(codec, buf, buf16, buf32, nbytes, offs, has_bias, i, group, table, x
                     phases[lb + LANE_FIRST + stage] += free - began
                     first = False
                 phases[lb + LANE_TASKS + stage] += 1
+        if stage == 1 and fused:                      # out of gate/up tasks: a down task taken now, its rows asked for
+            base3 = plan[N_STAGES - 1]
+            held = _take(sync, (2 * N_STAGES - 1) * SYNC_STRIDE, base3 + plan[2 * N_STAGES - 1])
+            if held >= 0:
+                r0 = (held - base3) * down_rows
+                r1 = min(r0 + down_rows, d)
+                pu, pr = 0, r0
+                for _ in range(min(held_rows, n_u * (r1 - r0))):
+                    pu, pr = _prefetch_down(buf, experts, nb, o, pu, pr, r0, r1, row_i, scale_i, mins)
         _wait_at_least(sync, (2 * stage + 2) * SYNC_STRIDE, end)    # the stage done on every lane
         if counting:
             phases[lb + LANE_WAIT + stage] += _cycles() - free
