@@ -210,11 +210,13 @@ def test_the_cuda_handoff_gives_the_cpu_nothing_once_the_error_flag_is_up(device
     dev = torch.device("cuda")
     store, tier = _tier(dev, slots=0, pin=True, cpu_share=1.0)
     tickets = int(tier._box.ticket[0])                 # requests sent so far (the load's probe sent one)
+    assert bool((tier._log == -1).all())              # the probe's ids are no step's routing
     tier._box.error.fill_(1)
     x = torch.randn(1, 64, device=dev, dtype=torch.bfloat16)
     ids, w = torch.tensor([[2, 5]], device=dev), torch.full((1, 2), 0.5, device=dev)
     got = tier._zero_copy_forward(0, x, ids, w)
     torch.cuda.synchronize()
+    assert tier._log[0, 0].tolist() == [2, 5] and bool((tier._log[0, 1:] == -1).all())   # the handoff logged it
     assert int(tier._box.ncpu[0]) == 0 and int(tier._box.ticket[0]) == tickets    # no request this time
     want = _reference(store, 0, x.float().cpu(), ids.cpu(), w.cpu())
     torch.testing.assert_close(got.float().cpu(), want, rtol=3e-2, atol=3e-2)

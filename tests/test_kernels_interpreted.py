@@ -403,6 +403,46 @@ def test_gather_copies_the_missed_blocks(interpreter):
     interpreter.run("gather_copies_the_missed_blocks")
 
 
+def case_handoff_matches_the_reference():
+    from runtime.experts.cpu_share import Mailbox, handoff_reference
+    from runtime.kernels import handoff_triton as hk
+    gen = torch.Generator().manual_seed(6)
+    table = torch.tensor([-1, 3, -1, -1, 0, -1, 2, -1, -1, 1, -1, -1])          # expert -> pool slot, -1 missed
+    cpu = torch.device("cpu")
+    for share, error in ((0.0, 0), (0.5, 0), (1.0, 0), (0.5, 1)):
+        ids = torch.stack([torch.randperm(12, generator=gen)[:4] for _ in range(3)])    # [T=3, K=4]
+        w, x = torch.rand(3, 4, generator=gen), torch.randn(3, 40, generator=gen)
+        boxes = [Mailbox(max_tokens=4, top_k=4, hidden=40, device=cpu, share=share) for _ in range(2)]
+        logs = [torch.full((4, 4), -1, dtype=torch.int64) for _ in range(2)]
+        for box in boxes:
+            box.error.fill_(error)
+        got = hk.handoff(2, ids, w, x, table, boxes[0], fence=False, log=logs[0])
+        want = handoff_reference(2, ids, w, x, table, boxes[1], log=logs[1])
+        assert all(torch.equal(g, h) for g, h in zip(got, want)), (share, got, want)
+        assert torch.equal(logs[0], logs[1]) and torch.equal(logs[0][:3], ids) and bool((logs[0][3] == -1).all())
+        a, b = boxes
+        assert int(a.ncpu[0]) == int(b.ncpu[0]) and int(a.ticket[0]) == int(b.ticket[0])
+        assert (int(a.ncpu[0]) > 0) == (share > 0 and not error)
+        if int(a.ncpu[0]):
+            for name in ("req", "meta", "ids", "weights"):
+                assert torch.equal(getattr(a, name), getattr(b, name)), name
+            assert torch.equal(a.x[:3], b.x[:3])
+    try:
+        hk.handoff(0, ids, w, x, table, boxes[0], fence=False, log=torch.zeros(5, dtype=torch.int64))
+    except ValueError as exc:
+        assert "cannot take 12 ids" in str(exc)
+    else:
+        raise AssertionError("a log too short for the ids was taken")
+
+
+def test_handoff_matches_the_reference_and_writes_the_step_log(interpreter):
+    """The handoff kernel (the CPU's share of a zero-copy call, into the mailbox) gives the torch reference's hit
+    slots, zero-copy ids, request, mailbox rows and counters at shares 0, 0.5 and 1 and with the error flag up,
+    and writes the call's ids into the tier's step log (T < the log's rows: the rest untouched); a log too short
+    is refused."""
+    interpreter.run("handoff_matches_the_reference")
+
+
 def test_pool_tile_plan_fills_the_gpu_at_batch_one_and_stays_in_budget():
     """qwen3-30b-a3b's shape (D 2048, I 768, K 8) and qwen3.5's (I 512, K 10) on 132 SMs: batch 1 gets
     narrow tiles and at least PROGRAMS_PER_SM programs per SM where the outputs allow; every plan keeps

@@ -358,11 +358,15 @@ class CpuShareWorker:
 
 # ---------------------------------------------------------------------------------- CPU-device stand-ins
 def handoff_reference(layer_index: int, ids: torch.Tensor, weights: torch.Tensor, x: torch.Tensor,
-                      table_row: torch.Tensor, box: Mailbox) -> tuple[torch.Tensor, torch.Tensor]:
-    """What `handoff_triton.handoff` does, in torch/numpy on a CPU device (tests): same rule, same mailbox."""
+                      table_row: torch.Tensor, box: Mailbox, *,
+                      log: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """What `handoff_triton.handoff` does, in torch/numpy on a CPU device (tests): same rule, same mailbox, the
+    ids written to `log` too when one is given."""
     t, k = ids.shape
     if k != box.top_k:      # the worker reads T rows of the mailbox's K: a shorter row would leave stale ids
         raise ValueError(f"ids have {k} experts a token, the mailbox {box.top_k}")
+    if log is not None:
+        log.view(-1)[:t * k] = ids.reshape(-1)
     slot = table_row[ids]                                               # [T, K]
     miss = (slot < 0).reshape(-1)
     rank = torch.cumsum(miss.int(), 0) - miss.int()

@@ -297,6 +297,7 @@ class HybridExperts:
                 probe = torch.zeros((1, store.layout.hidden), dtype=self.dtype, device=self.device)
                 ids = torch.arange(min(self.options.top_k, store.num_experts), device=self.device)[None]
                 self._zero_copy_forward(0, probe, ids, torch.ones(ids.shape, device=self.device))
+                self._log.fill_(-1)                # (the handoff logged the probe's ids: no step's routing)
                 torch.cuda.current_stream(self.device).synchronize()
             except Exception as exc:     # noqa: BLE001  (reported; the host-driven path still works)
                 log.warning("zero-copy expert reads are unavailable (%s): misses go through the host", exc)
@@ -332,11 +333,14 @@ class HybridExperts:
         if self._box is not None:
             # the GPU splits the misses and hands the CPU its share (mailbox), computes the rest and the hits,
             # then waits for the CPU's rows: all in kernels, so this too records into the step's graph
+            # (the handoff writes the step log's row too: one kernel fewer before the CPU starts)
             ids = topk_ids if topk_ids.is_contiguous() else topk_ids.contiguous()
             if self.cuda:
-                hit, zc = handoff_triton.handoff(li, ids, topk_weights, x, cache.table_rows[li], self._box)
+                hit, zc = handoff_triton.handoff(li, ids, topk_weights, x, cache.table_rows[li], self._box,
+                                                 log=self._log[li])
             else:
-                hit, zc = handoff_reference(li, ids, topk_weights, x, cache.table_rows[li], self._box)
+                hit, zc = handoff_reference(li, ids, topk_weights, x, cache.table_rows[li], self._box,
+                                            log=self._log[li])
             out = self._misses(li, x, zc, topk_weights) if not self.options.slots else self._beside(
                 lambda: self._misses(li, x, zc, topk_weights),
                 lambda: self._pool_forward(cache.pool, self.layout, self.spec, x, hit, topk_weights))
@@ -411,7 +415,8 @@ class HybridExperts:
             # called eagerly: the first MoE layer's call is the step boundary (a replayed graph calls the hooks)
             self.begin_step()
             self.end_step()
-        self._log[li, :t].copy_(topk_ids)
+        if self._box is None:                  # (else the handoff writes the log's row)
+            self._log[li, :t].copy_(topk_ids)
         x = hidden if hidden.dtype == self.dtype else hidden.to(self.dtype)
         out = self._zero_copy_forward(li, x, topk_ids, topk_weights)
         return out if out.dtype == hidden.dtype else out.to(hidden.dtype)

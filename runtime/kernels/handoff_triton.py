@@ -37,10 +37,13 @@ if HAVE_TRITON:
     @triton.jit
     def _handoff_kernel(ids_ptr, w_ptr, x_ptr, x_st, table_ptr, share_ptr, ticket_ptr, ncpu_ptr,
                         hit_ptr, zc_ptr, box_ids_ptr, box_w_ptr, box_x_ptr, box_meta_ptr, box_req_ptr, err_ptr,
-                        layer, T, A, D, FENCE: tl.constexpr, ABLOCK: tl.constexpr, DBLOCK: tl.constexpr):
+                        log_ptr, layer, T, A, D, FENCE: tl.constexpr, LOG: tl.constexpr, ABLOCK: tl.constexpr,
+                        DBLOCK: tl.constexpr):
         a = tl.arange(0, ABLOCK)
         m = a < A
         ids = tl.load(ids_ptr + a, mask=m, other=0)
+        if LOG:
+            tl.store(log_ptr + a, ids, mask=m)                  # the step log's row: no copy kernel before this one
         slot = tl.load(table_ptr + ids, mask=m, other=0)
         miss = m & (slot < 0)
         miss_i = miss.to(tl.int32)
@@ -90,15 +93,20 @@ if HAVE_TRITON:
 
 
 def handoff(layer_index: int, ids: torch.Tensor, weights: torch.Tensor, x: torch.Tensor, table_row: torch.Tensor,
-            box, *, fence: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+            box, *, fence: bool = True, log: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """ids [T, K] int64 (contiguous), weights [T, K], x [T, D] -> (hit slots [T, K], zero-copy ids [T, K]) on the
-    device; the CPU's share goes to `box` (a cpu_share.Mailbox). One launch."""
+    device; the CPU's share goes to `box` (a cpu_share.Mailbox). `log` (contiguous int64, >= T*K elements): gets
+    the ids too (the tier's step log; a copy kernel of its own would sit between the router and the CPU's start).
+    One launch."""
     t, k = ids.shape
     d = x.shape[1]
+    if log is not None and (not log.is_contiguous() or log.numel() < t * k or log.dtype != ids.dtype):
+        raise ValueError(f"handoff: a log of {log.dtype} {tuple(log.shape)} cannot take {t * k} ids of {ids.dtype}")
     hit, zc = box.hit_slots[:t * k].view(t, k), box.zc_ids[:t * k].view(t, k)
     _handoff_kernel[(1,)](ids, weights.contiguous(), x, x.stride(0), table_row, box.share, box.ticket, box.ncpu,
-                          hit, zc, box.ids, box.weights, box.x, box.meta, box.req, box.error, layer_index, t, t * k, d,
-                          FENCE=fence, ABLOCK=max(16, triton.next_power_of_2(t * k)), DBLOCK=1024, num_warps=4)
+                          hit, zc, box.ids, box.weights, box.x, box.meta, box.req, box.error,
+                          ids if log is None else log, layer_index, t, t * k, d, FENCE=fence, LOG=log is not None,
+                          ABLOCK=max(16, triton.next_power_of_2(t * k)), DBLOCK=1024, num_warps=4)
     return hit, zc
 
 
