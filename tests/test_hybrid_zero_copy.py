@@ -259,7 +259,7 @@ def test_a_failing_cpu_worker_answers_with_zeros_and_hands_its_share_back():
     original = cpu_share.collect_reference
     try:
         import runtime.experts.hybrid as hybrid_mod
-        hybrid_mod.collect_reference = lambda out, box: original(out, box, timeout_s=0.2)
+        hybrid_mod.collect_reference = lambda out, box, **kw: original(out, box, timeout_s=0.2, **kw)
         tier(0, x, ids, w)
     finally:
         hybrid_mod.collect_reference = original
@@ -283,10 +283,10 @@ def test_after_one_unanswered_call_the_rest_of_the_step_does_not_wait_for_the_wo
     original = cpu_share.collect_reference
     waits = []
 
-    def timed(out, box):
+    def timed(out, box, **kw):
         t0 = time.monotonic()
         try:
-            return original(out, box, timeout_s=0.3)
+            return original(out, box, timeout_s=0.3, **kw)
         finally:
             waits.append(time.monotonic() - t0)
     try:

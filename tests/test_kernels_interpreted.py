@@ -404,7 +404,7 @@ def test_gather_copies_the_missed_blocks(interpreter):
 
 
 def case_handoff_matches_the_reference():
-    from runtime.experts.cpu_share import Mailbox, handoff_reference
+    from runtime.experts.cpu_share import Mailbox, collect_reference, handoff_reference
     from runtime.kernels import handoff_triton as hk
     gen = torch.Generator().manual_seed(6)
     table = torch.tensor([-1, 3, -1, -1, 0, -1, 2, -1, -1, 1, -1, -1])          # expert -> pool slot, -1 missed
@@ -427,6 +427,27 @@ def case_handoff_matches_the_reference():
             for name in ("req", "meta", "ids", "weights"):
                 assert torch.equal(getattr(a, name), getattr(b, name)), name
             assert torch.equal(a.x[:3], b.x[:3])
+        # collect: the CPU's rows (answered already) and the hits' rows added to the misses' out, in fp32
+        for box in boxes:
+            box.resp.copy_(box.ticket)
+            box.out.copy_(torch.arange(160, dtype=torch.float32).view(4, 40) / 7)
+        misses = torch.randn(3, 40, generator=gen).to(torch.bfloat16)
+        hits = torch.randn(3, 80, generator=gen).to(torch.bfloat16)[:, ::2]           # strided rows refused...
+        for extra in (None, hits.contiguous()):
+            got = hk.collect(misses.clone(), a, extra=extra)
+            want = misses.float() + (0 if extra is None else extra.float())
+            if int(a.ncpu[0]):
+                want = want + a.out[:3]
+            # (within one bf16 step: the interpreter truncates where the GPU rounds to nearest)
+            torch.testing.assert_close(got.float(), want, rtol=8e-3, atol=8e-3)
+            ref = collect_reference(misses.float(), b, extra=None if extra is None else extra.float())
+            torch.testing.assert_close(ref, want, rtol=1e-6, atol=1e-6)
+        try:
+            hk.collect(misses.clone(), a, extra=hits)
+        except ValueError as exc:
+            assert "do not match" in str(exc)
+        else:
+            raise AssertionError("strided extra rows were taken")
     try:
         hk.handoff(0, ids, w, x, table, boxes[0], fence=False, log=torch.zeros(5, dtype=torch.int64))
     except ValueError as exc:
@@ -439,7 +460,8 @@ def test_handoff_matches_the_reference_and_writes_the_step_log(interpreter):
     """The handoff kernel (the CPU's share of a zero-copy call, into the mailbox) gives the torch reference's hit
     slots, zero-copy ids, request, mailbox rows and counters at shares 0, 0.5 and 1 and with the error flag up,
     and writes the call's ids into the tier's step log (T < the log's rows: the rest untouched); a log too short
-    is refused."""
+    is refused. collect adds the CPU's answer (when the call had a CPU share) and the hits' rows (when given) to
+    the misses' rows, summed in fp32, as the reference does; strided hits' rows are refused."""
     interpreter.run("handoff_matches_the_reference")
 
 

@@ -388,8 +388,11 @@ def handoff_reference(layer_index: int, ids: torch.Tensor, weights: torch.Tensor
     return hit, zc
 
 
-def collect_reference(out: torch.Tensor, box: Mailbox, *, timeout_s: float = 10.0) -> torch.Tensor:
-    """What `handoff_triton.collect` does, on a CPU device: wait for the answer (bounded), add it."""
+def collect_reference(out: torch.Tensor, box: Mailbox, *, extra: torch.Tensor | None = None,
+                      timeout_s: float = 10.0) -> torch.Tensor:
+    """What `handoff_triton.collect` does, on a CPU device: wait for the answer (bounded), add it, and `extra`."""
+    if extra is not None:
+        out.add_(extra)
     if int(box.ncpu[0]) == 0:
         return out
     want, deadline = int(box.ticket[0]), time.monotonic() + timeout_s

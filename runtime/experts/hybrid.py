@@ -328,7 +328,7 @@ class HybridExperts:
     def _zero_copy_forward(self, li: int, x: torch.Tensor, topk_ids: torch.Tensor,
                            topk_weights: torch.Tensor) -> torch.Tensor:
         """x [T, D] (compute dtype) -> [T, D]: misses over PCIe from host memory and hits from the pool (beside
-        them, `_beside`), plus the CPU's share when a worker takes one."""
+        them, `_beside_parts`), plus the CPU's share when a worker takes one."""
         cache = self.cache
         if self._box is not None:
             # the GPU splits the misses and hands the CPU its share (mailbox), computes the rest and the hits,
@@ -341,10 +341,13 @@ class HybridExperts:
             else:
                 hit, zc = handoff_reference(li, ids, topk_weights, x, cache.table_rows[li], self._box,
                                             log=self._log[li])
-            out = self._misses(li, x, zc, topk_weights) if not self.options.slots else self._beside(
-                lambda: self._misses(li, x, zc, topk_weights),
-                lambda: self._pool_forward(cache.pool, self.layout, self.spec, x, hit, topk_weights))
-            return handoff_triton.collect(out, self._box) if self.cuda else collect_reference(out, self._box)
+            # (collect adds the hits' rows with the CPU's: no add kernel of their own)
+            out, hits = (self._misses(li, x, zc, topk_weights), None) if not self.options.slots else \
+                self._beside_parts(lambda: self._misses(li, x, zc, topk_weights),
+                                   lambda: self._pool_forward(cache.pool, self.layout, self.spec, x, hit, topk_weights))
+            if self.cuda:
+                return handoff_triton.collect(out, self._box, extra=hits)
+            return collect_reference(out, self._box, extra=hits)
         misses = lambda: self._misses(li, x, topk_ids, topk_weights, table_row=cache.miss_rows[li])  # noqa: E731
         if not self.options.slots:
             return misses()
@@ -352,19 +355,25 @@ class HybridExperts:
                                                             cache.table_rows[li]))
 
     def _beside(self, misses, hits) -> torch.Tensor:
-        """misses() + hits() (callables, each [T, D]). With `hits_beside` on CUDA the hits' pool kernels run on a
-        stream of their own while the misses' gather waits on PCIe - a branch of the recorded step's graph,
-        joined before the sum (run s13b's trace: ~28 µs a layer of pool kernels after a ~142 µs gather); else
-        one after the other. The sum is the same either way: out = misses, then out += hits."""
+        """misses() + hits() (callables, each [T, D]), computed as `_beside_parts` says: out = misses, then
+        out += hits."""
+        out, h = self._beside_parts(misses, hits)
+        return out.add_(h)
+
+    def _beside_parts(self, misses, hits) -> tuple[torch.Tensor, torch.Tensor]:
+        """(misses(), hits()) (callables, each [T, D]), both done on the current stream when this returns. With
+        `hits_beside` on CUDA the hits' pool kernels run on a stream of their own while the misses' gather waits
+        on PCIe - a branch of the recorded step's graph, joined here (run s13b's trace: ~28 µs a layer of pool
+        kernels after a ~142 µs gather); else one after the other."""
         if self._side_stream is None or not self.options.hits_beside:
-            return misses().add_(hits())
+            return misses(), hits()
         main = torch.cuda.current_stream(self.device)
         self._side_stream.wait_stream(main)             # after the handoff wrote the hits' slots
         with torch.cuda.stream(self._side_stream):
             h = hits()
         out = misses()
         main.wait_stream(self._side_stream)
-        return out.add_(h)
+        return out, h
 
     def _misses(self, li: int, x: torch.Tensor, rows: torch.Tensor, topk_weights: torch.Tensor, *,
                 table_row: torch.Tensor | None = None) -> torch.Tensor:

@@ -75,12 +75,14 @@ if HAVE_TRITON:
             tl.store(box_req_ptr, ticket)
 
     @triton.jit
-    def _collect_kernel(out_ptr, out_st, ticket_ptr, ncpu_ptr, box_resp_ptr, box_out_ptr, err_ptr, D, max_spins,
-                        BLOCK: tl.constexpr):
+    def _collect_kernel(out_ptr, out_st, extra_ptr, extra_st, ticket_ptr, ncpu_ptr, box_resp_ptr, box_out_ptr,
+                        err_ptr, D, max_spins, EXTRA: tl.constexpr, BLOCK: tl.constexpr):
         t = tl.program_id(1)
         cols = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
         mask = cols < D
-        if tl.load(ncpu_ptr) > 0:
+        n_cpu = tl.load(ncpu_ptr)
+        v = tl.zeros([BLOCK], dtype=tl.float32)
+        if n_cpu > 0:
             ticket = tl.load(ticket_ptr)
             spins = 0
             while (tl.load(box_resp_ptr, volatile=True) != ticket) & (spins < max_spins):
@@ -88,6 +90,11 @@ if HAVE_TRITON:
             if spins >= max_spins:
                 tl.store(err_ptr, 1)
             v = tl.load(box_out_ptr + t * D + cols, mask=mask, other=0.0, volatile=True)
+        if EXTRA:                                   # the hits' rows too: no add kernel of their own
+            e = tl.load(extra_ptr + t * extra_st + cols, mask=mask, other=0.0).to(tl.float32)
+            o = tl.load(out_ptr + t * out_st + cols, mask=mask, other=0.0).to(tl.float32)
+            tl.store(out_ptr + t * out_st + cols, (o + e + v).to(out_ptr.dtype.element_ty), mask=mask)
+        elif n_cpu > 0:
             o = tl.load(out_ptr + t * out_st + cols, mask=mask, other=0.0).to(tl.float32)
             tl.store(out_ptr + t * out_st + cols, (o + v).to(out_ptr.dtype.element_ty), mask=mask)
 
@@ -113,10 +120,16 @@ def handoff(layer_index: int, ids: torch.Tensor, weights: torch.Tensor, x: torch
 MAX_SPINS = 20_000_000       # polls of the answer word (PCIe round trips): seconds, far past any real answer
 
 
-def collect(out: torch.Tensor, box, *, max_spins: int = MAX_SPINS) -> torch.Tensor:
-    """out [T, D] += the CPU's answer, once it is there (in place; returns out). One launch."""
+def collect(out: torch.Tensor, box, *, extra: torch.Tensor | None = None, max_spins: int = MAX_SPINS) -> torch.Tensor:
+    """out [T, D] += the CPU's answer, once it is there, and `extra` [T, D] (the hits' rows, computed beside the
+    misses) when given: summed in fp32, rounded once (in place; returns out). One launch."""
     t, d = out.shape
+    if extra is not None and (extra.shape != out.shape or extra.stride(1) != 1):
+        raise ValueError(f"collect: extra rows {tuple(extra.shape)} (strides {extra.stride()}) do not match "
+                         f"out {tuple(out.shape)}")
     block = 256
-    _collect_kernel[(triton.cdiv(d, block), t)](out, out.stride(0), box.ticket, box.ncpu, box.resp, box.out,
-                                                box.error, d, max_spins, BLOCK=block, num_warps=2)
+    _collect_kernel[(triton.cdiv(d, block), t)](out, out.stride(0), out if extra is None else extra,
+                                                0 if extra is None else extra.stride(0), box.ticket, box.ncpu,
+                                                box.resp, box.out, box.error, d, max_spins, EXTRA=extra is not None,
+                                                BLOCK=block, num_warps=2)
     return out
