@@ -979,7 +979,8 @@ def _down_rows(n_u):
 # checks its compiled code has none).
 @njit(cache=True, fastmath=True, nogil=True, _nrt=False)
 def _stages(codec, buf, buf16, buf32, nbytes, offs, has_bias, i, group, table, x, n_a, gate_scale, up_scale,
-            down_scale, activation, alpha, limit, out, v, plan, answer, ticket, gen_word, gen, lane, phases):
+            down_scale, activation, alpha, limit, out, v, plan, answer, ticket, gen_word, gen, lane, phases,
+            clear_out):
     """One lane's part of a call: each stage's tasks taken from its counter until none is left, then a wait until
     every task of the stage is done (counting tasks, not lanes: a lane the OS never runs takes none, and nothing
     waits for it). plan: (the stages' counter bases, then their task counts) - counters run on from call to call
@@ -995,7 +996,11 @@ def _stages(codec, buf, buf16, buf32, nbytes, offs, has_bias, i, group, table, x
 
     A small call (`fused_down_inputs`: its plan has no down-input tasks) quantizes each group of h in the gate/up
     task that finishes it (a counter per expert and group), and a lane out of gate/up tasks takes its first down
-    task at once and asks for its rows while the stage's last tasks run: the down stage starts on rows in cache."""
+    task at once and asks for its rows while the stage's last tasks run: the down stage starts on rows in cache.
+
+    clear_out (the worker): each down task first sets its slice of out's columns to 0 for every row of out (out
+    is the mailbox's, answered afresh each request), in parallel where lane 0 cleared all of it in the serial
+    start before (128 lines, last written by other cores: part of the start's ~7 µs that every lane waited for)."""
     tokens, experts, starts, sync, seen = v[1], v[2], v[3], v[4], v[5]
     weights, xs, xm, h, hs, hm, xq, hq, qdone = v[7:]
     d = x.shape[1]
@@ -1063,6 +1068,10 @@ def _stages(codec, buf, buf16, buf32, nbytes, offs, has_bias, i, group, table, x
             else:                                     # down rows r0..r1 of every expert, summed into out
                 r0 = task * down_rows
                 r1 = min(r0 + down_rows, d)
+                if clear_out:                         # (the worker's out: its rows of every token start at 0)
+                    for tt in range(out.shape[0]):
+                        for r in range(r0, r1):
+                            out[tt, r] = 0.0
                 # the rows ahead run on over the experts (a cursor pu, pr over the task's experts' rows in the
                 # order they are computed): the next expert's first rows are in flight when this one's end
                 pu, pr = 0, r0
@@ -1183,7 +1192,7 @@ def moe_layer_int8(codec, buf, buf16, buf32, nbytes, offs, has_bias, i, group, t
     for lane in prange(n_thr):
         t_in[lane] = _cycles()
         _stages(codec, buf, buf16, buf32, nbytes, offs, has_bias, i, group, table, x, n_a, gate_scale, up_scale,
-                down_scale, activation, alpha, limit, out, v, plan, answer, ticket, always, zero, lane, phases)
+                down_scale, activation, alpha, limit, out, v, plan, answer, ticket, always, zero, lane, phases, False)
     _mark_phases(phases, c0, t_in, n_thr, seen, _cycles())
 
 
@@ -1251,10 +1260,10 @@ def serve_layers(req, resp, meta, ids, weights, x, out, last, spins, clock, phas
                     if ids[j] >= 0:
                         sel64[a], sel64[a_max + a], sel32[a] = j // k, ids[j], weights[j]
                         a += 1
-                for r in range(t):
-                    for c in range(d):
-                        out[r, c] = 0.0
                 if a == 0:                          # nothing for the CPU: zero rows, answered at once
+                    for r in range(t):
+                        for c in range(d):
+                            out[r, c] = 0.0
                     _store_release(resp, 0, seq)
                     clock[0] += _cycles() - c0
                     _store_release(ctl, CTL_LAST, seq)
@@ -1294,7 +1303,7 @@ def serve_layers(req, resp, meta, ids, weights, x, out, last, spins, clock, phas
             buf = bufs[li]
             _stages(codec, buf, buf.view(np.uint16), buf.view(np.float32), nbytes, offs, has_bias, inter, group,
                     table, x, a, g_scale[li], u_scale[li], d_scale[li], activation, alpha, limit, out, v, plan,
-                    resp, seq, ctl, g, lane, phases)
+                    resp, seq, ctl, g, lane, phases, True)
             if lane == 0:
                 joined = _cycles()
                 c0 = _load_acquire(ctl, CTL_C0)
