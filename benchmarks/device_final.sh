@@ -63,6 +63,12 @@
 #   (device) bash benchmarks/device_final.sh s14d # session 14's final code: 8 and 4 GiB rows, qwen3.6, CUDA tests
 #   (device) bash benchmarks/device_final.sh s15a # for session 15: a first load's learned share from the balance
 #                                                # against from 0, alternating (steps timed from the first), rows
+#   (device) bash benchmarks/device_final.sh s15b # session 15: the down inputs quantized in the gate/up tasks, the
+#                                                # first down task early, against b888eac (carry .ab)
+#   (device) bash benchmarks/device_final.sh s15c # session 15: CUDA tests of the log and hits folded into the
+#                                                # handoff and collect, rows alternating new/old (carry .ab)
+#   (device) bash benchmarks/device_final.sh s15d # session 15's final code: first-load share start, a traced row,
+#                                                # 8/4 GiB learned, qwen3.6 (carry .site)
 # carry .site (numba, llvmlite, fla-core, platformdirs unpacked, xz). Results under $OUT. Build .site once (the
 # wheels alone pass the 64 MiB carry limit; unpacked and xz-compressed they take ~44 MB):
 #   pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
@@ -576,9 +582,64 @@ elif [ "$1" = s15a ]; then
   bench_rows 200 q3_first --models qwen3-30b-a3b --dense-int8 --budgets 8 --routings uniform --cpu-share auto \
     --modes graphs --tokens 300 --warmup 0 --prefill-budgets 99 --ttft-context 0 --first-load --step-times \
     --share-start 0 balance 0 balance | grep -E "^qwen|CPU kernel|learned CPU share|steps \(median"
-  bench_rows 200 q3 --models qwen3-30b-a3b --dense-int8 --budgets 8 4 --routings uniform --cpu-share auto 0.5 \
+  # session 15: then a traced 8 GiB row at the learned share's usual 0.6 (where a layer's time goes now that the
+  # gather runs in two parts), and the learned row
+  bench_rows 220 q3 --models qwen3-30b-a3b --dense-int8 --budgets 8 --routings uniform --cpu-share 0.6 auto \
+    --modes graphs --tokens 64 --warmup 32 --prefill-budgets 99 --ttft-context 0 --trace 2 \
+    | grep -E "^qwen|CPU kernel|CPU worker|kernel marks|lanes|learned CPU share:"
+  for t in "$OUT"/trace_*.json.gz; do echo "${t##*/}"; python3 benchmarks/trace_summary.py "$t" | head -40
+    rm -f "$t"; done
+elif [ "$1" = s15b ]; then
+  # session 15: a small request's down inputs quantized by the gate/up task that finishes each group (one stage and
+  # its barrier fewer) and each lane's first down task taken early, its rows asked for while gate/up ends (new),
+  # against b888eac (.ab/old.tar): small requests in both trees twice, alternating; then the 8 GiB row at 0.6 in
+  # both trees; the host's THP settings first
+  for f in enabled defrag; do echo "THP $f: $(cat /sys/kernel/mm/transparent_hugepage/$f 2>&1)"; done
+  warm 200 old old &
+  warm 200 new &
+  wait
+  requests 70 old /tmp/old
+  requests 70 new "$PWD"
+  requests 70 old2 /tmp/old
+  requests 70 new2 "$PWD"
+  bench_rows 130 q3_new --models qwen3-30b-a3b --dense-int8 --budgets 8 --routings uniform --cpu-share 0.6 0.5 \
     --modes graphs --tokens 64 --warmup 32 --prefill-budgets 99 --ttft-context 0 \
+    | grep -E "^qwen|CPU kernel|CPU worker"
+  old_rows 130 --models qwen3-30b-a3b --dense-int8 --budgets 8 --routings uniform --cpu-share 0.6 0.5 \
+    --modes graphs --tokens 64 --warmup 32 --prefill-budgets 99 --ttft-context 0 | grep -E "^qwen|CPU kernel|CPU worker"
+elif [ "$1" = s15c ]; then
+  # session 15: s15b ran its rows new-then-old (new 89.1, old 92.3 at 0.6: inside the order's and the host's noise),
+  # while the small requests were 7-17 % faster. Now with the handoff writing the step log and collect adding the
+  # hits' rows too: the CUDA tests of the changed kernels (and the worker at 14 lanes), then the 8 GiB row at 0.6 in
+  # four processes alternating new, old, new, old
+  warm 200 old old &
+  warm 200 new &
+  wait
+  cuda_tests 170 tests/test_hybrid_zero_copy.py tests/test_cpu_share_lanes.py tests/test_kernels_interpreted.py \
+    -k "not pool_kernels_match_torch"
+  ab_row=(--models qwen3-30b-a3b --dense-int8 --budgets 8 --routings uniform --cpu-share 0.6 --modes graphs
+          --tokens 96 --warmup 32 --prefill-budgets 99 --ttft-context 0)
+  for round in 1 2; do
+    bench_rows 75 q3_new$round "${ab_row[@]}" | grep -E "^qwen|CPU worker|CPU kernel marks"
+    old_rows 75 "${ab_row[@]}" | grep -E "^qwen|CPU worker|CPU kernel marks"
+  done
+  rm -f "$OUT"/model_*.json "$OUT"/model.json
+elif [ "$1" = s15d ]; then
+  # session 15's final code: a first load's learned share from the bandwidth balance against from 0 (s15a's rows:
+  # every step timed from the first, no warm-up), a traced 8 GiB row at 0.6 with the learned row and 4 GiB learned,
+  # qwen3.6 at 8 GiB learned
+  warm 200 new
+  bench_rows 150 q3_first --models qwen3-30b-a3b --dense-int8 --budgets 8 --routings uniform --cpu-share auto \
+    --modes graphs --tokens 300 --warmup 0 --prefill-budgets 99 --ttft-context 0 --first-load --step-times \
+    --share-start 0 balance 0 balance | grep -E "^qwen|CPU kernel [0-9]|learned CPU share|steps \(median"
+  bench_rows 170 q3 --models qwen3-30b-a3b --dense-int8 --budgets 8 4 --routings uniform --cpu-share 0.6 auto \
+    --modes graphs --tokens 64 --warmup 32 --prefill-budgets 99 --ttft-context 0 --trace 2 \
     | grep -E "^qwen|CPU kernel|CPU worker|learned CPU share:"
+  for t in "$OUT"/trace_*.json.gz; do echo "${t##*/}"; python3 benchmarks/trace_summary.py "$t" | head -36
+    rm -f "$t"; done
+  bench_rows 130 q36 --models qwen3.6-35b-a3b --dense-int8 --budgets 8 --routings uniform --cpu-share auto \
+    --modes graphs --tokens 64 --warmup 32 --prefill-budgets 99 --ttft-context 0 | grep -E "^qwen|CPU kernel|learned"
+  rm -f "$OUT"/model_*.json "$OUT"/model.json
 else
   # decode rows through graphs only (eager rows cost minutes); the CPU share learned (auto; printed with a *),
   # fixed 0 and 0.3
