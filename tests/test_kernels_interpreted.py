@@ -777,7 +777,8 @@ def _compile_sm90(fn, args: dict, constexprs: dict, warps: int, tmp_path: Path, 
 def test_kernels_compile_for_h200_without_spilling(tmp_path, monkeypatch):
     """The interpreter does not check GPU code generation (layouts of reshape/split, register use): compile
     the variants the engine launches at qwen3-30b-a3b's shape (int4/64, K 8) and an MXFP4 K-10 one for
-    sm_90 with the ptxas Triton ships, with bf16, fp16 and fp32 activations, and the zero-copy gather. No register spills, and the
+    sm_90 with the ptxas Triton ships, with bf16, fp16 and fp32 activations, the zero-copy gather, and the CPU share's handoff (with and without
+    the step log: its system-scope fence is there) and collect (with and without the hits' rows). No register spills, and the
     packed codes are read 16 bytes per load (a select over offsets, once, hid their alignment and made it
     16 byte loads)."""
     from runtime.experts.host_store import BlockLayout
@@ -834,11 +835,28 @@ def test_kernels_compile_for_h200_without_spilling(tmp_path, monkeypatch):
                       dict(src_ptr="*i32", ids_ptr="*i64", table_ptr="*i64", E=128, dst_ptr="*i32", slots_ptr="*i64",
                            words=words, first=first, count=count),
                       dict(LOOKUP=lookup, CHUNK=gather_k.CHUNK_BYTES // 4, ABLOCK=32), gather_k.NUM_WARPS))
-    for fn, args, constexprs, warps in cases:
+    from runtime.kernels import handoff_triton as handoff_k
+    small = []                  # the CPU share's handoff and collect: a few words and rows, no wide loads to check
+    for log in (False, True):
+        small.append((handoff_k._handoff_kernel,
+                      dict(ids_ptr="*i64", w_ptr="*bf16", x_ptr="*bf16", x_st=2048, table_ptr="*i64", share_ptr="*fp32",
+                           ticket_ptr="*i64", ncpu_ptr="*i32", hit_ptr="*i64", zc_ptr="*i64", box_ids_ptr="*i64",
+                           box_w_ptr="*fp32", box_x_ptr="*fp32", box_meta_ptr="*i64", box_req_ptr="*i64",
+                           err_ptr="*i32", log_ptr="*i64", layer=3, T=1, A=8, D=2048),
+                      dict(FENCE=True, LOG=log, ABLOCK=16, DBLOCK=1024), 4))
+    for extra in (False, True):
+        small.append((handoff_k._collect_kernel,
+                      dict(out_ptr="*bf16", out_st=2048, extra_ptr="*bf16", extra_st=2048, ticket_ptr="*i64",
+                           ncpu_ptr="*i32", box_resp_ptr="*i64", box_out_ptr="*fp32", err_ptr="*i32", D=2048,
+                           max_spins=20_000_000),
+                      dict(EXTRA=extra, BLOCK=256), 2))
+    for fn, args, constexprs, warps in cases + small:
         regs, local, sass = _compile_sm90(fn, args, constexprs, warps, tmp_path)
         assert local == 0, (fn.__name__, constexprs, regs, local)               # no spills
-        if fn is not router_k._route_kernel:
+        if fn is not router_k._route_kernel and (fn, args, constexprs, warps) not in small:
             assert "LDG.E.128" in sass, (fn.__name__, constexprs)
+        if fn is handoff_k._handoff_kernel:
+            assert "MEMBAR.ALL.SYS" in sass or "MEMBAR.SC.SYS" in sass, sass[:2000]     # the system-scope fence
 
 
 def test_gdn_decode_kernels_compile_for_h200_without_spilling(tmp_path, monkeypatch):
