@@ -69,6 +69,8 @@
 #                                                # handoff and collect, rows alternating new/old (carry .ab)
 #   (device) bash benchmarks/device_final.sh s15d # session 15's final code: first-load share start, a traced row,
 #                                                # 8/4 GiB learned, qwen3.6 (carry .site)
+#   (device) bash benchmarks/device_final.sh s15e # session 15: a traced 8 GiB row at 0.6 and learned (s15f: 0.5,
+#                                                # learned, 0.6); s15d was written but not run (no device time)
 # carry .site (numba, llvmlite, fla-core, platformdirs unpacked, xz). Results under $OUT. Build .site once (the
 # wheels alone pass the 64 MiB carry limit; unpacked and xz-compressed they take ~44 MB):
 #   pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
@@ -640,6 +642,20 @@ elif [ "$1" = s15d ]; then
   bench_rows 130 q36 --models qwen3.6-35b-a3b --dense-int8 --budgets 8 --routings uniform --cpu-share auto \
     --modes graphs --tokens 64 --warmup 32 --prefill-budgets 99 --ttft-context 0 | grep -E "^qwen|CPU kernel|learned"
   rm -f "$OUT"/model_*.json "$OUT"/model.json
+elif [ "$1" = s15e ]; then
+  # session 15, run on the machine s15c left warm (s15d did not fit the device time left): a traced 8 GiB row at
+  # 0.6 and the learned row, each traced
+  warm 120 new
+  bench_rows 190 q3 --models qwen3-30b-a3b --dense-int8 --budgets 8 --routings uniform --cpu-share 0.6 auto \
+    --modes graphs --tokens 64 --warmup 32 --prefill-budgets 99 --ttft-context 0 --trace 2 \
+    | grep -E "^qwen|CPU kernel|CPU worker|learned CPU share:"
+  for t in "$OUT"/trace_*.json.gz; do echo "${t##*/}"; python3 benchmarks/trace_summary.py "$t" | head -36
+    rm -f "$t"; done
+elif [ "$1" = s15f ]; then
+  # session 15, after s15e on the same warm machine: shares 0.5, learned and 0.6 in one process
+  bench_rows 200 q3b --models qwen3-30b-a3b --dense-int8 --budgets 8 --routings uniform --cpu-share 0.5 auto 0.6 \
+    --modes graphs --tokens 64 --warmup 32 --prefill-budgets 99 --ttft-context 0 \
+    | grep -E "^qwen|CPU kernel|CPU worker|learned CPU share:"
 else
   # decode rows through graphs only (eager rows cost minutes); the CPU share learned (auto; printed with a *),
   # fixed 0 and 0.3
