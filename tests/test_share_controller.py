@@ -182,6 +182,28 @@ def test_noise_does_not_make_it_wander():
     assert ctl.held_share >= 0.5
 
 
+def test_a_held_share_that_slows_down_past_a_neighbour_is_looked_at_again_soon():
+    """Settled at 0.7 on one curve, the host then slows the CPU (the best share falls to 0.6, as a disturbed window
+    or another program would): the held share's windows now run slower than 0.6 did when it was tried, so the
+    controller explores at once instead of waiting out its doubled interval (up to 128 windows), and holds the new
+    best within a few hundred steps."""
+    fast_cpu = lambda s: 0.010 * max(0.3 + 0.9 * s, 1.6 - 0.9 * s)      # noqa: E731  best 0.7 (0.6: +9 %)
+    slow_cpu = lambda s: 0.010 * max(0.3 + 1.3 * s, 1.6 - 0.9 * s)      # noqa: E731  best 0.6 (0.7: +12 %)
+    for seed in range(3):
+        for check in (True, False):
+            ctl, _, _ = simulate(fast_cpu, steps=3000, seed=seed, pause_every=0)
+            assert ctl.held_share == 0.7 and ctl.settled, (seed, ctl.held_share)
+            ctl._wait = ctl._interval = ctl.explore_max                # a long wait just begun, as after quiet cycles
+            if not check:
+                ctl._neighbour_was_faster = lambda: False
+            ctl, _, held = simulate(slow_cpu, steps=600, seed=seed, ctl=ctl, pause_every=0)
+            if check:
+                assert ctl.held_share == 0.6, (seed, ctl.held_share)
+                assert int(np.flatnonzero(held == 0.6).min()) < 100, seed
+            else:                                                   # without the check: still waiting at 0.7
+                assert set(held.tolist()) == {0.7}, seed
+
+
 def test_a_trial_share_too_slow_to_count_as_a_sample_still_ends():
     """Held-share steps beyond 3x the median are pauses, not samples; a share on trial that is itself that slow
     (the old controller dropped its every step and stayed on trial forever) is kept and ended early."""

@@ -532,6 +532,7 @@ class ShareController:
         self._probes: list[int] = []                # pure modes to try once the climb is done
         self._rejected: set[int] = set()            # tried since the last move and not faster
         self._cycles = 0
+        self._slower_windows = 0                    # windows in a row the held share ran slower than a neighbour had
         self._scanned = bool(remembered)            # the scan's shares measured once (see _next_trial); a
                                                     # remembered controller had its scan in an earlier run
         self._up = True
@@ -599,6 +600,12 @@ class ShareController:
         self._count = 0                                          # a decision once per window
         self.medians[self.index] = _median(bucket)
         self.measured.add(self.index)
+        # the held share now runs clearly slower than a neighbour did when it was tried, two windows running (the
+        # host changed, or the move here was judged in a disturbed window: run s15e held 0.7 at 16.2 ms a step beside
+        # 0.6's 13.1): look again now rather than after up to `explore_max` windows
+        self._slower_windows = self._slower_windows + 1 if self._wait > 0 and self._neighbour_was_faster() else 0
+        if self._slower_windows >= 2:
+            self._wait, self._interval, self._slower_windows = 0, self.explore_every, 0
         if self._rescan_at is not None and self.steps >= self._rescan_at:
             self._rescan()
         elif self._queue or self._probes:
@@ -608,6 +615,13 @@ class ShareController:
         else:
             self._start_cycle()
         return self.share
+
+    def _neighbour_was_faster(self) -> bool:
+        """A neighbour's median (measured or remembered) beats the held share's fresh one by twice the margin (a
+        stored median against a fresh one: the noise of both, and no trial of its own behind the verdict yet)."""
+        held = self.medians[self.index]
+        return any(self.medians[i] < (1.0 - 2.0 * self.noise_margin()) * held
+                   for i in (self.index - 1, self.index + 1) if i in self.medians)
 
     def noise_margin(self) -> float:
         """The relative gap two window medians must show to count: `margin`, or 2.5 standard errors of their
