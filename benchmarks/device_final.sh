@@ -117,6 +117,13 @@ cuda_tests() {   # SECONDS PYTEST-ARGS...: CUDA tests to $OUT/cuda_tests.log, it
   timeout "$seconds" python3 -m pytest -q -p no:cacheprovider --device cuda "$@" > "$OUT/cuda_tests.log" 2>&1
   echo "pytest rc=$?" >> "$OUT/cuda_tests.log"; tail -3 "$OUT/cuda_tests.log"
 }
+thp_settings() {  # the host's transparent-huge-page settings (why a store gets no huge pages)
+  for f in enabled defrag; do echo "THP $f: $(cat /sys/kernel/mm/transparent_hugepage/$f 2>&1)"; done
+}
+trace_summaries() {  # LINES: each $OUT/trace_*.json.gz summarised (trace_summary.py, its first LINES lines), removed
+  for t in "$OUT"/trace_*.json.gz; do echo "${t##*/}"; python3 benchmarks/trace_summary.py "$t" | head -"$1"
+    rm -f "$t"; done
+}
 isa_requests() { # small requests in both flavours: AVX-512 (default) on 6 and 14 lanes, AVX-VNNI (own cache) on 14
   for isa in default avxvnni; do
     env_isa=(); [ "$isa" = default ] || env_isa=(FREETOKEN_CPU_ISA=$isa NUMBA_CACHE_DIR=/tmp/nbc_$isa)
@@ -511,8 +518,7 @@ elif [ "$1" = s13c ]; then
   # beside and after (twice, in both orders), the first pair traced; the CUDA tests last
   warm 200 new
   bench_rows 220 q3_hits "${Q3_ROW[@]}" --hits beside after --trace 2 | grep -E "^qwen|CPU worker|kernel marks"
-  for t in "$OUT"/trace_*.json.gz; do echo "${t##*/}"; python3 benchmarks/trace_summary.py "$t" | head -34
-    rm -f "$t"; done
+  trace_summaries 34
   bench_rows 150 q3_hits2 "${Q3_ROW[@]}" --hits after beside
   rm -f "$OUT"/model_*.json "$OUT"/model.json
   cuda_tests 220 tests/test_hybrid_zero_copy.py tests/test_decode_graph.py tests/test_decode_graph_batch.py
@@ -579,7 +585,7 @@ elif [ "$1" = s15a ]; then
   # against from 0 (every step timed from the first, no warm-up: --first-load --step-times), then the 8 GiB rows
   # and 4 GiB rows learned and at 0.5 with the kernel ceiling; first, why the stores get no huge pages (0.00 GiB of
   # 14.34 in session 14's three runs): the host's THP settings
-  for f in enabled defrag; do echo "THP $f: $(cat /sys/kernel/mm/transparent_hugepage/$f 2>&1)"; done
+  thp_settings
   warm 200 new
   bench_rows 200 q3_first --models qwen3-30b-a3b --dense-int8 --budgets 8 --routings uniform --cpu-share auto \
     --modes graphs --tokens 300 --warmup 0 --prefill-budgets 99 --ttft-context 0 --first-load --step-times \
@@ -589,14 +595,13 @@ elif [ "$1" = s15a ]; then
   bench_rows 220 q3 --models qwen3-30b-a3b --dense-int8 --budgets 8 --routings uniform --cpu-share 0.6 auto \
     --modes graphs --tokens 64 --warmup 32 --prefill-budgets 99 --ttft-context 0 --trace 2 \
     | grep -E "^qwen|CPU kernel|CPU worker|kernel marks|lanes|learned CPU share:"
-  for t in "$OUT"/trace_*.json.gz; do echo "${t##*/}"; python3 benchmarks/trace_summary.py "$t" | head -40
-    rm -f "$t"; done
+  trace_summaries 40
 elif [ "$1" = s15b ]; then
   # session 15: a small request's down inputs quantized by the gate/up task that finishes each group (one stage and
   # its barrier fewer) and each lane's first down task taken early, its rows asked for while gate/up ends (new),
   # against b888eac (.ab/old.tar): small requests in both trees twice, alternating; then the 8 GiB row at 0.6 in
   # both trees; the host's THP settings first
-  for f in enabled defrag; do echo "THP $f: $(cat /sys/kernel/mm/transparent_hugepage/$f 2>&1)"; done
+  thp_settings
   warm 200 old old &
   warm 200 new &
   wait
@@ -637,8 +642,7 @@ elif [ "$1" = s15d ]; then
   bench_rows 170 q3 --models qwen3-30b-a3b --dense-int8 --budgets 8 4 --routings uniform --cpu-share 0.6 auto \
     --modes graphs --tokens 64 --warmup 32 --prefill-budgets 99 --ttft-context 0 --trace 2 \
     | grep -E "^qwen|CPU kernel|CPU worker|learned CPU share:"
-  for t in "$OUT"/trace_*.json.gz; do echo "${t##*/}"; python3 benchmarks/trace_summary.py "$t" | head -36
-    rm -f "$t"; done
+  trace_summaries 36
   bench_rows 130 q36 --models qwen3.6-35b-a3b --dense-int8 --budgets 8 --routings uniform --cpu-share auto \
     --modes graphs --tokens 64 --warmup 32 --prefill-budgets 99 --ttft-context 0 | grep -E "^qwen|CPU kernel|learned"
   rm -f "$OUT"/model_*.json "$OUT"/model.json
@@ -649,8 +653,7 @@ elif [ "$1" = s15e ]; then
   bench_rows 190 q3 --models qwen3-30b-a3b --dense-int8 --budgets 8 --routings uniform --cpu-share 0.6 auto \
     --modes graphs --tokens 64 --warmup 32 --prefill-budgets 99 --ttft-context 0 --trace 2 \
     | grep -E "^qwen|CPU kernel|CPU worker|learned CPU share:"
-  for t in "$OUT"/trace_*.json.gz; do echo "${t##*/}"; python3 benchmarks/trace_summary.py "$t" | head -36
-    rm -f "$t"; done
+  trace_summaries 36
 elif [ "$1" = s15f ]; then
   # session 15, after s15e on the same warm machine: shares 0.5, learned and 0.6 in one process
   bench_rows 200 q3b --models qwen3-30b-a3b --dense-int8 --budgets 8 --routings uniform --cpu-share 0.5 auto 0.6 \

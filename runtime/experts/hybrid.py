@@ -297,7 +297,7 @@ class HybridExperts:
                 probe = torch.zeros((1, store.layout.hidden), dtype=self.dtype, device=self.device)
                 ids = torch.arange(min(self.options.top_k, store.num_experts), device=self.device)[None]
                 self._zero_copy_forward(0, probe, ids, torch.ones(ids.shape, device=self.device))
-                self._log.fill_(-1)                # (the handoff logged the probe's ids: no step's routing)
+                self._log.fill_(-1)                # (the probe's ids were logged: no step's routing)
                 torch.cuda.current_stream(self.device).synchronize()
             except Exception as exc:     # noqa: BLE001  (reported; the host-driven path still works)
                 log.warning("zero-copy expert reads are unavailable (%s): misses go through the host", exc)
@@ -348,6 +348,7 @@ class HybridExperts:
             if self.cuda:
                 return handoff_triton.collect(out, self._box, extra=hits)
             return collect_reference(out, self._box, extra=hits)
+        self._log[li, :x.shape[0]].copy_(topk_ids)      # the step log's row (the handoff writes it above)
         misses = lambda: self._misses(li, x, topk_ids, topk_weights, table_row=cache.miss_rows[li])  # noqa: E731
         if not self.options.slots:
             return misses()
@@ -419,13 +420,10 @@ class HybridExperts:
 
     def _zero_copy_decode(self, layer, hidden, topk_ids, topk_weights) -> torch.Tensor:
         li = self.cache.layer_index[layer]
-        t = hidden.shape[0]
         if li == 0 and not (self.cuda and torch.cuda.is_current_stream_capturing()):
             # called eagerly: the first MoE layer's call is the step boundary (a replayed graph calls the hooks)
             self.begin_step()
             self.end_step()
-        if self._box is None:                  # (else the handoff writes the log's row)
-            self._log[li, :t].copy_(topk_ids)
         x = hidden if hidden.dtype == self.dtype else hidden.to(self.dtype)
         out = self._zero_copy_forward(li, x, topk_ids, topk_weights)
         return out if out.dtype == hidden.dtype else out.to(hidden.dtype)
