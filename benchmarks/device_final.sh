@@ -71,6 +71,8 @@
 #                                                # 8/4 GiB learned, qwen3.6 (carry .site)
 #   (device) bash benchmarks/device_final.sh s15e # session 15: a traced 8 GiB row at 0.6 and learned (s15f: 0.5,
 #                                                # learned, 0.6); s15d was written but not run (no device time)
+#   (device) bash benchmarks/device_final.sh s16a # session 16: the finer split (one expert's first gate/up rows on
+#                                                # the CPU): CUDA tests, 8 GiB rows split on/off at 0.55 and 0.6
 # carry .site (numba, llvmlite, fla-core, platformdirs unpacked, xz). Results under $OUT. Build .site once (the
 # wheels alone pass the 64 MiB carry limit; unpacked and xz-compressed they take ~44 MB):
 #   pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
@@ -659,6 +661,20 @@ elif [ "$1" = s15f ]; then
   bench_rows 200 q3b --models qwen3-30b-a3b --dense-int8 --budgets 8 --routings uniform --cpu-share 0.5 auto 0.6 \
     --modes graphs --tokens 64 --warmup 32 --prefill-budgets 99 --ttft-context 0 \
     | grep -E "^qwen|CPU kernel|CPU worker|learned CPU share:"
+elif [ "$1" = s16a ]; then
+  # session 16: the finer split (a one-token call's CPU share in whole experts plus the first gate/up rows of one
+  # more, cpu_share.cpu_split) - the CUDA tests of the split (handoff, gather, gate/up kernel in a graph; the lanes
+  # at 14), then the 8 GiB row with the split on and off, alternating, at shares 0.55 and 0.6 (predicted: on
+  # ~4 % faster at its best share, sim_split_grain.py; off unchanged)
+  thp_settings
+  warm 150 new
+  cuda_tests 170 tests/test_hybrid_zero_copy.py tests/test_cpu_share_lanes.py tests/test_kernels_interpreted.py \
+    tests/test_hybrid_kernels.py -k "not pool_kernels_match_torch"
+  grep -E "passed|failed|Error" "$OUT/cuda_tests.log" | tail -5
+  bench_rows 260 q3_split --models qwen3-30b-a3b --dense-int8 --budgets 8 --routings uniform --cpu-share 0.55 0.6 \
+    --expert-split on off --modes graphs --tokens 96 --warmup 32 --prefill-budgets 99 --ttft-context 0 \
+    | grep -E "^qwen|CPU kernel|CPU worker"
+  rm -f "$OUT"/model_*.json "$OUT"/model.json
 else
   # decode rows through graphs only (eager rows cost minutes); the CPU share learned (auto; printed with a *),
   # fixed 0 and 0.3

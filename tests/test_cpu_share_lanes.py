@@ -114,8 +114,8 @@ def _direct(box, cpu, lanes):
 
 def _serve(box, cpu, scratch, lanes, last, clock, phases):
     b = box._np
-    return serve_int8(b["req"], b["resp"], b["meta"], b["ids"], b["weights"], b["x"], b["out"], last, 1000, clock,
-                      phases, lanes, *scratch, *cpu.int8_args())
+    return serve_int8(b["req"], b["resp"], b["meta"], b["ids"], b["weights"], b["x"], b["out"], b["part"],
+                      b["part_resp"], last, 1000, clock, phases, lanes, *scratch, *cpu.int8_args())
 
 
 @pytest.mark.skipif(numba.config.NUMBA_NUM_THREADS < 2, reason="needs 2 numba threads")
@@ -213,3 +213,113 @@ def test_the_ceilings_cpu_kernel_bandwidth_is_the_workers_on_whole_cold_layers(c
     assert 0.0 < gbps < 1e4
     plain = HostExpertStore.synthetic(layers=1, num_experts=E, hidden=D, intermediate=I, codec="bf16", seed=2)
     assert cpu_kernel_gbps(plain, top_k=K, threads=2, calls=2, gap_s=0.0) == 0.0
+
+
+def test_the_split_rule_takes_the_fraction_of_an_expert_in_rows():
+    """cpu_share.cpu_split: whole misses, then the fraction's worth of rows of the next one (unit rows weigh an
+    expert), in steps of the int8 kernel's row task; past the midpoint to the whole expert it takes that; calls of
+    several tokens and a unit of 0 keep the old rounding."""
+    from runtime.experts.cpu_share import SPLIT_ROWS, cpu_split
+
+    assert SPLIT_ROWS == k8.ROWS_PER_TASK
+    unit, inter = 1152, 768                             # qwen3-30b-a3b's int4 block: gate/up are 2/3 of it
+    assert cpu_split(5, 0.6, unit=unit, inter=inter) == (3, 0)          # 3.0 experts: whole
+    assert cpu_split(5, 0.5, unit=unit, inter=inter) == (2, 576)        # 2.5: half an expert's bytes in rows
+    assert cpu_split(5, 0.55, unit=unit, inter=inter) == (2, 768)       # 2.75: all its gate/up rows (864 > 768)
+    assert cpu_split(5, 0.58, unit=unit, inter=inter) == (3, 0)         # 2.9: nearer the whole expert
+    assert cpu_split(4, 0.3, unit=unit, inter=inter) == (1, 224)        # 1.2: 230.4 rows -> 14 tasks of 16
+    assert cpu_split(3, 0.0, unit=unit, inter=inter) == (0, 0)
+    assert cpu_split(3, 1.0, unit=unit, inter=inter) == (3, 0)
+    assert cpu_split(5, 0.5, unit=unit, inter=inter, tokens=2) == (3, 0)   # round(2.5): the old rule
+    assert cpu_split(5, 0.5) == (3, 0)
+    for n in range(9):                   # never more rows than the expert has, never a miss that is not there
+        for s in np.linspace(0, 1, 41):
+            whole, rows = cpu_split(n, float(s), unit=unit, inter=inter)
+            assert 0 <= whole <= n and 0 <= rows <= inter and rows % SPLIT_ROWS == 0
+            assert rows == 0 or whole < n
+
+
+def _h_rows(store, layer, expert, x):
+    """The fp32 reference of an expert's activations h for one token."""
+    wt = store.dequantize(layer, expert)
+    from runtime.experts.interface import activate
+    return activate(ExpertSpec(), x.float() @ wt.gate.float().T, x.float() @ wt.up.float().T)[0]
+
+
+@pytest.mark.parametrize("threads", [2, 14])
+def test_the_lanes_compute_a_split_experts_first_rows_for_the_gpu(cpu, threads):
+    """With the finer split on, a one-token request names one more expert and a row count: the lanes write that
+    expert's first rows of h (fp32, within the int8 activations' rounding of the reference) to the mailbox's part
+    and its ticket to part_resp, leave the rows past it alone, and still answer exactly the executor's sum for the
+    whole experts - also when the CPU's share is that expert's rows alone (14 lanes: the GPU machine's worker)."""
+    from runtime.experts.cpu_share import cpu_split, split_unit_rows
+
+    if numba.config.NUMBA_NUM_THREADS < threads:
+        pytest.skip(f"needs {threads} numba threads (the GPU machine's worker runs 14 lanes)")
+
+    box = Mailbox(max_tokens=T_MAX, top_k=4, hidden=D, device=torch.device("cpu"), share=0.5, intermediate=I)
+    unit = split_unit_rows(cpu.store.layout)
+    assert 1.4 * I < unit < 1.6 * I                     # gate/up are ~2/3 of a block
+    box.enable_split(unit)
+    worker = CpuShareWorker(box, None, int8_args=cpu.int8_args(), threads=threads)
+    gen = torch.Generator().manual_seed(8)
+    splits = alone = 0
+    try:
+        for step, share in enumerate((0.5, 0.3, 0.1, 0.8, 0.2, 0.45, 0.6, 0.05) * (1 if threads == 2 else 25)):
+            box.set_share(share)
+            layer = step % 2
+            x = torch.randn(1, D, generator=gen)
+            ids = torch.randperm(E, generator=gen)[:4][None]
+            w = torch.softmax(torch.randn(1, 4, generator=gen), dim=-1)
+            table = torch.full((E,), -1)
+            table[int(ids[0, 3])] = 0                    # one hit: three misses
+            box._np["part"][:] = np.nan
+            handoff_reference(layer, ids, w, x, table, box)
+            got = collect_reference(torch.zeros(1, D), box)
+            whole, rows = cpu_split(3, share, unit=unit, inter=I)
+            a, r = box.split.tolist()
+            assert r == rows and int(box.ncpu[0]) == whole + (rows > 0)
+            cpu_ids = box._np["ids"][:4]
+            assert (cpu_ids >= 0).sum() == whole
+            tok = np.zeros(whole, dtype=np.int64)
+            want = cpu.run(layer, x, tok, cpu_ids[cpu_ids >= 0], box._np["weights"][:4][cpu_ids >= 0])
+            assert torch.equal(got, want), step
+            if rows:
+                splits += 1
+                alone += whole == 0
+                assert a >= 0 and cpu_ids[a] == -1 and table[int(ids[0, a])] < 0   # a miss, not the CPU's whole
+                assert int(box._np["part_resp"][0]) == int(box.ticket[0])
+                ref = _h_rows(cpu.store, layer, int(ids[0, a]), x)[:r]
+                part = torch.from_numpy(box._np["part"][:r].copy())
+                assert (part - ref).norm() / ref.norm() < 0.02, step
+                assert np.isnan(box._np["part"][r:]).all()            # rows past the split: the GPU's
+            else:
+                assert a == -1
+            assert worker.error is None and int(box.error[0]) == 0
+        assert splits >= 4 and alone >= 1
+        assert worker.kernel_requests == int(box.ticket[0])
+    finally:
+        worker.close()
+
+
+def test_a_request_with_a_bad_split_is_refused_and_answered():
+    """A split whose rows are not whole row tasks (or whose expert is out of range) is a worker error, answered
+    with zeros and both tickets, so nothing on the GPU waits for it."""
+    store = HostExpertStore.synthetic(layers=1, num_experts=E, hidden=D, intermediate=I, codec="int4", group=64,
+                                      weight_std=0.05, seed=21)
+    cpu = CpuExecutor(store, ExpertSpec())
+    box = Mailbox(max_tokens=1, top_k=K, hidden=D, device=torch.device("cpu"), share=0.5, intermediate=I)
+    worker = CpuShareWorker(box, None, int8_args=cpu.int8_args(), threads=2)
+    try:
+        b = box._np
+        b["ids"][:] = -1
+        b["out"][:] = 1.0
+        b["meta"][:] = (0, 1, 3, 0, 20)                  # 20 rows: not a multiple of 16
+        b["req"][0] = 1
+        deadline = __import__("time").monotonic() + 20
+        while int(b["resp"][0]) != 1 and __import__("time").monotonic() < deadline:
+            pass
+        assert int(b["resp"][0]) == 1 and int(b["part_resp"][0]) == 1
+        assert (b["out"] == 0).all() and "split" in str(worker.error)
+    finally:
+        worker.close()

@@ -432,24 +432,67 @@ def test_the_compiled_worker_loop_answers_with_the_int8_kernels_result():
     tier.close()
 
 
-def test_the_compiled_worker_answers_inside_a_cuda_graph(device):
+def test_the_finer_split_hands_the_cpu_rows_of_one_more_expert():
+    """With the compiled worker a one-token call splits one miss by rows (cpu_share.cpu_split): the CPU computes
+    the whole misses and that expert's first gate/up rows, the GPU side the rest of it (its gather skips the
+    CPU's rows; on this CPU device the torch stand-in), and the sum matches the fp32 reference within the int8
+    activations' rounding at every share; the books count the split expert as the GPU's. Off, the old rounding."""
+    from runtime.experts.cpu_share import cpu_split
+
+    cpu = torch.device("cpu")
+    store = HostExpertStore.synthetic(layers=2, num_experts=12, hidden=512, intermediate=512, codec="int4",
+                                      group=64, weight_std=0.05, seed=9)
+    gen = torch.Generator().manual_seed(12)
+    for split_on in (True, False):
+        tier = HybridExperts(store, ExpertSpec(), device=cpu, dtype=torch.float32, options=HybridOptions(
+            slots=2, top_k=4, zero_copy=True, cpu_share=0.5, hot_set=((0, 0), (1, 0)), expert_split=split_on,
+            promote_bytes_per_step=0))
+        assert tier._worker.compiled and (tier._split_unit > 0) == split_on
+        splits = 0
+        for step, share in enumerate((0.5,) * 6 + (0.3, 0.7, 0.45, 0.2, 0.6, 0.35)):
+            tier._box.set_share(share)
+            layer = step % 2
+            x = torch.randn(1, 512, generator=gen)
+            ids = torch.cat([torch.tensor([0]), 1 + torch.randperm(11, generator=gen)[:3]])[None]   # 0: a hit
+            w = torch.softmax(torch.randn(1, 4, generator=gen), dim=-1)
+            got = tier(layer, x, ids, w)
+            want = _reference(store, layer, x, ids, w)
+            assert (got - want).norm() / want.norm() < 0.03, (split_on, step)
+            whole, rows = cpu_split(3, share, unit=tier._split_unit, inter=512)
+            assert int(tier._box.split[1]) == rows and int(tier._box.ncpu[0]) == whole + (rows > 0)
+            splits += rows > 0
+        tier.begin_step()
+        tier.flush_step_log()
+        c = tier.counters.total            # (the books replay the tier's own share, 0.5, at every step)
+        whole = cpu_split(3, 0.5, unit=tier._split_unit, inter=512)[0]
+        assert (c.misses, c.cpu_experts, c.fetched_experts) == (36, 12 * whole, 12 * (3 - whole))
+        assert whole == (1 if split_on else 2)             # 1.5 experts: one and half of one, or round(1.5)
+        assert (splits >= 6) == split_on and tier._worker.error is None and int(tier._box.error[0]) == 0
+        tier.close()
+
+
+@pytest.mark.parametrize("split", [True, False])
+def test_the_compiled_worker_answers_inside_a_cuda_graph(device, split):
     """On the GPU machine, at a real layer width (the int8 kernel, the compiled worker loop): a recorded step
-    whose misses are split between the GPU (in place over PCIe) and the CPU worker matches the fp32 reference
-    within the int8 activations' rounding, replay after replay."""
+    whose misses are split between the GPU (gathered over PCIe) and the CPU worker matches the fp32 reference
+    within the int8 activations' rounding, replay after replay - with the finer split (one expert's first gate/up
+    rows from the CPU, taken by the gate/up kernel inside the graph) at shares that split, and without it."""
     if device != "cuda":
         pytest.skip("needs the GPU machine (--device cuda)")
     dev = torch.device("cuda")
     store = HostExpertStore.synthetic(layers=1, num_experts=16, hidden=512, intermediate=512, codec="int4",
                                       group=64, weight_std=0.05, seed=9, pin=True)
     tier = HybridExperts(store, ExpertSpec(), device=dev, dtype=torch.bfloat16,
-                         options=HybridOptions(slots=4, top_k=4, cpu_share=0.5))
-    assert tier.zero_copy and tier._worker.int8_args is not None
+                         options=HybridOptions(slots=4, top_k=4, cpu_share=0.5, expert_split=split))
+    assert tier.zero_copy and tier._worker.int8_args is not None and (tier._split_unit > 0) == split
     x = torch.randn(1, 512, device=dev, dtype=torch.bfloat16)
     ids = torch.tensor([[0, 5, 9, 12]], device=dev)
     w = torch.full((1, 4), 0.25, device=dev)
     out, g = _recorded_call(tier, x, ids, w)
-    for step in range(5):
-        ids.copy_(torch.tensor([[step, 5 + step, 9, 15 - step]]))
+    splits = 0
+    for step in range(10):
+        ids.copy_(torch.tensor([[step, 5 + step % 6, 9, 15 - step]]))
+        tier._box.set_share((0.5, 0.3, 0.7, 0.45, 0.2)[step % 5])
         tier.begin_step()
         g.replay()
         tier.end_step()
@@ -457,6 +500,10 @@ def test_the_compiled_worker_answers_inside_a_cuda_graph(device):
         want = _reference(store, 0, x.float().cpu(), ids.cpu(), w.cpu())
         err = (out.float().cpu() - want).norm() / want.norm()
         assert err < 0.03, (step, float(err))
+        rows = int(tier._box.split[1])
+        splits += rows > 0
+        assert rows == 0 or split
+    assert (splits >= 3) == split, splits
     assert tier._worker.kernel_requests >= 5 and int(tier._box.error[0]) == 0   # (served lags inside a spin)
     tier.close()
 

@@ -465,6 +465,92 @@ def test_handoff_matches_the_reference_and_writes_the_step_log(interpreter):
     interpreter.run("handoff_matches_the_reference")
 
 
+def case_the_finer_split():
+    from runtime.experts.cpu_share import Mailbox, cpu_split, handoff_reference, split_part_names, split_unit_rows
+    from runtime.kernels import gather_triton as gk
+    from runtime.kernels import handoff_triton as hk
+    pool_k, _ = _kernels()
+    cpu = torch.device("cpu")
+    gen = torch.Generator().manual_seed(16)
+    # the handoff: one token splits one miss by rows as cpu_split says (fp32, op for op); two tokens do not
+    table = torch.tensor([-1, 3, -1, -1, 0, -1, 2, -1, -1, 1, -1, -1])
+    splits = 0
+    for t, share, error in [(1, s / 20, 0) for s in range(21)] + [(1, 0.45, 1), (2, 0.45, 0)]:
+        ids = torch.stack([torch.randperm(12, generator=gen)[:6] for _ in range(t)])
+        w, x = torch.rand(t, 6, generator=gen), torch.randn(t, 40, generator=gen)
+        boxes = [Mailbox(max_tokens=2, top_k=6, hidden=40, device=cpu, share=share, intermediate=48)
+                 for _ in range(2)]
+        for box in boxes:
+            box.enable_split(72)
+            box.error.fill_(error)
+        got = hk.handoff(1, ids, w, x, table, boxes[0], fence=False)
+        want = handoff_reference(1, ids, w, x, table, boxes[1])
+        assert all(torch.equal(g, h) for g, h in zip(got, want)), (share, got, want)
+        a, b = boxes
+        assert torch.equal(a.split, b.split) and torch.equal(a.ncpu, b.ncpu), (share, a.split, b.split)
+        n_miss = int((table[ids] < 0).sum())
+        whole, rows = cpu_split(n_miss, share, unit=72, inter=48, tokens=t)
+        if error:
+            whole = rows = 0
+        assert a.split.tolist()[1] == rows and int(a.ncpu[0]) == whole + (rows > 0)
+        if rows:
+            splits += 1
+            sa = int(a.split[0])
+            assert int(got[1].view(-1)[sa]) == int(ids.view(-1)[sa]) >= 0      # the GPU's miss, split
+            assert a.meta.tolist() == [1, 1, int(ids.view(-1)[sa]), 0, rows] == b.meta.tolist()
+        if int(a.ncpu[0]):
+            for name in ("req", "meta", "ids", "weights"):
+                assert torch.equal(getattr(a, name), getattr(b, name)), name
+    assert splits >= 8
+    # the gather leaves the CPU's rows of the split assignment's gate/up parts behind, nothing else
+    src = torch.randint(0, 256, (10, 96), generator=gen, dtype=torch.uint8)
+    ids = torch.tensor([[3, 7, 5, -1]])
+    for parts in (torch.tensor([[0, 16], [48, 16]]), torch.tensor([[0, 8], [50, 3]])):   # words; single bytes
+        split = torch.tensor([1, 2], dtype=torch.int32)                       # assignment 1, two rows
+        got, want = torch.full((4, 96), 7, dtype=torch.uint8), torch.full((4, 96), 7, dtype=torch.uint8)
+        slots = gk.gather_blocks(src, ids, got, skip=(split, parts), chunk_bytes=32)
+        assert torch.equal(slots, gk.gather_blocks_reference(src, ids, want, skip=(split, parts)))
+        assert torch.equal(got, want)
+        lo2, per2 = parts[1].tolist()
+        kept = torch.ones(96, dtype=torch.bool)
+        kept[0:2 * int(parts[0, 1])] = False
+        kept[lo2:lo2 + 2 * per2] = False
+        assert torch.equal(got[1, kept], src[7, kept]) and bool((got[1, ~kept] == 7).all())
+        assert torch.equal(got[0], src[3]) and torch.equal(got[2], src[5])
+    # the gate/up kernel takes the split assignment's first rows from the mailbox, once its ticket is there
+    for codec, group, fmt in (("int4", 32, ""), ("fp4", 32, "mxfp4")):
+        store = make_store(codec, group, fmt, 64, 64, False, experts=4)
+        layout = store.layout
+        assert split_part_names(layout)[0] == "gate" and 1.4 * 64 < split_unit_rows(layout) < 1.6 * 64
+        pool = torch.from_numpy(store.layer_buffer(0).copy())
+        x = torch.randn(1, 64, generator=gen).to(torch.bfloat16)
+        slots = torch.tensor([[0, 3, 2]])
+        box = Mailbox(max_tokens=1, top_k=3, hidden=64, device=cpu, share=0.5, intermediate=64)
+        box.split.copy_(torch.tensor([1, 32], dtype=torch.int32))
+        box.part.copy_(torch.randn(64, generator=gen))
+        box.ticket.fill_(5)
+        box.part_resp.fill_(5)
+        plain, _ = pool_k.pool_gate_up_triton(pool, layout, ExpertSpec(), x, slots, block_n=16)
+        h, _ = pool_k.pool_gate_up_triton(pool, layout, ExpertSpec(), x, slots, block_n=16, split_box=box)
+        # (within one bf16 step: the interpreter truncates where the GPU rounds to nearest)
+        torch.testing.assert_close(h[1, :32].float(), box.part[:32], rtol=8e-3, atol=1e-6)
+        assert torch.equal(h[1, 32:], plain[1, 32:]) and not torch.equal(h[1, :32], plain[1, :32])
+        assert torch.equal(h[0], plain[0]) and torch.equal(h[2], plain[2]) and int(box.error[0]) == 0
+        box.part_resp.fill_(4)                                                # the CPU never answers: bounded
+        pool_k.pool_gate_up_triton(pool, layout, ExpertSpec(), x, slots, block_n=16, split_box=box, max_spins=3)
+        assert int(box.error[0]) == 1
+
+
+def test_the_finer_split_kernels_match_the_reference(interpreter):
+    """The finer split (a one-token call's CPU share in rows of one more expert, cpu_share.py) in the kernels:
+    the handoff picks the assignment and rows the reference does at every share (fp32, op for op), none with the
+    error flag up or for two tokens; the gather copies none of the CPU's rows of that assignment's gate/up parts
+    and everything else (4-byte words and single bytes); the gate/up kernel takes that assignment's first rows
+    from the mailbox (rounded to h's dtype), computes the rest and the other assignments as without a split, and
+    gives up waiting after max_spins with the error flag up."""
+    interpreter.run("the_finer_split")
+
+
 def test_pool_tile_plan_fills_the_gpu_at_batch_one_and_stays_in_budget():
     """qwen3-30b-a3b's shape (D 2048, I 768, K 8) and qwen3.5's (I 512, K 10) on 132 SMs: batch 1 gets
     narrow tiles and at least PROGRAMS_PER_SM programs per SM where the outputs allow; every plan keeps
@@ -777,7 +863,8 @@ def _compile_sm90(fn, args: dict, constexprs: dict, warps: int, tmp_path: Path, 
 def test_kernels_compile_for_h200_without_spilling(tmp_path, monkeypatch):
     """The interpreter does not check GPU code generation (layouts of reshape/split, register use): compile
     the variants the engine launches at qwen3-30b-a3b's shape (int4/64, K 8) and an MXFP4 K-10 one for
-    sm_90 with the ptxas Triton ships, with bf16, fp16 and fp32 activations, the zero-copy gather, and the CPU share's handoff (with and without
+    sm_90 with the ptxas Triton ships, with bf16, fp16 and fp32 activations, the zero-copy gather (and its finer
+    split: the gate/up kernel waiting for the CPU's rows, the gather leaving them), and the CPU share's handoff (with and without
     the step log: its system-scope fence is there) and collect (with and without the hits' rows). No register spills, and the
     packed codes are read 16 bytes per load (a select over offsets, once, hid their alignment and made it
     16 byte loads)."""
@@ -796,7 +883,8 @@ def test_kernels_compile_for_h200_without_spilling(tmp_path, monkeypatch):
         common = dict(pool_ptr="*u8", nbytes=layout.nbytes, slots_ptr="*i64", slot_st=k, slot_sk=1, K=k, I=i)
         gate_up = dict(common, table_ptr="*i32", E=128, slots_out="*i32", x_st=d, D2=d // 2, DG=-(-d // group),
                        gq=off["gate"], gs=off["gate_scales"], gm=off.get("gate_mins", 0), uq=off["up"],
-                       us=off["up_scales"], um=off.get("up_mins", 0), alpha=1.702, limit=7.0)
+                       us=off["up_scales"], um=off.get("up_mins", 0), alpha=1.702, limit=7.0, split_ptr="*i32",
+                       part_ptr="*fp32", part_resp_ptr="*i64", ticket_ptr="*i64", err_ptr="*i32", max_spins=20_000_000)
         down = dict(common, w_st=k, w_sk=1, D=d, I2=i // 2, IG=-(-i // group),
                     dq=off["down"], ds=off["down_scales"], dm=off.get("down_mins", 0))
         c = 0 if codec == "int4" else 1
@@ -804,9 +892,9 @@ def test_kernels_compile_for_h200_without_spilling(tmp_path, monkeypatch):
         for t, dtype in runs:
             h = "*" + dtype if dtype != "fp32" else "*fp32"                  # h in x's dtype when 16-bit
             gu, dn = pool_k.default_plans(t, k, layout, sms=132)
-            for lookup in (False, True) if t == 1 else (False,):
+            for lookup, split in ((False, False), (True, False), (False, True)) if t == 1 else ((False, False),):
                 cases.append((pool_k._gate_up_kernel, dict(gate_up, x_ptr="*" + dtype, h_ptr=h),
-                              dict(CODEC=c, GROUP=group, ACT=0, LOOKUP=lookup, BLOCK_N=gu.block_n,
+                              dict(SPLIT=split, CODEC=c, GROUP=group, ACT=0, LOOKUP=lookup, BLOCK_N=gu.block_n,
                                    BLOCK_K=gu.block_k, STEPS=gu.steps, PREFETCH=gu.prefetch,
                                    EVEN=(d // 2) % gu.block_k == 0, ROWS_ALL=i % gu.block_n == 0), gu.warps))
             cases.append((pool_k._down_kernel, dict(down, w_ptr="*" + dtype, y_ptr="*" + dtype, h_ptr=h),
@@ -829,12 +917,14 @@ def test_kernels_compile_for_h200_without_spilling(tmp_path, monkeypatch):
                   dict(CHUNK=64, SPLITS=16, BLOCK_S=64, BLOCK_G=16, BLOCK_D=128, DOT_FP32=False), 4))
     from runtime.kernels import gather_triton as gather_k
     words = 2506752 // 4                                           # qwen3-30b-a3b's int4/128 block
-    for lookup, first, count in ((False, 0, words), (True, 0, words),                         # zero-copy gather
-                                 (True, 1671168 // 4, words - 1671168 // 4)):                 # (its down part)
+    for lookup, first, count, skip in ((False, 0, words, False), (True, 0, words, False),       # zero-copy gather
+                                       (True, 0, 1671168 // 4, True),                        # (gate/up, a split)
+                                       (True, 1671168 // 4, words - 1671168 // 4, False)):   # (its down part)
         cases.append((gather_k._gather_kernel,
                       dict(src_ptr="*i32", ids_ptr="*i64", table_ptr="*i64", E=128, dst_ptr="*i32", slots_ptr="*i64",
-                           words=words, first=first, count=count),
-                      dict(LOOKUP=lookup, CHUNK=gather_k.CHUNK_BYTES // 4, ABLOCK=32), gather_k.NUM_WARPS))
+                           words=words, first=first, count=count, split_ptr="*i32", parts_ptr="*i64"),
+                      dict(LOOKUP=lookup, CHUNK=gather_k.CHUNK_BYTES // 4, ABLOCK=32, SKIP=skip,
+                           NPARTS=6 if skip else 0, WORD=4), gather_k.NUM_WARPS))
     from runtime.kernels import handoff_triton as handoff_k
     small = []                  # the CPU share's handoff and collect: a few words and rows, no wide loads to check
     for log in (False, True):
@@ -842,7 +932,8 @@ def test_kernels_compile_for_h200_without_spilling(tmp_path, monkeypatch):
                       dict(ids_ptr="*i64", w_ptr="*bf16", x_ptr="*bf16", x_st=2048, table_ptr="*i64", share_ptr="*fp32",
                            ticket_ptr="*i64", ncpu_ptr="*i32", hit_ptr="*i64", zc_ptr="*i64", box_ids_ptr="*i64",
                            box_w_ptr="*fp32", box_x_ptr="*fp32", box_meta_ptr="*i64", box_req_ptr="*i64",
-                           err_ptr="*i32", log_ptr="*i64", layer=3, T=1, A=8, D=2048),
+                           err_ptr="*i32", log_ptr="*i64", split_ptr="*i32", unit_ptr="*fp32", layer=3, T=1, A=8,
+                           D=2048, I=768),
                       dict(FENCE=True, LOG=log, ABLOCK=16, DBLOCK=1024), 4))
     for extra in (False, True):
         small.append((handoff_k._collect_kernel,

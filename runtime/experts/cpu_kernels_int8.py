@@ -817,6 +817,8 @@ def group_by_expert(tokens, experts, weights, n_experts, n_tokens, counts, tok, 
 
 N_STAGES = 4
 STAGE_NAMES = ("x to int8", "gate/up", "down inputs", "down and sum")
+SPLIT_DONE = (2 * N_STAGES + 1) * SYNC_STRIDE   # the shared counter of a split expert's row tasks done (`_stages`)
+SYNC_WORDS = SPLIT_DONE + SYNC_STRIDE           # per stage: tasks taken, tasks done; then SPLIT_DONE
 FUSED_DOWN_INPUTS_MAX = 32   # up to this many assignments (decode, batch <= 4) a call has no down-input stage:
                              # the gate/up task that finishes a group of h rows quantizes that group itself (one
                              # stage and its barrier fewer: ~4 µs of a ~150 µs request on the GPU machine's host,
@@ -835,7 +837,7 @@ def scratch_sizes(n_tokens: int, n_assign: int, n_experts: int, hidden: int, int
     kernel allocates nothing: run q measured its ~20 small allocations at ~90 µs a request on the GPU machine's
     host, as long as the gate/up rows)."""
     a, t = n_assign, n_tokens
-    i64 = ((n_experts + 1) + 3 * a + 1 + N_STAGES + (2 * N_STAGES + 1) * SYNC_STRIDE   # counts, tok, uniq,
+    i64 = ((n_experts + 1) + 3 * a + 1 + N_STAGES + SYNC_WORDS                        # counts, tok, uniq,
            + max(1, lanes) + a * (inter // group))            # starts, seen, sync, lanes, groups of h done
     f32 = a + 2 * t * (hidden // group) + a * inter + 2 * a * (inter // group)   # w, xs, xm, h, hs, hm
     i8 = t * hidden + a * inter                                                  # xq, hq
@@ -902,8 +904,8 @@ def _carve(s64, s32, s8, n_tok, n_a, n_exp, n_thr, d, i, group):
     at = _aligned(at + n_a, q64)
     starts = s64[at:at + n_a + 1]
     at = _aligned(at + n_a + 1, q64)
-    sync = s64[at:at + (2 * N_STAGES + 1) * SYNC_STRIDE]  # per stage: tasks taken, tasks done, a stride apart
-    at = _aligned(at + (2 * N_STAGES + 1) * SYNC_STRIDE, q64)
+    sync = s64[at:at + SYNC_WORDS]                        # per stage: tasks taken, tasks done, a stride apart
+    at = _aligned(at + SYNC_WORDS, q64)
     seen = s64[at:at + N_STAGES]                          # when a thread first saw each stage done
     at = _aligned(at + N_STAGES, q64)
     t_in = s64[at:at + n_thr]
@@ -980,7 +982,7 @@ def _down_rows(n_u):
 @njit(cache=True, fastmath=True, nogil=True, _nrt=False)
 def _stages(codec, buf, buf16, buf32, nbytes, offs, has_bias, i, group, table, x, n_a, gate_scale, up_scale,
             down_scale, activation, alpha, limit, out, v, plan, answer, ticket, gen_word, gen, lane, phases,
-            clear_out):
+            clear_out, split_e, split_t, split_r, split_base, part, part_answer):
     """One lane's part of a call: each stage's tasks taken from its counter until none is left, then a wait until
     every task of the stage is done (counting tasks, not lanes: a lane the OS never runs takes none, and nothing
     waits for it). plan: (the stages' counter bases, then their task counts) - counters run on from call to call
@@ -1000,7 +1002,14 @@ def _stages(codec, buf, buf16, buf32, nbytes, offs, has_bias, i, group, table, x
 
     clear_out (the worker): each down task first sets its slice of out's columns to 0 for every row of out (out
     is the mailbox's, answered afresh each request), in parallel where lane 0 cleared all of it in the serial
-    start before (128 lines, last written by other cores: part of the start's ~7 µs that every lane waited for)."""
+    start before (128 lines, last written by other cores: part of the start's ~7 µs that every lane waited for).
+
+    A split expert (split_r > 0: zero-copy decode's finer split, cpu_share.py): the first split_r / ROWS_PER_TASK
+    tasks of the gate/up stage compute rows 0..split_r of expert split_e's activations for token split_t into
+    `part` (fp32, not quantized: the GPU's down kernel takes them as its own h rows), before any whole expert's
+    rows; the lane that finishes the last of them (a counter that runs on from call to call like the stages',
+    from split_base) stores `ticket` in part_answer[0] (release). That expert has no down task here: the GPU
+    computes its other rows and its down projection."""
     tokens, experts, starts, sync, seen = v[1], v[2], v[3], v[4], v[5]
     weights, xs, xm, h, hs, hm, xq, hq, qdone = v[7:]
     d = x.shape[1]
@@ -1010,7 +1019,8 @@ def _stages(codec, buf, buf16, buf32, nbytes, offs, has_bias, i, group, table, x
     hg = np.uint64(group // 2)
     gd, gi = np.uint64(d // group), np.uint64(i // group)
     up_blocks = (i + ROWS_PER_TASK - 1) // ROWS_PER_TASK
-    n_u = plan[N_STAGES + 1] // up_blocks
+    n_split = split_r // ROWS_PER_TASK              # the split expert's row tasks: the gate/up stage's first
+    n_u = (plan[N_STAGES + 1] - n_split) // up_blocks
     down_rows = _down_rows(n_u)
     row_d, row_i = gd * hg, gi * hg                   # packed bytes of a gate/up row, of a down row
     scale_b = np.uint64(2) if codec == 0 else np.uint64(1)
@@ -1040,8 +1050,31 @@ def _stages(codec, buf, buf16, buf32, nbytes, offs, has_bias, i, group, table, x
             began = _cycles()
             if stage == 0:                            # x: token, group
                 _quantize_group(x, task // (d // group), task % (d // group), group, xq, xs, xm)
+            elif stage == 1 and task < n_split:      # rows of the split expert, for the GPU's h
+                e = np.uint64(split_e)
+                b0, t = e * nb, np.uint64(split_t)
+                r0 = task * ROWS_PER_TASK
+                r1 = r0 + ROWS_PER_TASK
+                for r in range(r0, min(r0 + ahead_d, r1)):
+                    _prefetch_row(buf, b0, o[0], o[1], o[2], np.uint64(r), row_d, scale_d, mins)
+                    _prefetch_row(buf, b0, o[3], o[4], o[5], np.uint64(r), row_d, scale_d, mins)
+                for r in range(r0, r1):
+                    ru = np.uint64(r)
+                    if r + ahead_d < r1:
+                        _prefetch_row(buf, b0, o[0], o[1], o[2], np.uint64(r + ahead_d), row_d, scale_d, mins)
+                        _prefetch_row(buf, b0, o[3], o[4], o[5], np.uint64(r + ahead_d), row_d, scale_d, mins)
+                    g = _row(codec, buf, buf16, b0, o[0], o[1], o[2], ru, gd, hg, table, xq, xs, xm, t)
+                    w = _row(codec, buf, buf16, b0, o[3], o[4], o[5], ru, gd, hg, table, xq, xs, xm, t)
+                    g *= gate_scale[e]
+                    w *= up_scale[e]
+                    if has_bias:
+                        g += buf32[((b0 + o[9]) >> two) + ru]
+                        w += buf32[((b0 + o[10]) >> two) + ru]
+                    part[r] = _act(g, w, activation, alpha, limit)
+                if _fetch_add(sync, SPLIT_DONE, 1) == split_base + n_split - 1:
+                    _store_release(part_answer, 0, ticket)   # the GPU's gate/up kernel may take the rows now
             elif stage == 1:                          # gate and up rows of one expert
-                u, e, b0, r0, r1 = _task_rows(task, up_blocks, experts, nb, i, ROWS_PER_TASK)
+                u, e, b0, r0, r1 = _task_rows(task - n_split, up_blocks, experts, nb, i, ROWS_PER_TASK)
                 for r in range(r0, min(r0 + ahead_d, r1)):           # the first rows asked for at once
                     _prefetch_row(buf, b0, o[0], o[1], o[2], np.uint64(r), row_d, scale_d, mins)
                     _prefetch_row(buf, b0, o[3], o[4], o[5], np.uint64(r), row_d, scale_d, mins)
@@ -1192,7 +1225,8 @@ def moe_layer_int8(codec, buf, buf16, buf32, nbytes, offs, has_bias, i, group, t
     for lane in prange(n_thr):
         t_in[lane] = _cycles()
         _stages(codec, buf, buf16, buf32, nbytes, offs, has_bias, i, group, table, x, n_a, gate_scale, up_scale,
-                down_scale, activation, alpha, limit, out, v, plan, answer, ticket, always, zero, lane, phases, False)
+                down_scale, activation, alpha, limit, out, v, plan, answer, ticket, always, zero, lane, phases, False,
+                zero, zero, zero, zero, s32, answer)     # (no split expert: the part arrays are never touched)
     _mark_phases(phases, c0, t_in, n_thr, seen, _cycles())
 
 
@@ -1200,13 +1234,14 @@ def moe_layer_int8(codec, buf, buf16, buf32, nbytes, offs, has_bias, i, group, t
 # 128 bytes; lane 0 writes the request's parameters (its plan: the stages' counter bases, then task counts)
 CTL_GEN, CTL_BEGIN, CTL_QUIT, CTL_PLAN = (j * SYNC_STRIDE for j in range(4))   # request published, being written
 CTL_LAYER, CTL_A, CTL_TICKET, CTL_C0, CTL_LAST = (CTL_PLAN + 2 * N_STAGES + j for j in range(5))
-CTL_SIZE = CTL_PLAN + 2 * N_STAGES + 5
+CTL_SPLIT_E, CTL_SPLIT_T, CTL_SPLIT_R, CTL_SPLIT_BASE = (CTL_PLAN + 2 * N_STAGES + 5 + j for j in range(4))
+CTL_SIZE = CTL_PLAN + 2 * N_STAGES + 9
 
 
 @njit(parallel=True, cache=True, fastmath=True, nogil=True)
-def serve_layers(req, resp, meta, ids, weights, x, out, last, spins, clock, phases, lanes, sel64, sel32, s64,
-                 s32, s8, ctl, codec, bufs, g_scale, u_scale, d_scale, nbytes, offs, has_bias, inter, group, table,
-                 activation, alpha, limit):
+def serve_layers(req, resp, meta, ids, weights, x, out, part, part_answer, last, spins, clock, phases, lanes, sel64,
+                 sel32, s64, s32, s8, ctl, codec, bufs, g_scale, u_scale, d_scale, nbytes, offs, has_bias, inter,
+                 group, table, activation, alpha, limit):
     """The CPU-share worker's requests (cpu_share.serve_int8 says what each argument is), served by `lanes` lanes
     that stay in one parallel region from request to request: lane 0 polls the mailbox, gathers a request's
     assignments and publishes it (ctl[CTL_GEN]); every lane, spinning on that word between requests, runs the
@@ -1220,7 +1255,10 @@ def serve_layers(req, resp, meta, ids, weights, x, out, last, spins, clock, phas
     the next request as soon as every task of the last one is done. A lane the OS ran late (or, with more lanes
     than threads, after lane 0 left) finds its window's tasks all taken and moves on - it never touches a later
     request's data with an old plan, and lane 0 alone can serve everything. The plan is read under a
-    sequence check (CTL_BEGIN is bumped before it is written, CTL_GEN after)."""
+    sequence check (CTL_BEGIN is bumped before it is written, CTL_GEN after).
+
+    A request may name a split expert (meta[2:5]: expert, token, rows; rows 0: none): its first rows' activations
+    go to `part` and their ticket to part_answer (`_stages`), even when the request has no whole expert."""
     # Every shared word the lanes read inside the prange is read with _load_acquire: numba hoists a plain
     # `meta[0]` or `ctl[i]` (a constant index into an array the loop does not look like it writes) out of the
     # loop, so every request after the first read the first one's layer and token count
@@ -1238,7 +1276,7 @@ def serve_layers(req, resp, meta, ids, weights, x, out, last, spins, clock, phas
     ctl[CTL_LAST] = last
     for lane in prange(n_thr):
         mine = 0                                    # the last request this lane ran
-        b0 = b1 = b2 = b3 = 0                       # (lane 0) the stages' counters so far
+        b0 = b1 = b2 = b3 = bs = 0                  # (lane 0) the stages' counters so far, the split's
         while True:
             if lane == 0:
                 seen_seq = _load_acquire(ctl, CTL_LAST)
@@ -1254,13 +1292,16 @@ def serve_layers(req, resp, meta, ids, weights, x, out, last, spins, clock, phas
                     break
                 c0 = _cycles()
                 li, t = _load_acquire(meta, 0), _load_acquire(meta, 1)
+                se, st, sr = _load_acquire(meta, 2), _load_acquire(meta, 3), _load_acquire(meta, 4)
+                if sr < 0 or sr > inter or sr % ROWS_PER_TASK or (sr > 0 and not (0 <= se < n_exp and 0 <= st < t)):
+                    raise ValueError("CPU expert worker: a split expert's id, token or rows are out of range")
                 clock[1] += 1                       # counted before the answer: whoever sees it sees the count
                 a = 0
                 for j in range(t * k):
                     if ids[j] >= 0:
                         sel64[a], sel64[a_max + a], sel32[a] = j // k, ids[j], weights[j]
                         a += 1
-                if a == 0:                          # nothing for the CPU: zero rows, answered at once
+                if a == 0 and sr == 0:              # nothing for the CPU: zero rows, answered at once
                     for r in range(t):
                         for c in range(d):
                             out[r, c] = 0.0
@@ -1270,6 +1311,7 @@ def serve_layers(req, resp, meta, ids, weights, x, out, last, spins, clock, phas
                     continue
                 n0, n1, n2, n3 = _prepare(x, sel64[:a], sel64[a_max:a_max + a], sel32[:a], n_exp, t, d, inter,
                                           group, n_thr, v)
+                n1 += sr // ROWS_PER_TASK           # the split expert's row tasks come first in the stage
                 plan = (b0, b1, b2, b3, n0, n1, n2, n3)
                 b0, b1, b2, b3 = b0 + n0, b1 + n1, b2 + n2, b3 + n3
                 g = mine + 1
@@ -1280,6 +1322,12 @@ def serve_layers(req, resp, meta, ids, weights, x, out, last, spins, clock, phas
                 _store_release(ctl, CTL_A, a)
                 _store_release(ctl, CTL_TICKET, seq)
                 _store_release(ctl, CTL_C0, c0)
+                _store_release(ctl, CTL_SPLIT_E, se)
+                _store_release(ctl, CTL_SPLIT_T, st)
+                _store_release(ctl, CTL_SPLIT_R, sr)
+                sb = bs                             # this request's split tasks: counted from here
+                bs += sr // ROWS_PER_TASK
+                _store_release(ctl, CTL_SPLIT_BASE, sb)
                 _store_release(ctl, CTL_LAST, seq)
                 phases[0] += _cycles() - c0
                 _store_release(ctl, CTL_GEN, g)
@@ -1295,6 +1343,8 @@ def serve_layers(req, resp, meta, ids, weights, x, out, last, spins, clock, phas
                 li = _load_acquire(ctl, CTL_LAYER)
                 a = _load_acquire(ctl, CTL_A)
                 seq = _load_acquire(ctl, CTL_TICKET)
+                se, st = _load_acquire(ctl, CTL_SPLIT_E), _load_acquire(ctl, CTL_SPLIT_T)
+                sr, sb = _load_acquire(ctl, CTL_SPLIT_R), _load_acquire(ctl, CTL_SPLIT_BASE)
                 if _load_acquire(ctl, CTL_BEGIN) != g:   # lane 0 is writing the next one: read that instead
                     continue
             mine = g
@@ -1303,7 +1353,7 @@ def serve_layers(req, resp, meta, ids, weights, x, out, last, spins, clock, phas
             buf = bufs[li]
             _stages(codec, buf, buf.view(np.uint16), buf.view(np.float32), nbytes, offs, has_bias, inter, group,
                     table, x, a, g_scale[li], u_scale[li], d_scale[li], activation, alpha, limit, out, v, plan,
-                    resp, seq, ctl, g, lane, phases, True)
+                    resp, seq, ctl, g, lane, phases, True, se, st, sr, sb, part, part_answer)
             if lane == 0:
                 joined = _cycles()
                 c0 = _load_acquire(ctl, CTL_C0)

@@ -18,6 +18,15 @@ Calls are strictly sequential (the GPU waits for each answer before the next lay
 Which misses the CPU takes is a rule both sides can replay: the first round(n_miss * share) misses of the call in
 assignment order (the host replays it to count CPU and PCIe experts from the step's routing log).
 
+**The finer split** (session 16; a one-token call when the mailbox has a `split_unit`): the CPU's work is
+n_miss * share experts exactly, not rounded to whole ones. It takes the first floor(n_miss * share) misses whole
+and, of the next one, the first r rows of its gate and up matrices (r in steps of SPLIT_ROWS, the fraction's worth
+of the expert's bytes: `split_unit` rows weigh one expert). It writes those rows' activations (fp32) to `part` and
+its ticket to `part_resp` early in its request; the GPU gathers the rest of that expert (its other gate/up rows and
+its whole down part), computes its own rows, takes rows 0..r from `part` (its gate/up kernel waits for the ticket)
+and runs the down kernel as for any miss. Why: with whole experts the two sides can be no closer than an expert
+(~55 µs on the GPU, ~39 µs on the CPU, of a ~210 µs layer); `benchmarks/sim_split_grain.py` models ~9 µs a layer.
+
 Faults: a worker exception answers with zeros and is reported (`error`), and the CPU share drops to 0 from the next
 step; a GPU that waited `max_spins` polls sets a device error flag instead of hanging. On a CPU device (tests) the
 same protocol runs with torch/numpy stand-ins for the two kernels (`handoff_reference`, `collect_reference`).
@@ -45,6 +54,8 @@ GIL_SWITCH_S = 5e-5           # the interpreter's thread switch interval while a
 PY_POLL_SLEEP_S = 0.0005      # without numba the poll is Python's: a nap between polls hands back the GIL
 QUIET_AFTER_S = 0.05          # no request for this long: poll lazily...
 QUIET_SLEEP_S = 0.005         # ...every 5 ms
+SPLIT_ROWS = 16               # a split expert's rows go to the CPU in steps of this many (the int8 kernel's row
+                              # task, cpu_kernels_int8.ROWS_PER_TASK: a test keeps the two equal)
 
 try:
     from numba import njit
@@ -71,9 +82,9 @@ try:
     def read_cycles():
         return _cycles()
 
-    def serve_int8(req, resp, meta, ids, weights, x, out, last, spins, clock, phases, lanes, sel64, sel32, s64, s32,
-                   s8, ctl, codec, bufs, g_scale, u_scale, d_scale, nbytes, offs, has_bias, inter, group, table,
-                   activation, alpha, limit):
+    def serve_int8(req, resp, meta, ids, weights, x, out, part, part_resp, last, spins, clock, phases, lanes, sel64,
+                   sel32, s64, s32, s8, ctl, codec, bufs, g_scale, u_scale, d_scale, nbytes, offs, has_bias, inter,
+                   group, table, activation, alpha, limit):
         """The worker's request loop: poll the request word, gather the CPU's assignments, run the int8 kernel
         over the layer's blocks, answer - in two compiled steps without the GIL. Returns the last ticket served
         once `spins` polls saw nothing new (the Python side then checks its stop flag and naps). clock [2] int64
@@ -89,9 +100,9 @@ try:
         cpu_kernels_int8.py."""
         if spin_until_changed(req, last, spins) == last:
             return last
-        return serve_layers(req, resp, meta, ids, weights, x, out, last, spins, clock, phases, lanes, sel64, sel32,
-                            s64, s32, s8, ctl, codec, bufs, g_scale, u_scale, d_scale, nbytes, offs, has_bias, inter,
-                            group, table, activation, alpha, limit)
+        return serve_layers(req, resp, meta, ids, weights, x, out, part, part_resp, last, spins, clock, phases, lanes,
+                            sel64, sel32, s64, s32, s8, ctl, codec, bufs, g_scale, u_scale, d_scale, nbytes, offs,
+                            has_bias, inter, group, table, activation, alpha, limit)
 
     HAVE_NUMBA = True
 except ImportError:           # numba absent: the worker polls in Python (tests; the real path needs numba)
@@ -121,17 +132,20 @@ class Mailbox:
     """The GPU <-> CPU mailbox: host words and rows in page-locked (device-mapped) memory, plus the device-side
     scalars and slot vectors of the handoff. Shapes: T <= max_tokens tokens, K experts per token, D hidden."""
 
-    def __init__(self, *, max_tokens: int, top_k: int, hidden: int, device: torch.device, share: float):
+    def __init__(self, *, max_tokens: int, top_k: int, hidden: int, device: torch.device, share: float,
+                 intermediate: int = 0):
         pin = device.type == "cuda"
-        self.top_k = top_k
+        self.top_k, self.intermediate = top_k, intermediate
         a = max_tokens * top_k
         host = lambda *shape, dtype: torch.zeros(shape, dtype=dtype, pin_memory=pin)       # noqa: E731
         self.req, self.resp = host(1, dtype=torch.int64), host(1, dtype=torch.int64)        # tickets
-        self.meta = host(2, dtype=torch.int64)                     # layer index, T
+        self.meta = host(5, dtype=torch.int64)                     # layer index, T, split expert, its token, rows
         self.ids = host(a, dtype=torch.int64)                      # [A] the CPU's experts (-1: not the CPU's)
         self.weights = host(a, dtype=torch.float32)                # [A]
         self.x = host(max_tokens, hidden, dtype=torch.float32)     # [T, D] the tokens' activations
         self.out = host(max_tokens, hidden, dtype=torch.float32)   # [T, D] the CPU's weighted sum
+        self.part = host(max(1, intermediate), dtype=torch.float32)  # [I] the split expert's first rows of h
+        self.part_resp = host(1, dtype=torch.int64)                # their ticket
         dev = lambda *shape, dtype, fill=0: torch.full(shape, fill, dtype=dtype, device=device)   # noqa: E731
         self.ticket = dev(1, dtype=torch.int64)                    # the last request's number (device counter)
         self.ncpu = dev(1, dtype=torch.int32)                      # the CPU's experts in the last call
@@ -139,10 +153,21 @@ class Mailbox:
         self.share = dev(1, dtype=torch.float32, fill=share)       # the CPU's share of misses (host sets it)
         self.hit_slots = dev(a, dtype=torch.int64, fill=-1)
         self.zc_ids = dev(a, dtype=torch.int64, fill=-1)
-        self._np = {name: getattr(self, name).numpy() for name in ("req", "resp", "meta", "ids", "weights", "x", "out")}
+        self.split = dev(2, dtype=torch.int32)                     # the last call's split assignment and rows
+        self.split.fill_(0)[0] = -1
+        self.split_unit = dev(1, dtype=torch.float32)              # gate/up rows that weigh one expert (0: no split)
+        self._np = {name: getattr(self, name).numpy() for name in ("req", "resp", "meta", "ids", "weights", "x", "out",
+                                                                   "part", "part_resp")}
 
     def set_share(self, share: float) -> None:
         self.share.fill_(float(share))
+
+    def enable_split(self, unit: int) -> None:
+        """Split one expert between the sides from now on (one-token calls): `unit` gate/up rows weigh as many
+        bytes as one whole expert (`split_unit_rows`); 0 turns it off."""
+        if unit and not self.intermediate:
+            raise ValueError("Mailbox.enable_split: the mailbox was made without the expert width (intermediate)")
+        self.split_unit.fill_(float(unit))
 
 
 def nap_after_an_empty_spin(quiet: bool) -> float:
@@ -187,6 +212,7 @@ class CpuShareWorker:
         between a request and its answer; else each request goes through `compute` in Python."""
         self.box, self.compute = box, compute
         self.int8_args, self.threads = int8_args, threads
+        self.compiled = int8_args is not None and HAVE_NUMBA     # requests served in compiled code
         load_private_openmp()            # (the tier did it before its warm-up; a worker built alone does it here)
         if HAVE_NUMBA:
             # numba starts its threading layer lazily, at the first parallel call; started from inside the
@@ -209,7 +235,8 @@ class CpuShareWorker:
             self._scratch = self._scratch_for(most_lanes)
             # compiled for these arguments' types without running it (a parallel region run on this thread
             # would leave it a pool of kernel threads for good: CpuExecutor.warm_up)
-            args = (b["req"], b["resp"], b["meta"], b["ids"], b["weights"], b["x"], b["out"], int(b["req"][0]), 0,
+            args = (b["req"], b["resp"], b["meta"], b["ids"], b["weights"], b["x"], b["out"], b["part"], b["part_resp"],
+                    int(b["req"][0]), 0,
                     self._clock, self._phases, 1, *self._scratch, *int8_args)
             serve_layers.compile(tuple(numba.typeof(a) for a in args))
             self._cycles_per_s = _cycle_rate()
@@ -251,6 +278,7 @@ class CpuShareWorker:
                 b["out"][:] = 0.0
                 if self.error is None:           # set before the answer: whoever sees the zeros sees why
                     self.error = exc
+                publish(b["part_resp"], seq)     # (a split expert's rows too: nothing on the GPU waits on)
                 publish(b["resp"], seq)
                 if self.error is exc:
                     log.error("the CPU expert worker failed (%s); its share goes back to the GPU", exc)
@@ -278,7 +306,8 @@ class CpuShareWorker:
     def _serve_compiled(self, last: int, spins: int) -> int:
         """Every request that comes within `spins` polls, in compiled code; the last ticket answered."""
         b = self.box._np
-        return int(serve_int8(b["req"], b["resp"], b["meta"], b["ids"], b["weights"], b["x"], b["out"], last, spins,
+        return int(serve_int8(b["req"], b["resp"], b["meta"], b["ids"], b["weights"], b["x"], b["out"], b["part"],
+                              b["part_resp"], last, spins,
                               self._clock, self._phases, self._lanes, *self._scratch, *self.int8_args))
 
     @property
@@ -337,6 +366,8 @@ class CpuShareWorker:
         if seq == last:
             return last
         li, t = int(b["meta"][0]), int(b["meta"][1])
+        if int(b["meta"][4]):       # (the tier enables the split only with the compiled worker)
+            raise RuntimeError("the Python CPU-share worker cannot compute a split expert's rows")
         k = len(b["ids"]) // len(b["x"])
         ids = b["ids"][:t * k].reshape(t, k)
         out = b["out"][:t]
@@ -356,6 +387,39 @@ class CpuShareWorker:
         sys.setswitchinterval(self._switch_interval)
 
 
+# ---------------------------------------------------------------------------------- the rule
+def split_unit_rows(layout) -> int:
+    """Gate/up rows (both matrices' row i, with their scales and mins) that weigh as many bytes as one whole
+    expert block: the exchange rate of the finer split (~1.5 x the expert width: gate and up are ~2/3 of a block)."""
+    pair = sum(layout.parts[name].nbytes for name in split_part_names(layout)) / layout.intermediate
+    return max(1, round(sum(part.nbytes for part in layout.parts.values()) / pair))   # (the block's padding: none)
+
+
+def split_part_names(layout) -> list[str]:
+    """The block's parts that hold one row per gate/up row (the bytes of a split expert's rows the CPU reads)."""
+    return [name for name in ("gate", "gate_scales", "gate_mins", "up", "up_scales", "up_mins")
+            if name in layout.parts]
+
+
+def cpu_split(n_miss: int, share: float, *, unit: float = 0.0, inter: int = 0, tokens: int = 1) -> tuple[int, int]:
+    """The handoff's rule (`handoff_triton._handoff_kernel` computes the same in fp32, op for op): (misses the CPU
+    computes whole, rows of the next miss it computes the first gate/up rows of). Without a split (`unit` 0, or a
+    call of several tokens) the first round(n_miss * share) misses, no rows. With one: the CPU's work is
+    n_miss * share experts; its fraction of an expert becomes rows (`unit` rows weigh one), in steps of SPLIT_ROWS,
+    at most the expert's width - a fraction past the midpoint between all its gate/up rows and the whole expert
+    takes the whole expert instead."""
+    f32 = np.float32
+    work = f32(n_miss) * f32(share)
+    if unit <= 0 or tokens != 1:
+        return int(work + f32(0.5)), 0
+    whole = int(np.floor(work))
+    rows = (work - f32(whole)) * f32(unit)
+    if rows >= (f32(inter) + f32(unit)) * f32(0.5):
+        return whole + 1, 0
+    r = int(np.floor(rows * f32(1.0 / SPLIT_ROWS) + f32(0.5))) * SPLIT_ROWS
+    return whole, min(r, inter) if whole < n_miss else 0
+
+
 # ---------------------------------------------------------------------------------- CPU-device stand-ins
 def handoff_reference(layer_index: int, ids: torch.Tensor, weights: torch.Tensor, x: torch.Tensor,
                       table_row: torch.Tensor, box: Mailbox, *,
@@ -370,19 +434,23 @@ def handoff_reference(layer_index: int, ids: torch.Tensor, weights: torch.Tensor
     slot = table_row[ids]                                               # [T, K]
     miss = (slot < 0).reshape(-1)
     rank = torch.cumsum(miss.int(), 0) - miss.int()
-    n_cpu = int(float(miss.sum()) * float(box.share[0]) + 0.5)
+    n_cpu, rows = cpu_split(int(miss.sum()), float(box.share[0]), unit=float(box.split_unit[0]),
+                            inter=box.intermediate, tokens=t)
     if int(box.error[0]):                       # the worker failed to answer: the GPU's path reads every miss
-        n_cpu = 0
+        n_cpu = rows = 0
     cpu = miss & (rank < n_cpu)
     hit = torch.where(slot >= 0, slot, -1)
     zc = torch.where((miss & (rank >= n_cpu)).view(t, k), ids, -1)
-    box.ncpu.fill_(n_cpu)
-    if n_cpu:
+    split_a = int(torch.nonzero(miss & (rank == n_cpu))[0, 0]) if rows else -1
+    box.split[0], box.split[1] = split_a, rows
+    box.ncpu.fill_(n_cpu + (rows > 0))
+    if n_cpu or rows:
         b = box._np
         b["ids"][:t * k] = torch.where(cpu, ids.reshape(-1), -1).numpy()
         b["weights"][:t * k] = weights.reshape(-1).float().numpy()
         b["x"][:t] = x.float().numpy()
-        b["meta"][:] = (layer_index, t)
+        b["meta"][:] = (layer_index, t, int(ids.reshape(-1)[split_a]) if rows else -1,
+                        split_a // k if rows else 0, rows)
         box.ticket += 1
         publish(b["req"], int(box.ticket[0]))
     return hit, zc
@@ -405,9 +473,10 @@ def collect_reference(out: torch.Tensor, box: Mailbox, *, extra: torch.Tensor | 
     return out.add_(torch.from_numpy(box._np["out"][:t]).to(out.dtype))
 
 
-def cpu_share_counts(ids: np.ndarray, table: np.ndarray, share: float) -> tuple[int, int]:
+def cpu_share_counts(ids: np.ndarray, table: np.ndarray, share: float, *, unit: float = 0.0,
+                     inter: int = 0) -> tuple[int, int]:
     """The handoff's rule replayed on the host for one call: ids [T, K] (all >= 0), table [E] -> (CPU, PCIe)
-    missed assignments."""
-    miss = (table[ids.reshape(-1)] < 0)
-    n_cpu = int(int(miss.sum()) * float(np.float32(share)) + 0.5)
-    return n_cpu, int(miss.sum()) - n_cpu
+    missed assignments (a split expert counts as the GPU's: it moves the expert's down part and other rows)."""
+    miss = int((table[ids.reshape(-1)] < 0).sum())
+    n_cpu = cpu_split(miss, float(np.float32(share)), unit=unit, inter=inter, tokens=ids.shape[0])[0]
+    return n_cpu, miss - n_cpu

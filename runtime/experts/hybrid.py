@@ -35,7 +35,7 @@ import torch
 
 from runtime.experts.cpu_executor import CpuExecutor
 from runtime.experts.cpu_share import (CpuShareWorker, Mailbox, collect_reference, cpu_share_counts,
-                                       default_worker_threads, handoff_reference)
+                                       default_worker_threads, handoff_reference, split_part_names, split_unit_rows)
 from runtime.experts.host_store import HostExpertStore
 from runtime.experts.interface import ExpertSpec
 from runtime.experts.openmp import load_private_openmp, warn_if_private_beside_torch
@@ -47,7 +47,7 @@ from runtime.experts.slot_cache import SlotCache
 from runtime.experts.stats import ExpertStats
 from runtime.experts.transport import Transport
 from runtime.kernels import gather_triton, handoff_triton, int4_pool_triton
-from runtime.kernels.expert_pool import pool_forward, pool_forward_grouped
+from runtime.kernels.expert_pool import blocks_forward, pool_forward, pool_forward_grouped
 
 log = logging.getLogger(__name__)
 
@@ -117,6 +117,8 @@ class HybridOptions:
     split_gather: bool = True                   # zero-copy decode on CUDA with the gather: the misses' blocks
                                                 # gathered in two launches, gate/up parts then down parts, the
                                                 # gate/up kernel on the side stream beside the second (session 14)
+    expert_split: bool = True                   # zero-copy decode with a compiled CPU worker: one-token calls split
+                                                # one miss between the sides by rows (cpu_share.py, session 16)
 
 
 class HybridExperts:
@@ -253,7 +255,8 @@ class HybridExperts:
         most = self.options.promote_bytes_per_step // max(1, store.block_nbytes)
         self._promotion_budget = PromotionBudget(most, layers=len(store.layers), experts=store.num_experts,
                                                  floor=1 if self.options.adaptive_promotions else most)
-        self._box = self._worker = None
+        self._box = self._worker = self._split_parts = None
+        self._split_unit = 0                    # gate/up rows a whole expert weighs, with the finer split on
         fixed = self.options.cpu_share
         self._share_control = None
         if fixed is None and (self.cpu.int8 or self.cpu.fast):
@@ -269,7 +272,8 @@ class HybridExperts:
         self._step_started = None
         if (share > 0 or self._share_control is not None) and (not self.cuda or handoff_triton.HAVE_TRITON):
             self._box = Mailbox(max_tokens=ZERO_COPY_MAX_TOKENS, top_k=self.options.top_k,
-                                hidden=store.layout.hidden, device=self.device, share=share)
+                                hidden=store.layout.hidden, device=self.device, share=share,
+                                intermediate=store.layout.intermediate)
             # the worker thread holds the tier only weakly, and the tier's finaliser stops the thread: a model
             # that is unloaded (the service drops the engine) frees its pinned experts and VRAM pool
             tier, layers = weakref.ref(self), store.layers
@@ -289,6 +293,15 @@ class HybridExperts:
             self._host_threads = max(1, (os.cpu_count() or 1) - worker_threads - 1)
             weakref.finalize(self, self._worker.close)
             self._err_host = torch.zeros(1, dtype=torch.int32, pin_memory=self.cuda)
+            # the finer split needs the compiled worker (it computes a split expert's rows) and, on the GPU, the
+            # gather in two parts (the gate/up kernel that takes the CPU's rows is a launch of its own)
+            if self.options.expert_split and self._worker.compiled and self._scratch is not None and (
+                    self._split_at or not self.cuda):
+                self._split_parts = torch.tensor(
+                    [(self.layout.parts[n].offset, self.layout.parts[n].nbytes // self.layout.intermediate)
+                     for n in split_part_names(self.layout)], dtype=torch.int64, device=self.device)
+                self._split_unit = split_unit_rows(self.layout)
+                self._box.enable_split(self._split_unit)
         else:
             self._share_control = None
         self.cpu_share = share if self._box is not None else 0.0
@@ -342,8 +355,9 @@ class HybridExperts:
                 hit, zc = handoff_reference(li, ids, topk_weights, x, cache.table_rows[li], self._box,
                                             log=self._log[li])
             # (collect adds the hits' rows with the CPU's: no add kernel of their own)
-            out, hits = (self._misses(li, x, zc, topk_weights), None) if not self.options.slots else \
-                self._beside_parts(lambda: self._misses(li, x, zc, topk_weights),
+            misses = lambda: self._misses(li, x, zc, topk_weights, split=self._split_parts is not None)  # noqa: E731
+            out, hits = (misses(), None) if not self.options.slots else \
+                self._beside_parts(misses,
                                    lambda: self._pool_forward(cache.pool, self.layout, self.spec, x, hit, topk_weights))
             if self.cuda:
                 return handoff_triton.collect(out, self._box, extra=hits)
@@ -377,34 +391,59 @@ class HybridExperts:
         return out, h
 
     def _misses(self, li: int, x: torch.Tensor, rows: torch.Tensor, topk_weights: torch.Tensor, *,
-                table_row: torch.Tensor | None = None) -> torch.Tensor:
+                table_row: torch.Tensor | None = None, split: bool = False) -> torch.Tensor:
         """The missed experts' part of a zero-copy call: `rows` [T, K] are host rows of the layer (-1: not a
         miss the GPU computes), or expert ids looked up in `table_row`. Copied into the VRAM scratch by one
         gather launch, then computed there (a copy kernel keeps far more reads in flight over PCIe than the
-        compute kernels do), or computed in place from host memory."""
+        compute kernels do), or computed in place from host memory. `split`: the handoff may have split one miss
+        with the CPU (`Mailbox.enable_split`): its first gate/up rows are neither gathered nor computed here."""
         host = self._host_layers[li]
         if self._scratch is None:
             if table_row is None:
                 return self._pool_forward(host, self.layout, self.spec, x, rows, topk_weights)
             return self._looked_up(host, x, rows, topk_weights, table_row)
         if self._split_at:
-            return self._gathered_in_two(host, x, rows, topk_weights, table_row)
+            return self._gathered_in_two(host, x, rows, topk_weights, table_row, split=split)
         if self.cuda:
             slots = gather_triton.gather_blocks(host, rows, self._scratch, table=table_row)
-        else:
-            slots = gather_triton.gather_blocks_reference(host, rows, self._scratch, table=table_row)
-        return self._pool_forward(self._scratch, self.layout, self.spec, x, slots, topk_weights)
+            return self._pool_forward(self._scratch, self.layout, self.spec, x, slots, topk_weights)
+        skip = (self._box.split, self._split_parts) if split else None
+        slots = gather_triton.gather_blocks_reference(host, rows, self._scratch, table=table_row, skip=skip)
+        if skip is None or int(self._box.split[0]) < 0:
+            return self._pool_forward(self._scratch, self.layout, self.spec, x, slots, topk_weights)
+        a = int(self._box.split[0])
+        y = self._split_reference(self._scratch[int(slots.view(-1)[a])], x[a // slots.shape[1]],
+                                  topk_weights.reshape(-1)[a])
+        slots.view(-1)[a] = -1
+        return self._pool_forward(self._scratch, self.layout, self.spec, x, slots, topk_weights).index_add_(
+            0, torch.tensor([a // slots.shape[1]]), y[None].to(x.dtype))
 
-    def _gathered_in_two(self, host, x, rows, topk_weights, table_row) -> torch.Tensor:
+    def _split_reference(self, block: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
+                         timeout_s: float = 10.0) -> torch.Tensor:
+        """The split expert's output on a CPU device (what the gate/up and down kernels do on CUDA): its rows
+        from the gathered block, the first rows of h from the mailbox once the CPU's ticket is there."""
+        box = self._box
+        want, deadline = int(box.ticket[0]), time.monotonic() + timeout_s
+        while int(box._np["part_resp"][0]) != want:
+            if time.monotonic() > deadline:
+                box.error.fill_(1)
+                break
+            time.sleep(0)
+        part = torch.from_numpy(box._np["part"][:int(box.split[1])])[None]
+        return blocks_forward(block[None], self.layout, self.spec, x[None], h_first=part)[0] * weight.to(x.dtype)
+
+    def _gathered_in_two(self, host, x, rows, topk_weights, table_row, *, split: bool = False) -> torch.Tensor:
         """`_misses` with the blocks gathered in two launches, their gate/up parts first: the gate/up kernel runs on
         the side stream as soon as the first launch is done, beside the second's reads over PCIe, so only the down
         kernel waits for the whole gather (a traced 8 GiB layer ran ~14 µs of the misses' pool kernels after its
         ~155 µs gather, run s13b). The same kernels and sums as one gather: the same bits."""
         main, side, cut = torch.cuda.current_stream(self.device), self._side_stream, self._split_at
-        slots = gather_triton.gather_blocks(host, rows, self._scratch, table=table_row, byte_range=(0, cut))
+        slots = gather_triton.gather_blocks(host, rows, self._scratch, table=table_row, byte_range=(0, cut),
+                                            skip=(self._box.split, self._split_parts) if split else None)
         side.wait_stream(main)                          # (after the hits' kernels, when they run there too)
         with torch.cuda.stream(side):
-            h, looked_up = int4_pool_triton.pool_gate_up_triton(self._scratch, self.layout, self.spec, x, slots)
+            h, looked_up = int4_pool_triton.pool_gate_up_triton(self._scratch, self.layout, self.spec, x, slots,
+                                                                split_box=self._box if split else None)
         gather_triton.gather_blocks(host, rows, self._scratch, table=table_row,
                                     byte_range=(cut, self.store.block_nbytes))
         main.wait_stream(side)
@@ -489,7 +528,8 @@ class HybridExperts:
             missed = uniq[~ready]
             n_cpu = 0
             if share > 0:          # the handoff's rule replayed per call (one call per step per layer)
-                n_cpu = min(len(missed), cpu_share_counts(row[used.any(axis=1)], snapshot[li], share)[0])
+                n_cpu = min(len(missed), cpu_share_counts(row[used.any(axis=1)], snapshot[li], share,
+                                                          unit=self._split_unit, inter=self.layout.intermediate)[0])
             self.counters.add_decode(int(used.any(axis=1).sum()), n_hits, len(missed), n_cpu, len(missed) - n_cpu,
                                      nb, 0.0)
             if budget > 0 and len(missed) and self.options.slots:

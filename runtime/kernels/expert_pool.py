@@ -73,8 +73,10 @@ def _bias(blocks: torch.Tensor, layout, name: str, dtype: torch.dtype) -> torch.
     return _part(blocks, layout, name).to(dtype) if name in layout.parts else None
 
 
-def blocks_forward(blocks: torch.Tensor, layout, spec: ExpertSpec, x: torch.Tensor) -> torch.Tensor:
-    """Each block b computes on its own row x[b]: blocks [A, nbytes], x [A, D] -> [A, D] (batched matmuls)."""
+def blocks_forward(blocks: torch.Tensor, layout, spec: ExpertSpec, x: torch.Tensor, *,
+                   h_first: torch.Tensor | None = None) -> torch.Tensor:
+    """Each block b computes on its own row x[b]: blocks [A, nbytes], x [A, D] -> [A, D] (batched matmuls).
+    h_first [A, r]: the first r rows of the activations, given (the finer split's rows from the CPU)."""
     dt = x.dtype
     xa = x[:, :, None]                                                            # [A, D, 1]
     g = torch.bmm(dequantize_blocks(blocks, layout, "gate", dt), xa)[..., 0]      # [A, I]
@@ -83,6 +85,8 @@ def blocks_forward(blocks: torch.Tensor, layout, spec: ExpertSpec, x: torch.Tens
     if gb is not None:
         g, u = g + gb, u + ub
     h = activate(spec, g, u)
+    if h_first is not None:
+        h = torch.cat([h_first.to(dt), h[:, h_first.shape[1]:]], dim=1)
     y = torch.bmm(dequantize_blocks(blocks, layout, "down", dt), h[:, :, None])[..., 0]   # [A, D]
     db = _bias(blocks, layout, "down_bias", dt)
     return y if db is None else y + db

@@ -21,6 +21,11 @@ Nothing on the host depends on the data: the launch records in a CUDA graph. Wor
 `byte_range`: the launch copies only bytes [lo, hi) of each block, to the same place in its scratch row. Zero-copy
 decode gathers the gate/up parts of the missed blocks first and their down parts second, so the gate/up kernel can
 run on another stream while the down parts still cross PCIe (session 14; hybrid.py `split_gather`).
+
+`skip` (split, parts): the finer split's expert (cpu_share.py) - split [2] int32 on the device is (assignment,
+rows r) as the handoff wrote it, parts [P, 2] int64 each gate/up part's (byte offset, bytes a row). The CPU computes
+that assignment's first r gate/up rows, so the launch leaves bytes [offset, offset + r * row) of each part
+uncopied (masked loads: they never cross PCIe); everything else of the block is copied as usual.
 """
 from __future__ import annotations
 
@@ -39,8 +44,9 @@ NUM_WARPS = 4
 
 if HAVE_TRITON:
     @triton.jit
-    def _gather_kernel(src_ptr, ids_ptr, table_ptr, E, dst_ptr, slots_ptr, words, first, count, LOOKUP: tl.constexpr,
-                       CHUNK: tl.constexpr, ABLOCK: tl.constexpr):
+    def _gather_kernel(src_ptr, ids_ptr, table_ptr, E, dst_ptr, slots_ptr, words, first, count, split_ptr, parts_ptr,
+                       LOOKUP: tl.constexpr, CHUNK: tl.constexpr, ABLOCK: tl.constexpr,
+                       SKIP: tl.constexpr, NPARTS: tl.constexpr, WORD: tl.constexpr):
         a = tl.program_id(0)
         c = tl.program_id(1)
         key = tl.load(ids_ptr + a)                         # an expert id (LOOKUP) or a host row
@@ -59,6 +65,16 @@ if HAVE_TRITON:
         if (row >= 0) & (owner == a):
             idx = first + c * CHUNK + tl.arange(0, CHUNK)
             inside = idx < first + count
+            if SKIP:
+                if a == tl.load(split_ptr):                    # the split expert: the CPU's rows stay behind
+                    rows = tl.load(split_ptr + 1).to(tl.int64)
+                    for part in tl.static_range(NPARTS):
+                        lo = tl.load(parts_ptr + 2 * part) // WORD
+                        n = rows * tl.load(parts_ptr + 2 * part + 1) // WORD
+                        if WORD == 4:        # (16-byte bounds, the wrapper checked: said so, the loads stay 16 B)
+                            lo = lo // 4 * 4
+                            n = n // 4 * 4
+                        inside = inside & ((idx < lo) | (idx >= lo + n))
             # one load of the whole chunk before any store: all its reads are in flight together
             v = tl.load(src_ptr + row.to(tl.int64) * words + idx, mask=inside)
             tl.store(dst_ptr + a.to(tl.int64) * words + idx, v, mask=inside)
@@ -72,13 +88,14 @@ def _word_bytes(*tensors: torch.Tensor, bounds: tuple[int, int]) -> int:
 
 def gather_blocks(src: torch.Tensor, ids: torch.Tensor, scratch: torch.Tensor, *,
                   table: torch.Tensor | None = None, chunk_bytes: int = CHUNK_BYTES,
-                  byte_range: tuple[int, int] | None = None) -> torch.Tensor:
+                  byte_range: tuple[int, int] | None = None,
+                  skip: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """src [E, nbytes] uint8 (host memory the GPU may read: page-locked and mapped), ids [T, K] int64 host rows
     (-1: skip), or expert ids looked up in `table` [E] (expert -> host row, -1: skip); scratch [>= T*K, nbytes]
     uint8 on the device. Copies block ids[t, k] to scratch row t*K + k, once per distinct id (a later assignment
     of the same expert shares the first one's row), and returns slots [T, K] int64: the row holding the block, or
     -1 where there is none (what `pool_forward_triton(scratch, ..., slots)` takes). `byte_range` (lo, hi): only
-    those bytes of each block are copied (the slots are the same). One launch."""
+    those bytes of each block are copied (the slots are the same). `skip`: see the module docstring. One launch."""
     t, k = ids.shape
     nbytes = src.shape[1]
     if scratch.shape[0] < t * k or scratch.shape[1] != nbytes or scratch.dtype != torch.uint8 or src.dtype != torch.uint8:
@@ -93,19 +110,23 @@ def gather_blocks(src: torch.Tensor, ids: torch.Tensor, scratch: torch.Tensor, *
     if t * k == 0:
         return slots
     word = _word_bytes(src, scratch, bounds=(lo, hi))
+    if skip is not None and word == 4 and bool((skip[1] % 16).any()):
+        word = 1       # (never for real layouts: parts and rows are multiples of 16 bytes) a range in whole bytes
     s, d = (src.view(torch.int32), scratch.view(torch.int32)) if word == 4 else (src, scratch)
     chunk = triton.next_power_of_2(max(1, chunk_bytes // word))
     count = (hi - lo) // word
     _gather_kernel[(t * k, triton.cdiv(count, chunk))](
         s, ids, table if table is not None else ids, 0 if table is None else table.shape[0], d, slots, s.shape[1],
-        lo // word, count, LOOKUP=table is not None, CHUNK=chunk, ABLOCK=max(16, triton.next_power_of_2(t * k)),
-        num_warps=NUM_WARPS)
+        lo // word, count, ids if skip is None else skip[0], ids if skip is None else skip[1],
+        LOOKUP=table is not None, CHUNK=chunk, ABLOCK=max(16, triton.next_power_of_2(t * k)),
+        SKIP=skip is not None, NPARTS=0 if skip is None else skip[1].shape[0], WORD=word, num_warps=NUM_WARPS)
     return slots
 
 
 def gather_blocks_reference(src: torch.Tensor, ids: torch.Tensor, scratch: torch.Tensor, *,
                             table: torch.Tensor | None = None,
-                            byte_range: tuple[int, int] | None = None) -> torch.Tensor:
+                            byte_range: tuple[int, int] | None = None,
+                            skip: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """The same in torch (CPU tests and devices without Triton)."""
     t, k = ids.shape
     lo, hi = byte_range if byte_range is not None else (0, src.shape[1])
@@ -119,5 +140,11 @@ def gather_blocks_reference(src: torch.Tensor, ids: torch.Tensor, scratch: torch
         owner = first.setdefault(key, a)
         slots.append(owner if row >= 0 else -1)
         if row >= 0 and owner == a:
-            scratch[a, lo:hi] = src[row, lo:hi].to(scratch.device)
+            keep = torch.zeros(src.shape[1], dtype=torch.bool)
+            keep[lo:hi] = True
+            if skip is not None and a == int(skip[0][0]):
+                for off, per in skip[1].tolist():
+                    keep[off:off + int(skip[0][1]) * per] = False
+            idx = torch.nonzero(keep)[:, 0]
+            scratch[a, idx.to(scratch.device)] = src[row, idx].to(scratch.device)
     return torch.tensor(slots, dtype=torch.int64, device=scratch.device).view(t, k)

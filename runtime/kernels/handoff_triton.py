@@ -10,7 +10,10 @@ Why: a recorded decode step cannot stop for the host to decide which experts the
   (fp32) to the mailbox, then - after a system-scope fence - the request's ticket, which starts the worker. No
   request when the CPU's share of this call is empty (`ncpu` = 0 tells `collect` not to wait), nor once the
   error flag is up: a worker that missed one answer gets no more in that step, the GPU reads every miss
-  itself (one timeout a step, not one a layer: 48 of them had held a step for minutes).
+  itself (one timeout a step, not one a layer: 48 of them had held a step for minutes). With the mailbox's
+  `split_unit` set and one token, the rule is the finer split (`cpu_share.cpu_split`, op for op in fp32): the
+  split miss stays in the GPU's ids, and `box.split` (device) says which assignment it is and how many of its
+  first gate/up rows the CPU computes (int4_pool_triton's gate/up kernel takes those from the mailbox).
 - `collect` (grid over the hidden size and the tokens): spins on the mailbox's answer word until it holds the
   ticket (volatile loads over PCIe; gives up after `max_spins` and raises the error flag instead of
   hanging the GPU), then adds the CPU's fp32 rows into the output.
@@ -37,8 +40,8 @@ if HAVE_TRITON:
     @triton.jit
     def _handoff_kernel(ids_ptr, w_ptr, x_ptr, x_st, table_ptr, share_ptr, ticket_ptr, ncpu_ptr,
                         hit_ptr, zc_ptr, box_ids_ptr, box_w_ptr, box_x_ptr, box_meta_ptr, box_req_ptr, err_ptr,
-                        log_ptr, layer, T, A, D, FENCE: tl.constexpr, LOG: tl.constexpr, ABLOCK: tl.constexpr,
-                        DBLOCK: tl.constexpr):
+                        log_ptr, split_ptr, unit_ptr, layer, T, A, D, I, FENCE: tl.constexpr, LOG: tl.constexpr,
+                        ABLOCK: tl.constexpr, DBLOCK: tl.constexpr):
         a = tl.arange(0, ABLOCK)
         m = a < A
         ids = tl.load(ids_ptr + a, mask=m, other=0)
@@ -49,13 +52,30 @@ if HAVE_TRITON:
         miss_i = miss.to(tl.int32)
         rank = tl.cumsum(miss_i, 0) - miss_i                    # misses before this assignment
         n_miss = tl.sum(miss_i, 0)
-        n_cpu = (n_miss.to(tl.float32) * tl.load(share_ptr) + 0.5).to(tl.int32)
-        n_cpu = tl.where(tl.load(err_ptr) != 0, 0, n_cpu)      # the worker failed to answer: no more requests
+        work = n_miss.to(tl.float32) * tl.load(share_ptr)
+        # the finer split (cpu_share.cpu_split: the same fp32 ops): whole misses, then rows of the next one
+        unit = tl.load(unit_ptr)
+        whole = tl.floor(work)
+        rows = (work - whole) * unit
+        past = rows >= (I * 1.0 + unit) * 0.5                 # nearer the whole expert than all its gate/up rows
+        r = (tl.floor(rows * 0.0625 + 0.5) * 16.0).to(tl.int32)     # SPLIT_ROWS = 16
+        n_split = tl.where(past, whole + 1.0, whole).to(tl.int32)
+        r = tl.where(past | (n_split >= n_miss), 0, tl.minimum(r, I))
+        split = (unit > 0) & (T == 1)
+        n_cpu = tl.where(split, n_split, (work + 0.5).to(tl.int32))
+        r = tl.where(split, r, 0)
+        failed = tl.load(err_ptr) != 0                        # the worker failed to answer: no more requests
+        n_cpu = tl.where(failed, 0, n_cpu)
+        r = tl.where(failed, 0, r)
+        split_a = tl.min(tl.where(miss & (rank == n_cpu), a, ABLOCK), 0)
+        split_a = tl.where(r > 0, split_a, -1)
         cpu = miss & (rank < n_cpu)
         tl.store(hit_ptr + a, tl.where(m & (slot >= 0), slot, -1), mask=m)
         tl.store(zc_ptr + a, tl.where(miss & (rank >= n_cpu), ids, -1), mask=m)
-        tl.store(ncpu_ptr, n_cpu)
-        if n_cpu > 0:
+        tl.store(ncpu_ptr, n_cpu + (r > 0).to(tl.int32))
+        tl.store(split_ptr, split_a)
+        tl.store(split_ptr + 1, r)
+        if (n_cpu > 0) | (r > 0):
             ticket = tl.load(ticket_ptr) + 1
             tl.store(ticket_ptr, ticket)
             tl.store(box_ids_ptr + a, tl.where(cpu, ids, -1), mask=m)
@@ -67,6 +87,9 @@ if HAVE_TRITON:
                     tl.store(box_x_ptr + t * D + cols, v, mask=cols < D)
             tl.store(box_meta_ptr, layer)
             tl.store(box_meta_ptr + 1, T)
+            tl.store(box_meta_ptr + 2, tl.where(r > 0, tl.sum(tl.where(a == split_a, ids, 0), 0), -1))
+            tl.store(box_meta_ptr + 3, 0)                       # (a split's token: only one-token calls split)
+            tl.store(box_meta_ptr + 4, r)
             tl.debug_barrier()                                  # every thread's mailbox stores issued...
             if FENCE:
                 # ...and visible system-wide before the ticket: the ticket's value depends on the fence's output
@@ -112,7 +135,8 @@ def handoff(layer_index: int, ids: torch.Tensor, weights: torch.Tensor, x: torch
     hit, zc = box.hit_slots[:t * k].view(t, k), box.zc_ids[:t * k].view(t, k)
     _handoff_kernel[(1,)](ids, weights.contiguous(), x, x.stride(0), table_row, box.share, box.ticket, box.ncpu,
                           hit, zc, box.ids, box.weights, box.x, box.meta, box.req, box.error,
-                          ids if log is None else log, layer_index, t, t * k, d, FENCE=fence, LOG=log is not None,
+                          ids if log is None else log, box.split, box.split_unit, layer_index, t, t * k, d,
+                          box.intermediate, FENCE=fence, LOG=log is not None,
                           ABLOCK=max(16, triton.next_power_of_2(t * k)), DBLOCK=1024, num_warps=4)
     return hit, zc
 
