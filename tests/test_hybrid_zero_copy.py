@@ -472,6 +472,21 @@ def test_the_finer_split_hands_the_cpu_rows_of_one_more_expert():
 
 
 @pytest.mark.parametrize("split", [True, False])
+def test_a_learned_share_with_the_finer_split_climbs_a_finer_grid(split):
+    """The learned share's controller gets SPLIT_SHARE_GRID (steps of 0.05) when the tier splits experts: the step
+    time then moves between whole experts; else the grid of whole-expert shares."""
+    from runtime.experts.policy import SHARE_GRID, SPLIT_SHARE_GRID
+
+    store = HostExpertStore.synthetic(layers=1, num_experts=8, hidden=512, intermediate=512, codec="int4",
+                                      group=64, weight_std=0.05, seed=9)
+    tier = HybridExperts(store, ExpertSpec(), device=torch.device("cpu"), dtype=torch.float32, options=HybridOptions(
+        slots=2, top_k=4, zero_copy=True, cpu_share=None, expert_split=split))
+    assert tier.share_controller.grid == (SPLIT_SHARE_GRID if split else SHARE_GRID)
+    assert (tier._split_unit > 0) == split
+    tier.close()
+
+
+@pytest.mark.parametrize("split", [True, False])
 def test_the_compiled_worker_answers_inside_a_cuda_graph(device, split):
     """On the GPU machine, at a real layer width (the int8 kernel, the compiled worker loop): a recorded step
     whose misses are split between the GPU (gathered over PCIe) and the CPU worker matches the fp32 reference

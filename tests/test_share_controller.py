@@ -84,6 +84,42 @@ def test_converges_and_a_long_run_costs_what_the_best_fixed_share_costs(cost, be
         assert np.count_nonzero(spent >= cost(1.0)) < 0.005 * len(spent)
 
 
+def h200_split(s: float, *, cpu_us_per_expert: float = 48.0) -> float:
+    """A step with the finer split (cpu_share.cpu_split), modelled as benchmarks/sim_split_grain.py does: 48 layers
+    of 45 µs dense plus the slower side of the MoE part over the binomial miss count at 8 GiB (8 experts, 69 %
+    missed); the CPU 12 + 48 µs an expert (a slower host than sim_split_grain's 39), the GPU 17 + 55. Best 0.55
+    (9.82 ms), between the coarse grid's 0.5 (10.26) and 0.6 (10.33)."""
+    from math import comb
+
+    from runtime.experts.cpu_share import cpu_split
+    layer = 0.0
+    for n in range(9):
+        whole, rows = cpu_split(n, s, unit=1152, inter=768)
+        x = whole + rows / 1152
+        cpu = 12.0 + cpu_us_per_expert * x if x > 0 else 0.0
+        gpu = 17.0 + 55.0 * (n - x) if n - x > 0 else 0.0
+        layer += comb(8, n) * 0.69 ** n * 0.31 ** (8 - n) * max(cpu, gpu)
+    return 48 * (45.0 + layer) * 1e-6
+
+
+def test_with_the_finer_split_the_fine_grid_finds_a_share_between_the_coarse_ones():
+    """With the finer split the step time moves with the share between whole experts (h200_split: best 0.55), so
+    the tier gives its controller SPLIT_SHARE_GRID (steps of 0.05): it settles at 0.55 and its second half costs
+    within 1 % of that share, ~4 % less than the coarse grid's best fixed share - from the balance or from 0."""
+    from runtime.experts.policy import SPLIT_SHARE_GRID
+
+    assert min(SPLIT_SHARE_GRID, key=h200_split) == 0.55 and min(SHARE_GRID, key=h200_split) == 0.5
+    coarse_best = min(h200_split(v) for v in SHARE_GRID)
+    for seed in range(3):
+        ctl, spent, _ = simulate(h200_split, steps=3000, seed=seed,
+                                 ctl=ShareController(start=0.55, grid=SPLIT_SHARE_GRID))
+        assert ctl.held_share == 0.55, (seed, ctl.held_share)
+        assert spent[1500:].mean() < 1.01 * h200_split(0.55) < 0.97 * coarse_best
+        ctl, spent, _ = simulate(h200_split, steps=3000, seed=seed,
+                                 ctl=ShareController(start=0.0, grid=SPLIT_SHARE_GRID))     # (a remembered 0)
+        assert ctl.held_share == 0.55 and spent[1500:].mean() < 1.01 * h200_split(0.55), (seed, ctl.held_share)
+
+
 def h200_session14(s: float) -> float:
     """The curve the learned share measured at 8 GiB in session 14 (ms per step, medians of s14b-s14d's warm-ups;
     0.1, 0.2 and 0.9 interpolated): best 0.6, the bandwidth balance ~0.55."""

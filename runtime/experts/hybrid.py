@@ -34,14 +34,16 @@ import numpy as np
 import torch
 
 from runtime.experts.cpu_executor import CpuExecutor
+from runtime.experts.cpu_share import HAVE_NUMBA as CPU_SHARE_COMPILED
 from runtime.experts.cpu_share import (CpuShareWorker, Mailbox, collect_reference, cpu_share_counts,
                                        default_worker_threads, handoff_reference, split_part_names, split_unit_rows)
 from runtime.experts.host_store import HostExpertStore
 from runtime.experts.interface import ExpertSpec
 from runtime.experts.openmp import load_private_openmp, warn_if_private_beside_torch
 from runtime.experts.planner import DECODE_SCRATCH_TOKENS
-from runtime.experts.policy import (Key, RoutingStats, ShareController, ShareMemory, SlotDirectory, SplitController,
-                                    cpu_model_name, make_policy, model_fingerprint, share_state_path)
+from runtime.experts.policy import (SHARE_GRID, SPLIT_SHARE_GRID, Key, RoutingStats, ShareController, ShareMemory,
+                                    SlotDirectory, SplitController, cpu_model_name, make_policy, model_fingerprint,
+                                    share_state_path)
 from runtime.experts.promotion_budget import PromotionBudget
 from runtime.experts.slot_cache import SlotCache
 from runtime.experts.stats import ExpertStats
@@ -257,6 +259,10 @@ class HybridExperts:
                                                  floor=1 if self.options.adaptive_promotions else most)
         self._box = self._worker = self._split_parts = None
         self._split_unit = 0                    # gate/up rows a whole expert weighs, with the finer split on
+        # the finer split needs the compiled worker (it computes a split expert's rows) and, on the GPU, the
+        # gather in two parts (the gate/up kernel that takes the CPU's rows is a launch of its own)
+        splits = (self.options.expert_split and self.cpu.int8 and CPU_SHARE_COMPILED and self._scratch is not None
+                  and (self._split_at or not self.cuda))
         fixed = self.options.cpu_share
         self._share_control = None
         if fixed is None and (self.cpu.int8 or self.cpu.fast):
@@ -266,7 +272,9 @@ class HybridExperts:
             # test_share_controller.py); rescanned once warm: the CPU side's first ~100 steps after a load run slow
             make = self.share_memory.controller if self.share_memory else ShareController
             start = self._default_cpu_share() if self.options.share_start is None else self.options.share_start
-            self._share_control = make(start=start, rescan_after=SHARE_RESCAN_STEPS)
+            # (with the split, the step time is no longer flat between whole experts: a finer grid to find it)
+            self._share_control = make(start=start, rescan_after=SHARE_RESCAN_STEPS,
+                                       grid=SPLIT_SHARE_GRID if splits else SHARE_GRID)
         share = (self._share_control.share if self._share_control else 0.0) if fixed is None else \
             self._default_cpu_share() if fixed < 0 else float(fixed)
         self._step_started = None
@@ -293,10 +301,7 @@ class HybridExperts:
             self._host_threads = max(1, (os.cpu_count() or 1) - worker_threads - 1)
             weakref.finalize(self, self._worker.close)
             self._err_host = torch.zeros(1, dtype=torch.int32, pin_memory=self.cuda)
-            # the finer split needs the compiled worker (it computes a split expert's rows) and, on the GPU, the
-            # gather in two parts (the gate/up kernel that takes the CPU's rows is a launch of its own)
-            if self.options.expert_split and self._worker.compiled and self._scratch is not None and (
-                    self._split_at or not self.cuda):
+            if splits and self._worker.compiled:
                 self._split_parts = torch.tensor(
                     [(self.layout.parts[n].offset, self.layout.parts[n].nbytes // self.layout.intermediate)
                      for n in split_part_names(self.layout)], dtype=torch.int64, device=self.device)

@@ -466,6 +466,8 @@ class SplitController:
 
 SHARE_SCAN = (0.0, 0.3, 0.5, 0.8, 1.0)   # shares a fresh controller measures before it climbs from the best
 SHARE_GRID = tuple(round(0.1 * i, 1) for i in range(11))     # the CPU shares a ShareController chooses among
+SPLIT_SHARE_GRID = tuple(round(0.05 * i, 2) for i in range(21))   # ...with the finer split (cpu_share.py): the step
+# time then moves with the share between whole experts, and a 0.1 step is ~0.55 of an expert at 8 GiB
 
 
 def _median(values: list[float]) -> float:
