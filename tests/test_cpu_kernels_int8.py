@@ -462,6 +462,7 @@ import test_cpu_kernels_int8 as t
 print("regions", t.count_layer_kernel_regions())
 print("refcounts", t.count_stage_refcounts())
 print("prefetches", t.count_stage_prefetches())
+print("worker regions", t.count_worker_loop_regions())
 """
 
 
@@ -481,6 +482,28 @@ def count_layer_kernel_regions() -> int:
           np.float32(7.0), out, np.zeros(k8.N_PHASES, dtype=np.int64), 2,
           *k8.Scratch().fit(1, 1, 2, 512, 512, 64, 2), answer, 5)
     assert answer[0] == 5 and np.abs(out).sum() > 0
+    (compiled,) = fresh.overloads.values()
+    return len(compiled.metadata["parfor_diagnostics"].initial_parfors)
+
+
+def count_worker_loop_regions() -> int:
+    """The worker's loop (serve_layers) compiled afresh for a worker's argument types: its parallel regions (0
+    when numba could not make its prange parallel - a `raise` written inside it did that, session 16: lane 0 then
+    served every request alone)."""
+    import numba
+
+    from runtime.experts.cpu_share import CpuShareWorker, Mailbox
+    fresh = njit(parallel=True, fastmath=True, nogil=True)(k8.serve_layers.py_func)
+    gen = torch.Generator().manual_seed(13)
+    store = HostExpertStore.from_weights(_weights(gen, d=512, i=512, e=2, bias=False), codec="int4", group=64)
+    ex = CpuExecutor(store, ExpertSpec())
+    box = Mailbox(max_tokens=1, top_k=2, hidden=512, device=torch.device("cpu"), share=1.0, intermediate=512)
+    like = CpuShareWorker.__new__(CpuShareWorker)
+    like.box, like.int8_args = box, ex.int8_args()
+    b = box._np
+    args = (b["req"], b["resp"], b["meta"], b["ids"], b["weights"], b["x"], b["out"], b["part"], b["part_resp"], 0, 0,
+            np.zeros(2, dtype=np.int64), k8.new_phases(2), 2, *like._scratch_for(2), *like.int8_args)
+    fresh.compile(tuple(numba.typeof(a) for a in args))
     (compiled,) = fresh.overloads.values()
     return len(compiled.metadata["parfor_diagnostics"].initial_parfors)
 
@@ -521,6 +544,10 @@ def test_the_layer_kernel_is_one_parallel_region(tmp_path):
     # and its row tasks ask for the rows ahead of the one they compute (run z2: a hot row's ~400 ns was a miss's
     # latency): a prefetch of codes, scales and mins at each of the three row sites, before and inside the loops
     assert int(run.stdout.split("prefetches")[1].split()[0]) >= 6, run.stdout
+    # the worker's loop is one parallel region too: a `raise` written inside it made numba run its prange as a
+    # serial loop (a performance warning, no error) - lane 0 alone served every request, ~8 GB/s on the GPU
+    # machine where 14 lanes make 56-77 (session 16; validation now quits the region, serve_int8 raises)
+    assert "worker regions 1" in run.stdout, run.stdout
 
 
 def test_a_flavour_can_be_picked_for_measurements_with_its_own_cache(monkeypatch):

@@ -505,15 +505,16 @@ def case_the_finer_split():
     # the gather leaves the CPU's rows of the split assignment's gate/up parts behind, nothing else
     src = torch.randint(0, 256, (10, 96), generator=gen, dtype=torch.uint8)
     ids = torch.tensor([[3, 7, 5, -1]])
-    for parts in (torch.tensor([[0, 16], [48, 16]]), torch.tensor([[0, 8], [50, 3]])):   # words; single bytes
-        split = torch.tensor([1, 2], dtype=torch.int32)                       # assignment 1, two rows
+    for parts in ([(0, 16), (48, 16)], [(0, 8), (50, 3)]):                  # 16-byte words; single bytes
+        skip = gk.RowSkip.of(torch.tensor([1, 2], dtype=torch.int32), parts)   # assignment 1, two rows
+        assert skip.whole_words == (parts[1][1] == 16)
         got, want = torch.full((4, 96), 7, dtype=torch.uint8), torch.full((4, 96), 7, dtype=torch.uint8)
-        slots = gk.gather_blocks(src, ids, got, skip=(split, parts), chunk_bytes=32)
-        assert torch.equal(slots, gk.gather_blocks_reference(src, ids, want, skip=(split, parts)))
+        slots = gk.gather_blocks(src, ids, got, skip=skip, chunk_bytes=32)
+        assert torch.equal(slots, gk.gather_blocks_reference(src, ids, want, skip=skip))
         assert torch.equal(got, want)
-        lo2, per2 = parts[1].tolist()
+        lo2, per2 = parts[1]
         kept = torch.ones(96, dtype=torch.bool)
-        kept[0:2 * int(parts[0, 1])] = False
+        kept[0:2 * parts[0][1]] = False
         kept[lo2:lo2 + 2 * per2] = False
         assert torch.equal(got[1, kept], src[7, kept]) and bool((got[1, ~kept] == 7).all())
         assert torch.equal(got[0], src[3]) and torch.equal(got[2], src[5])

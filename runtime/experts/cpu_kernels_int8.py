@@ -785,6 +785,13 @@ def _quantize_row(v, n, group, vq, vs, vm):
         _quantize_group(v, n, g, group, vq, vs, vm)
 
 
+@njit(cache=True, inline="always")
+def split_ok(expert, token, rows, inter, n_experts, n_tokens):
+    """Whether a request's split expert (rows 0: none) is one the kernels may index."""
+    return 0 <= rows <= inter and rows % ROWS_PER_TASK == 0 and (
+        rows == 0 or (0 <= expert < n_experts and 0 <= token < n_tokens))
+
+
 @njit(cache=True)
 def group_by_expert(tokens, experts, weights, n_experts, n_tokens, counts, tok, w, uniq, starts):
     """Assignments sorted by expert (a counting sort, stable), into the caller's arrays: tok [A], w [A] (tokens
@@ -972,6 +979,26 @@ def _down_rows(n_u):
     return DOWN_ROWS_PER_TASK if n_u <= 2 else DOWN_ROWS_PER_TASK // 2
 
 
+@njit(cache=True, inline="always")
+def _prefetch_gate_up(buf, b0, o, r, row_d, scale_d, mins):
+    """Row r of the gate and up matrices of the block at b0 (codes, scales, mins) asked for."""
+    _prefetch_row(buf, b0, o[0], o[1], o[2], np.uint64(r), row_d, scale_d, mins)
+    _prefetch_row(buf, b0, o[3], o[4], o[5], np.uint64(r), row_d, scale_d, mins)
+
+
+@njit(cache=True, fastmath=True, inline="always")
+def _gate_up_act(codec, buf, buf16, buf32, b0, o, ru, gd, hg, table, xq, xs, xm, t, g_scale, u_scale, has_bias,
+                 activation, alpha, limit):
+    """h[ru] of the expert whose block is at b0, for token t: the activation of its gate and up rows' dots with the
+    token's int8 activations, each times its matrix's scale, plus its bias."""
+    g = _row(codec, buf, buf16, b0, o[0], o[1], o[2], ru, gd, hg, table, xq, xs, xm, t) * g_scale
+    w = _row(codec, buf, buf16, b0, o[3], o[4], o[5], ru, gd, hg, table, xq, xs, xm, t) * u_scale
+    if has_bias:
+        g += buf32[((b0 + o[9]) >> np.uint64(2)) + ru]
+        w += buf32[((b0 + o[10]) >> np.uint64(2)) + ru]
+    return _act(g, w, activation, alpha, limit)
+
+
 # A function of its own, not inlined into its two callers (the per-call kernel and the worker's loop): numba
 # compiles and optimises it once, where inlined each caller's parallel region re-ran it through LLVM (a fresh
 # install compiled the kernels for ~150 s on the 2-core dev VM, ~120 s on the GPU machine; now ~70 and ~55).
@@ -1056,43 +1083,25 @@ def _stages(codec, buf, buf16, buf32, nbytes, offs, has_bias, i, group, table, x
                 r0 = task * ROWS_PER_TASK
                 r1 = r0 + ROWS_PER_TASK
                 for r in range(r0, min(r0 + ahead_d, r1)):
-                    _prefetch_row(buf, b0, o[0], o[1], o[2], np.uint64(r), row_d, scale_d, mins)
-                    _prefetch_row(buf, b0, o[3], o[4], o[5], np.uint64(r), row_d, scale_d, mins)
+                    _prefetch_gate_up(buf, b0, o, r, row_d, scale_d, mins)
                 for r in range(r0, r1):
-                    ru = np.uint64(r)
                     if r + ahead_d < r1:
-                        _prefetch_row(buf, b0, o[0], o[1], o[2], np.uint64(r + ahead_d), row_d, scale_d, mins)
-                        _prefetch_row(buf, b0, o[3], o[4], o[5], np.uint64(r + ahead_d), row_d, scale_d, mins)
-                    g = _row(codec, buf, buf16, b0, o[0], o[1], o[2], ru, gd, hg, table, xq, xs, xm, t)
-                    w = _row(codec, buf, buf16, b0, o[3], o[4], o[5], ru, gd, hg, table, xq, xs, xm, t)
-                    g *= gate_scale[e]
-                    w *= up_scale[e]
-                    if has_bias:
-                        g += buf32[((b0 + o[9]) >> two) + ru]
-                        w += buf32[((b0 + o[10]) >> two) + ru]
-                    part[r] = _act(g, w, activation, alpha, limit)
+                        _prefetch_gate_up(buf, b0, o, r + ahead_d, row_d, scale_d, mins)
+                    part[r] = _gate_up_act(codec, buf, buf16, buf32, b0, o, np.uint64(r), gd, hg, table, xq, xs, xm, t,
+                                           gate_scale[e], up_scale[e], has_bias, activation, alpha, limit)
                 if _fetch_add(sync, SPLIT_DONE, 1) == split_base + n_split - 1:
                     _store_release(part_answer, 0, ticket)   # the GPU's gate/up kernel may take the rows now
             elif stage == 1:                          # gate and up rows of one expert
                 u, e, b0, r0, r1 = _task_rows(task - n_split, up_blocks, experts, nb, i, ROWS_PER_TASK)
                 for r in range(r0, min(r0 + ahead_d, r1)):           # the first rows asked for at once
-                    _prefetch_row(buf, b0, o[0], o[1], o[2], np.uint64(r), row_d, scale_d, mins)
-                    _prefetch_row(buf, b0, o[3], o[4], o[5], np.uint64(r), row_d, scale_d, mins)
+                    _prefetch_gate_up(buf, b0, o, r, row_d, scale_d, mins)
                 for r in range(r0, r1):
-                    ru = np.uint64(r)
                     if r + ahead_d < r1:
-                        _prefetch_row(buf, b0, o[0], o[1], o[2], np.uint64(r + ahead_d), row_d, scale_d, mins)
-                        _prefetch_row(buf, b0, o[3], o[4], o[5], np.uint64(r + ahead_d), row_d, scale_d, mins)
+                        _prefetch_gate_up(buf, b0, o, r + ahead_d, row_d, scale_d, mins)
                     for a in range(starts[u], starts[u + 1]):
-                        t = np.uint64(tokens[a])
-                        g = _row(codec, buf, buf16, b0, o[0], o[1], o[2], ru, gd, hg, table, xq, xs, xm, t)
-                        w = _row(codec, buf, buf16, b0, o[3], o[4], o[5], ru, gd, hg, table, xq, xs, xm, t)
-                        g *= gate_scale[e]
-                        w *= up_scale[e]
-                        if has_bias:
-                            g += buf32[((b0 + o[9]) >> two) + ru]
-                            w += buf32[((b0 + o[10]) >> two) + ru]
-                        h[a, r] = _act(g, w, activation, alpha, limit)
+                        h[a, r] = _gate_up_act(codec, buf, buf16, buf32, b0, o, np.uint64(r), gd, hg, table, xq, xs,
+                                               xm, np.uint64(tokens[a]), gate_scale[e], up_scale[e], has_bias,
+                                               activation, alpha, limit)
                 if fused and _fetch_add(qdone, np.int64(u) * np.int64(gi) + r0 // group, 1) == per_group - 1:
                     for a in range(starts[u], starts[u + 1]):     # the group's last task: its rows are all in h
                         _quantize_group(h, a, r0 // group, group, hq, hs, hm)
@@ -1235,7 +1244,8 @@ def moe_layer_int8(codec, buf, buf16, buf32, nbytes, offs, has_bias, i, group, t
 CTL_GEN, CTL_BEGIN, CTL_QUIT, CTL_PLAN = (j * SYNC_STRIDE for j in range(4))   # request published, being written
 CTL_LAYER, CTL_A, CTL_TICKET, CTL_C0, CTL_LAST = (CTL_PLAN + 2 * N_STAGES + j for j in range(5))
 CTL_SPLIT_E, CTL_SPLIT_T, CTL_SPLIT_R, CTL_SPLIT_BASE = (CTL_PLAN + 2 * N_STAGES + 5 + j for j in range(4))
-CTL_SIZE = CTL_PLAN + 2 * N_STAGES + 9
+CTL_BAD = CTL_PLAN + 2 * N_STAGES + 9              # a request refused (its ticket): serve_int8 raises
+CTL_SIZE = CTL_PLAN + 2 * N_STAGES + 10
 
 
 @njit(parallel=True, cache=True, fastmath=True, nogil=True)
@@ -1293,8 +1303,16 @@ def serve_layers(req, resp, meta, ids, weights, x, out, part, part_answer, last,
                 c0 = _cycles()
                 li, t = _load_acquire(meta, 0), _load_acquire(meta, 1)
                 se, st, sr = _load_acquire(meta, 2), _load_acquire(meta, 3), _load_acquire(meta, 4)
-                if sr < 0 or sr > inter or sr % ROWS_PER_TASK or (sr > 0 and not (0 <= se < n_exp and 0 <= st < t)):
-                    raise ValueError("CPU expert worker: a split expert's id, token or rows are out of range")
+                if not split_ok(se, st, sr, inter, n_exp, t):
+                    # every lane leaves (as when quiet) and serve_int8 raises: no raise in here - one written in
+                    # the region slowed every request (dev VM: 12.5 against 19.3 GB/s on a layer's 8 experts;
+                    # the GPU machine's host measured 8.1 GB/s with it, s16a, where sessions 14-15 saw 56-77),
+                    # and the other lanes, waiting for the next request, would never have let it out
+                    _store_release(ctl, CTL_BAD, seq)
+                    _store_release(ctl, CTL_QUIT, 1)
+                    _store_release(ctl, CTL_BEGIN, mine + 1)
+                    _store_release(ctl, CTL_GEN, mine + 1)
+                    break
                 clock[1] += 1                       # counted before the answer: whoever sees it sees the count
                 a = 0
                 for j in range(t * k):

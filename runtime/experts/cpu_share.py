@@ -60,8 +60,8 @@ SPLIT_ROWS = 16               # a split expert's rows go to the CPU in steps of 
 try:
     from numba import njit
 
-    from runtime.experts.cpu_kernels_int8 import CTL_SIZE, N_PHASES, _cycles, _load_acquire, _store_release, \
-        lane_counts, new_phases, serve_layers
+    from runtime.experts.cpu_kernels_int8 import CTL_BAD, CTL_SIZE, N_PHASES, _cycles, _load_acquire, \
+        _store_release, lane_counts, new_phases, serve_layers
 
     @njit(nogil=True, cache=True)
     def spin_until_changed(word, last, spins):
@@ -100,9 +100,12 @@ try:
         cpu_kernels_int8.py."""
         if spin_until_changed(req, last, spins) == last:
             return last
-        return serve_layers(req, resp, meta, ids, weights, x, out, part, part_resp, last, spins, clock, phases, lanes,
-                            sel64, sel32, s64, s32, s8, ctl, codec, bufs, g_scale, u_scale, d_scale, nbytes, offs,
-                            has_bias, inter, group, table, activation, alpha, limit)
+        seq = serve_layers(req, resp, meta, ids, weights, x, out, part, part_resp, last, spins, clock, phases, lanes,
+                           sel64, sel32, s64, s32, s8, ctl, codec, bufs, g_scale, u_scale, d_scale, nbytes, offs,
+                           has_bias, inter, group, table, activation, alpha, limit)
+        if ctl[CTL_BAD]:           # (the worker answers it with zeros and both tickets, and reports this)
+            raise ValueError("CPU expert worker: a split expert's id, token or rows are out of range")
+        return seq
 
     HAVE_NUMBA = True
 except ImportError:           # numba absent: the worker polls in Python (tests; the real path needs numba)

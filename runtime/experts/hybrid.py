@@ -257,7 +257,7 @@ class HybridExperts:
         most = self.options.promote_bytes_per_step // max(1, store.block_nbytes)
         self._promotion_budget = PromotionBudget(most, layers=len(store.layers), experts=store.num_experts,
                                                  floor=1 if self.options.adaptive_promotions else most)
-        self._box = self._worker = self._split_parts = None
+        self._box = self._worker = self._row_skip = None
         self._split_unit = 0                    # gate/up rows a whole expert weighs, with the finer split on
         # the finer split needs the compiled worker (it computes a split expert's rows) and, on the GPU, the
         # gather in two parts (the gate/up kernel that takes the CPU's rows is a launch of its own)
@@ -302,9 +302,9 @@ class HybridExperts:
             weakref.finalize(self, self._worker.close)
             self._err_host = torch.zeros(1, dtype=torch.int32, pin_memory=self.cuda)
             if splits and self._worker.compiled:
-                self._split_parts = torch.tensor(
-                    [(self.layout.parts[n].offset, self.layout.parts[n].nbytes // self.layout.intermediate)
-                     for n in split_part_names(self.layout)], dtype=torch.int64, device=self.device)
+                self._row_skip = gather_triton.RowSkip.of(self._box.split, [
+                    (self.layout.parts[n].offset, self.layout.parts[n].nbytes // self.layout.intermediate)
+                    for n in split_part_names(self.layout)])
                 self._split_unit = split_unit_rows(self.layout)
                 self._box.enable_split(self._split_unit)
         else:
@@ -360,7 +360,7 @@ class HybridExperts:
                 hit, zc = handoff_reference(li, ids, topk_weights, x, cache.table_rows[li], self._box,
                                             log=self._log[li])
             # (collect adds the hits' rows with the CPU's: no add kernel of their own)
-            misses = lambda: self._misses(li, x, zc, topk_weights, split=self._split_parts is not None)  # noqa: E731
+            misses = lambda: self._misses(li, x, zc, topk_weights, split=self._row_skip is not None)  # noqa: E731
             out, hits = (misses(), None) if not self.options.slots else \
                 self._beside_parts(misses,
                                    lambda: self._pool_forward(cache.pool, self.layout, self.spec, x, hit, topk_weights))
@@ -412,7 +412,7 @@ class HybridExperts:
         if self.cuda:
             slots = gather_triton.gather_blocks(host, rows, self._scratch, table=table_row)
             return self._pool_forward(self._scratch, self.layout, self.spec, x, slots, topk_weights)
-        skip = (self._box.split, self._split_parts) if split else None
+        skip = self._row_skip if split else None
         slots = gather_triton.gather_blocks_reference(host, rows, self._scratch, table=table_row, skip=skip)
         if skip is None or int(self._box.split[0]) < 0:
             return self._pool_forward(self._scratch, self.layout, self.spec, x, slots, topk_weights)
@@ -444,7 +444,7 @@ class HybridExperts:
         ~155 µs gather, run s13b). The same kernels and sums as one gather: the same bits."""
         main, side, cut = torch.cuda.current_stream(self.device), self._side_stream, self._split_at
         slots = gather_triton.gather_blocks(host, rows, self._scratch, table=table_row, byte_range=(0, cut),
-                                            skip=(self._box.split, self._split_parts) if split else None)
+                                            skip=self._row_skip if split else None)
         side.wait_stream(main)                          # (after the hits' kernels, when they run there too)
         with torch.cuda.stream(side):
             h, looked_up = int4_pool_triton.pool_gate_up_triton(self._scratch, self.layout, self.spec, x, slots,

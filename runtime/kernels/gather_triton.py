@@ -22,12 +22,14 @@ Nothing on the host depends on the data: the launch records in a CUDA graph. Wor
 decode gathers the gate/up parts of the missed blocks first and their down parts second, so the gate/up kernel can
 run on another stream while the down parts still cross PCIe (session 14; hybrid.py `split_gather`).
 
-`skip` (split, parts): the finer split's expert (cpu_share.py) - split [2] int32 on the device is (assignment,
-rows r) as the handoff wrote it, parts [P, 2] int64 each gate/up part's (byte offset, bytes a row). The CPU computes
-that assignment's first r gate/up rows, so the launch leaves bytes [offset, offset + r * row) of each part
+`skip` (a RowSkip): the finer split's expert (cpu_share.py) - `split` [2] int32 on the device is (assignment,
+rows r) as the handoff wrote it, `parts` [P, 2] int64 each gate/up part's (byte offset, bytes a row). The CPU
+computes that assignment's first r gate/up rows, so the launch leaves bytes [offset, offset + r * row) of each part
 uncopied (masked loads: they never cross PCIe); everything else of the block is copied as usual.
 """
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 
@@ -40,6 +42,20 @@ except ImportError:
 
 CHUNK_BYTES = 32 << 10      # bytes one program copies: loaded all at once, so ~32 KB per program in flight
 NUM_WARPS = 4
+
+
+@dataclass(frozen=True)
+class RowSkip:
+    """The rows of one assignment's gate/up parts a gather leaves behind (the module docstring's `skip`). Made once
+    (`of`): the launch then needs nothing from the device's memory on the host, so it records in a CUDA graph."""
+    split: torch.Tensor       # [2] int32 on the device: (assignment, rows), -1 / 0 for none
+    parts: torch.Tensor       # [P, 2] int64 on the device: (byte offset, bytes a row) of each gate/up part
+    whole_words: bool         # every offset and row size a multiple of 16 bytes (16-byte loads stay possible)
+
+    @classmethod
+    def of(cls, split: torch.Tensor, parts: list[tuple[int, int]]) -> "RowSkip":
+        return cls(split, torch.tensor(parts, dtype=torch.int64, device=split.device),
+                   all(off % 16 == 0 and per % 16 == 0 for off, per in parts))
 
 
 if HAVE_TRITON:
@@ -89,7 +105,7 @@ def _word_bytes(*tensors: torch.Tensor, bounds: tuple[int, int]) -> int:
 def gather_blocks(src: torch.Tensor, ids: torch.Tensor, scratch: torch.Tensor, *,
                   table: torch.Tensor | None = None, chunk_bytes: int = CHUNK_BYTES,
                   byte_range: tuple[int, int] | None = None,
-                  skip: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+                  skip: RowSkip | None = None) -> torch.Tensor:
     """src [E, nbytes] uint8 (host memory the GPU may read: page-locked and mapped), ids [T, K] int64 host rows
     (-1: skip), or expert ids looked up in `table` [E] (expert -> host row, -1: skip); scratch [>= T*K, nbytes]
     uint8 on the device. Copies block ids[t, k] to scratch row t*K + k, once per distinct id (a later assignment
@@ -110,23 +126,23 @@ def gather_blocks(src: torch.Tensor, ids: torch.Tensor, scratch: torch.Tensor, *
     if t * k == 0:
         return slots
     word = _word_bytes(src, scratch, bounds=(lo, hi))
-    if skip is not None and word == 4 and bool((skip[1] % 16).any()):
-        word = 1       # (never for real layouts: parts and rows are multiples of 16 bytes) a range in whole bytes
+    if skip is not None and not skip.whole_words:
+        word = 1       # (never for real layouts: parts and rows are multiples of 16 bytes) ranges in whole bytes
     s, d = (src.view(torch.int32), scratch.view(torch.int32)) if word == 4 else (src, scratch)
     chunk = triton.next_power_of_2(max(1, chunk_bytes // word))
     count = (hi - lo) // word
     _gather_kernel[(t * k, triton.cdiv(count, chunk))](
         s, ids, table if table is not None else ids, 0 if table is None else table.shape[0], d, slots, s.shape[1],
-        lo // word, count, ids if skip is None else skip[0], ids if skip is None else skip[1],
+        lo // word, count, ids if skip is None else skip.split, ids if skip is None else skip.parts,
         LOOKUP=table is not None, CHUNK=chunk, ABLOCK=max(16, triton.next_power_of_2(t * k)),
-        SKIP=skip is not None, NPARTS=0 if skip is None else skip[1].shape[0], WORD=word, num_warps=NUM_WARPS)
+        SKIP=skip is not None, NPARTS=0 if skip is None else skip.parts.shape[0], WORD=word, num_warps=NUM_WARPS)
     return slots
 
 
 def gather_blocks_reference(src: torch.Tensor, ids: torch.Tensor, scratch: torch.Tensor, *,
                             table: torch.Tensor | None = None,
                             byte_range: tuple[int, int] | None = None,
-                            skip: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+                            skip: RowSkip | None = None) -> torch.Tensor:
     """The same in torch (CPU tests and devices without Triton)."""
     t, k = ids.shape
     lo, hi = byte_range if byte_range is not None else (0, src.shape[1])
@@ -142,9 +158,9 @@ def gather_blocks_reference(src: torch.Tensor, ids: torch.Tensor, scratch: torch
         if row >= 0 and owner == a:
             keep = torch.zeros(src.shape[1], dtype=torch.bool)
             keep[lo:hi] = True
-            if skip is not None and a == int(skip[0][0]):
-                for off, per in skip[1].tolist():
-                    keep[off:off + int(skip[0][1]) * per] = False
+            if skip is not None and a == int(skip.split[0]):
+                for off, per in skip.parts.tolist():
+                    keep[off:off + int(skip.split[1]) * per] = False
             idx = torch.nonzero(keep)[:, 0]
             scratch[a, idx.to(scratch.device)] = src[row, idx].to(scratch.device)
     return torch.tensor(slots, dtype=torch.int64, device=scratch.device).view(t, k)
