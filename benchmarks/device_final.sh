@@ -73,6 +73,8 @@
 #                                                # learned, 0.6); s15d was written but not run (no device time)
 #   (device) bash benchmarks/device_final.sh s16a # session 16: the finer split (one expert's first gate/up rows on
 #                                                # the CPU): CUDA tests, 8 GiB rows split on/off at 0.55 and 0.6
+#   (device) bash benchmarks/device_final.sh s16c # session 16: s16a again once the gather skips whole chunks (s16a's
+#                                                # split rows ran at 49 tok/s), traced; its CUDA tests
 #   (device) bash benchmarks/device_final.sh s16b # session 16: the split's learned share (fine grid) at 8 and 4 GiB,
 #                                                # qwen3.6 at 8 GiB split on/off, a traced 8 GiB row
 # carry .site (numba, llvmlite, fla-core, platformdirs unpacked, xz). Results under $OUT. Build .site once (the
@@ -676,6 +678,19 @@ elif [ "$1" = s16a ]; then
   bench_rows 260 q3_split --models qwen3-30b-a3b --dense-int8 --budgets 8 --routings uniform --cpu-share 0.55 0.6 \
     --expert-split on off --modes graphs --tokens 96 --warmup 32 --prefill-budgets 99 --ttft-context 0 \
     | grep -E "^qwen|CPU kernel|CPU worker"
+  rm -f "$OUT"/model_*.json "$OUT"/model.json
+elif [ "$1" = s16c ]; then
+  # session 16: s16a (after its first try's two mends) found the split's rows at 49 tok/s against 90-95 without:
+  # the gather then masked the CPU's rows word by word. Now it leaves whole chunks behind (a scalar test a
+  # program); the CUDA graph test of the split (no slots: the rule's rows checked each replay) and the lanes at
+  # 14; the 8 GiB rows split on/off at 0.55 and 0.6, each traced
+  warm 150 new
+  cuda_tests 100 tests/test_hybrid_zero_copy.py tests/test_cpu_share_lanes.py -k "cuda_graph or split or beside"
+  grep -E "^E |passed|failed" "$OUT/cuda_tests.log" | head -12
+  bench_rows 300 q3_split --models qwen3-30b-a3b --dense-int8 --budgets 8 --routings uniform --cpu-share 0.55 0.6 \
+    --expert-split on off --modes graphs --tokens 64 --warmup 32 --prefill-budgets 99 --ttft-context 0 --trace 2 \
+    | grep -E "^qwen|CPU kernel|CPU worker"
+  trace_summaries 24
   rm -f "$OUT"/model_*.json "$OUT"/model.json
 elif [ "$1" = s16b ]; then
   # session 16, after s16a: the learned share with the split (SPLIT_SHARE_GRID, steps of 0.05) at 8 GiB beside the

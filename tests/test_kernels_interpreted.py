@@ -502,22 +502,24 @@ def case_the_finer_split():
             for name in ("req", "meta", "ids", "weights"):
                 assert torch.equal(getattr(a, name), getattr(b, name)), name
     assert splits >= 8
-    # the gather leaves the CPU's rows of the split assignment's gate/up parts behind, nothing else
+    # the gather leaves behind the chunks wholly inside the CPU's rows of the split assignment's gate/up parts (the
+    # reference: exactly those rows), and copies every other byte
     src = torch.randint(0, 256, (10, 96), generator=gen, dtype=torch.uint8)
     ids = torch.tensor([[3, 7, 5, -1]])
-    for parts in ([(0, 16), (48, 16)], [(0, 8), (50, 3)]):                  # 16-byte words; single bytes
+    for parts, left in (([(0, 16), (48, 16)], 64), ([(0, 8), (50, 3)], 16)):   # 16-byte words; single bytes
         skip = gk.RowSkip.of(torch.tensor([1, 2], dtype=torch.int32), parts)   # assignment 1, two rows
         assert skip.whole_words == (parts[1][1] == 16)
         got, want = torch.full((4, 96), 7, dtype=torch.uint8), torch.full((4, 96), 7, dtype=torch.uint8)
-        slots = gk.gather_blocks(src, ids, got, skip=skip, chunk_bytes=32)
+        slots = gk.gather_blocks(src, ids, got, skip=skip, chunk_bytes=16)
         assert torch.equal(slots, gk.gather_blocks_reference(src, ids, want, skip=skip))
-        assert torch.equal(got, want)
-        lo2, per2 = parts[1]
-        kept = torch.ones(96, dtype=torch.bool)
-        kept[0:2 * parts[0][1]] = False
-        kept[lo2:lo2 + 2 * per2] = False
-        assert torch.equal(got[1, kept], src[7, kept]) and bool((got[1, ~kept] == 7).all())
-        assert torch.equal(got[0], src[3]) and torch.equal(got[2], src[5])
+        cpu_rows = torch.zeros(96, dtype=torch.bool)
+        for lo, per in parts:
+            cpu_rows[lo:lo + 2 * per] = True
+        assert torch.equal(want[1, ~cpu_rows], src[7, ~cpu_rows]) and bool((want[1, cpu_rows] == 7).all())
+        assert torch.equal(got[1, ~cpu_rows], src[7, ~cpu_rows])                  # every byte the GPU needs
+        behind = got[1] != src[7]
+        assert int(behind.sum()) == left and bool((got[1, behind] == 7).all()) and not bool(behind[~cpu_rows].any())
+        assert torch.equal(got[[0, 2]], want[[0, 2]]) and torch.equal(got[0], src[3]) and torch.equal(got[2], src[5])
     # the gate/up kernel takes the split assignment's first rows from the mailbox, once its ticket is there
     for codec, group, fmt in (("int4", 32, ""), ("fp4", 32, "mxfp4")):
         store = make_store(codec, group, fmt, 64, 64, False, experts=4)
@@ -545,8 +547,8 @@ def case_the_finer_split():
 def test_the_finer_split_kernels_match_the_reference(interpreter):
     """The finer split (a one-token call's CPU share in rows of one more expert, cpu_share.py) in the kernels:
     the handoff picks the assignment and rows the reference does at every share (fp32, op for op), none with the
-    error flag up or for two tokens; the gather copies none of the CPU's rows of that assignment's gate/up parts
-    and everything else (4-byte words and single bytes); the gate/up kernel takes that assignment's first rows
+    error flag up or for two tokens; the gather leaves behind the chunks wholly inside the CPU's rows of that
+    assignment's gate/up parts and copies everything else (4-byte words and single bytes); the gate/up kernel takes that assignment's first rows
     from the mailbox (rounded to h's dtype), computes the rest and the other assignments as without a split, and
     gives up waiting after max_spins with the error flag up."""
     interpreter.run("the_finer_split")

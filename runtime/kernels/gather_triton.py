@@ -24,8 +24,10 @@ run on another stream while the down parts still cross PCIe (session 14; hybrid.
 
 `skip` (a RowSkip): the finer split's expert (cpu_share.py) - `split` [2] int32 on the device is (assignment,
 rows r) as the handoff wrote it, `parts` [P, 2] int64 each gate/up part's (byte offset, bytes a row). The CPU
-computes that assignment's first r gate/up rows, so the launch leaves bytes [offset, offset + r * row) of each part
-uncopied (masked loads: they never cross PCIe); everything else of the block is copied as usual.
+computes that assignment's first r gate/up rows, so the launch leaves behind every chunk that lies wholly inside
+bytes [offset, offset + r * row) of a part (those never cross PCIe); the chunks at a range's ends are copied whole,
+so a few of the CPU's rows may be copied too (at most a chunk at each end: ~64 KB of a part's ~r KB), never a
+byte the GPU needs left out. The torch reference leaves out exactly the CPU's bytes.
 """
 from __future__ import annotations
 
@@ -50,7 +52,7 @@ class RowSkip:
     (`of`): the launch then needs nothing from the device's memory on the host, so it records in a CUDA graph."""
     split: torch.Tensor       # [2] int32 on the device: (assignment, rows), -1 / 0 for none
     parts: torch.Tensor       # [P, 2] int64 on the device: (byte offset, bytes a row) of each gate/up part
-    whole_words: bool         # every offset and row size a multiple of 16 bytes (16-byte loads stay possible)
+    whole_words: bool         # every offset and row size a multiple of 16 bytes (the launch may read 4-byte words)
 
     @classmethod
     def of(cls, split: torch.Tensor, parts: list[tuple[int, int]]) -> "RowSkip":
@@ -78,19 +80,20 @@ if HAVE_TRITON:
         owner = tl.min(tl.where((earlier == key) & (j < a), j, a))
         if c == 0:
             tl.store(slots_ptr + a, tl.where(row >= 0, owner, -1).to(slots_ptr.dtype.element_ty))
-        if (row >= 0) & (owner == a):
-            idx = first + c * CHUNK + tl.arange(0, CHUNK)
+        start = first + c * CHUNK
+        copy = (row >= 0) & (owner == a)
+        if SKIP:
+            # the split expert: a chunk that lies wholly inside the CPU's rows of a part stays behind (a scalar
+            # test a program: a mask per word made the device's Triton give up the 16-byte loads, session 16)
+            if copy & (a == tl.load(split_ptr)):
+                rows = tl.load(split_ptr + 1).to(tl.int64)
+                for part in tl.static_range(NPARTS):
+                    lo = tl.load(parts_ptr + 2 * part) // WORD
+                    hi = lo + rows * tl.load(parts_ptr + 2 * part + 1) // WORD
+                    copy = copy & ((start < lo) | (start + CHUNK > hi))
+        if copy:
+            idx = start + tl.arange(0, CHUNK)
             inside = idx < first + count
-            if SKIP:
-                if a == tl.load(split_ptr):                    # the split expert: the CPU's rows stay behind
-                    rows = tl.load(split_ptr + 1).to(tl.int64)
-                    for part in tl.static_range(NPARTS):
-                        lo = tl.load(parts_ptr + 2 * part) // WORD
-                        n = rows * tl.load(parts_ptr + 2 * part + 1) // WORD
-                        if WORD == 4:        # (16-byte bounds, the wrapper checked: said so, the loads stay 16 B)
-                            lo = lo // 4 * 4
-                            n = n // 4 * 4
-                        inside = inside & ((idx < lo) | (idx >= lo + n))
             # one load of the whole chunk before any store: all its reads are in flight together
             v = tl.load(src_ptr + row.to(tl.int64) * words + idx, mask=inside)
             tl.store(dst_ptr + a.to(tl.int64) * words + idx, v, mask=inside)
