@@ -75,8 +75,9 @@
 #                                                # the CPU): CUDA tests, 8 GiB rows split on/off at 0.55 and 0.6
 #   (device) bash benchmarks/device_final.sh s16c # session 16: s16a again once the gather skips whole chunks (s16a's
 #                                                # split rows ran at 49 tok/s), traced; its CUDA tests
-#   (device) bash benchmarks/device_final.sh s16b # session 16: the split's learned share (fine grid) at 8 and 4 GiB,
-#                                                # qwen3.6 at 8 GiB split on/off, a traced 8 GiB row
+#   (device) bash benchmarks/device_final.sh s16b # for session 17 (written, not run): the split's learned share
+#                                                # (fine grid) at 8 and 4 GiB, qwen3.6 split on/off - once s16c's
+#                                                # slow split rows are understood (docs/hybrid.md, sixteenth session)
 # carry .site (numba, llvmlite, fla-core, platformdirs unpacked, xz). Results under $OUT. Build .site once (the
 # wheels alone pass the 64 MiB carry limit; unpacked and xz-compressed they take ~44 MB):
 #   pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
@@ -697,10 +698,10 @@ elif [ "$1" = s16b ]; then
   # split off (learned too), 4 GiB learned, a traced 8 GiB row at the learned share; qwen3.6 (fp4) split on/off
   warm 150 new
   bench_rows 200 q3_learned --models qwen3-30b-a3b --dense-int8 --budgets 8 --routings uniform --cpu-share auto \
-    --expert-split on off on --modes graphs --tokens 96 --warmup 32 --prefill-budgets 99 --ttft-context 0 \
+    --expert-split on off --modes graphs --tokens 96 --warmup 32 --prefill-budgets 99 --ttft-context 0 \
     | grep -E "^qwen|CPU kernel|CPU worker|learned CPU share:"
   bench_rows 120 q3_4g --models qwen3-30b-a3b --dense-int8 --budgets 4 --routings uniform --cpu-share auto \
-    --modes graphs --tokens 64 --warmup 32 --prefill-budgets 99 --ttft-context 0 --trace 2 \
+    --expert-split on --modes graphs --tokens 64 --warmup 32 --prefill-budgets 99 --ttft-context 0 --trace 2 \
     | grep -E "^qwen|CPU kernel|learned CPU share:"
   trace_summaries 30
   bench_rows 170 q36 --models qwen3.6-35b-a3b --dense-int8 --budgets 8 --routings uniform --cpu-share auto \

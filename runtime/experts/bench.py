@@ -544,7 +544,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     m.add_argument("--gather-parts", dest="gather_parts", nargs="+", default=["two"], choices=["two", "one"],
                    help="zero-copy decode on CUDA: the misses' blocks gathered in two parts, the gate/up kernel beside "
                         "the down parts' copy (two), or in one launch before both kernels (one); both: a row each")
-    m.add_argument("--expert-split", dest="expert_split", nargs="+", default=["on"], choices=["on", "off"],
+    m.add_argument("--expert-split", dest="expert_split", nargs="+", default=["off"], choices=["on", "off"],
                    help="zero-copy decode with a CPU share: a one-token call splits one miss between the sides by "
                         "gate/up rows (on) or hands out whole experts only (off); both: a row each")
     m.add_argument("--promotions", nargs="+", default=["adaptive"], choices=["adaptive", "fixed"],

@@ -333,7 +333,7 @@ def run_model(name: str, args, hw, report: dict) -> None:
         promotions = getattr(args, "promotions", ["adaptive"])
         parts_modes = getattr(args, "gather_parts", ["two"])
         starts = getattr(args, "share_start", ["balance"])
-        expert_splits = getattr(args, "expert_split", ["on"])
+        expert_splits = getattr(args, "expert_split", ["off"])
         for routing, split, share, gather, threads, host_wait, hits_mode, promotion, parts, start, esplit in [
                 (r, sp, sh, g, th, hw_, hm, pm, pa, st, es) for r in args.routings for sp in splits
                 for sh in (shares if sp == "auto" else shares[:1]) for g in gathers
@@ -411,7 +411,7 @@ def run_model(name: str, args, hw, report: dict) -> None:
                                         + ("" if hits_mode == "beside" else " hits after")
                                         + ("" if promotion == "adaptive" else " fixed promotions")
                                         + ("" if parts == "two" else " one gather")
-                                        + ("" if esplit == "on" else " whole experts")
+                                        + (" split expert" if esplit == "on" else "")
                                         + ("" if share is not None or start == "balance" else f" from {start}")
                                         if hybrid.zero_copy else hybrid.split.mode)
                                        + ("" if split == "auto" else " (forced)")))
@@ -433,7 +433,8 @@ def run_model(name: str, args, hw, report: dict) -> None:
                     print(line, flush=True)
                 if use_graphs and args.trace and args.out and slots < layers * e:
                     trace_decode(graphs, cache, experts, args.trace, args.out / (
-                        f"trace_{name}_{label.replace(' ', '')}_{routing}_{split}{share}_{hits_mode}_{promotion}.json.gz"))
+                        f"trace_{name}_{label.replace(' ', '')}_{routing}_{split}{share}_{hits_mode}_{promotion}"
+                        f"{'_split' if esplit == 'on' else ''}.json.gz"))
                 cache.release()                 # a state slot goes back to the pool
                 del cache
             for use_graphs in [m == "graphs" for m in args.modes if args.batch > 1 and (graphs.capture or m == "eager")]:

@@ -119,8 +119,10 @@ class HybridOptions:
     split_gather: bool = True                   # zero-copy decode on CUDA with the gather: the misses' blocks
                                                 # gathered in two launches, gate/up parts then down parts, the
                                                 # gate/up kernel on the side stream beside the second (session 14)
-    expert_split: bool = True                   # zero-copy decode with a compiled CPU worker: one-token calls split
-                                                # one miss between the sides by rows (cpu_share.py, session 16)
+    expert_split: bool = False                  # zero-copy decode with a compiled CPU worker: one-token calls split
+                                                # one miss between the sides by rows (cpu_share.py, session 16).
+                                                # Off: on the H200 it ran at half speed (s16a/s16c: the misses'
+                                                # gate/up kernel ~8x longer), cause not yet found - docs/hybrid.md
 
 
 class HybridExperts:
