@@ -534,13 +534,16 @@ def case_the_finer_split():
         box.ticket.fill_(5)
         box.part_resp.fill_(5)
         plain, _ = pool_k.pool_gate_up_triton(pool, layout, ExpertSpec(), x, slots, block_n=16)
-        h, _ = pool_k.pool_gate_up_triton(pool, layout, ExpertSpec(), x, slots, block_n=16, split_box=box)
+        h = hk.fill_split_rows(plain.clone(), box)
         # (within one bf16 step: the interpreter truncates where the GPU rounds to nearest)
         torch.testing.assert_close(h[1, :32].float(), box.part[:32], rtol=8e-3, atol=1e-6)
         assert torch.equal(h[1, 32:], plain[1, 32:]) and not torch.equal(h[1, :32], plain[1, :32])
         assert torch.equal(h[0], plain[0]) and torch.equal(h[2], plain[2]) and int(box.error[0]) == 0
+        box.split.copy_(torch.tensor([-1, 0], dtype=torch.int32))              # no split: h untouched
+        assert torch.equal(hk.fill_split_rows(plain.clone(), box), plain)
+        box.split.copy_(torch.tensor([2, 48], dtype=torch.int32))
         box.part_resp.fill_(4)                                                # the CPU never answers: bounded
-        pool_k.pool_gate_up_triton(pool, layout, ExpertSpec(), x, slots, block_n=16, split_box=box, max_spins=3)
+        hk.fill_split_rows(plain.clone(), box, max_spins=3)
         assert int(box.error[0]) == 1
 
 
@@ -548,9 +551,9 @@ def test_the_finer_split_kernels_match_the_reference(interpreter):
     """The finer split (a one-token call's CPU share in rows of one more expert, cpu_share.py) in the kernels:
     the handoff picks the assignment and rows the reference does at every share (fp32, op for op), none with the
     error flag up or for two tokens; the gather leaves behind the chunks wholly inside the CPU's rows of that
-    assignment's gate/up parts and copies everything else (4-byte words and single bytes); the gate/up kernel takes that assignment's first rows
-    from the mailbox (rounded to h's dtype), computes the rest and the other assignments as without a split, and
-    gives up waiting after max_spins with the error flag up."""
+    assignment's gate/up parts and copies everything else (4-byte words and single bytes); after the gate/up
+    kernel, `fill_split_rows` writes that assignment's first rows from the mailbox (rounded to h's dtype) and
+    nothing else, nothing without a split, and gives up waiting after max_spins with the error flag up."""
     interpreter.run("the_finer_split")
 
 
@@ -867,7 +870,7 @@ def test_kernels_compile_for_h200_without_spilling(tmp_path, monkeypatch):
     """The interpreter does not check GPU code generation (layouts of reshape/split, register use): compile
     the variants the engine launches at qwen3-30b-a3b's shape (int4/64, K 8) and an MXFP4 K-10 one for
     sm_90 with the ptxas Triton ships, with bf16, fp16 and fp32 activations, the zero-copy gather (and its finer
-    split: the gate/up kernel waiting for the CPU's rows, the gather leaving them), and the CPU share's handoff (with and without
+    split: the gather leaving the CPU's rows, the fill kernel waiting for them), and the CPU share's handoff (with and without
     the step log: its system-scope fence is there) and collect (with and without the hits' rows). No register spills, and the
     packed codes are read 16 bytes per load (a select over offsets, once, hid their alignment and made it
     16 byte loads)."""
@@ -886,8 +889,7 @@ def test_kernels_compile_for_h200_without_spilling(tmp_path, monkeypatch):
         common = dict(pool_ptr="*u8", nbytes=layout.nbytes, slots_ptr="*i64", slot_st=k, slot_sk=1, K=k, I=i)
         gate_up = dict(common, table_ptr="*i32", E=128, slots_out="*i32", x_st=d, D2=d // 2, DG=-(-d // group),
                        gq=off["gate"], gs=off["gate_scales"], gm=off.get("gate_mins", 0), uq=off["up"],
-                       us=off["up_scales"], um=off.get("up_mins", 0), alpha=1.702, limit=7.0, split_ptr="*i32",
-                       part_ptr="*fp32", part_resp_ptr="*i64", ticket_ptr="*i64", err_ptr="*i32", max_spins=20_000_000)
+                       us=off["up_scales"], um=off.get("up_mins", 0), alpha=1.702, limit=7.0)
         down = dict(common, w_st=k, w_sk=1, D=d, I2=i // 2, IG=-(-i // group),
                     dq=off["down"], ds=off["down_scales"], dm=off.get("down_mins", 0))
         c = 0 if codec == "int4" else 1
@@ -895,9 +897,9 @@ def test_kernels_compile_for_h200_without_spilling(tmp_path, monkeypatch):
         for t, dtype in runs:
             h = "*" + dtype if dtype != "fp32" else "*fp32"                  # h in x's dtype when 16-bit
             gu, dn = pool_k.default_plans(t, k, layout, sms=132)
-            for lookup, split in ((False, False), (True, False), (False, True)) if t == 1 else ((False, False),):
+            for lookup in (False, True) if t == 1 else (False,):
                 cases.append((pool_k._gate_up_kernel, dict(gate_up, x_ptr="*" + dtype, h_ptr=h),
-                              dict(SPLIT=split, CODEC=c, GROUP=group, ACT=0, LOOKUP=lookup, BLOCK_N=gu.block_n,
+                              dict(CODEC=c, GROUP=group, ACT=0, LOOKUP=lookup, BLOCK_N=gu.block_n,
                                    BLOCK_K=gu.block_k, STEPS=gu.steps, PREFETCH=gu.prefetch,
                                    EVEN=(d // 2) % gu.block_k == 0, ROWS_ALL=i % gu.block_n == 0), gu.warps))
             cases.append((pool_k._down_kernel, dict(down, w_ptr="*" + dtype, y_ptr="*" + dtype, h_ptr=h),
@@ -938,6 +940,9 @@ def test_kernels_compile_for_h200_without_spilling(tmp_path, monkeypatch):
                            err_ptr="*i32", log_ptr="*i64", split_ptr="*i32", unit_ptr="*fp32", layer=3, T=1, A=8,
                            D=2048, I=768),
                       dict(FENCE=True, LOG=log, ABLOCK=16, DBLOCK=1024), 4))
+    small.append((handoff_k._fill_split_kernel,
+                  dict(h_ptr="*bf16", I=768, split_ptr="*i32", part_ptr="*fp32", part_resp_ptr="*i64",
+                       ticket_ptr="*i64", err_ptr="*i32", max_spins=20_000_000), dict(BLOCK=256), 1))
     for extra in (False, True):
         small.append((handoff_k._collect_kernel,
                       dict(out_ptr="*bf16", out_st=2048, extra_ptr="*bf16", extra_st=2048, ticket_ptr="*i64",

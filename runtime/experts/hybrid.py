@@ -122,7 +122,8 @@ class HybridOptions:
     expert_split: bool = False                  # zero-copy decode with a compiled CPU worker: one-token calls split
                                                 # one miss between the sides by rows (cpu_share.py, session 16).
                                                 # Off: on the H200 it ran at half speed (s16a/s16c: the misses'
-                                                # gate/up kernel ~8x longer), cause not yet found - docs/hybrid.md
+                                                # gate/up kernel ~8x longer while it waited inside for the CPU's
+                                                # rows); the wait is now a one-warp kernel, not yet measured
 
 
 class HybridExperts:
@@ -449,8 +450,9 @@ class HybridExperts:
                                             skip=self._row_skip if split else None)
         side.wait_stream(main)                          # (after the hits' kernels, when they run there too)
         with torch.cuda.stream(side):
-            h, looked_up = int4_pool_triton.pool_gate_up_triton(self._scratch, self.layout, self.spec, x, slots,
-                                                                split_box=self._box if split else None)
+            h, looked_up = int4_pool_triton.pool_gate_up_triton(self._scratch, self.layout, self.spec, x, slots)
+            if split:                                   # the split expert's first rows: the CPU's
+                handoff_triton.fill_split_rows(h, self._box)
         gather_triton.gather_blocks(host, rows, self._scratch, table=table_row,
                                     byte_range=(cut, self.store.block_nbytes))
         main.wait_stream(side)

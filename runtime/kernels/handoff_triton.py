@@ -13,7 +13,12 @@ Why: a recorded decode step cannot stop for the host to decide which experts the
   itself (one timeout a step, not one a layer: 48 of them had held a step for minutes). With the mailbox's
   `split_unit` set and one token, the rule is the finer split (`cpu_share.cpu_split`, op for op in fp32): the
   split miss stays in the GPU's ids, and `box.split` (device) says which assignment it is and how many of its
-  first gate/up rows the CPU computes (int4_pool_triton's gate/up kernel takes those from the mailbox).
+  first gate/up rows the CPU computes (`fill_split_rows` takes those from the mailbox).
+- `fill_split_rows` (one program, one warp): the finer split's rows - waits for the CPU's `part_resp` ticket
+  (bounded like collect) and writes the split expert's first rows of h (its gate/up kernel computed the others from
+  the rows the gather left it). A launch of its own, after the gate/up kernel, where session 16 first had every
+  program of that expert's rows wait inside the gate/up kernel: those rows ran at half speed on the H200 (s16a,
+  s16c: the gate/up kernel ~8x longer, cause not found; one waiting warp cannot flood the line the CPU writes).
 - `collect` (grid over the hidden size and the tokens): spins on the mailbox's answer word until it holds the
   ticket (volatile loads over PCIe; gives up after `max_spins` and raises the error flag instead of
   hanging the GPU), then adds the CPU's fp32 rows into the output.
@@ -122,6 +127,25 @@ if HAVE_TRITON:
             tl.store(out_ptr + t * out_st + cols, (o + v).to(out_ptr.dtype.element_ty), mask=mask)
 
 
+if HAVE_TRITON:
+    @triton.jit
+    def _fill_split_kernel(h_ptr, I, split_ptr, part_ptr, part_resp_ptr, ticket_ptr, err_ptr, max_spins,
+                           BLOCK: tl.constexpr):
+        a = tl.load(split_ptr)
+        rows = tl.load(split_ptr + 1)
+        if (a >= 0) & (rows > 0):
+            ticket = tl.load(ticket_ptr)
+            spins = 0
+            while (tl.load(part_resp_ptr, volatile=True) != ticket) & (spins < max_spins):
+                spins += 1
+            if spins >= max_spins:
+                tl.store(err_ptr, 1)
+            for r0 in range(0, rows, BLOCK):
+                r = r0 + tl.arange(0, BLOCK)
+                v = tl.load(part_ptr + r, mask=r < rows, other=0.0, volatile=True)
+                tl.store(h_ptr + a.to(tl.int64) * I + r, v.to(h_ptr.dtype.element_ty), mask=r < rows)
+
+
 def handoff(layer_index: int, ids: torch.Tensor, weights: torch.Tensor, x: torch.Tensor, table_row: torch.Tensor,
             box, *, fence: bool = True, log: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """ids [T, K] int64 (contiguous), weights [T, K], x [T, D] -> (hit slots [T, K], zero-copy ids [T, K]) on the
@@ -142,6 +166,17 @@ def handoff(layer_index: int, ids: torch.Tensor, weights: torch.Tensor, x: torch
 
 
 MAX_SPINS = 20_000_000       # polls of the answer word (PCIe round trips): seconds, far past any real answer
+
+
+def fill_split_rows(h: torch.Tensor, box, *, max_spins: int = MAX_SPINS) -> torch.Tensor:
+    """h [T*K, I] (the gate/up kernel's activations): rows 0..r of the split assignment (`box.split`) from the
+    mailbox's `part`, once `part_resp` holds the call's ticket; nothing when the call has no split (in place;
+    returns h). One launch of one warp."""
+    if h.stride(1) != 1 or h.stride(0) != h.shape[1]:
+        raise ValueError(f"fill_split_rows: h {tuple(h.shape)} (strides {h.stride()}) is not contiguous rows")
+    _fill_split_kernel[(1,)](h, h.shape[1], box.split, box.part, box.part_resp, box.ticket, box.error, max_spins,
+                             BLOCK=256, num_warps=1)
+    return h
 
 
 def collect(out: torch.Tensor, box, *, extra: torch.Tensor | None = None, max_spins: int = MAX_SPINS) -> torch.Tensor:

@@ -53,7 +53,6 @@ MIN_BLOCK_N, MAX_BLOCK_N = 2, 32
 MAX_UNROLL = 8              # steps per row unrolled into straight-line code (their loads may all be in flight)
 NUM_WARPS = 4
 PREFETCH = True             # request step i + 1's codes before step i's arithmetic
-SPLIT_MAX_SPINS = 20_000_000   # a split expert's wait for the CPU's rows: as bounded as handoff_triton.collect's
 
 
 if HAVE_TRITON:
@@ -208,7 +207,6 @@ if HAVE_TRITON:
     @triton.jit
     def _gate_up_kernel(pool_ptr, nbytes, slots_ptr, slot_st, slot_sk, table_ptr, E, slots_out, x_ptr, x_st, h_ptr,
                         K, D2, DG, I, gq, gs, gm, uq, us, um, alpha, limit,
-                        split_ptr, part_ptr, part_resp_ptr, ticket_ptr, err_ptr, max_spins, SPLIT: tl.constexpr,
                         CODEC: tl.constexpr, GROUP: tl.constexpr, ACT: tl.constexpr, LOOKUP: tl.constexpr,
                         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, STEPS: tl.constexpr,
                         PREFETCH: tl.constexpr, EVEN: tl.constexpr, ROWS_ALL: tl.constexpr):
@@ -248,21 +246,6 @@ if HAVE_TRITON:
             u = tl.minimum(tl.maximum(u, -limit), limit)
             h = (u + 1.0) * (g / (1.0 + tl.exp(-alpha * g)))
         rows = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-        if SPLIT:
-            # the finer split's expert (cpu_share.py): its first rows are the CPU's (their codes were never
-            # gathered: what was computed from them above is dropped). Wait for the CPU's ticket, bounded as
-            # collect's wait is, and take its fp32 rows from the mailbox
-            if a == tl.load(split_ptr):
-                cpu_rows = tl.load(split_ptr + 1)
-                if tl.program_id(1) * BLOCK_N < cpu_rows:
-                    ticket = tl.load(ticket_ptr)
-                    spins = 0
-                    while (tl.load(part_resp_ptr, volatile=True) != ticket) & (spins < max_spins):
-                        spins += 1
-                    if spins >= max_spins:
-                        tl.store(err_ptr, 1)
-                    mine = rows < cpu_rows
-                    h = tl.where(mine, tl.load(part_ptr + rows, mask=mine, other=0.0, volatile=True), h)
         # rounded to h's dtype: x's when 16-bit, as the torch path's activations are
         tl.store(h_ptr + a.to(tl.int64) * I + rows, h.to(h_ptr.dtype.element_ty), mask=rows < I)
 
@@ -410,16 +393,12 @@ def _offset(layout, name: str) -> int:
 
 def pool_gate_up_triton(pool: torch.Tensor, layout, spec, x: torch.Tensor, slots: torch.Tensor, *,
                         slot_table: torch.Tensor | None = None, block_n: int | None = None,
-                        block_k: int | None = None, plan: KernelPlan | None = None, split_box=None,
-                        max_spins: int = SPLIT_MAX_SPINS) -> tuple[torch.Tensor, torch.Tensor]:
+                        block_k: int | None = None,
+                        plan: KernelPlan | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """The first of pool_forward_triton's two launches: x [T, D], slots [T, K] -> (h [T*K, I] the activations, in
     x's dtype when 16-bit else fp32; the slots [T, K] the down kernel reads: `slots`, or the table's answers with
     `slot_table`). It reads only the gate and up parts of each block (what lies below the down part in the FTW
-    layout), so it may run while a block's down part is still being copied (hybrid.py `split_gather`).
-
-    `split_box` (a cpu_share.Mailbox): the finer split - the assignment `split_box.split` names takes its first
-    rows of h from the mailbox's `part` once `part_resp` holds the call's ticket (after `max_spins` polls it sets
-    the mailbox's error flag and goes on with what is there)."""
+    layout), so it may run while a block's down part is still being copied (hybrid.py `split_gather`)."""
     t, k = slots.shape
     d, i = layout.hidden, layout.intermediate
     if x.shape != (t, d):
@@ -447,9 +426,6 @@ def pool_gate_up_triton(pool: torch.Tensor, layout, spec, x: torch.Tensor, slots
         slot_table.shape[0] if lookup else 0, looked_up, x, x.stride(0), h, k, d // 2, -(-d // group), i,
         off("gate"), off("gate_scales"), off("gate_mins"), off("up"), off("up_scales"), off("up_mins"),
         float(spec.swiglu_alpha), float(spec.swiglu_limit),
-        *((slots,) * 5 if split_box is None else (split_box.split, split_box.part, split_box.part_resp,
-                                                  split_box.ticket, split_box.error)), max_spins,
-        SPLIT=split_box is not None,
         CODEC=codec, GROUP=group, ACT=0 if spec.activation == "silu" else 1, LOOKUP=lookup, BLOCK_N=gu.block_n,
         BLOCK_K=gu.block_k, STEPS=gu.steps, PREFETCH=gu.prefetch, EVEN=(d // 2) % gu.block_k == 0,
         ROWS_ALL=i % gu.block_n == 0, num_warps=gu.warps)
