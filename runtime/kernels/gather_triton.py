@@ -55,7 +55,7 @@ class RowSkip:
     whole_words: bool         # every offset and row size a multiple of 16 bytes (the launch may read 4-byte words)
 
     @classmethod
-    def of(cls, split: torch.Tensor, parts: list[tuple[int, int]]) -> "RowSkip":
+    def of(cls, split: torch.Tensor, parts: list[tuple[int, int]]) -> RowSkip:
         return cls(split, torch.tensor(parts, dtype=torch.int64, device=split.device),
                    all(off % 16 == 0 and per % 16 == 0 for off, per in parts))
 

@@ -103,6 +103,17 @@ if HAVE_TRITON:
             tl.store(box_req_ptr, ticket)
 
     @triton.jit
+    def _await_ticket(word_ptr, ticket_ptr, err_ptr, max_spins):
+        """Poll word_ptr (volatile: over PCIe each time) until it holds the call's ticket, at most max_spins
+        times; past that the error flag goes up and the caller goes on (a lost answer must not hang the GPU)."""
+        ticket = tl.load(ticket_ptr)
+        spins = 0
+        while (tl.load(word_ptr, volatile=True) != ticket) & (spins < max_spins):
+            spins += 1
+        if spins >= max_spins:
+            tl.store(err_ptr, 1)
+
+    @triton.jit
     def _collect_kernel(out_ptr, out_st, extra_ptr, extra_st, ticket_ptr, ncpu_ptr, box_resp_ptr, box_out_ptr,
                         err_ptr, D, max_spins, EXTRA: tl.constexpr, BLOCK: tl.constexpr):
         t = tl.program_id(1)
@@ -111,12 +122,7 @@ if HAVE_TRITON:
         n_cpu = tl.load(ncpu_ptr)
         v = tl.zeros([BLOCK], dtype=tl.float32)
         if n_cpu > 0:
-            ticket = tl.load(ticket_ptr)
-            spins = 0
-            while (tl.load(box_resp_ptr, volatile=True) != ticket) & (spins < max_spins):
-                spins += 1
-            if spins >= max_spins:
-                tl.store(err_ptr, 1)
+            _await_ticket(box_resp_ptr, ticket_ptr, err_ptr, max_spins)
             v = tl.load(box_out_ptr + t * D + cols, mask=mask, other=0.0, volatile=True)
         if EXTRA:                                   # the hits' rows too: no add kernel of their own
             e = tl.load(extra_ptr + t * extra_st + cols, mask=mask, other=0.0).to(tl.float32)
@@ -134,12 +140,7 @@ if HAVE_TRITON:
         a = tl.load(split_ptr)
         rows = tl.load(split_ptr + 1)
         if (a >= 0) & (rows > 0):
-            ticket = tl.load(ticket_ptr)
-            spins = 0
-            while (tl.load(part_resp_ptr, volatile=True) != ticket) & (spins < max_spins):
-                spins += 1
-            if spins >= max_spins:
-                tl.store(err_ptr, 1)
+            _await_ticket(part_resp_ptr, ticket_ptr, err_ptr, max_spins)
             for r0 in range(0, rows, BLOCK):
                 r = r0 + tl.arange(0, BLOCK)
                 v = tl.load(part_ptr + r, mask=r < rows, other=0.0, volatile=True)
