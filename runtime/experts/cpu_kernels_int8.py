@@ -1090,7 +1090,7 @@ def _stages(codec, buf, buf16, buf32, nbytes, offs, has_bias, i, group, table, x
                     part[r] = _gate_up_act(codec, buf, buf16, buf32, b0, o, np.uint64(r), gd, hg, table, xq, xs, xm, t,
                                            gate_scale[e], up_scale[e], has_bias, activation, alpha, limit)
                 if _fetch_add(sync, SPLIT_DONE, 1) == split_base + n_split - 1:
-                    _store_release(part_answer, 0, ticket)   # the GPU's gate/up kernel may take the rows now
+                    _store_release(part_answer, 0, ticket)   # the GPU's fill_split_rows may take the rows now
             elif stage == 1:                          # gate and up rows of one expert
                 u, e, b0, r0, r1 = _task_rows(task - n_split, up_blocks, experts, nb, i, ROWS_PER_TASK)
                 for r in range(r0, min(r0 + ahead_d, r1)):           # the first rows asked for at once
@@ -1305,8 +1305,8 @@ def serve_layers(req, resp, meta, ids, weights, x, out, part, part_answer, last,
                 se, st, sr = _load_acquire(meta, 2), _load_acquire(meta, 3), _load_acquire(meta, 4)
                 if not split_ok(se, st, sr, inter, n_exp, t):
                     # every lane leaves (as when quiet) and serve_int8 raises: no raise in here - one written in
-                    # the region slowed every request (dev VM: 12.5 against 19.3 GB/s on a layer's 8 experts;
-                    # the GPU machine's host measured 8.1 GB/s with it, s16a, where sessions 14-15 saw 56-77),
+                    # the prange makes numba compile it as a serial loop (lane 1 took 0 of 5,120 tasks on the
+                    # dev VM; the GPU machine's host measured 8.1 GB/s, s16a, where sessions 14-15 saw 56-77),
                     # and the other lanes, waiting for the next request, would never have let it out
                     _store_release(ctl, CTL_BAD, seq)
                     _store_release(ctl, CTL_QUIT, 1)

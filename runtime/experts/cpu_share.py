@@ -157,9 +157,9 @@ class Mailbox:
         self.share = dev(1, dtype=torch.float32, fill=share)       # the CPU's share of misses (host sets it)
         self.hit_slots = dev(a, dtype=torch.int64, fill=-1)
         self.zc_ids = dev(a, dtype=torch.int64, fill=-1)
-        self.split = dev(2, dtype=torch.int32)                     # the last call's split assignment and rows
-        self.split.fill_(0)[0] = -1
+        self.split = torch.tensor([-1, 0], dtype=torch.int32, device=device)   # the last call's split (assignment, rows)
         self.split_unit = dev(1, dtype=torch.float32)              # gate/up rows that weigh one expert (0: no split)
+        self.unit = 0                                              # the same, on the host (the rule's replays)
         self._np = {name: getattr(self, name).numpy() for name in ("req", "resp", "meta", "ids", "weights", "x", "out",
                                                                    "part", "part_resp")}
 
@@ -171,6 +171,7 @@ class Mailbox:
         bytes as one whole expert (`split_unit_rows`); 0 turns it off."""
         if unit and not self.intermediate:
             raise ValueError("Mailbox.enable_split: the mailbox was made without the expert width (intermediate)")
+        self.unit = int(unit)
         self.split_unit.fill_(float(unit))
 
 
@@ -392,17 +393,18 @@ class CpuShareWorker:
 
 
 # ---------------------------------------------------------------------------------- the rule
+def split_row_parts(layout) -> list[tuple[int, int]]:
+    """(byte offset, bytes a row) of each block part that holds one row per gate/up row: the bytes of a split
+    expert's rows the CPU reads (and the gather leaves behind, gather_triton.RowSkip)."""
+    return [(layout.parts[name].offset, layout.parts[name].nbytes // layout.intermediate)
+            for name in ("gate", "gate_scales", "gate_mins", "up", "up_scales", "up_mins") if name in layout.parts]
+
+
 def split_unit_rows(layout) -> int:
     """Gate/up rows (both matrices' row i, with their scales and mins) that weigh as many bytes as one whole
     expert block: the exchange rate of the finer split (~1.5 x the expert width: gate and up are ~2/3 of a block)."""
-    pair = sum(layout.parts[name].nbytes for name in split_part_names(layout)) / layout.intermediate
+    pair = sum(per for _, per in split_row_parts(layout))
     return max(1, round(sum(part.nbytes for part in layout.parts.values()) / pair))   # (the block's padding: none)
-
-
-def split_part_names(layout) -> list[str]:
-    """The block's parts that hold one row per gate/up row (the bytes of a split expert's rows the CPU reads)."""
-    return [name for name in ("gate", "gate_scales", "gate_mins", "up", "up_scales", "up_mins")
-            if name in layout.parts]
 
 
 def cpu_split(n_miss: int, share: float, *, unit: float = 0.0, inter: int = 0, tokens: int = 1) -> tuple[int, int]:
@@ -438,8 +440,7 @@ def handoff_reference(layer_index: int, ids: torch.Tensor, weights: torch.Tensor
     slot = table_row[ids]                                               # [T, K]
     miss = (slot < 0).reshape(-1)
     rank = torch.cumsum(miss.int(), 0) - miss.int()
-    n_cpu, rows = cpu_split(int(miss.sum()), float(box.share[0]), unit=float(box.split_unit[0]),
-                            inter=box.intermediate, tokens=t)
+    n_cpu, rows = cpu_split(int(miss.sum()), float(box.share[0]), unit=box.unit, inter=box.intermediate, tokens=t)
     if int(box.error[0]):                       # the worker failed to answer: the GPU's path reads every miss
         n_cpu = rows = 0
     cpu = miss & (rank < n_cpu)

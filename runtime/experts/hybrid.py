@@ -36,7 +36,7 @@ import torch
 from runtime.experts.cpu_executor import CpuExecutor
 from runtime.experts.cpu_share import HAVE_NUMBA as CPU_SHARE_COMPILED
 from runtime.experts.cpu_share import (CpuShareWorker, Mailbox, collect_reference, cpu_share_counts,
-                                       default_worker_threads, handoff_reference, split_part_names, split_unit_rows)
+                                       default_worker_threads, handoff_reference, split_row_parts, split_unit_rows)
 from runtime.experts.host_store import HostExpertStore
 from runtime.experts.interface import ExpertSpec
 from runtime.experts.openmp import load_private_openmp, warn_if_private_beside_torch
@@ -261,9 +261,8 @@ class HybridExperts:
         self._promotion_budget = PromotionBudget(most, layers=len(store.layers), experts=store.num_experts,
                                                  floor=1 if self.options.adaptive_promotions else most)
         self._box = self._worker = self._row_skip = None
-        self._split_unit = 0                    # gate/up rows a whole expert weighs, with the finer split on
         # the finer split needs the compiled worker (it computes a split expert's rows) and, on the GPU, the
-        # gather in two parts (the gate/up kernel that takes the CPU's rows is a launch of its own)
+        # gather in two parts (the CPU's rows are filled into h between the gate/up and down launches)
         splits = (self.options.expert_split and self.cpu.int8 and CPU_SHARE_COMPILED and self._scratch is not None
                   and (self._split_at or not self.cuda))
         fixed = self.options.cpu_share
@@ -305,11 +304,8 @@ class HybridExperts:
             weakref.finalize(self, self._worker.close)
             self._err_host = torch.zeros(1, dtype=torch.int32, pin_memory=self.cuda)
             if splits and self._worker.compiled:
-                self._row_skip = gather_triton.RowSkip.of(self._box.split, [
-                    (self.layout.parts[n].offset, self.layout.parts[n].nbytes // self.layout.intermediate)
-                    for n in split_part_names(self.layout)])
-                self._split_unit = split_unit_rows(self.layout)
-                self._box.enable_split(self._split_unit)
+                self._row_skip = gather_triton.RowSkip.of(self._box.split, split_row_parts(self.layout))
+                self._box.enable_split(split_unit_rows(self.layout))
         else:
             self._share_control = None
         self.cpu_share = share if self._box is not None else 0.0
@@ -324,6 +320,11 @@ class HybridExperts:
                 log.warning("zero-copy expert reads are unavailable (%s): misses go through the host", exc)
                 self.zero_copy = False
                 self.close()
+
+    @property
+    def _split_unit(self) -> int:
+        """Gate/up rows a whole expert weighs with the finer split on (the mailbox's); 0 without it."""
+        return self._box.unit if self._box is not None else 0
 
     def _default_cpu_share(self) -> float:
         """The CPU's share of misses that makes both sides finish together: its kernel's rate over the sum of

@@ -158,12 +158,13 @@ def gather_blocks_reference(src: torch.Tensor, ids: torch.Tensor, scratch: torch
     for a, (key, row) in enumerate(zip(keys, rows)):
         owner = first.setdefault(key, a)
         slots.append(owner if row >= 0 else -1)
-        if row >= 0 and owner == a:
+        if row >= 0 and owner == a and (skip is None or a != int(skip.split[0])):
+            scratch[a, lo:hi] = src[row, lo:hi].to(scratch.device)
+        elif row >= 0 and owner == a:                        # the split expert: all but the CPU's rows
             keep = torch.zeros(src.shape[1], dtype=torch.bool)
             keep[lo:hi] = True
-            if skip is not None and a == int(skip.split[0]):
-                for off, per in skip.parts.tolist():
-                    keep[off:off + int(skip.split[1]) * per] = False
+            for off, per in skip.parts.tolist():
+                keep[off:off + int(skip.split[1]) * per] = False
             idx = torch.nonzero(keep)[:, 0]
             scratch[a, idx.to(scratch.device)] = src[row, idx].to(scratch.device)
     return torch.tensor(slots, dtype=torch.int64, device=scratch.device).view(t, k)

@@ -132,8 +132,6 @@ if HAVE_TRITON:
             o = tl.load(out_ptr + t * out_st + cols, mask=mask, other=0.0).to(tl.float32)
             tl.store(out_ptr + t * out_st + cols, (o + v).to(out_ptr.dtype.element_ty), mask=mask)
 
-
-if HAVE_TRITON:
     @triton.jit
     def _fill_split_kernel(h_ptr, I, split_ptr, part_ptr, part_resp_ptr, ticket_ptr, err_ptr, max_spins,
                            BLOCK: tl.constexpr):
