@@ -708,6 +708,21 @@ elif [ "$1" = s16b ]; then
     --expert-split on off --modes graphs --tokens 64 --warmup 32 --prefill-budgets 99 --ttft-context 0 \
     | grep -E "^qwen|CPU kernel|learned"
   rm -f "$OUT"/model_*.json "$OUT"/model.json
+elif [ "$1" = s17b ]; then
+  # session 17, after s17a: the split's rows seen ~17 µs after the down parts' gather (a poll beside it waits behind
+  # the reads in flight), so they are taken into device memory between the two gathers; an expert a call names
+  # twice is never split (s17t's failure). CUDA tests, the mailbox's round trips idle and beside the link's
+  # traffic, then s17a's rows (split on/off at 0.55 and 0.6, traced)
+  warm 150 new
+  cuda_tests 200 --tb=short tests/test_hybrid_zero_copy.py tests/test_cpu_share_lanes.py \
+    -k "cuda_graph or split or twice or beside"
+  grep -E "^E |passed|failed|FAILED" "$OUT/cuda_tests.log" | head -12
+  timeout 120 python3 benchmarks/bench_mailbox_latency.py --json "$OUT/mailbox.json" 2>&1 | tail -14
+  bench_rows 330 q3_split --models qwen3-30b-a3b --dense-int8 --budgets 8 --routings uniform --cpu-share 0.55 0.6 \
+    --expert-split on off --modes graphs --tokens 64 --warmup 32 --prefill-budgets 99 --ttft-context 0 --trace 2 \
+    | grep -E "^qwen|CPU kernel|CPU worker"
+  trace_summaries 30
+  rm -f "$OUT"/model_*.json "$OUT"/model.json
 else
   # decode rows through graphs only (eager rows cost minutes); the CPU share learned (auto; printed with a *),
   # fixed 0 and 0.3

@@ -502,6 +502,22 @@ def case_the_finer_split():
             for name in ("req", "meta", "ids", "weights"):
                 assert torch.equal(getattr(a, name), getattr(b, name)), name
     assert splits >= 8
+    # an expert the call names twice is gathered once for both: it is never the split one (the CUDA graph test's
+    # ids found it on the GPU), whether the split would land on its first naming or its second
+    for row, share in (([5, 2, 7, 2, 8, 0], 0.25), ([2, 5, 2, 7, 8, 0], 0.4), ([5, 2, 7, 1, 8, 0], 0.25)):
+        ids, w, x = torch.tensor([row]), torch.rand(1, 6, generator=gen), torch.randn(1, 40, generator=gen)
+        boxes = [Mailbox(max_tokens=2, top_k=6, hidden=40, device=cpu, share=share, intermediate=48)
+                 for _ in range(2)]
+        for box in boxes:
+            box.enable_split(72)
+        got = hk.handoff(1, ids, w, x, table, boxes[0], fence=False)
+        want = handoff_reference(1, ids, w, x, table, boxes[1])
+        assert all(torch.equal(g, h) for g, h in zip(got, want)) and torch.equal(boxes[0].meta, boxes[1].meta)
+        whole, rows = cpu_split(int((table[ids] < 0).sum()), share, unit=72, inter=48)
+        assert rows > 0 and whole in (1, 2)                 # the rule alone would split here
+        twice = row.count(2) == 2
+        assert boxes[0].split.tolist() == ([-1, 0] if twice else [1, rows]), (row, boxes[0].split)
+        assert int(boxes[0].ncpu[0]) == whole + (not twice) == int(boxes[1].ncpu[0])
     # the gather leaves behind the chunks wholly inside the CPU's rows of the split assignment's gate/up parts (the
     # reference: exactly those rows), and copies every other byte
     src = torch.randint(0, 256, (10, 96), generator=gen, dtype=torch.uint8)
@@ -535,16 +551,20 @@ def case_the_finer_split():
         box.ticket.fill_(5)
         box.part_resp.fill_(5)
         plain, _ = pool_k.pool_gate_up_triton(pool, layout, ExpertSpec(), x, slots, block_n=16)
-        h = hk.fill_split_rows(plain.clone(), box)
+        hk.take_split_rows(box)                                               # the rows into device memory...
+        assert torch.equal(box.part_dev[:32], box.part[:32]) and not bool(box.part_dev[32:].any())
+        h = hk.fill_split_rows(plain.clone(), box)                            # ...then into h
         # (within one bf16 step: the interpreter truncates where the GPU rounds to nearest)
         torch.testing.assert_close(h[1, :32].float(), box.part[:32], rtol=8e-3, atol=1e-6)
         assert torch.equal(h[1, 32:], plain[1, 32:]) and not torch.equal(h[1, :32], plain[1, :32])
         assert torch.equal(h[0], plain[0]) and torch.equal(h[2], plain[2]) and int(box.error[0]) == 0
-        box.split.copy_(torch.tensor([-1, 0], dtype=torch.int32))              # no split: h untouched
-        assert torch.equal(hk.fill_split_rows(plain.clone(), box), plain)
+        box.split.copy_(torch.tensor([-1, 0], dtype=torch.int32))              # no split: nothing taken or filled
+        box.part_dev.zero_()
+        hk.take_split_rows(box)
+        assert not bool(box.part_dev.any()) and torch.equal(hk.fill_split_rows(plain.clone(), box), plain)
         box.split.copy_(torch.tensor([2, 48], dtype=torch.int32))
         box.part_resp.fill_(4)                                                # the CPU never answers: bounded
-        hk.fill_split_rows(plain.clone(), box, max_spins=3)
+        hk.take_split_rows(box, max_spins=3)
         assert int(box.error[0]) == 1
 
 
@@ -552,9 +572,10 @@ def test_the_finer_split_kernels_match_the_reference(interpreter):
     """The finer split (a one-token call's CPU share in rows of one more expert, cpu_share.py) in the kernels:
     the handoff picks the assignment and rows the reference does at every share (fp32, op for op), none with the
     error flag up or for two tokens; the gather leaves behind the chunks wholly inside the CPU's rows of that
-    assignment's gate/up parts and copies everything else (4-byte words and single bytes); after the gate/up
-    kernel, `fill_split_rows` writes that assignment's first rows from the mailbox (rounded to h's dtype) and
-    nothing else, nothing without a split, and gives up waiting after max_spins with the error flag up."""
+    assignment's gate/up parts and copies everything else (4-byte words and single bytes); `take_split_rows`
+    copies the CPU's rows into device memory once their ticket is there (giving up after max_spins with the error
+    flag up), and after the gate/up kernel `fill_split_rows` writes them into that assignment's first rows
+    (rounded to h's dtype) and nothing else; neither does anything without a split."""
     interpreter.run("the_finer_split")
 
 
@@ -941,9 +962,11 @@ def test_kernels_compile_for_h200_without_spilling(tmp_path, monkeypatch):
                            err_ptr="*i32", log_ptr="*i64", split_ptr="*i32", unit_ptr="*fp32", layer=3, T=1, A=8,
                            D=2048, I=768),
                       dict(FENCE=True, LOG=log, ABLOCK=16, DBLOCK=1024), 4))
-    small.append((handoff_k._fill_split_kernel,
-                  dict(h_ptr="*bf16", I=768, split_ptr="*i32", part_ptr="*fp32", part_resp_ptr="*i64",
+    small.append((handoff_k._take_split_kernel,
+                  dict(split_ptr="*i32", part_ptr="*fp32", part_dev_ptr="*fp32", part_resp_ptr="*i64",
                        ticket_ptr="*i64", err_ptr="*i32", max_spins=20_000_000), dict(BLOCK=256), 1))
+    small.append((handoff_k._fill_split_kernel,
+                  dict(h_ptr="*bf16", I=768, split_ptr="*i32", part_dev_ptr="*fp32"), dict(BLOCK=256), 1))
     for extra in (False, True):
         small.append((handoff_k._collect_kernel,
                       dict(out_ptr="*bf16", out_st=2048, extra_ptr="*bf16", extra_st=2048, ticket_ptr="*i64",

@@ -159,6 +159,7 @@ class Mailbox:
         self.zc_ids = dev(a, dtype=torch.int64, fill=-1)
         self.split = torch.tensor([-1, 0], dtype=torch.int32, device=device)   # the last call's split (assignment, rows)
         self.split_unit = dev(1, dtype=torch.float32)              # gate/up rows that weigh one expert (0: no split)
+        self.part_dev = dev(max(1, intermediate), dtype=torch.float32)   # `part` taken into device memory
         self.unit = 0                                              # the same, on the host (the rule's replays)
         self._np = {name: getattr(self, name).numpy() for name in ("req", "resp", "meta", "ids", "weights", "x", "out",
                                                                    "part", "part_resp")}
@@ -447,6 +448,8 @@ def handoff_reference(layer_index: int, ids: torch.Tensor, weights: torch.Tensor
     hit = torch.where(slot >= 0, slot, -1)
     zc = torch.where((miss & (rank >= n_cpu)).view(t, k), ids, -1)
     split_a = int(torch.nonzero(miss & (rank == n_cpu))[0, 0]) if rows else -1
+    if rows and int((ids.reshape(-1) == ids.reshape(-1)[split_a]).sum()) > 1:
+        split_a, rows = -1, 0                   # an expert named twice is gathered once for both: no split
     box.split[0], box.split[1] = split_a, rows
     box.ncpu.fill_(n_cpu + (rows > 0))
     if n_cpu or rows:

@@ -449,6 +449,8 @@ class HybridExperts:
         main, side, cut = torch.cuda.current_stream(self.device), self._side_stream, self._split_at
         slots = gather_triton.gather_blocks(host, rows, self._scratch, table=table_row, byte_range=(0, cut),
                                             skip=self._row_skip if split else None)
+        if split:           # the CPU's rows of the split expert, taken while the link is quiet (take_split_rows)
+            handoff_triton.take_split_rows(self._box)
         side.wait_stream(main)                          # (after the hits' kernels, when they run there too)
         with torch.cuda.stream(side):
             h, looked_up = int4_pool_triton.pool_gate_up_triton(self._scratch, self.layout, self.spec, x, slots)

@@ -13,12 +13,14 @@ Why: a recorded decode step cannot stop for the host to decide which experts the
   itself (one timeout a step, not one a layer: 48 of them had held a step for minutes). With the mailbox's
   `split_unit` set and one token, the rule is the finer split (`cpu_share.cpu_split`, op for op in fp32): the
   split miss stays in the GPU's ids, and `box.split` (device) says which assignment it is and how many of its
-  first gate/up rows the CPU computes (`fill_split_rows` takes those from the mailbox).
-- `fill_split_rows` (one program, one warp): the finer split's rows - waits for the CPU's `part_resp` ticket
-  (bounded like collect) and writes the split expert's first rows of h (its gate/up kernel computed the others from
-  the rows the gather left it). A launch of its own, after the gate/up kernel, where session 16 first had every
-  program of that expert's rows wait inside the gate/up kernel: those rows ran at half speed on the H200 (s16a,
-  s16c: the gate/up kernel ~8x longer, cause not found; one waiting warp cannot flood the line the CPU writes).
+  first gate/up rows the CPU computes (`take_split_rows`/`fill_split_rows` take those from the mailbox).
+- `take_split_rows` and `fill_split_rows` (one warp each): the finer split's rows. The first waits for the CPU's
+  `part_resp` ticket (bounded like collect) and copies the rows into device memory, between the two gathers, when
+  nothing else crosses the link: a poll waits behind every read in flight (session 16 polled inside the gate/up
+  kernel, then in one warp after it, beside the down parts' gather: the rows, ready early, were seen late, and
+  the split's rows ran at half speed, then 3 % behind whole experts - s16a, s16c, s17a). The second writes them
+  into the split expert's first rows of h after the gate/up kernel (which computed the others from the rows the
+  gather left it).
 - `collect` (grid over the hidden size and the tokens): spins on the mailbox's answer word until it holds the
   ticket (volatile loads over PCIe; gives up after `max_spins` and raises the error flag instead of
   hanging the GPU), then adds the CPU's fp32 rows into the output.
@@ -73,6 +75,12 @@ if HAVE_TRITON:
         n_cpu = tl.where(failed, 0, n_cpu)
         r = tl.where(failed, 0, r)
         split_a = tl.min(tl.where(miss & (rank == n_cpu), a, ABLOCK), 0)
+        # an expert the call names twice is gathered once for both (gather_triton's owner): the rows it would
+        # leave behind for the CPU would be missing from the other assignment too - no split then (a real top-k
+        # names an expert once a token; found by the CUDA graph test's ids on the GPU, s17t)
+        split_id = tl.sum(tl.where(a == split_a, ids, 0), 0)
+        twice = tl.sum((m & (ids == split_id)).to(tl.int32), 0) > 1
+        r = tl.where(twice, 0, r)
         split_a = tl.where(r > 0, split_a, -1)
         cpu = miss & (rank < n_cpu)
         tl.store(hit_ptr + a, tl.where(m & (slot >= 0), slot, -1), mask=m)
@@ -92,7 +100,7 @@ if HAVE_TRITON:
                     tl.store(box_x_ptr + t * D + cols, v, mask=cols < D)
             tl.store(box_meta_ptr, layer)
             tl.store(box_meta_ptr + 1, T)
-            tl.store(box_meta_ptr + 2, tl.where(r > 0, tl.sum(tl.where(a == split_a, ids, 0), 0), -1))
+            tl.store(box_meta_ptr + 2, tl.where(r > 0, split_id, -1))
             tl.store(box_meta_ptr + 3, 0)                       # (a split's token: only one-token calls split)
             tl.store(box_meta_ptr + 4, r)
             tl.debug_barrier()                                  # every thread's mailbox stores issued...
@@ -133,17 +141,25 @@ if HAVE_TRITON:
             tl.store(out_ptr + t * out_st + cols, (o + v).to(out_ptr.dtype.element_ty), mask=mask)
 
     @triton.jit
-    def _fill_split_kernel(h_ptr, I, split_ptr, part_ptr, part_resp_ptr, ticket_ptr, err_ptr, max_spins,
+    def _take_split_kernel(split_ptr, part_ptr, part_dev_ptr, part_resp_ptr, ticket_ptr, err_ptr, max_spins,
                            BLOCK: tl.constexpr):
-        a = tl.load(split_ptr)
         rows = tl.load(split_ptr + 1)
-        if (a >= 0) & (rows > 0):
+        if (tl.load(split_ptr) >= 0) & (rows > 0):
             _await_ticket(part_resp_ptr, ticket_ptr, err_ptr, max_spins)
             for r0 in range(0, rows, BLOCK):
                 r = r0 + tl.arange(0, BLOCK)
                 v = tl.load(part_ptr + r, mask=r < rows, other=0.0, volatile=True)
-                tl.store(h_ptr + a.to(tl.int64) * I + r, v.to(h_ptr.dtype.element_ty), mask=r < rows)
+                tl.store(part_dev_ptr + r, v, mask=r < rows)
 
+    @triton.jit
+    def _fill_split_kernel(h_ptr, I, split_ptr, part_dev_ptr, BLOCK: tl.constexpr):
+        a = tl.load(split_ptr)
+        rows = tl.load(split_ptr + 1)
+        if (a >= 0) & (rows > 0):
+            for r0 in range(0, rows, BLOCK):
+                r = r0 + tl.arange(0, BLOCK)
+                v = tl.load(part_dev_ptr + r, mask=r < rows, other=0.0)
+                tl.store(h_ptr + a.to(tl.int64) * I + r, v.to(h_ptr.dtype.element_ty), mask=r < rows)
 
 def handoff(layer_index: int, ids: torch.Tensor, weights: torch.Tensor, x: torch.Tensor, table_row: torch.Tensor,
             box, *, fence: bool = True, log: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -167,16 +183,24 @@ def handoff(layer_index: int, ids: torch.Tensor, weights: torch.Tensor, x: torch
 MAX_SPINS = 20_000_000       # polls of the answer word (PCIe round trips): seconds, far past any real answer
 
 
-def fill_split_rows(h: torch.Tensor, box, *, max_spins: int = MAX_SPINS) -> torch.Tensor:
-    """h [T*K, I] (the gate/up kernel's activations): rows 0..r of the split assignment (`box.split`) from the
-    mailbox's `part`, once `part_resp` holds the call's ticket; nothing when the call has no split (in place;
-    returns h). One launch of one warp."""
+def take_split_rows(box, *, max_spins: int = MAX_SPINS) -> None:
+    """The finer split's rows from the mailbox's `part` into device memory (`box.part_dev`), once `part_resp`
+    holds the call's ticket (bounded like collect); nothing when the call has no split. One launch of one warp,
+    meant for a moment the link is quiet: a poll over PCIe waits behind every read in flight before it (s17a:
+    polled beside the gather of the down parts, the rows that were there ~100 µs early were seen ~17 µs after
+    that gather ended)."""
+    _take_split_kernel[(1,)](box.split, box.part, box.part_dev, box.part_resp, box.ticket, box.error, max_spins,
+                             BLOCK=256, num_warps=1)
+
+
+def fill_split_rows(h: torch.Tensor, box) -> torch.Tensor:
+    """h [T*K, I] (the gate/up kernel's activations): rows 0..r of the split assignment (`box.split`) from
+    `box.part_dev` (`take_split_rows` put them there); nothing when the call has no split (in place; returns h).
+    One launch of one warp, device memory only."""
     if h.stride(1) != 1 or h.stride(0) != h.shape[1]:
         raise ValueError(f"fill_split_rows: h {tuple(h.shape)} (strides {h.stride()}) is not contiguous rows")
-    _fill_split_kernel[(1,)](h, h.shape[1], box.split, box.part, box.part_resp, box.ticket, box.error, max_spins,
-                             BLOCK=256, num_warps=1)
+    _fill_split_kernel[(1,)](h, h.shape[1], box.split, box.part_dev, BLOCK=256, num_warps=1)
     return h
-
 
 def collect(out: torch.Tensor, box, *, extra: torch.Tensor | None = None, max_spins: int = MAX_SPINS) -> torch.Tensor:
     """out [T, D] += the CPU's answer, once it is there, and `extra` [T, D] (the hits' rows, computed beside the

@@ -1,0 +1,189 @@
+"""How long a word takes to cross the CPU-share mailbox (page-locked host memory the GPU polls over PCIe), idle and
+beside a gather that keeps the link busy - the latencies a decode layer pays twice (handoff -> worker, answer ->
+collect) and the finer split once more (its rows' ticket).
+
+    python benchmarks/bench_mailbox_latency.py [--pings 2000] [--json out.json]
+
+Rows (GPU machine; numba for the CPU side):
+  round trip   a one-program kernel writes a word to host memory (system fence) and polls another until a CPU
+               thread (compiled, no GIL) has echoed it; globaltimer around each ping
+  one poll     dependent volatile loads of a host word already set: a poll's own round trip
+  collect      `handoff_triton.collect` with its answer already there (one launch, CUDA events): its floor
+each idle, beside the gather kernel on another stream (SM loads, as zero-copy decode's misses) and beside
+copy-engine copies. Predicted: ~1-2 µs idle; beside the gather, a poll waits behind the reads already in flight.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import threading
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import triton
+import triton.language as tl
+
+from runtime.kernels.handoff_triton import _fence_system
+
+
+@triton.jit
+def _timer(x):
+    return tl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l,r", [x], dtype=tl.int64, is_pure=False,
+                                     pack=1)
+
+
+@triton.jit
+def _ping_kernel(req_ptr, resp_ptr, times_ptr, n, first):
+    for i in range(n):
+        t0 = _timer(i)
+        v = first + i
+        v = v + _fence_system(i * 0).to(tl.int64)         # (the stores before this one out first)
+        tl.store(req_ptr, v)
+        v = v + _fence_system(i * 0).to(tl.int64)         # (this one out now, not when the L2 writes it back)
+        while tl.load(resp_ptr, volatile=True) != v:
+            pass
+        tl.store(times_ptr + i, _timer(i) - t0)
+
+
+@triton.jit
+def _poll_kernel(word_ptr, times_ptr, n):
+    v = tl.load(word_ptr, volatile=True)
+    for i in range(n):
+        t0 = _timer(i)
+        v = tl.load(word_ptr + (v - v), volatile=True)     # dependent: one round trip after the other
+        tl.store(times_ptr + i, _timer(i) - t0 + (v - v))
+
+
+def _stats(ns: torch.Tensor) -> dict:
+    us = sorted((ns.double() / 1e3).tolist())
+    q = lambda f: us[min(len(us) - 1, int(f * len(us)))]
+    return {"median_us": statistics.median(us), "p10_us": q(0.1), "p90_us": q(0.9), "max_us": us[-1]}
+
+
+class _Load:
+    """Traffic over the link on a stream of its own until stopped: the gather kernel (SM loads of 8 blocks of
+    2.5 MB a launch, zero-copy decode's way) or copy-engine copies of the same bytes."""
+
+    def __init__(self, kind: str, dev: torch.device):
+        from runtime.kernels import gather_triton as gk
+        self.kind, self.stream = kind, torch.cuda.Stream(dev)
+        nbytes = 2_506_752
+        self.src = torch.randint(0, 255, (48, nbytes), dtype=torch.uint8).pin_memory()
+        self.scratch = torch.empty((8, nbytes), dtype=torch.uint8, device=dev)
+        self.gk, self.n = gk, 0
+
+    def launch(self, times: int) -> None:
+        with torch.cuda.stream(self.stream):
+            for _ in range(times):
+                self.n += 1
+                rows = torch.randperm(48)[:8].view(1, 8)
+                if self.kind == "gather":
+                    self.gk.gather_blocks(self.src, rows.to(self.scratch.device, non_blocking=True), self.scratch)
+                else:
+                    for j, r in enumerate(rows.view(-1).tolist()):
+                        self.scratch[j].copy_(self.src[r], non_blocking=True)
+
+
+def _with_load(kind: str | None, dev, fn):
+    """fn() while `kind` traffic runs (enough launches queued to outlast it), the result and the load's GB/s."""
+    if kind is None:
+        return fn(), None
+    load = _Load(kind, dev)
+    load.launch(2)
+    torch.cuda.synchronize()
+    start = torch.cuda.Event(enable_timing=True)
+    end = torch.cuda.Event(enable_timing=True)
+    start.record(load.stream)
+    load.launch(400)                                      # ~8 GB: ~0.2 s of link at ~45 GB/s
+    end.record(load.stream)
+    time.sleep(0.01)
+    out = fn()
+    torch.cuda.synchronize()
+    gbps = 400 * 8 * 2_506_752 / (start.elapsed_time(end) * 1e-3) / 1e9
+    return out, gbps
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--pings", type=int, default=2000)
+    ap.add_argument("--json", type=Path)
+    args = ap.parse_args()
+    from numba import njit
+
+    from runtime.experts.cpu_share import Mailbox, publish, spin_until_changed
+    from runtime.kernels import handoff_triton as hk
+
+    @njit(nogil=True)
+    def echo(req, resp, n, spins):
+        last = 0
+        for k in range(n):
+            v = spin_until_changed(req, last, spins)
+            if v == last:
+                return k
+            publish(resp, v)
+            last = v
+        return n
+
+    dev = torch.device("cuda")
+    req = torch.zeros(1, dtype=torch.int64).pin_memory()
+    resp = torch.zeros(1, dtype=torch.int64).pin_memory()
+    n = args.pings
+    times = torch.zeros(n, dtype=torch.int64, device=dev)
+    rows, counter = [], [0]
+
+    def round_trips():
+        first = counter[0] + 1
+        counter[0] += n
+        answered = [0]
+        t = threading.Thread(target=lambda: answered.__setitem__(0, echo(req.numpy(), resp.numpy(), n,
+                                                                           2_000_000_000)))
+        t.start()
+        _ping_kernel[(1,)](req, resp, times, n, first, num_warps=1)
+        torch.cuda.synchronize()
+        t.join()
+        return _stats(times[n // 10:].cpu())             # (the first pings warm both sides up)
+
+    def polls():
+        resp.fill_(7)
+        _poll_kernel[(1,)](resp, times, n, num_warps=1)
+        torch.cuda.synchronize()
+        return _stats(times[n // 10:].cpu())
+
+    box = Mailbox(max_tokens=1, top_k=8, hidden=2048, device=dev, share=0.5)
+    out = torch.zeros(1, 2048, dtype=torch.bfloat16, device=dev)
+
+    def collects():
+        box.ncpu.fill_(1)
+        box.ticket.fill_(5)
+        box.resp.fill_(5)
+        evs = [torch.cuda.Event(enable_timing=True) for _ in range(2 * 200)]
+        for i in range(200):
+            evs[2 * i].record()
+            hk.collect(out, box)
+            evs[2 * i + 1].record()
+        torch.cuda.synchronize()
+        us = torch.tensor([evs[2 * i].elapsed_time(evs[2 * i + 1]) * 1e6 for i in range(20, 200)])
+        return _stats(us)
+
+    round_trips(), polls(), collects()                   # compiles
+    for kind in (None, "gather", "copy engine"):
+        for name, fn in (("round trip", round_trips), ("one poll", polls), ("collect (answer there)", collects)):
+            stats, gbps = _with_load(kind, dev, fn)
+            rows.append({"what": name, "beside": kind or "idle", "load_gbps": gbps, **stats})
+    print(f"{'what':<24} {'beside':<12} {'load GB/s':>9} {'median µs':>9} {'p10':>7} {'p90':>7} {'max':>8}")
+    for r in rows:
+        g = "" if r["load_gbps"] is None else f"{r['load_gbps']:.1f}"
+        print(f"{r['what']:<24} {r['beside']:<12} {g:>9} {r['median_us']:>9.2f} {r['p10_us']:>7.2f} "
+              f"{r['p90_us']:>7.2f} {r['max_us']:>8.1f}")
+    if args.json:
+        args.json.write_text(json.dumps(rows, indent=1))
+
+
+if __name__ == "__main__":
+    main()
