@@ -78,6 +78,10 @@
 #   (device) bash benchmarks/device_final.sh s16b # for session 17 (written, not run): the split's learned share
 #                                                # (fine grid) at 8 and 4 GiB, qwen3.6 split on/off - once s16c's
 #                                                # slow split rows are understood (docs/hybrid.md, sixteenth session)
+#   (device) bash benchmarks/device_final.sh s17a # session 17: the split with its one-warp wait (fill_split_rows)
+#                                                # against whole experts at 0.55/0.6, traced; s17t: its CUDA tests
+#   (device) bash benchmarks/device_final.sh s17b # session 17: the split's rows taken between the two gathers
+#                                                # (take_split_rows), its CUDA tests, the mailbox's latencies, rows
 # carry .site (numba, llvmlite, fla-core, platformdirs unpacked, xz). Results under $OUT. Build .site once (the
 # wheels alone pass the 64 MiB carry limit; unpacked and xz-compressed they take ~44 MB):
 #   pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
@@ -708,6 +712,21 @@ elif [ "$1" = s16b ]; then
     --expert-split on off --modes graphs --tokens 64 --warmup 32 --prefill-budgets 99 --ttft-context 0 \
     | grep -E "^qwen|CPU kernel|learned"
   rm -f "$OUT"/model_*.json "$OUT"/model.json
+elif [ "$1" = s17a ]; then
+  # session 17: the split's wait moved out of the gate/up kernel into a one-warp kernel after it (31dff1b); the
+  # 8 GiB rows split on/off, alternating, at 0.55 and 0.6, traced (fill_split_rows's time in the trace is its wait)
+  warm 150 new
+  bench_rows 380 q3_split --models qwen3-30b-a3b --dense-int8 --budgets 8 --routings uniform --cpu-share 0.55 0.6 \
+    --expert-split on off --modes graphs --tokens 64 --warmup 32 --prefill-budgets 99 --ttft-context 0 --trace 2 \
+    | grep -E "^qwen|CPU kernel|CPU worker"
+  trace_summaries 30
+  rm -f "$OUT"/model_*.json "$OUT"/model.json
+elif [ "$1" = s17t ]; then
+  # session 17: the split's CUDA tests (graph, handoff, gather, fill kernel; the lanes at 14), failures kept short
+  warm 150 new
+  cuda_tests 400 --tb=short tests/test_hybrid_zero_copy.py tests/test_cpu_share_lanes.py tests/test_kernels_interpreted.py \
+    -k "cuda_graph or split or beside or handoff or fill"
+  grep -E "^E |passed|failed|FAILED" "$OUT/cuda_tests.log" | head -20
 elif [ "$1" = s17b ]; then
   # session 17, after s17a: the split's rows seen ~17 µs after the down parts' gather (a poll beside it waits behind
   # the reads in flight), so they are taken into device memory between the two gathers; an expert a call names
