@@ -39,16 +39,20 @@ def _timer(x):
 
 
 @triton.jit
-def _ping_kernel(req_ptr, resp_ptr, times_ptr, n, first):
+def _ping_kernel(req_ptr, resp_ptr, times_ptr, n, first, max_spins):
+    alive = n > 0
     for i in range(n):
-        t0 = _timer(i)
-        v = first + i
-        v = v + _fence_system(i * 0).to(tl.int64)         # (the stores before this one out first)
-        tl.store(req_ptr, v)
-        v = v + _fence_system(i * 0).to(tl.int64)         # (this one out now, not when the L2 writes it back)
-        while tl.load(resp_ptr, volatile=True) != v:
-            pass
-        tl.store(times_ptr + i, _timer(i) - t0)
+        if alive:
+            t0 = _timer(i)
+            v = first + i
+            v = v + _fence_system(i * 0).to(tl.int64)     # (the stores before this one out first)
+            tl.store(req_ptr, v)
+            v = v + _fence_system(i * 0).to(tl.int64)     # (this one out now, not when the L2 writes it back)
+            spins = 0
+            while (tl.load(resp_ptr, volatile=True) != v) & (spins < max_spins):
+                spins += 1
+            alive = spins < max_spins                      # an echo that stopped: -1, and no more pings
+            tl.store(times_ptr + i, tl.where(alive, _timer(i) - t0, -1))
 
 
 @triton.jit
@@ -70,24 +74,27 @@ class _Load:
     """Traffic over the link on a stream of its own until stopped: the gather kernel (SM loads of 8 blocks of
     2.5 MB a launch, zero-copy decode's way) or copy-engine copies of the same bytes."""
 
-    def __init__(self, kind: str, dev: torch.device):
+    def __init__(self, kind: str, dev: torch.device, launches: int = 400):
         from runtime.kernels import gather_triton as gk
         self.kind, self.stream = kind, torch.cuda.Stream(dev)
         nbytes = 2_506_752
         self.src = torch.randint(0, 255, (48, nbytes), dtype=torch.uint8).pin_memory()
         self.scratch = torch.empty((8, nbytes), dtype=torch.uint8, device=dev)
+        # every launch's rows made up front (a pageable copy per launch would hold the host back)
+        self.rows = torch.stack([torch.randperm(48)[:8] for _ in range(launches)]).view(launches, 1, 8)
+        self.rows_dev = self.rows.to(dev)
         self.gk, self.n = gk, 0
 
     def launch(self, times: int) -> None:
         with torch.cuda.stream(self.stream):
             for _ in range(times):
+                j = self.n % self.rows.shape[0]
                 self.n += 1
-                rows = torch.randperm(48)[:8].view(1, 8)
                 if self.kind == "gather":
-                    self.gk.gather_blocks(self.src, rows.to(self.scratch.device, non_blocking=True), self.scratch)
+                    self.gk.gather_blocks(self.src, self.rows_dev[j], self.scratch)
                 else:
-                    for j, r in enumerate(rows.view(-1).tolist()):
-                        self.scratch[j].copy_(self.src[r], non_blocking=True)
+                    for slot, r in enumerate(self.rows[j].view(-1).tolist()):
+                        self.scratch[slot].copy_(self.src[r], non_blocking=True)
 
 
 def _with_load(kind: str | None, dev, fn):
@@ -137,17 +144,24 @@ def main() -> None:
     times = torch.zeros(n, dtype=torch.int64, device=dev)
     rows, counter = [], [0]
 
+    # both sides compiled before any ping: a first Triton compile outlasting the echo's spin left the GPU waiting
+    # for ever (s17b's first version)
+    _ping_kernel[(1,)](req, resp, times, 0, 0, 1, num_warps=1)
+    echo(req.numpy(), resp.numpy(), 0, 1)
+    torch.cuda.synchronize()
+
     def round_trips():
         first = counter[0] + 1
         counter[0] += n
-        answered = [0]
-        t = threading.Thread(target=lambda: answered.__setitem__(0, echo(req.numpy(), resp.numpy(), n,
-                                                                           2_000_000_000)))
+        t = threading.Thread(target=echo, args=(req.numpy(), resp.numpy(), n, 2_000_000_000))
         t.start()
-        _ping_kernel[(1,)](req, resp, times, n, first, num_warps=1)
+        _ping_kernel[(1,)](req, resp, times, n, first, 20_000_000, num_warps=1)
         torch.cuda.synchronize()
         t.join()
-        return _stats(times[n // 10:].cpu())             # (the first pings warm both sides up)
+        got = times[n // 10:].cpu()                       # (the first pings warm both sides up)
+        if bool((got < 0).any()):
+            raise RuntimeError("the CPU's echo stopped answering the GPU's pings")
+        return _stats(got)
 
     def polls():
         resp.fill_(7)

@@ -82,6 +82,8 @@
 #                                                # against whole experts at 0.55/0.6, traced; s17t: its CUDA tests
 #   (device) bash benchmarks/device_final.sh s17b # session 17: the split's rows taken between the two gathers
 #                                                # (take_split_rows), its CUDA tests, the mailbox's latencies, rows
+#   (device) bash benchmarks/device_final.sh s17c # session 17: the learned share (fine grid with the split) split
+#                                                # on/off, qwen3-30b and qwen3.6 at 8 GiB
 # carry .site (numba, llvmlite, fla-core, platformdirs unpacked, xz). Results under $OUT. Build .site once (the
 # wheels alone pass the 64 MiB carry limit; unpacked and xz-compressed they take ~44 MB):
 #   pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
@@ -741,6 +743,21 @@ elif [ "$1" = s17b ]; then
     --expert-split on off --modes graphs --tokens 64 --warmup 32 --prefill-budgets 99 --ttft-context 0 --trace 2 \
     | grep -E "^qwen|CPU kernel|CPU worker"
   trace_summaries 30
+  rm -f "$OUT"/model_*.json "$OUT"/model.json
+elif [ "$1" = s17c ]; then
+  # session 17, after s17b (split ahead at 0.55 and 0.6; its mailbox bench hung: the echo gave up during Triton's
+  # first compile): the mailbox's round trips, then the learned share with the split (0.05 grid) against without
+  # (0.1 grid) for both shapes at 8 GiB - the 75 %-of-ceiling rows; the worker lines now show when the
+  # split rows were answered and each stage's first task against its others
+  warm 150 new
+  timeout 60 python3 benchmarks/bench_mailbox_latency.py --json "$OUT/mailbox.json" > "$OUT/mailbox.txt" 2>&1
+  echo "mailbox rc=$?"; tail -12 "$OUT/mailbox.txt"
+  bench_rows 200 q3_learned --models qwen3-30b-a3b --dense-int8 --budgets 8 --routings uniform --cpu-share auto \
+    --expert-split on off --modes graphs --tokens 64 --warmup 32 --prefill-budgets 99 --ttft-context 0 \
+    | grep -E "^qwen|CPU kernel|CPU worker|CPU lanes|learned CPU share:"
+  bench_rows 170 q36 --models qwen3.6-35b-a3b --dense-int8 --budgets 8 --routings uniform --cpu-share auto \
+    --expert-split on off --modes graphs --tokens 64 --warmup 32 --prefill-budgets 99 --ttft-context 0 \
+    | grep -E "^qwen|CPU kernel|CPU lanes|learned"
   rm -f "$OUT"/model_*.json "$OUT"/model.json
 else
   # decode rows through graphs only (eager rows cost minutes); the CPU share learned (auto; printed with a *),

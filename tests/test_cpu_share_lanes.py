@@ -298,6 +298,10 @@ def test_the_lanes_compute_a_split_experts_first_rows_for_the_gpu(cpu, threads):
             assert worker.error is None and int(box.error[0]) == 0
         assert splits >= 4 and alone >= 1
         assert worker.kernel_requests == int(box.ticket[0])
+        marks = worker.kernel_phases()                   # the split rows' answer, timed where the cycle counter runs
+        if marks is not None:
+            assert 0 < marks["split rows answered"] < 10 * marks["joined"]    # (split requests are the longer)
+            assert worker.phase_marks()[k8.SPLIT_COUNT] == splits
     finally:
         worker.close()
 

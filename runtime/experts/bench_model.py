@@ -600,6 +600,11 @@ def print_worker_line(hybrid, before: tuple, row: dict, *, steps: int) -> None:
     line = phases_line(hybrid._worker, before[3])
     if line:
         print(line, flush=True)
+    lanes = hybrid._worker.lane_counts(since=before[3])
+    if lanes:            # a lane's first task of a stage against its others (cold rows, late lanes, the split's)
+        print("    CPU lanes, µs a task (first of the stage / all): " + ", ".join(
+            f"{name} {c['first_task_us']:.1f} / {c['us_per_task']:.1f}" for name, c in lanes.items()
+            if c["tasks_per_lane"] > 0), flush=True)
 
 
 def host_line(us: dict[str, float]) -> str | None:

@@ -611,6 +611,8 @@ YIELD_EVERY = 1024      # a waiting lane yields after this many polls (~50 µs):
 PHASES = ("prologue", "first thread in", "last thread in", "x quantized", "gate/up done", "down inputs done",
           "down and sum done", "joined")
 N_PHASES = len(PHASES) + 1                     # + the call count
+SPLIT_MARK, SPLIT_COUNT = N_PHASES, N_PHASES + 1   # the worker's split rows answered (cycles from the request's
+                                               # start, summed) and the requests that had them (before LANE_BASE)
 _NEVER = (1 << 63) - 1
 # After the call's marks, from word LANE_BASE, a block of LANE_WORDS words (128 bytes: no two lanes write one line)
 # per lane, when `phases` is that long (`new_phases`): per stage, the cycles the lane spent in its tasks, the cycles
@@ -1090,7 +1092,10 @@ def _stages(codec, buf, buf16, buf32, nbytes, offs, has_bias, i, group, table, x
                     part[r] = _gate_up_act(codec, buf, buf16, buf32, b0, o, np.uint64(r), gd, hg, table, xq, xs, xm, t,
                                            gate_scale[e], up_scale[e], has_bias, activation, alpha, limit)
                 if _fetch_add(sync, SPLIT_DONE, 1) == split_base + n_split - 1:
-                    _store_release(part_answer, 0, ticket)   # the GPU's fill_split_rows may take the rows now
+                    _store_release(part_answer, 0, ticket)   # the GPU's take_split_rows may take the rows now
+                    if counting:                  # (the worker's phases: gen_word is its ctl)
+                        phases[SPLIT_MARK] += _cycles() - _load_acquire(gen_word, CTL_C0)
+                        phases[SPLIT_COUNT] += 1
             elif stage == 1:                          # gate and up rows of one expert
                 u, e, b0, r0, r1 = _task_rows(task - n_split, up_blocks, experts, nb, i, ROWS_PER_TASK)
                 for r in range(r0, min(r0 + ahead_d, r1)):           # the first rows asked for at once

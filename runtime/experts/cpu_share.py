@@ -337,8 +337,11 @@ class CpuShareWorker:
         n = int(d[N_PHASES - 1]) if HAVE_NUMBA else 0
         if not self._cycles_per_s or not n:
             return None
-        from runtime.experts.cpu_kernels_int8 import PHASES
-        return {name: 1e6 * float(c) / n / self._cycles_per_s for name, c in zip(PHASES, d)}
+        from runtime.experts.cpu_kernels_int8 import PHASES, SPLIT_COUNT, SPLIT_MARK
+        marks = {name: 1e6 * float(c) / n / self._cycles_per_s for name, c in zip(PHASES, d)}
+        if d.shape[0] > SPLIT_COUNT and d[SPLIT_COUNT]:      # (the finer split's rows, over the requests that had them)
+            marks["split rows answered"] = 1e6 * float(d[SPLIT_MARK]) / float(d[SPLIT_COUNT]) / self._cycles_per_s
+        return marks
 
     def lane_counts(self, since: np.ndarray | None = None) -> dict[str, dict[str, float]] | None:
         """Compiled serving: per stage of the kernel, the mean µs a request each lane spent in its tasks and
