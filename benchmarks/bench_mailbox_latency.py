@@ -38,7 +38,7 @@ def _timer(x):
                                      pack=1)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n", "first", "max_spins"])     # (one compile, before the echo starts)
 def _ping_kernel(req_ptr, resp_ptr, times_ptr, n, first, max_spins):
     alive = n > 0
     for i in range(n):
@@ -127,8 +127,7 @@ def main() -> None:
     from runtime.kernels import handoff_triton as hk
 
     @njit(nogil=True)
-    def echo(req, resp, n, spins):
-        last = 0
+    def echo(req, resp, n, spins, last):
         for k in range(n):
             v = spin_until_changed(req, last, spins)
             if v == last:
@@ -147,13 +146,14 @@ def main() -> None:
     # both sides compiled before any ping: a first Triton compile outlasting the echo's spin left the GPU waiting
     # for ever (s17b's first version)
     _ping_kernel[(1,)](req, resp, times, 0, 0, 1, num_warps=1)
-    echo(req.numpy(), resp.numpy(), 0, 1)
+    echo(req.numpy(), resp.numpy(), 0, 1, 0)
     torch.cuda.synchronize()
 
     def round_trips():
         first = counter[0] + 1
         counter[0] += n
-        t = threading.Thread(target=echo, args=(req.numpy(), resp.numpy(), n, 2_000_000_000))
+        # (from the word's current value: the last round's final ping is not one of this round's)
+        t = threading.Thread(target=echo, args=(req.numpy(), resp.numpy(), n, 2_000_000_000, int(req[0])))
         t.start()
         _ping_kernel[(1,)](req, resp, times, n, first, 20_000_000, num_warps=1)
         torch.cuda.synchronize()

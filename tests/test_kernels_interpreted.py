@@ -964,7 +964,7 @@ def test_kernels_compile_for_h200_without_spilling(tmp_path, monkeypatch):
                       dict(FENCE=True, LOG=log, ABLOCK=16, DBLOCK=1024), 4))
     small.append((handoff_k._take_split_kernel,
                   dict(split_ptr="*i32", part_ptr="*fp32", part_dev_ptr="*fp32", part_resp_ptr="*i64",
-                       ticket_ptr="*i64", err_ptr="*i32", max_spins=20_000_000), dict(BLOCK=256), 1))
+                       ticket_ptr="*i64", err_ptr="*i32", max_spins=20_000_000), dict(BLOCK=1024), 4))
     small.append((handoff_k._fill_split_kernel,
                   dict(h_ptr="*bf16", I=768, split_ptr="*i32", part_dev_ptr="*fp32"), dict(BLOCK=256), 1))
     for extra in (False, True):

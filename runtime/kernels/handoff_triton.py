@@ -14,7 +14,7 @@ Why: a recorded decode step cannot stop for the host to decide which experts the
   `split_unit` set and one token, the rule is the finer split (`cpu_share.cpu_split`, op for op in fp32): the
   split miss stays in the GPU's ids, and `box.split` (device) says which assignment it is and how many of its
   first gate/up rows the CPU computes (`take_split_rows`/`fill_split_rows` take those from the mailbox).
-- `take_split_rows` and `fill_split_rows` (one warp each): the finer split's rows. The first waits for the CPU's
+- `take_split_rows` and `fill_split_rows` (one program each): the finer split's rows. The first waits for the CPU's
   `part_resp` ticket (bounded like collect) and copies the rows into device memory, between the two gathers, when
   nothing else crosses the link: a poll waits behind every read in flight (session 16 polled inside the gate/up
   kernel, then in one warp after it, beside the down parts' gather: the rows, ready early, were seen late, and
@@ -185,12 +185,14 @@ MAX_SPINS = 20_000_000       # polls of the answer word (PCIe round trips): seco
 
 def take_split_rows(box, *, max_spins: int = MAX_SPINS) -> None:
     """The finer split's rows from the mailbox's `part` into device memory (`box.part_dev`), once `part_resp`
-    holds the call's ticket (bounded like collect); nothing when the call has no split. One launch of one warp,
+    holds the call's ticket (bounded like collect); nothing when the call has no split. One launch of one program,
     meant for a moment the link is quiet: a poll over PCIe waits behind every read in flight before it (s17a:
     polled beside the gather of the down parts, the rows that were there ~100 µs early were seen ~17 µs after
     that gather ended)."""
+    # every row in one block: each pass of the copy loop is a round trip over PCIe (~3 µs? s17b's take kernel
+    # took a median 11-14 µs for rows the CPU had answered long before; 256 rows a pass made 3-4 trips)
     _take_split_kernel[(1,)](box.split, box.part, box.part_dev, box.part_resp, box.ticket, box.error, max_spins,
-                             BLOCK=256, num_warps=1)
+                             BLOCK=triton.next_power_of_2(max(16, box.part.numel())), num_warps=4)
 
 
 def fill_split_rows(h: torch.Tensor, box) -> torch.Tensor:
