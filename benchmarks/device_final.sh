@@ -84,6 +84,8 @@
 #                                                # (take_split_rows), its CUDA tests, the mailbox's latencies, rows
 #   (device) bash benchmarks/device_final.sh s17c # session 17: the learned share (fine grid with the split) split
 #                                                # on/off, qwen3-30b and qwen3.6 at 8 GiB
+#   (device) bash benchmarks/device_final.sh s17d # for session 18 (written, not run): the mailbox's round trips
+#                                                # (fixed bench), the split's take in one pass, rows off-first
 # carry .site (numba, llvmlite, fla-core, platformdirs unpacked, xz). Results under $OUT. Build .site once (the
 # wheels alone pass the 64 MiB carry limit; unpacked and xz-compressed they take ~44 MB):
 #   pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
@@ -758,6 +760,19 @@ elif [ "$1" = s17c ]; then
   bench_rows 170 q36 --models qwen3.6-35b-a3b --dense-int8 --budgets 8 --routings uniform --cpu-share auto \
     --expert-split on off --modes graphs --tokens 64 --warmup 32 --prefill-budgets 99 --ttft-context 0 \
     | grep -E "^qwen|CPU kernel|CPU lanes|learned"
+  rm -f "$OUT"/model_*.json "$OUT"/model.json
+elif [ "$1" = s17d ]; then
+  # for session 18 (written after the last call of session 17, not run): the mailbox bench (its echo now starts
+  # from the word's value; s17c's raised after its warm-up round), then the split with take_split_rows in one pass
+  # against whole experts - the whole rows first this time (s17a-c always ran the split first, and a process's
+  # first rows run slowest) - at 0.6 and learned, traced at 0.6
+  warm 150 new
+  timeout 60 python3 benchmarks/bench_mailbox_latency.py --json "$OUT/mailbox.json" > "$OUT/mailbox.txt" 2>&1
+  echo "mailbox rc=$?"; tail -12 "$OUT/mailbox.txt"
+  bench_rows 330 q3_split --models qwen3-30b-a3b --dense-int8 --budgets 8 --routings uniform --cpu-share 0.6 auto \
+    --expert-split off on --modes graphs --tokens 64 --warmup 32 --prefill-budgets 99 --ttft-context 0 --trace 2 \
+    | grep -E "^qwen|CPU kernel|CPU worker|CPU lanes|learned CPU share:"
+  trace_summaries 30
   rm -f "$OUT"/model_*.json "$OUT"/model.json
 else
   # decode rows through graphs only (eager rows cost minutes); the CPU share learned (auto; printed with a *),

@@ -121,9 +121,8 @@ class HybridOptions:
                                                 # gate/up kernel on the side stream beside the second (session 14)
     expert_split: bool = False                  # zero-copy decode with a compiled CPU worker: one-token calls split
                                                 # one miss between the sides by rows (cpu_share.py, session 16).
-                                                # Off: on the H200 it ran at half speed (s16a/s16c: the misses'
-                                                # gate/up kernel ~8x longer while it waited inside for the CPU's
-                                                # rows); the wait is now a one-warp kernel, not yet measured
+                                                # Off: no steady gain on the H200 (session 17: 4-8 % ahead at
+                                                # fixed shares on one host, 3-15 % behind learned on another)
 
 
 class HybridExperts:
