@@ -43,3 +43,31 @@ def test_decode_rate_feeds_each_token_back_unless_chained():
         rate = decode_rate(None, steps, None, steps=2, warmup=2, use_graphs=True, device=torch.device("cpu"),
                            host_wait=wait)
         assert steps.fed == expect and rate > 0
+
+
+class _Event:
+    def __init__(self, done: bool):
+        self.done = done
+
+    def query(self) -> bool:
+        return self.done
+
+
+def test_gather_traffic_counts_the_launches_done_between_its_marks(monkeypatch):
+    """The joint bandwidth's GPU side (GatherTraffic, GPU only) counts finished launches by a binary search over
+    their events (they finish in stream order) and gives GB/s between its first and last mark; a queue that ran dry
+    before the last mark says nothing (0), since its rate then includes idle time."""
+    from runtime.experts import bench_model
+
+    t = object.__new__(bench_model.GatherTraffic)
+    t.launch_bytes, t._marks = 10**9, []
+    clock = iter([1.0, 1.5, 2.0])
+    monkeypatch.setattr(bench_model.time, "perf_counter", lambda: next(clock))
+    for done in (3, 40):
+        t.events = [_Event(j < done) for j in range(100)]
+        assert t._done() == done
+        t.mark()
+    assert t.rate() == (40 - 3) * 1.0 / 0.5
+    t.events = [_Event(True)] * 100                    # every launch done by the last mark: ran dry
+    t.mark()
+    assert t.rate() == 0.0

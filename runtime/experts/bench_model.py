@@ -12,7 +12,10 @@ Ceiling (decode, issue 10's "physical ceiling") = miss bytes per token / (PCIe +
 time, where the CPU-kernel bandwidth is the CPU-share worker's on a layer's every expert missed and cold
 (`cpu_kernel_gbps`) and the dense time is the recorded step with experts that cost nothing. Sessions 1-13 put the
 CPU's read probe in that sum instead (83-130 GB/s on the GPU machine's hosts, against the kernel's ~65-72): rows
-print that ratio too, as "read probe". Rows print as they are measured and go to JSON.
+print that ratio too, as "read probe". And "together" (session 17): the same over the two bandwidths measured at
+once - the CPU kernel timed while the gather streams over PCIe (`GatherTraffic`) - since both read one DRAM and the
+issue's sum of rates measured apart can exceed what a host serves to both. Rows print as they are measured and go
+to JSON.
 Options: runtime/experts/bench.py (`freetoken bench model --help`).
 """
 from __future__ import annotations
@@ -233,15 +236,66 @@ def time_requests(worker, box, store, *, experts: int, calls: int, gap_s: float,
     return trips[10:], ((worker.kernel_seconds or 0.0) - busy) / max(n, 1)
 
 
+class GatherTraffic:
+    """The GPU's side of a decode step without its compute: the gather kernel (zero-copy decode's, SM loads over
+    PCIe) copying `blocks` random blocks of the page-locked store into VRAM scratch, launch after launch on a stream
+    of its own, queued up front; `rate()` gives the GB/s it moved between two `mark()`s. With the CPU kernel timed
+    between the same marks, the two bandwidths are measured together (`cpu_kernel_gbps(beside=)`): both read one
+    DRAM, which the issue's ceiling, adding them measured apart, does not see (docs/hybrid.md, seventeenth
+    session)."""
+
+    def __init__(self, store, device: torch.device, *, blocks: int, launches: int = 600, seed: int = 0):
+        from runtime.kernels.gather_triton import gather_blocks
+
+        self._gather = gather_blocks
+        self.hosts = [torch.from_numpy(store.layer_buffer(layer)) for layer in store.layers]
+        self.scratch = torch.empty((blocks, store.block_nbytes), dtype=torch.uint8, device=device)
+        g = torch.Generator().manual_seed(seed)
+        rows = torch.stack([torch.randperm(store.num_experts, generator=g)[:blocks] for _ in range(launches)])
+        self.rows = rows.view(launches, 1, blocks).to(device)
+        self.stream = torch.cuda.Stream(device)
+        self.launch_bytes = blocks * store.block_nbytes
+        self.events: list = []
+        self._marks: list[tuple[float, int]] = []
+
+    def start(self) -> None:
+        with torch.cuda.stream(self.stream):
+            for j in range(self.rows.shape[0]):
+                self._gather(self.hosts[j % len(self.hosts)], self.rows[j], self.scratch)
+                self.events.append(self.stream.record_event())
+
+    def _done(self) -> int:
+        """Launches finished so far (they finish in stream order: a binary search over their events)."""
+        lo, hi = 0, len(self.events)
+        while lo < hi:
+            mid = (lo + hi) // 2
+            if self.events[mid].query():
+                lo = mid + 1
+            else:
+                hi = mid
+        return lo
+
+    def mark(self) -> None:
+        self._marks.append((time.perf_counter(), self._done()))
+
+    def rate(self) -> float:
+        """GB/s between the first and the last mark; 0 when the queue ran dry before the last (too short to say)."""
+        (t0, n0), (t1, n1) = self._marks[0], self._marks[-1]
+        if n1 >= len(self.events) or t1 <= t0:
+            return 0.0
+        return (n1 - n0) * self.launch_bytes / (t1 - t0) / 1e9
+
+
 def cpu_kernel_gbps(store, *, top_k: int, threads: int, calls: int | None = None, gap_s: float = 100e-6,
-                    rounds: int = 3) -> float:
+                    rounds: int = 3, beside: GatherTraffic | None = None) -> float:
     """The CPU-kernel bandwidth in issue 10's physical ceiling, GB/s of expert bytes: the CPU-share worker (the
     compiled loop that decode's CPU share runs in, at its thread count) answering one-token requests of a whole
     layer's `top_k` experts, every one a miss and cold (request i reads layer i of the store, past the caches), over
     the worker's own time a request. The kernel's best case in decode (a layer's every expert at once: the fixed
     cost of a request is spread over the most bytes), and the best of `rounds` rounds (one process measured
     67.0-78.7 GB/s in session 14), so the ceiling it gives is the highest the kernel allows. 0.0 where the int8
-    kernel or the worker's cycle clock is not available."""
+    kernel or the worker's cycle clock is not available. `beside`: GPU traffic started before the timed rounds and
+    marked around them (then the mean of the rounds, requests back to back: the rate while both read)."""
     from runtime.experts.cpu_executor import CpuExecutor
     from runtime.experts.cpu_share import CpuShareWorker, Mailbox
     from runtime.experts.interface import ExpertSpec
@@ -255,8 +309,16 @@ def cpu_kernel_gbps(store, *, top_k: int, threads: int, calls: int | None = None
     box = Mailbox(max_tokens=1, top_k=top_k, hidden=store.layout.hidden, device=torch.device("cpu"), share=1.0)
     worker = CpuShareWorker(box, None, int8_args=cpu.int8_args(), threads=threads)
     try:
-        busy = min(time_requests(worker, box, store, experts=top_k, calls=calls or 2 * len(store.layers),
-                                 gap_s=gap_s, hot=False, seed=r)[1] for r in range(rounds))
+        if beside is not None:
+            beside.start()
+            time.sleep(0.01)                    # (the link's reads in full flow first)
+            beside.mark()
+        busy = [time_requests(worker, box, store, experts=top_k, calls=calls or 2 * len(store.layers),
+                              gap_s=gap_s if beside is None else 0.0, hot=False, seed=r)[1] for r in range(rounds)]
+        if beside is not None:
+            beside.mark()
+            torch.cuda.synchronize()
+        busy = min(busy) if beside is None else float(np.mean(busy))
     finally:
         worker.close()                          # its thread ends, and with it its OpenMP pool
     return top_k * store.block_nbytes / busy / 1e9 if busy > 0 else 0.0
@@ -293,6 +355,20 @@ def run_model(name: str, args, hw, report: dict) -> None:
     kernel = f"{kernel_gbps:.1f} GB/s (a layer's {k} experts cold, one token, {worker_threads} threads)" \
         if kernel_gbps else "not measured (the ceiling takes the read probe)"
     print(f"{name} CPU kernel {kernel}; read probe {hw.cpu_gbps:.1f} GB/s, PCIe {hw.h2d_gbps:.1f} GB/s", flush=True)
+    joint_gbps = 0.0
+    if kernel_gbps:
+        try:            # both at once: what this host's DRAM serves to the two sides together
+            traffic = GatherTraffic(store, device, blocks=k)
+            cpu_beside = cpu_kernel_gbps(store, top_k=k, threads=worker_threads, rounds=2, beside=traffic)
+            gpu_beside = traffic.rate()
+            if cpu_beside and gpu_beside:
+                joint_gbps = cpu_beside + gpu_beside
+                print(f"{name} together: CPU kernel {cpu_beside:.1f} GB/s beside the gather's {gpu_beside:.1f} GB/s "
+                      f"= {joint_gbps:.1f} (apart: {kernel_gbps:.1f} + {hw.h2d_gbps:.1f} = "
+                      f"{kernel_gbps + hw.h2d_gbps:.1f})", flush=True)
+        except Exception as exc:     # noqa: BLE001  (a measurement beside the issue's; the rows go on without it)
+            print(f"{name} together: not measured ({type(exc).__name__}: {exc})", flush=True)
+    report.setdefault("joint_gbps", {})[name] = joint_gbps
     model = random_model(cfg, device=device, dtype=dtype)
     dense = "bf16" if dtype == torch.bfloat16 else str(dtype).replace("torch.", "")
     if getattr(args, "dense_int8", False):
@@ -368,9 +444,12 @@ def run_model(name: str, args, hw, report: dict) -> None:
                 # the issue's: the CPU kernel's bandwidth (or the read probe's where it could not be measured)
                 ceiling, ceiling_read = over(kernel_gbps or hw.cpu_gbps), over(hw.cpu_gbps)
                 laptop = sequences / (misses * store.block_nbytes / (LAPTOP_LINKS_GBPS * 1e9) + dense_s)
+                # beside it, over the two bandwidths measured together (0: not measured)
+                joint = sequences / (misses * store.block_nbytes / (joint_gbps * 1e9) + dense_s) if joint_gbps else 0.0
                 return {"model": name, "budget": label, "routing": routing, "kind": kind, "slots": slots, "dense": dense,
                         "tok_s": tok_s, "ceiling_tok_s": ceiling, "of_ceiling": tok_s / ceiling,
                         "ceiling_read_tok_s": ceiling_read, "of_ceiling_read": tok_s / ceiling_read,
+                        "ceiling_joint_tok_s": joint, "of_ceiling_joint": tok_s / joint if joint else 0.0,
                         # issue 10's projection: the same share of a ceiling with a laptop's links
                         "laptop_tok_s": laptop * tok_s / ceiling,
                         "hit_rate": c["hit_rate"], "cpu_share": c["cpu_share"], "split": split_label,
@@ -696,6 +775,8 @@ def _fmt(r: dict) -> str:
         distinct += "  dense int8"
     if r.get("ceiling_read_tok_s"):
         distinct += f"  (read probe: ceiling {r['ceiling_read_tok_s']:.1f}, {100 * r['of_ceiling_read']:.1f}%)"
+    if r.get("ceiling_joint_tok_s"):
+        distinct += f"  (together: ceiling {r['ceiling_joint_tok_s']:.1f}, {100 * r['of_ceiling_joint']:.1f}%)"
     if r.get("laptop_tok_s"):
         distinct += f"  laptop {r['laptop_tok_s']:>6.1f} tok/s"
     return (f"{r['model']:<16} {r['budget']:>9} {r['routing']:<7} {r['kind']:<18} slots {r['slots']:>5}  "
