@@ -367,6 +367,7 @@ def run_model(name: str, args, hw, report: dict) -> None:
                       f"= {joint_gbps:.1f} (apart: {kernel_gbps:.1f} + {hw.h2d_gbps:.1f} = "
                       f"{kernel_gbps + hw.h2d_gbps:.1f})", flush=True)
         except Exception as exc:     # noqa: BLE001  (a measurement beside the issue's; the rows go on without it)
+            torch.cuda.synchronize()     # (the traffic's queue drained before any row is timed)
             print(f"{name} together: not measured ({type(exc).__name__}: {exc})", flush=True)
     report.setdefault("joint_gbps", {})[name] = joint_gbps
     model = random_model(cfg, device=device, dtype=dtype)
