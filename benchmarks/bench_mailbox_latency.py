@@ -70,50 +70,22 @@ def _stats(ns: torch.Tensor) -> dict:
     return {"median_us": statistics.median(us), "p10_us": q(0.1), "p90_us": q(0.9), "max_us": us[-1]}
 
 
-class _Load:
-    """Traffic over the link on a stream of its own until stopped: the gather kernel (SM loads of 8 blocks of
-    2.5 MB a launch, zero-copy decode's way) or copy-engine copies of the same bytes."""
-
-    def __init__(self, kind: str, dev: torch.device, launches: int = 400):
-        from runtime.kernels import gather_triton as gk
-        self.kind, self.stream = kind, torch.cuda.Stream(dev)
-        nbytes = 2_506_752
-        self.src = torch.randint(0, 255, (48, nbytes), dtype=torch.uint8).pin_memory()
-        self.scratch = torch.empty((8, nbytes), dtype=torch.uint8, device=dev)
-        # every launch's rows made up front (a pageable copy per launch would hold the host back)
-        self.rows = torch.stack([torch.randperm(48)[:8] for _ in range(launches)]).view(launches, 1, 8)
-        self.rows_dev = self.rows.to(dev)
-        self.gk, self.n = gk, 0
-
-    def launch(self, times: int) -> None:
-        with torch.cuda.stream(self.stream):
-            for _ in range(times):
-                j = self.n % self.rows.shape[0]
-                self.n += 1
-                if self.kind == "gather":
-                    self.gk.gather_blocks(self.src, self.rows_dev[j], self.scratch)
-                else:
-                    for slot, r in enumerate(self.rows[j].view(-1).tolist()):
-                        self.scratch[slot].copy_(self.src[r], non_blocking=True)
-
-
 def _with_load(kind: str | None, dev, fn):
-    """fn() while `kind` traffic runs (enough launches queued to outlast it), the result and the load's GB/s."""
+    """fn() while `kind` traffic crosses the link (bench_model.GatherTraffic: the gather kernel's SM loads or the
+    copy engines, 8 blocks of 2.5 MB a launch, queued to outlast fn), the result and the traffic's GB/s."""
+    from runtime.experts.bench_model import GatherTraffic
+
     if kind is None:
         return fn(), None
-    load = _Load(kind, dev)
-    load.launch(2)
-    torch.cuda.synchronize()
-    start = torch.cuda.Event(enable_timing=True)
-    end = torch.cuda.Event(enable_timing=True)
-    start.record(load.stream)
-    load.launch(400)                                      # ~8 GB: ~0.2 s of link at ~45 GB/s
-    end.record(load.stream)
+    src = torch.randint(0, 255, (48, 2_506_752), dtype=torch.uint8).pin_memory()
+    load = GatherTraffic([src], dev, blocks=8, launches=400, copy_engine=kind == "copy engine")
+    load.start()                                          # ~8 GB: ~0.2 s of link at ~45 GB/s
     time.sleep(0.01)
+    load.mark()
     out = fn()
+    load.mark()
     torch.cuda.synchronize()
-    gbps = 400 * 8 * 2_506_752 / (start.elapsed_time(end) * 1e-3) / 1e9
-    return out, gbps
+    return out, load.rate()
 
 
 def main() -> None:

@@ -127,6 +127,18 @@ old_rows() {     # SECONDS ARGS...: the same `bench model` rows with the older c
   (cd /tmp/old && PYTHONPATH=/tmp/site:/tmp/old timeout "$seconds" python3 -m runtime.experts.bench model "$@" \
     --out "$OUT" 2>&1 | tee "$OUT/bench_q3_old.txt" | grep -v "^{")
 }
+split_rows() {    # SECONDS SHARES SPLITS: qwen3-30b 8 GiB rows at each share with the split on/off, traced (sessions 17-18)
+  local seconds=$1 shares=$2 splits=$3
+  bench_rows "$seconds" q3_split --models qwen3-30b-a3b --dense-int8 --budgets 8 --routings uniform \
+    --cpu-share $shares --expert-split $splits --modes graphs --tokens 64 --warmup 32 --prefill-budgets 99 \
+    --ttft-context 0 --trace 2 | grep -E "^qwen|CPU kernel|CPU worker|CPU lanes|learned CPU share:"
+  trace_summaries 30
+  rm -f "$OUT"/model_*.json "$OUT"/model.json
+}
+mailbox() {       # SECONDS: benchmarks/bench_mailbox_latency.py to $OUT/mailbox.{txt,json}, its table printed
+  timeout "$1" python3 benchmarks/bench_mailbox_latency.py --json "$OUT/mailbox.json" > "$OUT/mailbox.txt" 2>&1
+  echo "mailbox rc=$?"; tail -12 "$OUT/mailbox.txt"
+}
 cuda_tests() {   # SECONDS PYTEST-ARGS...: CUDA tests to $OUT/cuda_tests.log, its last lines printed
   local seconds=$1; shift
   timeout "$seconds" python3 -m pytest -q -p no:cacheprovider --device cuda "$@" > "$OUT/cuda_tests.log" 2>&1
@@ -720,11 +732,7 @@ elif [ "$1" = s17a ]; then
   # session 17: the split's wait moved out of the gate/up kernel into a one-warp kernel after it (31dff1b); the
   # 8 GiB rows split on/off, alternating, at 0.55 and 0.6, traced (fill_split_rows's time in the trace is its wait)
   warm 150 new
-  bench_rows 380 q3_split --models qwen3-30b-a3b --dense-int8 --budgets 8 --routings uniform --cpu-share 0.55 0.6 \
-    --expert-split on off --modes graphs --tokens 64 --warmup 32 --prefill-budgets 99 --ttft-context 0 --trace 2 \
-    | grep -E "^qwen|CPU kernel|CPU worker"
-  trace_summaries 30
-  rm -f "$OUT"/model_*.json "$OUT"/model.json
+  split_rows 380 "0.55 0.6" "on off"
 elif [ "$1" = s17t ]; then
   # session 17: the split's CUDA tests (graph, handoff, gather, fill kernel; the lanes at 14), failures kept short
   warm 150 new
@@ -740,20 +748,15 @@ elif [ "$1" = s17b ]; then
   cuda_tests 200 --tb=short tests/test_hybrid_zero_copy.py tests/test_cpu_share_lanes.py \
     -k "cuda_graph or split or twice or beside"
   grep -E "^E |passed|failed|FAILED" "$OUT/cuda_tests.log" | head -12
-  timeout 120 python3 benchmarks/bench_mailbox_latency.py --json "$OUT/mailbox.json" 2>&1 | tail -14
-  bench_rows 330 q3_split --models qwen3-30b-a3b --dense-int8 --budgets 8 --routings uniform --cpu-share 0.55 0.6 \
-    --expert-split on off --modes graphs --tokens 64 --warmup 32 --prefill-budgets 99 --ttft-context 0 --trace 2 \
-    | grep -E "^qwen|CPU kernel|CPU worker"
-  trace_summaries 30
-  rm -f "$OUT"/model_*.json "$OUT"/model.json
+  mailbox 120
+  split_rows 330 "0.55 0.6" "on off"
 elif [ "$1" = s17c ]; then
   # session 17, after s17b (split ahead at 0.55 and 0.6; its mailbox bench hung: the echo gave up during Triton's
   # first compile): the mailbox's round trips, then the learned share with the split (0.05 grid) against without
   # (0.1 grid) for both shapes at 8 GiB - the 75 %-of-ceiling rows; the worker lines now show when the
   # split rows were answered and each stage's first task against its others
   warm 150 new
-  timeout 60 python3 benchmarks/bench_mailbox_latency.py --json "$OUT/mailbox.json" > "$OUT/mailbox.txt" 2>&1
-  echo "mailbox rc=$?"; tail -12 "$OUT/mailbox.txt"
+  mailbox 60
   bench_rows 200 q3_learned --models qwen3-30b-a3b --dense-int8 --budgets 8 --routings uniform --cpu-share auto \
     --expert-split on off --modes graphs --tokens 64 --warmup 32 --prefill-budgets 99 --ttft-context 0 \
     | grep -E "^qwen|CPU kernel|CPU worker|CPU lanes|learned CPU share:"
@@ -767,13 +770,8 @@ elif [ "$1" = s17d ]; then
   # against whole experts - the whole rows first this time (s17a-c always ran the split first, and a process's
   # first rows run slowest) - at 0.6 and learned, traced at 0.6
   warm 150 new
-  timeout 60 python3 benchmarks/bench_mailbox_latency.py --json "$OUT/mailbox.json" > "$OUT/mailbox.txt" 2>&1
-  echo "mailbox rc=$?"; tail -12 "$OUT/mailbox.txt"
-  bench_rows 330 q3_split --models qwen3-30b-a3b --dense-int8 --budgets 8 --routings uniform --cpu-share 0.6 auto \
-    --expert-split off on --modes graphs --tokens 64 --warmup 32 --prefill-budgets 99 --ttft-context 0 --trace 2 \
-    | grep -E "^qwen|CPU kernel|CPU worker|CPU lanes|learned CPU share:"
-  trace_summaries 30
-  rm -f "$OUT"/model_*.json "$OUT"/model.json
+  mailbox 60
+  split_rows 330 "0.6 auto" "off on"
 else
   # decode rows through graphs only (eager rows cost minutes); the CPU share learned (auto; printed with a *),
   # fixed 0 and 0.3

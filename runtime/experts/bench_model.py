@@ -237,31 +237,43 @@ def time_requests(worker, box, store, *, experts: int, calls: int, gap_s: float,
 
 
 class GatherTraffic:
-    """The GPU's side of a decode step without its compute: the gather kernel (zero-copy decode's, SM loads over
-    PCIe) copying `blocks` random blocks of the page-locked store into VRAM scratch, launch after launch on a stream
-    of its own, queued up front; `rate()` gives the GB/s it moved between two `mark()`s. With the CPU kernel timed
-    between the same marks, the two bandwidths are measured together (`cpu_kernel_gbps(beside=)`): both read one
-    DRAM, which the issue's ceiling, adding them measured apart, does not see (docs/hybrid.md, seventeenth
-    session)."""
+    """The GPU's side of a decode step without its compute: `blocks` random blocks of page-locked host memory
+    (`hosts`: [E, nbytes] uint8 tensors, a store's layers) copied into VRAM scratch by the gather kernel (zero-copy
+    decode's: SM loads over PCIe) or, with `copy_engine`, by cudaMemcpyAsync per block - launch after launch on a
+    stream of its own, queued up front; `rate()` gives the GB/s moved between two `mark()`s. With the CPU kernel
+    timed between the same marks, the two bandwidths are measured together (`cpu_kernel_gbps(beside=)`): both read
+    one DRAM, which the issue's ceiling, adding them measured apart, does not see (docs/hybrid.md, seventeenth
+    session). benchmarks/bench_mailbox_latency.py times the mailbox beside it."""
 
-    def __init__(self, store, device: torch.device, *, blocks: int, launches: int = 600, seed: int = 0):
+    def __init__(self, hosts: list[torch.Tensor], device: torch.device, *, blocks: int, launches: int = 600,
+                 copy_engine: bool = False, seed: int = 0):
         from runtime.kernels.gather_triton import gather_blocks
 
-        self._gather = gather_blocks
-        self.hosts = [torch.from_numpy(store.layer_buffer(layer)) for layer in store.layers]
-        self.scratch = torch.empty((blocks, store.block_nbytes), dtype=torch.uint8, device=device)
+        self._gather, self.hosts, self.copy_engine = gather_blocks, hosts, copy_engine
+        experts, nbytes = hosts[0].shape
+        self.scratch = torch.empty((blocks, nbytes), dtype=torch.uint8, device=device)
         g = torch.Generator().manual_seed(seed)
-        rows = torch.stack([torch.randperm(store.num_experts, generator=g)[:blocks] for _ in range(launches)])
-        self.rows = rows.view(launches, 1, blocks).to(device)
+        # every launch's rows made up front (a pageable copy a launch would hold the host back)
+        self.rows = torch.stack([torch.randperm(experts, generator=g)[:blocks] for _ in range(launches)])
+        self.rows_dev = self.rows.view(launches, 1, blocks).to(device)
         self.stream = torch.cuda.Stream(device)
-        self.launch_bytes = blocks * store.block_nbytes
+        self.launch_bytes = blocks * nbytes
         self.events: list = []
         self._marks: list[tuple[float, int]] = []
+
+    @classmethod
+    def of_store(cls, store, device: torch.device, **kwargs) -> GatherTraffic:
+        return cls([torch.from_numpy(store.layer_buffer(layer)) for layer in store.layers], device, **kwargs)
 
     def start(self) -> None:
         with torch.cuda.stream(self.stream):
             for j in range(self.rows.shape[0]):
-                self._gather(self.hosts[j % len(self.hosts)], self.rows[j], self.scratch)
+                src = self.hosts[j % len(self.hosts)]
+                if self.copy_engine:
+                    for slot, r in enumerate(self.rows[j].tolist()):
+                        self.scratch[slot].copy_(src[r], non_blocking=True)
+                else:
+                    self._gather(src, self.rows_dev[j], self.scratch)
                 self.events.append(self.stream.record_event())
 
     def _done(self) -> int:
@@ -313,14 +325,15 @@ def cpu_kernel_gbps(store, *, top_k: int, threads: int, calls: int | None = None
             beside.start()
             time.sleep(0.01)                    # (the link's reads in full flow first)
             beside.mark()
-        busy = [time_requests(worker, box, store, experts=top_k, calls=calls or 2 * len(store.layers),
-                              gap_s=gap_s if beside is None else 0.0, hot=False, seed=r)[1] for r in range(rounds)]
+        per_round = [time_requests(worker, box, store, experts=top_k, calls=calls or 2 * len(store.layers),
+                                   gap_s=gap_s if beside is None else 0.0, hot=False, seed=r)[1]
+                     for r in range(rounds)]
         if beside is not None:
             beside.mark()
             torch.cuda.synchronize()
-        busy = min(busy) if beside is None else float(np.mean(busy))
     finally:
         worker.close()                          # its thread ends, and with it its OpenMP pool
+    busy = min(per_round) if beside is None else float(np.mean(per_round))
     return top_k * store.block_nbytes / busy / 1e9 if busy > 0 else 0.0
 
 
@@ -358,7 +371,7 @@ def run_model(name: str, args, hw, report: dict) -> None:
     joint_gbps = 0.0
     if kernel_gbps:
         try:            # both at once: what this host's DRAM serves to the two sides together
-            traffic = GatherTraffic(store, device, blocks=k)
+            traffic = GatherTraffic.of_store(store, device, blocks=k)
             cpu_beside = cpu_kernel_gbps(store, top_k=k, threads=worker_threads, rounds=2, beside=traffic)
             gpu_beside = traffic.rate()
             if cpu_beside and gpu_beside:

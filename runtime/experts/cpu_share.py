@@ -26,8 +26,9 @@ its ticket to `part_resp` early in its request; the GPU gathers the rest of that
 its whole down part), computes its own rows, takes rows 0..r from `part` (a kernel between its two gathers waits
 for the ticket and copies them to device memory, another writes them into h after the gate/up kernel:
 handoff_triton.take_split_rows, fill_split_rows) and runs the down kernel as for any miss. An expert the call names
-twice is never split (the gather copies it once for both assignments). Why: with whole experts the two sides can be no closer than an expert
-(~55 µs on the GPU, ~39 µs on the CPU, of a ~210 µs layer); `benchmarks/sim_split_grain.py` models ~9 µs a layer.
+twice is never split (the gather copies it once for both assignments). Why: with whole experts the two sides can
+be no closer than an expert (~55 µs on the GPU, ~39 µs on the CPU, of a ~210 µs layer);
+`benchmarks/sim_split_grain.py` models ~9 µs a layer.
 
 Faults: a worker exception answers with zeros and is reported (`error`), and the CPU share drops to 0 from the next
 step; a GPU that waited `max_spins` polls sets a device error flag instead of hanging. On a CPU device (tests) the

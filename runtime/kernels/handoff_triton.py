@@ -146,10 +146,9 @@ if HAVE_TRITON:
         rows = tl.load(split_ptr + 1)
         if (tl.load(split_ptr) >= 0) & (rows > 0):
             _await_ticket(part_resp_ptr, ticket_ptr, err_ptr, max_spins)
-            for r0 in range(0, rows, BLOCK):
-                r = r0 + tl.arange(0, BLOCK)
-                v = tl.load(part_ptr + r, mask=r < rows, other=0.0, volatile=True)
-                tl.store(part_dev_ptr + r, v, mask=r < rows)
+            r = tl.arange(0, BLOCK)                             # (BLOCK >= I: every row in one round trip)
+            v = tl.load(part_ptr + r, mask=r < rows, other=0.0, volatile=True)
+            tl.store(part_dev_ptr + r, v, mask=r < rows)
 
     @triton.jit
     def _fill_split_kernel(h_ptr, I, split_ptr, part_dev_ptr, BLOCK: tl.constexpr):
@@ -160,6 +159,7 @@ if HAVE_TRITON:
                 r = r0 + tl.arange(0, BLOCK)
                 v = tl.load(part_dev_ptr + r, mask=r < rows, other=0.0)
                 tl.store(h_ptr + a.to(tl.int64) * I + r, v.to(h_ptr.dtype.element_ty), mask=r < rows)
+
 
 def handoff(layer_index: int, ids: torch.Tensor, weights: torch.Tensor, x: torch.Tensor, table_row: torch.Tensor,
             box, *, fence: bool = True, log: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -203,6 +203,7 @@ def fill_split_rows(h: torch.Tensor, box) -> torch.Tensor:
         raise ValueError(f"fill_split_rows: h {tuple(h.shape)} (strides {h.stride()}) is not contiguous rows")
     _fill_split_kernel[(1,)](h, h.shape[1], box.split, box.part_dev, BLOCK=256, num_warps=1)
     return h
+
 
 def collect(out: torch.Tensor, box, *, extra: torch.Tensor | None = None, max_spins: int = MAX_SPINS) -> torch.Tensor:
     """out [T, D] += the CPU's answer, once it is there, and `extra` [T, D] (the hits' rows, computed beside the
