@@ -8,7 +8,9 @@ Rows (GPU machine; numba for the CPU side):
   round trip   a one-program kernel writes a word to host memory (system fence) and polls another until a CPU
                thread (compiled, no GIL) has echoed it; globaltimer around each ping
   one poll     dependent volatile loads of a host word already set: a poll's own round trip
-  collect      `handoff_triton.collect` with its answer already there (one launch, CUDA events): its floor
+  collect      `handoff_triton.collect` with its answer already there, from its start to its rows added (the
+               mailbox's timeline, the GPU's clock: s17d timed the launches with CUDA events and measured Python's
+               launch, ~32 µs): its floor
 each idle, beside the gather kernel on another stream (SM loads, as zero-copy decode's misses) and beside
 copy-engine copies. Predicted: ~1-2 µs idle; beside the gather, a poll waits behind the reads already in flight.
 """
@@ -30,12 +32,7 @@ import triton
 import triton.language as tl
 
 from runtime.kernels.handoff_triton import _fence_system
-
-
-@triton.jit
-def _timer(x):
-    return tl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l,r", [x], dtype=tl.int64, is_pure=False,
-                                     pack=1)
+from runtime.kernels.handoff_triton import globaltimer as _timer
 
 
 @triton.jit(do_not_specialize=["n", "first", "max_spins"])     # (one compile, before the echo starts)
@@ -78,11 +75,11 @@ def _with_load(kind: str | None, dev, fn):
     if kind is None:
         return fn(), None
     src = torch.randint(0, 255, (48, 2_506_752), dtype=torch.uint8).pin_memory()
-    load = GatherTraffic([src], dev, blocks=8, launches=400, copy_engine=kind == "copy engine")
-    load.start()                                          # ~8 GB: ~0.2 s of link at ~45 GB/s
+    load = GatherTraffic([src], dev, blocks=8, launches=2000, copy_engine=kind == "copy engine")
+    load.start()                                          # ~40 GB: ~0.8 s of link at ~45 GB/s
     time.sleep(0.01)
     load.mark()
-    out = fn()
+    out = fn()                                            # (fn waits for its own stream only: the load goes on)
     load.mark()
     torch.cuda.synchronize()
     return out, load.rate()
@@ -128,7 +125,7 @@ def main() -> None:
         t = threading.Thread(target=echo, args=(req.numpy(), resp.numpy(), n, 2_000_000_000, int(req[0])))
         t.start()
         _ping_kernel[(1,)](req, resp, times, n, first, 20_000_000, num_warps=1)
-        torch.cuda.synchronize()
+        torch.cuda.current_stream().synchronize()         # (not the device's: s17d's waited for the load too)
         t.join()
         got = times[n // 10:].cpu()                       # (the first pings warm both sides up)
         if bool((got < 0).any()):
@@ -138,7 +135,7 @@ def main() -> None:
     def polls():
         resp.fill_(7)
         _poll_kernel[(1,)](resp, times, n, num_warps=1)
-        torch.cuda.synchronize()
+        torch.cuda.current_stream().synchronize()
         return _stats(times[n // 10:].cpu())
 
     box = Mailbox(max_tokens=1, top_k=8, hidden=2048, device=dev, share=0.5)
@@ -148,14 +145,12 @@ def main() -> None:
         box.ncpu.fill_(1)
         box.ticket.fill_(5)
         box.resp.fill_(5)
-        evs = [torch.cuda.Event(enable_timing=True) for _ in range(2 * 200)]
-        for i in range(200):
-            evs[2 * i].record()
+        spans = []
+        for _ in range(200):
             hk.collect(out, box)
-            evs[2 * i + 1].record()
-        torch.cuda.synchronize()
-        us = torch.tensor([evs[2 * i].elapsed_time(evs[2 * i + 1]) * 1e6 for i in range(20, 200)])
-        return _stats(us)
+            t = box.times[5].tolist()                     # (a copy on this stream: after the collect)
+            spans.append(t[3] - t[1])
+        return _stats(torch.tensor(spans[20:]))
 
     round_trips(), polls(), collects()                   # compiles
     for kind in (None, "gather", "copy engine"):

@@ -86,6 +86,7 @@
 #                                                # on/off, qwen3-30b and qwen3.6 at 8 GiB
 #   (device) bash benchmarks/device_final.sh s17d # for session 18 (written, not run): the mailbox's round trips
 #                                                # (fixed bench), the split's take in one pass, rows off-first
+#   (device) bash benchmarks/device_final.sh s18a # session 18: the mailbox's timeline (GPU clock) on whole rows
 # carry .site (numba, llvmlite, fla-core, platformdirs unpacked, xz). Results under $OUT. Build .site once (the
 # wheels alone pass the 64 MiB carry limit; unpacked and xz-compressed they take ~44 MB):
 #   pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
@@ -772,6 +773,17 @@ elif [ "$1" = s17d ]; then
   warm 150 new
   mailbox 60
   split_rows 330 "0.6 auto" "off on"
+elif [ "$1" = s18a ]; then
+  # session 18, after s17d (the mailbox bench timed Python's launches for collect; its load ran dry: mended): the
+  # mailbox's timeline on the GPU's clock - where a request's round trip goes beside the worker's own time - on
+  # whole-expert rows at 0.6 and learned, and the CUDA graph test that checks the timeline
+  warm 150 new
+  mailbox 60
+  cuda_tests 120 tests/test_hybrid_zero_copy.py -k "compiled_worker_answers_inside_a_cuda_graph or cuda_handoff"
+  bench_rows 220 q3_timeline --models qwen3-30b-a3b --dense-int8 --budgets 8 --routings uniform \
+    --cpu-share 0.6 auto --expert-split off --modes graphs --tokens 64 --warmup 32 --prefill-budgets 99 \
+    --ttft-context 0 | grep -E "^qwen|CPU kernel|CPU worker|mailbox|learned CPU share:"
+  rm -f "$OUT"/model_*.json "$OUT"/model.json
 else
   # decode rows through graphs only (eager rows cost minutes); the CPU share learned (auto; printed with a *),
   # fixed 0 and 0.3

@@ -203,6 +203,43 @@ def test_the_bench_counts_every_request_while_the_worker_still_spins(cpu):
         worker.close()
 
 
+def test_the_mailbox_timeline_spans_each_request_from_its_handoff_to_its_rows():
+    """`Mailbox.timeline` (bench model's "mailbox" line: where a request's round trip goes beside the worker's own
+    time): a request answered 40 ms after its handoff shows ~40 ms to the answer, collect's wait in it, and the
+    rows added after; requests before `after` are not counted, nor one whose collect never ran."""
+    import threading
+    import time
+
+    from runtime.experts.cpu_share import publish
+    box = _box(share=1.0)
+    gen = torch.Generator().manual_seed(3)
+    table = torch.full((E,), -1, dtype=torch.int64)
+
+    def one(delay_s: float, collect: bool = True) -> None:
+        x = torch.randn(1, D, generator=gen)
+        handoff_reference(0, torch.tensor([[1, 4]]), torch.rand(1, K, generator=gen), x, table, box)
+        want = int(box.ticket[0])
+        answer = threading.Timer(delay_s, lambda: publish(box._np["resp"], want))
+        answer.start()
+        if collect:
+            time.sleep(delay_s / 4)                      # collect starts after the handoff, waits for the rest
+            collect_reference(torch.zeros(1, D), box)
+        answer.join()
+
+    one(0.0)
+    after = int(box.ticket[0])
+    for _ in range(3):
+        one(0.04)
+    one(0.0, collect=False)                              # published, never collected: no span of its own
+    spans = box.timeline(after)
+    assert spans["requests"] == 3, spans
+    assert 38_000 < spans["request to answer seen"] < 80_000, spans                  # µs
+    assert spans["request to answer seen, mean"] >= spans["request to collect"] + spans["collect waited"] - 1
+    assert 8_000 < spans["request to collect"] < spans["request to answer seen"], spans
+    assert 0 <= spans["answer seen to rows added"] < 20_000, spans
+    assert box.timeline(int(box.ticket[0])) is None                                   # nothing after the last
+
+
 @pytest.mark.skipif(numba.config.NUMBA_NUM_THREADS < 2, reason="needs 2 numba threads")
 def test_the_ceilings_cpu_kernel_bandwidth_is_the_workers_on_whole_cold_layers(cpu):
     """`bench model`'s ceiling takes the CPU kernel's bandwidth (issue 10: "the measured PCIe and CPU-kernel

@@ -547,6 +547,13 @@ def test_the_compiled_worker_answers_inside_a_cuda_graph(device, split):
         splits += rows > 0
     assert (splits >= 6) == split, splits
     assert tier._worker.kernel_requests >= 5 and int(tier._box.error[0]) == 0   # (served lags inside a spin)
+    # the GPU's clock in the mailbox's timeline: every request of the replays, in order, each answer seen after
+    # the worker's own time on it (the worker saw the request after it was published, the GPU its answer later)
+    spans = tier._box.timeline(0)
+    assert spans is not None and spans["requests"] == int(tier._box.ticket[0]) >= 5, spans
+    worker_us = 1e6 * tier._worker.kernel_seconds / tier._worker.kernel_requests
+    assert spans["request to answer seen, mean"] > worker_us > 0, (spans, worker_us)
+    assert spans["answer seen to rows added"] >= 0 and spans["request to collect"] > 0, spans
     tier.close()
 
 

@@ -959,9 +959,9 @@ def test_kernels_compile_for_h200_without_spilling(tmp_path, monkeypatch):
                       dict(ids_ptr="*i64", w_ptr="*bf16", x_ptr="*bf16", x_st=2048, table_ptr="*i64", share_ptr="*fp32",
                            ticket_ptr="*i64", ncpu_ptr="*i32", hit_ptr="*i64", zc_ptr="*i64", box_ids_ptr="*i64",
                            box_w_ptr="*fp32", box_x_ptr="*fp32", box_meta_ptr="*i64", box_req_ptr="*i64",
-                           err_ptr="*i32", log_ptr="*i64", split_ptr="*i32", unit_ptr="*fp32", layer=3, T=1, A=8,
-                           D=2048, I=768),
-                      dict(FENCE=True, LOG=log, ABLOCK=16, DBLOCK=1024), 4))
+                           err_ptr="*i32", log_ptr="*i64", split_ptr="*i32", unit_ptr="*fp32", times_ptr="*i64",
+                           layer=3, T=1, A=8, D=2048, I=768),
+                      dict(RING=8192, TIMES=True, FENCE=True, LOG=log, ABLOCK=16, DBLOCK=1024), 4))
     small.append((handoff_k._take_split_kernel,
                   dict(split_ptr="*i32", part_ptr="*fp32", part_dev_ptr="*fp32", part_resp_ptr="*i64",
                        ticket_ptr="*i64", err_ptr="*i32", max_spins=20_000_000), dict(BLOCK=1024), 4))
@@ -970,9 +970,9 @@ def test_kernels_compile_for_h200_without_spilling(tmp_path, monkeypatch):
     for extra in (False, True):
         small.append((handoff_k._collect_kernel,
                       dict(out_ptr="*bf16", out_st=2048, extra_ptr="*bf16", extra_st=2048, ticket_ptr="*i64",
-                           ncpu_ptr="*i32", box_resp_ptr="*i64", box_out_ptr="*fp32", err_ptr="*i32", D=2048,
-                           max_spins=20_000_000),
-                      dict(EXTRA=extra, BLOCK=256), 2))
+                           ncpu_ptr="*i32", box_resp_ptr="*i64", box_out_ptr="*fp32", err_ptr="*i32",
+                           times_ptr="*i64", D=2048, max_spins=20_000_000),
+                      dict(RING=8192, TIMES=True, EXTRA=extra, BLOCK=256), 2))
     for fn, args, constexprs, warps in cases + small:
         regs, local, sass = _compile_sm90(fn, args, constexprs, warps, tmp_path)
         assert local == 0, (fn.__name__, constexprs, regs, local)               # no spills

@@ -654,13 +654,14 @@ def warm_up_share(ctl, model, graphs, experts, router, args, *, layers: int, ste
 
 def worker_counts(hybrid) -> tuple:
     """(requests answered, seconds in its serving calls, seconds from seeing requests to answering them: 0 where
-    the cycle counter is unavailable, the kernel's phase marks so far, requests of its finished serving calls) of
-    the tier's CPU-share worker; zeros without one. The first and third are current; the second and last are
+    the cycle counter is unavailable, the kernel's phase marks so far, requests of its finished serving calls, the
+    mailbox's last ticket) of the tier's CPU-share worker; zeros without one. The first and third are current; the second and last are
     added to only when a serving call ends (its spin runs out), so they go together."""
-    w = getattr(hybrid, "_worker", None)
+    w, box = getattr(hybrid, "_worker", None), getattr(hybrid, "_box", None)
     if w is None:
-        return (0, 0.0, 0.0, np.zeros(1, dtype=np.int64), 0)
-    return (w.requests, w.busy_seconds, w.kernel_seconds or 0.0, w.phase_marks(), w.served)
+        return (0, 0.0, 0.0, np.zeros(1, dtype=np.int64), 0, 0)
+    return (w.requests, w.busy_seconds, w.kernel_seconds or 0.0, w.phase_marks(), w.served,
+            int(box.ticket[0]) if box is not None else 0)
 
 
 def phases_line(worker, before: np.ndarray) -> str | None:
@@ -677,7 +678,7 @@ def print_worker_line(hybrid, before: tuple, row: dict, *, steps: int) -> None:
     answer (the compiled loop's cycle counter: the kernel and the answer, not the wait), beside the step's time
     per layer, so a reader sees whether the CPU's part bounds a layer; also the µs of its serving calls, waits
     included (close to the layer time when requests come back to back)."""
-    requests, busy, kernel, _, served = worker_counts(hybrid)
+    requests, busy, kernel, _, served, _ = worker_counts(hybrid)
     n = requests - before[0]
     if n <= 0:
         return
@@ -693,6 +694,15 @@ def print_worker_line(hybrid, before: tuple, row: dict, *, steps: int) -> None:
     line = phases_line(hybrid._worker, before[3])
     if line:
         print(line, flush=True)
+    box = getattr(hybrid, "_box", None)
+    spans = box.timeline(before[5]) if box is not None else None
+    if spans:            # the GPU's side of the same requests: what the two crossings of the link add
+        row["mailbox_us"] = spans
+        print(f"    mailbox (GPU clock, µs after the request, medians of {spans['requests']}): collect starts "
+              f"{spans['request to collect']:.1f}, sees the answer {spans['request to answer seen']:.1f} (mean "
+              f"{spans['request to answer seen, mean']:.1f}: {spans['request to answer seen, mean'] - kernel_us:.1f} "
+              f"beside the worker's {kernel_us:.1f}), then adds its rows in "
+              f"{spans['answer seen to rows added']:.1f}; collect waited {spans['collect waited']:.1f}", flush=True)
     lanes = hybrid._worker.lane_counts(since=before[3])
     if lanes:            # a lane's first task of a stage against its others (cold rows, late lanes, the split's)
         print("    CPU lanes, µs a task (first of the stage / all): " + ", ".join(

@@ -57,6 +57,7 @@ GIL_SWITCH_S = 5e-5           # the interpreter's thread switch interval while a
 PY_POLL_SLEEP_S = 0.0005      # without numba the poll is Python's: a nap between polls hands back the GIL
 QUIET_AFTER_S = 0.05          # no request for this long: poll lazily...
 QUIET_SLEEP_S = 0.005         # ...every 5 ms
+TIMELINE_RING = 8192          # requests the mailbox's timeline keeps (Mailbox.times: a bench row's last ones)
 SPLIT_ROWS = 16               # a split expert's rows go to the CPU in steps of this many (the int8 kernel's row
                               # task, cpu_kernels_int8.ROWS_PER_TASK: a test keeps the two equal)
 
@@ -162,12 +163,37 @@ class Mailbox:
         self.split = torch.tensor([-1, 0], dtype=torch.int32, device=device)   # the last call's split (assignment, rows)
         self.split_unit = dev(1, dtype=torch.float32)              # gate/up rows that weigh one expert (0: no split)
         self.part_dev = dev(max(1, intermediate), dtype=torch.float32)   # `part` taken into device memory
+        # each request's timeline, ns on the GPU's clock (the host's in the references), at ticket % ring: the
+        # request published (handoff), collect started, the answer's ticket seen, its rows added (`timeline`)
+        self.times = dev(TIMELINE_RING, 4, dtype=torch.int64)
         self.unit = 0                                              # the same, on the host (the rule's replays)
         self._np = {name: getattr(self, name).numpy() for name in ("req", "resp", "meta", "ids", "weights", "x", "out",
                                                                    "part", "part_resp")}
 
     def set_share(self, share: float) -> None:
         self.share.fill_(float(share))
+
+    def timeline(self, after: int, last: int | None = None) -> dict[str, float] | None:
+        """Where a request's round trip goes, from `times`: over tickets after..last (the device counter's value
+        now when None; the ring's last TIMELINE_RING at most) each span's median µs, and the mean of "request to
+        answer seen" (to set beside the worker's mean time from seeing a request to answering it: the rest is
+        the two crossings). None when no request finished in that range. Syncs (host reads of device memory)."""
+        last = int(self.ticket[0]) if last is None else last
+        tickets = np.arange(max(after + 1, last - TIMELINE_RING + 1), last + 1)
+        if tickets.size == 0:
+            return None
+        t = self.times.cpu().numpy()[tickets % TIMELINE_RING].astype(np.float64) / 1e3     # µs
+        done = (t[:, 0] > 0) & (t[:, 1] > 0) & (t[:, 2] >= t[:, 0]) & (t[:, 3] >= t[:, 2])
+        if not done.any():
+            return None
+        t = t[done]
+        seen = t[:, 2] - t[:, 0]
+        return {"requests": int(done.sum()),
+                "request to collect": float(np.median(t[:, 1] - t[:, 0])),
+                "request to answer seen": float(np.median(seen)),
+                "request to answer seen, mean": float(seen.mean()),
+                "collect waited": float(np.median(np.maximum(t[:, 2] - t[:, 1], 0.0))),
+                "answer seen to rows added": float(np.median(t[:, 3] - t[:, 2]))}
 
     def enable_split(self, unit: int) -> None:
         """Split one expert between the sides from now on (one-token calls): `unit` gate/up rows weigh as many
@@ -466,6 +492,7 @@ def handoff_reference(layer_index: int, ids: torch.Tensor, weights: torch.Tensor
                         split_a // k if rows else 0, rows)
         box.ticket += 1
         publish(b["req"], int(box.ticket[0]))
+        box.times[int(box.ticket[0]) % TIMELINE_RING] = torch.tensor([time.monotonic_ns(), 0, 0, 0])
     return hit, zc
 
 
@@ -477,13 +504,18 @@ def collect_reference(out: torch.Tensor, box: Mailbox, *, extra: torch.Tensor | 
     if int(box.ncpu[0]) == 0:
         return out
     want, deadline = int(box.ticket[0]), time.monotonic() + timeout_s
+    times = box.times[want % TIMELINE_RING]
+    times[1] = time.monotonic_ns()
     while int(spin_until_changed(box._np["resp"], want - 1, 10_000)) != want:
         if time.monotonic() > deadline:
             box.error.fill_(1)
             return out
         time.sleep(0)
+    times[2] = time.monotonic_ns()
     t = out.shape[0]
-    return out.add_(torch.from_numpy(box._np["out"][:t]).to(out.dtype))
+    out.add_(torch.from_numpy(box._np["out"][:t]).to(out.dtype))
+    times[3] = time.monotonic_ns()
+    return out
 
 
 def cpu_share_counts(ids: np.ndarray, table: np.ndarray, share: float, *, unit: float = 0.0,

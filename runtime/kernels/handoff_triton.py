@@ -27,6 +27,8 @@ Why: a recorded decode step cannot stop for the host to decide which experts the
 """
 from __future__ import annotations
 
+import os
+
 import torch
 
 try:
@@ -45,10 +47,17 @@ if HAVE_TRITON:
                                          is_pure=False, pack=1)
 
     @triton.jit
+    def globaltimer(x):
+        """The GPU's nanosecond clock (%globaltimer; x: any int32 scalar the result may not be hoisted above)."""
+        return tl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l,r", [x], dtype=tl.int64, is_pure=False,
+                                         pack=1)
+
+    @triton.jit
     def _handoff_kernel(ids_ptr, w_ptr, x_ptr, x_st, table_ptr, share_ptr, ticket_ptr, ncpu_ptr,
                         hit_ptr, zc_ptr, box_ids_ptr, box_w_ptr, box_x_ptr, box_meta_ptr, box_req_ptr, err_ptr,
-                        log_ptr, split_ptr, unit_ptr, layer, T, A, D, I, FENCE: tl.constexpr, LOG: tl.constexpr,
-                        ABLOCK: tl.constexpr, DBLOCK: tl.constexpr):
+                        log_ptr, split_ptr, unit_ptr, times_ptr, layer, T, A, D, I, RING: tl.constexpr,
+                        TIMES: tl.constexpr, FENCE: tl.constexpr, LOG: tl.constexpr, ABLOCK: tl.constexpr,
+                        DBLOCK: tl.constexpr):
         a = tl.arange(0, ABLOCK)
         m = a < A
         ids = tl.load(ids_ptr + a, mask=m, other=0)
@@ -109,6 +118,8 @@ if HAVE_TRITON:
                 # (a zero the compiler cannot see through), so its store cannot move above the fence
                 ticket += _fence_system(n_cpu * 0).to(tl.int64)
             tl.store(box_req_ptr, ticket)
+            if TIMES:                                           # the mailbox's timeline (box.times)
+                tl.store(times_ptr + (ticket % RING) * 4, globaltimer(n_cpu))
 
     @triton.jit
     def _await_ticket(word_ptr, ticket_ptr, err_ptr, max_spins):
@@ -123,14 +134,22 @@ if HAVE_TRITON:
 
     @triton.jit
     def _collect_kernel(out_ptr, out_st, extra_ptr, extra_st, ticket_ptr, ncpu_ptr, box_resp_ptr, box_out_ptr,
-                        err_ptr, D, max_spins, EXTRA: tl.constexpr, BLOCK: tl.constexpr):
+                        err_ptr, times_ptr, D, max_spins, RING: tl.constexpr, TIMES: tl.constexpr,
+                        EXTRA: tl.constexpr, BLOCK: tl.constexpr):
         t = tl.program_id(1)
         cols = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
         mask = cols < D
         n_cpu = tl.load(ncpu_ptr)
         v = tl.zeros([BLOCK], dtype=tl.float32)
+        # the program that writes the mailbox's timeline (box.times): started, the answer's ticket seen, done
+        first = (tl.program_id(0) == 0) & (t == 0) & TIMES
+        times = times_ptr + (tl.load(ticket_ptr) % RING) * 4
         if n_cpu > 0:
+            if first:
+                tl.store(times + 1, globaltimer(n_cpu))
             _await_ticket(box_resp_ptr, ticket_ptr, err_ptr, max_spins)
+            if first:
+                tl.store(times + 2, globaltimer(n_cpu))         # (after the loop that read the ticket)
             v = tl.load(box_out_ptr + t * D + cols, mask=mask, other=0.0, volatile=True)
         if EXTRA:                                   # the hits' rows too: no add kernel of their own
             e = tl.load(extra_ptr + t * extra_st + cols, mask=mask, other=0.0).to(tl.float32)
@@ -139,6 +158,8 @@ if HAVE_TRITON:
         elif n_cpu > 0:
             o = tl.load(out_ptr + t * out_st + cols, mask=mask, other=0.0).to(tl.float32)
             tl.store(out_ptr + t * out_st + cols, (o + v).to(out_ptr.dtype.element_ty), mask=mask)
+        if first & (n_cpu > 0):                     # (read once the rows came: the timer takes them as input)
+            tl.store(times + 3, globaltimer(tl.sum(v, 0).to(tl.int32, bitcast=True)))
 
     @triton.jit
     def _take_split_kernel(split_ptr, part_ptr, part_dev_ptr, part_resp_ptr, ticket_ptr, err_ptr, max_spins,
@@ -174,12 +195,16 @@ def handoff(layer_index: int, ids: torch.Tensor, weights: torch.Tensor, x: torch
     hit, zc = box.hit_slots[:t * k].view(t, k), box.zc_ids[:t * k].view(t, k)
     _handoff_kernel[(1,)](ids, weights.contiguous(), x, x.stride(0), table_row, box.share, box.ticket, box.ncpu,
                           hit, zc, box.ids, box.weights, box.x, box.meta, box.req, box.error,
-                          ids if log is None else log, box.split, box.split_unit, layer_index, t, t * k, d,
-                          box.intermediate, FENCE=fence, LOG=log is not None,
-                          ABLOCK=max(16, triton.next_power_of_2(t * k)), DBLOCK=1024, num_warps=4)
+                          ids if log is None else log, box.split, box.split_unit, box.times, layer_index, t, t * k,
+                          d, box.intermediate, RING=box.times.shape[0], TIMES=TIMES, FENCE=fence,
+                          LOG=log is not None, ABLOCK=max(16, triton.next_power_of_2(t * k)), DBLOCK=1024,
+                          num_warps=4)
     return hit, zc
 
 
+# the GPU's clock into the mailbox's timeline (box.times); not in Triton's interpreter (no inline PTX there: the
+# references write the host's clock instead)
+TIMES = os.environ.get("TRITON_INTERPRET") != "1"
 MAX_SPINS = 20_000_000       # polls of the answer word (PCIe round trips): seconds, far past any real answer
 
 
@@ -215,6 +240,7 @@ def collect(out: torch.Tensor, box, *, extra: torch.Tensor | None = None, max_sp
     block = 256
     _collect_kernel[(triton.cdiv(d, block), t)](out, out.stride(0), out if extra is None else extra,
                                                 0 if extra is None else extra.stride(0), box.ticket, box.ncpu,
-                                                box.resp, box.out, box.error, d, max_spins, EXTRA=extra is not None,
+                                                box.resp, box.out, box.error, box.times, d, max_spins,
+                                                RING=box.times.shape[0], TIMES=TIMES, EXTRA=extra is not None,
                                                 BLOCK=block, num_warps=2)
     return out
