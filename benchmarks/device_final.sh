@@ -87,6 +87,7 @@
 #   (device) bash benchmarks/device_final.sh s17d # for session 18 (written, not run): the mailbox's round trips
 #                                                # (fixed bench), the split's take in one pass, rows off-first
 #   (device) bash benchmarks/device_final.sh s18a # session 18: the mailbox's timeline (GPU clock) on whole rows
+#   (device) bash benchmarks/device_final.sh s18b # session 18: the request's ticket flushed (A/B), then learned
 # carry .site (numba, llvmlite, fla-core, platformdirs unpacked, xz). Results under $OUT. Build .site once (the
 # wheels alone pass the 64 MiB carry limit; unpacked and xz-compressed they take ~44 MB):
 #   pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
@@ -782,6 +783,15 @@ elif [ "$1" = s18a ]; then
   cuda_tests 120 tests/test_hybrid_zero_copy.py -k "compiled_worker_answers_inside_a_cuda_graph or cuda_handoff"
   bench_rows 220 q3_timeline --models qwen3-30b-a3b --dense-int8 --budgets 8 --routings uniform \
     --cpu-share 0.6 auto --expert-split off --modes graphs --tokens 64 --warmup 32 --prefill-budgets 99 \
+    --ttft-context 0 | grep -E "^qwen|CPU kernel|CPU worker|mailbox|learned CPU share:"
+  rm -f "$OUT"/model_*.json "$OUT"/model.json
+elif [ "$1" = s18b ]; then
+  # session 18, after s18a (the mailbox's timeline: a request's answer seen ~20-40 µs later than the worker's own
+  # time and an idle round trip, 2.3 µs, account for): the request's ticket flushed to host memory by a second
+  # system fence (--request-flush), A/B at 0.6 in one process (on, off, on, off), then learned each way
+  warm 150 new
+  bench_rows 380 q3_flush --models qwen3-30b-a3b --dense-int8 --budgets 8 --routings uniform \
+    --cpu-share 0.6 0.6 auto --request-flush on off --modes graphs --tokens 64 --warmup 32 --prefill-budgets 99 \
     --ttft-context 0 | grep -E "^qwen|CPU kernel|CPU worker|mailbox|learned CPU share:"
   rm -f "$OUT"/model_*.json "$OUT"/model.json
 else

@@ -954,14 +954,14 @@ def test_kernels_compile_for_h200_without_spilling(tmp_path, monkeypatch):
                            NPARTS=6 if skip else 0, WORD=4), gather_k.NUM_WARPS))
     from runtime.kernels import handoff_triton as handoff_k
     small = []                  # the CPU share's handoff and collect: a few words and rows, no wide loads to check
-    for log in (False, True):
+    for log, flush in ((False, False), (True, False), (True, True)):
         small.append((handoff_k._handoff_kernel,
                       dict(ids_ptr="*i64", w_ptr="*bf16", x_ptr="*bf16", x_st=2048, table_ptr="*i64", share_ptr="*fp32",
                            ticket_ptr="*i64", ncpu_ptr="*i32", hit_ptr="*i64", zc_ptr="*i64", box_ids_ptr="*i64",
                            box_w_ptr="*fp32", box_x_ptr="*fp32", box_meta_ptr="*i64", box_req_ptr="*i64",
                            err_ptr="*i32", log_ptr="*i64", split_ptr="*i32", unit_ptr="*fp32", times_ptr="*i64",
                            layer=3, T=1, A=8, D=2048, I=768),
-                      dict(RING=8192, TIMES=True, FENCE=True, LOG=log, ABLOCK=16, DBLOCK=1024), 4))
+                      dict(RING=8192, TIMES=True, FENCE=True, FLUSH=flush, LOG=log, ABLOCK=16, DBLOCK=1024), 4))
     small.append((handoff_k._take_split_kernel,
                   dict(split_ptr="*i32", part_ptr="*fp32", part_dev_ptr="*fp32", part_resp_ptr="*i64",
                        ticket_ptr="*i64", err_ptr="*i32", max_spins=20_000_000), dict(BLOCK=1024), 4))
@@ -979,7 +979,9 @@ def test_kernels_compile_for_h200_without_spilling(tmp_path, monkeypatch):
         if fn is not router_k._route_kernel and (fn, args, constexprs, warps) not in small:
             assert "LDG.E.128" in sass, (fn.__name__, constexprs)
         if fn is handoff_k._handoff_kernel:
-            assert "MEMBAR.ALL.SYS" in sass or "MEMBAR.SC.SYS" in sass, sass[:2000]     # the system-scope fence
+            # the system-scope fence before the ticket, and with FLUSH a second one after it
+            fences = sass.count("MEMBAR.ALL.SYS") + sass.count("MEMBAR.SC.SYS")
+            assert fences == 1 + constexprs["FLUSH"], (constexprs, fences, sass[:2000])
 
 
 def test_gdn_decode_kernels_compile_for_h200_without_spilling(tmp_path, monkeypatch):

@@ -547,6 +547,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     m.add_argument("--expert-split", dest="expert_split", nargs="+", default=["off"], choices=["on", "off"],
                    help="zero-copy decode with a CPU share: a one-token call splits one miss between the sides by "
                         "gate/up rows (on) or hands out whole experts only (off); both: a row each")
+    m.add_argument("--request-flush", dest="request_flush", nargs="+", default=["off"], choices=["on", "off"],
+                   help="zero-copy decode on CUDA: a system fence after each request's ticket, pushing it to host "
+                        "memory at once (on), or none (off); both: a row each")
     m.add_argument("--promotions", nargs="+", default=["adaptive"], choices=["adaptive", "fixed"],
                    help="zero-copy decode: the step's promotion budget learned from what promotions buy (adaptive) "
                         "or always the byte budget's blocks (fixed); both: a row each")

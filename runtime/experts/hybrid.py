@@ -119,6 +119,8 @@ class HybridOptions:
     split_gather: bool = True                   # zero-copy decode on CUDA with the gather: the misses' blocks
                                                 # gathered in two launches, gate/up parts then down parts, the
                                                 # gate/up kernel on the side stream beside the second (session 14)
+    flush_request: bool = False                 # zero-copy decode on CUDA: a system fence after the request's
+                                                # ticket (handoff_triton.handoff's flush; session 18 measures it)
     expert_split: bool = False                  # zero-copy decode with a compiled CPU worker: one-token calls split
                                                 # one miss between the sides by rows (cpu_share.py, session 16).
                                                 # Off: no steady gain on the H200 (session 17: 4-8 % ahead at
@@ -358,7 +360,7 @@ class HybridExperts:
             ids = topk_ids if topk_ids.is_contiguous() else topk_ids.contiguous()
             if self.cuda:
                 hit, zc = handoff_triton.handoff(li, ids, topk_weights, x, cache.table_rows[li], self._box,
-                                                 log=self._log[li])
+                                                 flush=self.options.flush_request, log=self._log[li])
             else:
                 hit, zc = handoff_reference(li, ids, topk_weights, x, cache.table_rows[li], self._box,
                                             log=self._log[li])

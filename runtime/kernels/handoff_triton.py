@@ -47,6 +47,13 @@ if HAVE_TRITON:
                                          is_pure=False, pack=1)
 
     @triton.jit
+    def _flush_system(x):
+        """A system-scope fence that no memory access moves across (a memory clobber): after the request's ticket,
+        it pushes the ticket's store out to host memory now; returns x."""
+        return tl.inline_asm_elementwise("fence.sc.sys; mov.b32 $0, $1;", "=r,r,~{memory}", [x], dtype=tl.int32,
+                                         is_pure=False, pack=1)
+
+    @triton.jit
     def globaltimer(x):
         """The GPU's nanosecond clock (%globaltimer; x: any int32 scalar the result may not be hoisted above)."""
         return tl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l,r", [x], dtype=tl.int64, is_pure=False,
@@ -56,8 +63,8 @@ if HAVE_TRITON:
     def _handoff_kernel(ids_ptr, w_ptr, x_ptr, x_st, table_ptr, share_ptr, ticket_ptr, ncpu_ptr,
                         hit_ptr, zc_ptr, box_ids_ptr, box_w_ptr, box_x_ptr, box_meta_ptr, box_req_ptr, err_ptr,
                         log_ptr, split_ptr, unit_ptr, times_ptr, layer, T, A, D, I, RING: tl.constexpr,
-                        TIMES: tl.constexpr, FENCE: tl.constexpr, LOG: tl.constexpr, ABLOCK: tl.constexpr,
-                        DBLOCK: tl.constexpr):
+                        TIMES: tl.constexpr, FENCE: tl.constexpr, FLUSH: tl.constexpr, LOG: tl.constexpr,
+                        ABLOCK: tl.constexpr, DBLOCK: tl.constexpr):
         a = tl.arange(0, ABLOCK)
         m = a < A
         ids = tl.load(ids_ptr + a, mask=m, other=0)
@@ -117,9 +124,11 @@ if HAVE_TRITON:
                 # ...and visible system-wide before the ticket: the ticket's value depends on the fence's output
                 # (a zero the compiler cannot see through), so its store cannot move above the fence
                 ticket += _fence_system(n_cpu * 0).to(tl.int64)
-            tl.store(box_req_ptr, ticket)
             if TIMES:                                           # the mailbox's timeline (box.times)
                 tl.store(times_ptr + (ticket % RING) * 4, globaltimer(n_cpu))
+            tl.store(box_req_ptr, ticket)
+            if FLUSH:
+                _flush_system(n_cpu)
 
     @triton.jit
     def _await_ticket(word_ptr, ticket_ptr, err_ptr, max_spins):
@@ -183,11 +192,14 @@ if HAVE_TRITON:
 
 
 def handoff(layer_index: int, ids: torch.Tensor, weights: torch.Tensor, x: torch.Tensor, table_row: torch.Tensor,
-            box, *, fence: bool = True, log: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+            box, *, fence: bool = True, flush: bool = False,
+            log: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """ids [T, K] int64 (contiguous), weights [T, K], x [T, D] -> (hit slots [T, K], zero-copy ids [T, K]) on the
     device; the CPU's share goes to `box` (a cpu_share.Mailbox). `log` (contiguous int64, >= T*K elements): gets
     the ids too (the tier's step log; a copy kernel of its own would sit between the router and the CPU's start).
-    One launch."""
+    `flush`: a second system fence after the ticket's store, so the worker sees it at once rather than when the
+    GPU's caches write it back (s18a: the mailbox's timeline had ~20-40 µs a request that neither the worker's
+    time nor an idle round trip, 2.3 µs, accounts for). One launch."""
     t, k = ids.shape
     d = x.shape[1]
     if log is not None and (not log.is_contiguous() or log.numel() < t * k or log.dtype != ids.dtype):
@@ -197,7 +209,7 @@ def handoff(layer_index: int, ids: torch.Tensor, weights: torch.Tensor, x: torch
                           hit, zc, box.ids, box.weights, box.x, box.meta, box.req, box.error,
                           ids if log is None else log, box.split, box.split_unit, box.times, layer_index, t, t * k,
                           d, box.intermediate, RING=box.times.shape[0], TIMES=TIMES, FENCE=fence,
-                          LOG=log is not None, ABLOCK=max(16, triton.next_power_of_2(t * k)), DBLOCK=1024,
+                          FLUSH=fence and flush, LOG=log is not None, ABLOCK=max(16, triton.next_power_of_2(t * k)), DBLOCK=1024,
                           num_warps=4)
     return hit, zc
 
