@@ -88,6 +88,7 @@
 #                                                # (fixed bench), the split's take in one pass, rows off-first
 #   (device) bash benchmarks/device_final.sh s18a # session 18: the mailbox's timeline (GPU clock) on whole rows
 #   (device) bash benchmarks/device_final.sh s18b # session 18: the request's ticket flushed (A/B), then learned
+#   (device) bash benchmarks/device_final.sh s18c # session 18: the flush A/B the other way round, qwen3.6 each way
 # carry .site (numba, llvmlite, fla-core, platformdirs unpacked, xz). Results under $OUT. Build .site once (the
 # wheels alone pass the 64 MiB carry limit; unpacked and xz-compressed they take ~44 MB):
 #   pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
@@ -793,6 +794,17 @@ elif [ "$1" = s18b ]; then
   bench_rows 380 q3_flush --models qwen3-30b-a3b --dense-int8 --budgets 8 --routings uniform \
     --cpu-share 0.6 0.6 auto --request-flush on off --modes graphs --tokens 64 --warmup 32 --prefill-budgets 99 \
     --ttft-context 0 | grep -E "^qwen|CPU kernel|CPU worker|mailbox|learned CPU share:"
+  rm -f "$OUT"/model_*.json "$OUT"/model.json
+elif [ "$1" = s18c ]; then
+  # session 18, after s18b (flushed ahead in 3 of 3 pairs, each run first: +2.0, +5.3, +3.7 %): the same A/B the
+  # other way round (off first), then qwen3.6 learned each way; sized for the session's last ~450 s
+  warm 100 new
+  bench_rows 230 q3_flush --models qwen3-30b-a3b --dense-int8 --budgets 8 --routings uniform \
+    --cpu-share 0.6 0.6 auto --request-flush off on --modes graphs --tokens 64 --warmup 32 --prefill-budgets 99 \
+    --ttft-context 0 | grep -E "^qwen|CPU kernel|CPU worker|mailbox|learned CPU share:"
+  bench_rows 80 q36_flush --models qwen3.6-35b-a3b --dense-int8 --budgets 8 --routings uniform --cpu-share auto \
+    --request-flush off on --modes graphs --tokens 64 --warmup 32 --prefill-budgets 99 --ttft-context 0 \
+    | grep -E "^qwen|CPU kernel|mailbox|learned CPU share:"
   rm -f "$OUT"/model_*.json "$OUT"/model.json
 else
   # decode rows through graphs only (eager rows cost minutes); the CPU share learned (auto; printed with a *),
