@@ -6,7 +6,8 @@ collect) and the finer split once more (its rows' ticket).
 
 Rows (GPU machine; numba for the CPU side):
   round trip   a one-program kernel writes a word to host memory (system fence) and polls another until a CPU
-               thread (compiled, no GIL) has echoed it; globaltimer around each ping
+               thread (compiled, no GIL) has echoed it; globaltimer around each ping (mailbox_clock.GpuClockSync:
+               the pings that also set the worker's clock against the GPU's for bench model's round-trip line)
   one poll     dependent volatile loads of a host word already set: a poll's own round trip
   collect      `handoff_triton.collect` with its answer already there, from its start to its rows added (the
                mailbox's timeline, the GPU's clock: s17d timed the launches with CUDA events and measured Python's
@@ -20,7 +21,6 @@ import argparse
 import json
 import statistics
 import sys
-import threading
 import time
 from pathlib import Path
 
@@ -31,25 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import triton
 import triton.language as tl
 
-from runtime.kernels.handoff_triton import _fence_system
 from runtime.kernels.handoff_triton import globaltimer as _timer
-
-
-@triton.jit(do_not_specialize=["n", "first", "max_spins"])     # (one compile, before the echo starts)
-def _ping_kernel(req_ptr, resp_ptr, times_ptr, n, first, max_spins):
-    alive = n > 0
-    for i in range(n):
-        if alive:
-            t0 = _timer(i)
-            v = first + i
-            v = v + _fence_system(i * 0).to(tl.int64)     # (the stores before this one out first)
-            tl.store(req_ptr, v)
-            v = v + _fence_system(i * 0).to(tl.int64)     # (this one out now, not when the L2 writes it back)
-            spins = 0
-            while (tl.load(resp_ptr, volatile=True) != v) & (spins < max_spins):
-                spins += 1
-            alive = spins < max_spins                      # an echo that stopped: -1, and no more pings
-            tl.store(times_ptr + i, tl.where(alive, _timer(i) - t0, -1))
 
 
 @triton.jit
@@ -90,47 +72,20 @@ def main() -> None:
     ap.add_argument("--pings", type=int, default=2000)
     ap.add_argument("--json", type=Path)
     args = ap.parse_args()
-    from numba import njit
-
-    from runtime.experts.cpu_share import Mailbox, publish, spin_until_changed
+    from runtime.experts.cpu_share import Mailbox
+    from runtime.experts.mailbox_clock import GpuClockSync
     from runtime.kernels import handoff_triton as hk
 
-    @njit(nogil=True)
-    def echo(req, resp, n, spins, last):
-        for k in range(n):
-            v = spin_until_changed(req, last, spins)
-            if v == last:
-                return k
-            publish(resp, v)
-            last = v
-        return n
-
     dev = torch.device("cuda")
-    req = torch.zeros(1, dtype=torch.int64).pin_memory()
     resp = torch.zeros(1, dtype=torch.int64).pin_memory()
     n = args.pings
     times = torch.zeros(n, dtype=torch.int64, device=dev)
-    rows, counter = [], [0]
-
-    # both sides compiled before any ping: a first Triton compile outlasting the echo's spin left the GPU waiting
-    # for ever (s17b's first version)
-    _ping_kernel[(1,)](req, resp, times, 0, 0, 1, num_warps=1)
-    echo(req.numpy(), resp.numpy(), 0, 1, 0)
-    torch.cuda.synchronize()
+    rows = []
+    sync = GpuClockSync(dev)                              # (both sides compiled before any ping)
 
     def round_trips():
-        first = counter[0] + 1
-        counter[0] += n
-        # (from the word's current value: the last round's final ping is not one of this round's)
-        t = threading.Thread(target=echo, args=(req.numpy(), resp.numpy(), n, 2_000_000_000, int(req[0])))
-        t.start()
-        _ping_kernel[(1,)](req, resp, times, n, first, 20_000_000, num_warps=1)
-        torch.cuda.current_stream().synchronize()         # (not the device's: s17d's waited for the load too)
-        t.join()
-        got = times[n // 10:].cpu()                       # (the first pings warm both sides up)
-        if bool((got < 0).any()):
-            raise RuntimeError("the CPU's echo stopped answering the GPU's pings")
-        return _stats(got)
+        g, _ = sync.pings(n)
+        return _stats(torch.from_numpy(g[n // 10:, 1] - g[n // 10:, 0]))     # (the first pings warm both up)
 
     def polls():
         resp.fill_(7)

@@ -115,7 +115,7 @@ def _direct(box, cpu, lanes):
 def _serve(box, cpu, scratch, lanes, last, clock, phases):
     b = box._np
     return serve_int8(b["req"], b["resp"], b["meta"], b["ids"], b["weights"], b["x"], b["out"], b["part"],
-                      b["part_resp"], last, 1000, clock, phases, lanes, *scratch, *cpu.int8_args())
+                      b["part_resp"], last, 1000, clock, box.cpu_times, phases, lanes, *scratch, *cpu.int8_args())
 
 
 @pytest.mark.skipif(numba.config.NUMBA_NUM_THREADS < 2, reason="needs 2 numba threads")
@@ -234,10 +234,53 @@ def test_the_mailbox_timeline_spans_each_request_from_its_handoff_to_its_rows():
     spans = box.timeline(after)
     assert spans["requests"] == 3, spans
     assert 38_000 < spans["request to answer seen"] < 80_000, spans                  # µs
-    assert spans["request to answer seen, mean"] >= spans["request to collect"] + spans["collect waited"] - 1
+    assert spans["request to answer seen, mean"] >= 38_000 and 20_000 < spans["collect waited"] < 40_000, spans
     assert 8_000 < spans["request to collect"] < spans["request to answer seen"], spans
     assert 0 <= spans["answer seen to rows added"] < 20_000, spans
     assert box.timeline(int(box.ticket[0])) is None                                   # nothing after the last
+
+
+@pytest.mark.skipif(numba.config.NUMBA_NUM_THREADS < 2, reason="needs 2 numba threads")
+def test_the_worker_stamps_put_its_time_between_the_two_crossings(cpu):
+    """The compiled worker stamps each request's seeing and end with the cycle counter (Mailbox.cpu_times); a
+    ClockMap onto the references' clock (monotonic_ns, as the GPU's for the kernels) splits the round trip at the
+    worker: the request reaches it after its handoff, it answers before collect sees the answer, and its time is
+    the cycle counter's own mean. A map off by 1 ms moves both crossings by 1 ms (the map is applied); two samples
+    of one moment make no map."""
+    import time
+
+    from runtime.experts.mailbox_clock import ClockMap, ClockSample, host_sample
+    box = _box()
+    worker = CpuShareWorker(box, None, int8_args=cpu.int8_args(), threads=2)
+    gen = torch.Generator().manual_seed(12)
+    try:
+        _post(box, cpu, 0, gen, t=1)                     # (a first request: compiled paths warm)
+        collect_reference(torch.zeros(1, D), box)
+        after, cycles_before = int(box.ticket[0]), int(worker._clock[0])
+        first = host_sample()
+        for layer in (0, 1, 0, 1, 1):
+            _post(box, cpu, layer, gen, t=1)
+            time.sleep(0.002)                            # (collect starts late: the answer is there before it)
+            collect_reference(torch.zeros(1, D), box)
+        clock = ClockMap.fit(first, host_sample())
+        spans = box.timeline(after, clock=clock)
+        cycles = int(worker._clock[0]) - cycles_before
+    finally:
+        worker.close()
+    assert spans["requests"] == spans["worker stamps"] == 5, spans
+    stamped = box.cpu_times[np.arange(after + 1, after + 6)]
+    assert int((stamped[:, 1] - stamped[:, 0]).sum()) == cycles      # the stamps are the clock's own requests
+    assert spans["worker"] == pytest.approx(np.median(stamped[:, 1] - stamped[:, 0]) * clock.ns_per_cycle / 1e3,
+                                            abs=0.01)
+    assert 0 < spans["request to worker"] < 20_000, spans          # µs: the worker spins on the request word
+    assert 0 < spans["worker done to answer seen"] < 50_000, spans # collect began ~2 ms after the handoff
+    assert spans["request to worker"] + spans["worker"] < spans["request to answer seen"], spans
+    late = ClockMap(ClockSample(clock.a.cycles, clock.a.ns + 1_000_000, 0.0),
+                    ClockSample(clock.b.cycles, clock.b.ns + 1_000_000, 0.0))
+    moved = box.timeline(after, clock=late)
+    assert moved["request to worker"] == pytest.approx(spans["request to worker"] + 1_000, abs=1), moved
+    assert moved["worker done to answer seen"] == pytest.approx(spans["worker done to answer seen"] - 1_000, abs=1)
+    assert ClockMap.fit(first, first) is None and box.timeline(after, clock=None).get("worker") is None
 
 
 @pytest.mark.skipif(numba.config.NUMBA_NUM_THREADS < 2, reason="needs 2 numba threads")

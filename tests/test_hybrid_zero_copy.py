@@ -517,6 +517,7 @@ def test_the_compiled_worker_answers_inside_a_cuda_graph(device, split):
     if device != "cuda":
         pytest.skip("needs the GPU machine (--device cuda)")
     from runtime.experts.cpu_share import cpu_split
+    from runtime.experts.mailbox_clock import ClockMap, GpuClockSync
 
     dev = torch.device("cuda")
     store = HostExpertStore.synthetic(layers=1, num_experts=16, hidden=512, intermediate=512, codec="int4",
@@ -529,6 +530,8 @@ def test_the_compiled_worker_answers_inside_a_cuda_graph(device, split):
     w = torch.full((1, 4), 0.25, device=dev)
     out, g = _recorded_call(tier, x, ids, w)
     splits = 0
+    sync = GpuClockSync(dev)
+    before = sync.sample()
     for step in range(10):
         ids.copy_(torch.tensor([[step, 5 + step % 6, 11 - step % 2, 15 - step]]))
         share = (0.5, 0.3, 0.7, 0.45, 0.2)[step % 5]
@@ -548,13 +551,35 @@ def test_the_compiled_worker_answers_inside_a_cuda_graph(device, split):
     assert (splits >= 6) == split, splits
     assert tier._worker.kernel_requests >= 5 and int(tier._box.error[0]) == 0   # (served lags inside a spin)
     # the GPU's clock in the mailbox's timeline: every request of the replays, in order, each answer seen after
-    # the worker's own time on it (the worker saw the request after it was published, the GPU its answer later)
-    spans = tier._box.timeline(0)
+    # the worker's own time on it (the worker saw the request after it was published, the GPU its answer later);
+    # with the worker's stamps set on the GPU's clock, the request reached the worker after its handoff
+    spans = tier._box.timeline(0, clock=ClockMap.fit(before, sync.sample()))
     assert spans is not None and spans["requests"] == int(tier._box.ticket[0]) >= 5, spans
     worker_us = 1e6 * tier._worker.kernel_seconds / tier._worker.kernel_requests
     assert spans["request to answer seen, mean"] > worker_us > 0, (spans, worker_us)
     assert spans["answer seen to rows added"] >= 0 and spans["request to collect"] > 0, spans
+    assert spans["worker stamps"] == spans["requests"] and spans["request to worker"] > -spans["clock error"], spans
+    assert 0 < spans["worker"] < spans["request to answer seen"], spans
     tier.close()
+
+
+def test_the_worker_clock_is_set_against_the_gpus_within_a_ping(device):
+    """On the GPU machine: two samples of the cycle counter against %globaltimer (mailbox_clock.GpuClockSync), 50
+    ms apart, give a map whose rate is the counter's own (within 1 %), each within half a ping (< 10 µs)."""
+    if device != "cuda":
+        pytest.skip("needs the GPU machine (--device cuda)")
+    import time
+
+    from runtime.experts.cpu_share import _cycle_rate
+    from runtime.experts.mailbox_clock import ClockMap, GpuClockSync
+    sync = GpuClockSync(torch.device("cuda"))
+    a = sync.sample()
+    time.sleep(0.05)
+    b = sync.sample()
+    clock = ClockMap.fit(a, b)
+    assert clock is not None and a.error_ns < 10_000 and b.error_ns < 10_000, (a, b)
+    assert clock.ns_per_cycle * _cycle_rate() == pytest.approx(1e9, rel=0.01), clock
+    assert 45e6 < b.ns - a.ns < 500e6, (a, b)
 
 
 def test_the_share_worker_leaves_two_cores_to_the_decoding_and_polling_threads():

@@ -962,6 +962,8 @@ def test_kernels_compile_for_h200_without_spilling(tmp_path, monkeypatch):
                            err_ptr="*i32", log_ptr="*i64", split_ptr="*i32", unit_ptr="*fp32", times_ptr="*i64",
                            layer=3, T=1, A=8, D=2048, I=768),
                       dict(RING=8192, TIMES=True, FENCE=True, FLUSH=flush, LOG=log, ABLOCK=16, DBLOCK=1024), 4))
+    small.append((handoff_k._clock_ping_kernel,
+                  dict(req_ptr="*i64", resp_ptr="*i64", g_ptr="*i64", n="i32", first="i64", max_spins="i32"), {}, 1))
     small.append((handoff_k._take_split_kernel,
                   dict(split_ptr="*i32", part_ptr="*fp32", part_dev_ptr="*fp32", part_resp_ptr="*i64",
                        ticket_ptr="*i64", err_ptr="*i32", max_spins=20_000_000), dict(BLOCK=1024), 4))

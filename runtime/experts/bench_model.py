@@ -492,6 +492,7 @@ def run_model(name: str, args, hw, report: dict) -> None:
                 prefill(model, cache, args.context, chunk=args.chunk, device=device)
                 hybrid.counters.end_step()
                 used = ShareLog(ctl) if ctl is not None else None
+                clock_before = clock_sample(hybrid, device)
                 worker_before = worker_counts(hybrid)
                 trace = [] if getattr(args, "step_times", False) else None
                 tok_s = decode_rate(model, graphs, cache, steps=args.tokens, warmup=args.warmup, experts=experts,
@@ -513,7 +514,8 @@ def run_model(name: str, args, hw, report: dict) -> None:
                                         if hybrid.zero_copy else hybrid.split.mode)
                                        + ("" if split == "auto" else " (forced)")))
                 print(_fmt(rows[-1]), flush=True)
-                print_worker_line(hybrid, worker_before, rows[-1], steps=args.tokens + args.warmup)
+                print_worker_line(hybrid, worker_before, rows[-1], steps=args.tokens + args.warmup,
+                                  clock=clock_map(clock_before, clock_sample(hybrid, device)))
                 if trace:
                     # relative to the row's start: the worker's counters before the row are the baseline
                     trace = [(t, None if c is None else tuple(x - y for x, y in zip(c, worker_before)))
@@ -677,7 +679,33 @@ def phases_line(worker, before: np.ndarray) -> str | None:
     return "    CPU kernel marks (µs from a request's start): " + ", ".join(f"{n} {u:.0f}" for n, u in marks.items())
 
 
-def print_worker_line(hybrid, before: tuple, row: dict, *, steps: int) -> None:
+_CLOCK_SYNC: dict = {}
+
+
+def clock_sample(hybrid, device: torch.device):
+    """The worker's cycle counter against the GPU's clock now (mailbox_clock.GpuClockSync, one per process), or
+    None: no CPU share, no GPU, or the sample failed (said, and the row goes on without it)."""
+    if getattr(hybrid, "_box", None) is None or device.type != "cuda":
+        return None
+    try:
+        from runtime.experts.mailbox_clock import GpuClockSync
+
+        if device not in _CLOCK_SYNC:
+            _CLOCK_SYNC[device] = GpuClockSync(device)
+        return _CLOCK_SYNC[device].sample()
+    except Exception as exc:                   # noqa: BLE001  (a bench line lost, not the row)
+        print(f"    (the worker's clock against the GPU's: not sampled - {exc})", flush=True)
+        return None
+
+
+def clock_map(before, after):
+    """mailbox_clock.ClockMap through two clock_sample()s taken around a row, or None."""
+    from runtime.experts.mailbox_clock import ClockMap
+
+    return ClockMap.fit(before, after) if before is not None and after is not None else None
+
+
+def print_worker_line(hybrid, before: tuple, row: dict, *, steps: int, clock=None) -> None:
     """Under a row with a CPU share: the worker's requests and the µs each took from the worker seeing it to its
     answer (the compiled loop's cycle counter: the kernel and the answer, not the wait), beside the step's time
     per layer, so a reader sees whether the CPU's part bounds a layer; also the µs of its serving calls, waits
@@ -699,7 +727,7 @@ def print_worker_line(hybrid, before: tuple, row: dict, *, steps: int) -> None:
     if line:
         print(line, flush=True)
     box = getattr(hybrid, "_box", None)
-    spans = box.timeline(before[5]) if box is not None else None
+    spans = box.timeline(before[5], clock=clock) if box is not None else None
     if spans:            # the GPU's side of the same requests: what the two crossings of the link add
         row["mailbox_us"] = spans
         print(f"    mailbox (GPU clock, µs after the request, medians of {spans['requests']}): collect starts "
@@ -707,6 +735,11 @@ def print_worker_line(hybrid, before: tuple, row: dict, *, steps: int) -> None:
               f"{spans['request to answer seen, mean']:.1f}: {spans['request to answer seen, mean'] - kernel_us:.1f} "
               f"beside the worker's {kernel_us:.1f}), then adds its rows in "
               f"{spans['answer seen to rows added']:.1f}; collect waited {spans['collect waited']:.1f}", flush=True)
+    if spans and "worker" in spans:   # the worker's stamps on the GPU's clock: the round trip split at the worker
+        print(f"    round trip (medians of {spans['worker stamps']}, ±{spans['clock error']:.1f} µs): the request "
+              f"reaches the worker after {spans['request to worker']:.1f} µs, the worker takes "
+              f"{spans['worker']:.1f}, collect sees its answer {spans['worker done to answer seen']:.1f} after its "
+              f"end", flush=True)
     lanes = hybrid._worker.lane_counts(since=before[3])
     if lanes:            # a lane's first task of a stage against its others (cold rows, late lanes, the split's)
         print("    CPU lanes, µs a task (first of the stage / all): " + ", ".join(

@@ -1254,8 +1254,8 @@ CTL_SIZE = CTL_PLAN + 2 * N_STAGES + 10
 
 
 @njit(parallel=True, cache=True, fastmath=True, nogil=True)
-def serve_layers(req, resp, meta, ids, weights, x, out, part, part_answer, last, spins, clock, phases, lanes, sel64,
-                 sel32, s64, s32, s8, ctl, codec, bufs, g_scale, u_scale, d_scale, nbytes, offs, has_bias, inter,
+def serve_layers(req, resp, meta, ids, weights, x, out, part, part_answer, last, spins, clock, stamps, phases, lanes,
+                 sel64, sel32, s64, s32, s8, ctl, codec, bufs, g_scale, u_scale, d_scale, nbytes, offs, has_bias, inter,
                  group, table, activation, alpha, limit):
     """The CPU-share worker's requests (cpu_share.serve_int8 says what each argument is), served by `lanes` lanes
     that stay in one parallel region from request to request: lane 0 polls the mailbox, gathers a request's
@@ -1319,6 +1319,7 @@ def serve_layers(req, resp, meta, ids, weights, x, out, part, part_answer, last,
                     _store_release(ctl, CTL_GEN, mine + 1)
                     break
                 clock[1] += 1                       # counted before the answer: whoever sees it sees the count
+                stamps[seq % stamps.shape[0], 0] = c0
                 a = 0
                 for j in range(t * k):
                     if ids[j] >= 0:
@@ -1329,7 +1330,8 @@ def serve_layers(req, resp, meta, ids, weights, x, out, part, part_answer, last,
                         for c in range(d):
                             out[r, c] = 0.0
                     _store_release(resp, 0, seq)
-                    clock[0] += _cycles() - c0
+                    stamps[seq % stamps.shape[0], 1] = _cycles()
+                    clock[0] += stamps[seq % stamps.shape[0], 1] - c0
                     _store_release(ctl, CTL_LAST, seq)
                     continue
                 n0, n1, n2, n3 = _prepare(x, sel64[:a], sel64[a_max:a_max + a], sel32[:a], n_exp, t, d, inter,
@@ -1382,4 +1384,5 @@ def serve_layers(req, resp, meta, ids, weights, x, out, part, part_answer, last,
                 c0 = _load_acquire(ctl, CTL_C0)
                 _mark_phases(phases, c0, t_in, n_thr, seen, joined)
                 clock[0] += joined - c0
+                stamps[seq % stamps.shape[0], 1] = joined
     return ctl[CTL_LAST]

@@ -86,13 +86,15 @@ try:
     def read_cycles():
         return _cycles()
 
-    def serve_int8(req, resp, meta, ids, weights, x, out, part, part_resp, last, spins, clock, phases, lanes, sel64,
-                   sel32, s64, s32, s8, ctl, codec, bufs, g_scale, u_scale, d_scale, nbytes, offs, has_bias, inter,
+    def serve_int8(req, resp, meta, ids, weights, x, out, part, part_resp, last, spins, clock, stamps, phases, lanes,
+                   sel64, sel32, s64, s32, s8, ctl, codec, bufs, g_scale, u_scale, d_scale, nbytes, offs, has_bias, inter,
                    group, table, activation, alpha, limit):
         """The worker's request loop: poll the request word, gather the CPU's assignments, run the int8 kernel
         over the layer's blocks, answer - in two compiled steps without the GIL. Returns the last ticket served
         once `spins` polls saw nothing new (the Python side then checks its stop flag and naps). clock [2] int64
-        accumulates the cycles from seeing a request to the kernel's end, and the requests answered; phases the
+        accumulates the cycles from seeing a request to the kernel's end, and the requests answered; stamps
+        [R, 2] int64 gets each request's cycles when seen and when done, at ticket % R (the mailbox's timeline on
+        the CPU's side: Mailbox.cpu_times); phases the
         kernel's own time marks (cpu_kernels_int8.PHASES); lanes its threads; sel64 [2A], sel32 [A] and s64, s32,
         s8 (the kernel's) scratch: nothing is allocated per request; ctl [CTL_SIZE] the lanes' shared words.
 
@@ -104,8 +106,8 @@ try:
         cpu_kernels_int8.py."""
         if spin_until_changed(req, last, spins) == last:
             return last
-        seq = serve_layers(req, resp, meta, ids, weights, x, out, part, part_resp, last, spins, clock, phases, lanes,
-                           sel64, sel32, s64, s32, s8, ctl, codec, bufs, g_scale, u_scale, d_scale, nbytes, offs,
+        seq = serve_layers(req, resp, meta, ids, weights, x, out, part, part_resp, last, spins, clock, stamps, phases,
+                           lanes, sel64, sel32, s64, s32, s8, ctl, codec, bufs, g_scale, u_scale, d_scale, nbytes, offs,
                            has_bias, inter, group, table, activation, alpha, limit)
         if ctl[CTL_BAD]:           # (the worker answers it with zeros and both tickets, and reports this)
             raise ValueError("CPU expert worker: a split expert's id, token or rows are out of range")
@@ -166,6 +168,8 @@ class Mailbox:
         # each request's timeline, ns on the GPU's clock (the host's in the references), at ticket % ring: the
         # request published (handoff), collect started, the answer's ticket seen, its rows added (`timeline`)
         self.times = dev(TIMELINE_RING, 4, dtype=torch.int64)
+        # the compiled worker's side of it, the CPU's cycle counter: when it saw each request, when it was done
+        self.cpu_times = np.zeros((TIMELINE_RING, 2), dtype=np.int64)
         self.unit = 0                                              # the same, on the host (the rule's replays)
         self._np = {name: getattr(self, name).numpy() for name in ("req", "resp", "meta", "ids", "weights", "x", "out",
                                                                    "part", "part_resp")}
@@ -173,27 +177,42 @@ class Mailbox:
     def set_share(self, share: float) -> None:
         self.share.fill_(float(share))
 
-    def timeline(self, after: int, last: int | None = None) -> dict[str, float] | None:
+    def timeline(self, after: int, last: int | None = None, clock=None) -> dict[str, float] | None:
         """Where a request's round trip goes, from `times`: over tickets after..last (the device counter's value
         now when None; the ring's last TIMELINE_RING at most) each span's median µs, and the mean of "request to
         answer seen" (to set beside the worker's mean time from seeing a request to answering it: the rest is
-        the two crossings). None when no request finished in that range. Syncs (host reads of device memory)."""
+        the two crossings). With `clock` (a mailbox_clock.ClockMap: the worker's cycle counter on the clock of
+        `times`) and the compiled worker's stamps (`cpu_times`), the round trip split at the worker: the
+        request's crossing, the worker's time, the answer's crossing (from its end: the answer is out a little
+        before). None when no request finished in that range. Syncs (host reads of device memory)."""
         last = int(self.ticket[0]) if last is None else last
         tickets = np.arange(max(after + 1, last - TIMELINE_RING + 1), last + 1)
         if tickets.size == 0:
             return None
-        t = self.times.cpu().numpy()[tickets % TIMELINE_RING].astype(np.float64) / 1e3     # µs
-        done = (t[:, 0] > 0) & (t[:, 1] > 0) & (t[:, 2] >= t[:, 0]) & (t[:, 3] >= t[:, 2])
+        raw = self.times.cpu().numpy()[tickets % TIMELINE_RING]
+        done = (raw[:, 0] > 0) & (raw[:, 1] > 0) & (raw[:, 2] >= raw[:, 0]) & (raw[:, 3] >= raw[:, 2])
         if not done.any():
             return None
-        t = t[done]
+        base = int(raw[done, 0].min())                  # (ns since it, before floats: exact to the ns)
+        t = (raw[done] - base).astype(np.float64) / 1e3                                     # µs
         seen = t[:, 2] - t[:, 0]
-        return {"requests": int(done.sum()),
-                "request to collect": float(np.median(t[:, 1] - t[:, 0])),
-                "request to answer seen": float(np.median(seen)),
-                "request to answer seen, mean": float(seen.mean()),
-                "collect waited": float(np.median(np.maximum(t[:, 2] - t[:, 1], 0.0))),
-                "answer seen to rows added": float(np.median(t[:, 3] - t[:, 2]))}
+        spans = {"requests": int(done.sum()),
+                 "request to collect": float(np.median(t[:, 1] - t[:, 0])),
+                 "request to answer seen": float(np.median(seen)),
+                 "request to answer seen, mean": float(seen.mean()),
+                 "collect waited": float(np.median(np.maximum(t[:, 2] - t[:, 1], 0.0))),
+                 "answer seen to rows added": float(np.median(t[:, 3] - t[:, 2]))}
+        cpu = self.cpu_times[tickets[done] % TIMELINE_RING]
+        ok = (cpu[:, 0] > 0) & (cpu[:, 1] >= cpu[:, 0])
+        if clock is not None and ok.any():
+            c = (clock.ns(cpu[ok]) - base).astype(np.float64) / 1e3                          # µs, same base
+            g = t[ok]
+            spans.update({"worker stamps": int(ok.sum()),
+                          "request to worker": float(np.median(c[:, 0] - g[:, 0])),
+                          "worker": float(np.median(c[:, 1] - c[:, 0])),
+                          "worker done to answer seen": float(np.median(g[:, 2] - c[:, 1])),
+                          "clock error": float(clock.a.error_ns + clock.b.error_ns) / 2e3})
+        return spans
 
     def enable_split(self, unit: int) -> None:
         """Split one expert between the sides from now on (one-token calls): `unit` gate/up rows weigh as many
@@ -271,7 +290,7 @@ class CpuShareWorker:
             # would leave it a pool of kernel threads for good: CpuExecutor.warm_up)
             args = (b["req"], b["resp"], b["meta"], b["ids"], b["weights"], b["x"], b["out"], b["part"], b["part_resp"],
                     int(b["req"][0]), 0,
-                    self._clock, self._phases, 1, *self._scratch, *int8_args)
+                    self._clock, box.cpu_times, self._phases, 1, *self._scratch, *int8_args)
             serve_layers.compile(tuple(numba.typeof(a) for a in args))
             self._cycles_per_s = _cycle_rate()
         self.error: BaseException | None = None
@@ -342,7 +361,7 @@ class CpuShareWorker:
         b = self.box._np
         return int(serve_int8(b["req"], b["resp"], b["meta"], b["ids"], b["weights"], b["x"], b["out"], b["part"],
                               b["part_resp"], last, spins,
-                              self._clock, self._phases, self._lanes, *self._scratch, *self.int8_args))
+                              self._clock, self.box.cpu_times, self._phases, self._lanes, *self._scratch, *self.int8_args))
 
     @property
     def kernel_seconds(self) -> float | None:
@@ -491,8 +510,10 @@ def handoff_reference(layer_index: int, ids: torch.Tensor, weights: torch.Tensor
         b["meta"][:] = (layer_index, t, int(ids.reshape(-1)[split_a]) if rows else -1,
                         split_a // k if rows else 0, rows)
         box.ticket += 1
+        stamp = box.times[int(box.ticket[0]) % TIMELINE_RING]
+        stamp[1:] = 0
+        stamp[0] = time.monotonic_ns()                  # (before the ticket, as the kernel's)
         publish(b["req"], int(box.ticket[0]))
-        box.times[int(box.ticket[0]) % TIMELINE_RING] = torch.tensor([time.monotonic_ns(), 0, 0, 0])
     return hit, zc
 
 

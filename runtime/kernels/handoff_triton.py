@@ -40,6 +40,25 @@ except ImportError:
 
 
 if HAVE_TRITON:
+    @triton.jit(do_not_specialize=["n", "first", "max_spins"])
+    def _clock_ping_kernel(req_ptr, resp_ptr, g_ptr, n, first, max_spins):
+        """n pings of a CPU echo: each stores first+i in req (out at once: a system fence after it) and polls resp
+        until it comes back; g [n, 2] gets the GPU's clock before the store and after the echo (-1: no echo, and
+        no more pings)."""
+        alive = n > 0
+        for i in range(n):
+            if alive:
+                g0 = globaltimer(i)
+                v = first + i + _fence_system(i * 0).to(tl.int64)   # (after the clock read: asm stays in order)
+                tl.store(req_ptr, v)
+                v = v + _fence_system(i * 0).to(tl.int64)
+                spins = 0
+                while (tl.load(resp_ptr, volatile=True) != v) & (spins < max_spins):
+                    spins += 1
+                alive = spins < max_spins
+                tl.store(g_ptr + 2 * i, g0)
+                tl.store(g_ptr + 2 * i + 1, tl.where(alive, globaltimer(i), -1))
+
     @triton.jit
     def _fence_system(x):
         """A system-scope memory fence (the CPU must see the mailbox before the ticket); returns x."""
@@ -240,6 +259,13 @@ def fill_split_rows(h: torch.Tensor, box) -> torch.Tensor:
         raise ValueError(f"fill_split_rows: h {tuple(h.shape)} (strides {h.stride()}) is not contiguous rows")
     _fill_split_kernel[(1,)](h, h.shape[1], box.split, box.part_dev, BLOCK=256, num_warps=1)
     return h
+
+
+def clock_pings(req: torch.Tensor, resp: torch.Tensor, g: torch.Tensor, first: int, *,
+                max_spins: int = MAX_SPINS) -> None:
+    """g.shape[0] pings of a CPU thread echoing req into resp (page-locked int64 words; runtime/experts/
+    mailbox_clock.py): g [n, 2] int64 (device) gets the GPU's clock around each. One launch of one warp."""
+    _clock_ping_kernel[(1,)](req, resp, g, g.shape[0], first, max_spins, num_warps=1)
 
 
 def collect(out: torch.Tensor, box, *, extra: torch.Tensor | None = None, max_spins: int = MAX_SPINS) -> torch.Tensor:
