@@ -89,6 +89,7 @@
 #   (device) bash benchmarks/device_final.sh s18a # session 18: the mailbox's timeline (GPU clock) on whole rows
 #   (device) bash benchmarks/device_final.sh s18b # session 18: the request's ticket flushed (A/B), then learned
 #   (device) bash benchmarks/device_final.sh s18c # session 18: the flush A/B the other way round, qwen3.6 each way
+#   (device) bash benchmarks/device_final.sh s18d # for session 19 (not run): the round trip split at the worker
 # carry .site (numba, llvmlite, fla-core, platformdirs unpacked, xz). Results under $OUT. Build .site once (the
 # wheels alone pass the 64 MiB carry limit; unpacked and xz-compressed they take ~44 MB):
 #   pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
@@ -805,6 +806,21 @@ elif [ "$1" = s18c ]; then
   bench_rows 80 q36_flush --models qwen3.6-35b-a3b --dense-int8 --budgets 8 --routings uniform --cpu-share auto \
     --request-flush off on --modes graphs --tokens 64 --warmup 32 --prefill-budgets 99 --ttft-context 0 \
     | grep -E "^qwen|CPU kernel|mailbox|learned CPU share:"
+  rm -f "$OUT"/model_*.json "$OUT"/model.json
+elif [ "$1" = s18d ]; then
+  # for session 19 (written after session 18's last call, not run): the round trip split at the worker - its
+  # stamps set on the GPU's clock (mailbox_clock.GpuClockSync, sampled around each row): does the ~25 µs a
+  # request sit in the request's crossing or the answer's? First the clock's and the timeline's CUDA tests, the
+  # mailbox bench (its round trip now GpuClockSync's pings), then whole-expert rows at 0.6 and learned, and qwen3.6
+  warm 150 new
+  cuda_tests 150 tests/test_hybrid_zero_copy.py -k "worker_clock or compiled_worker_answers_inside_a_cuda_graph"
+  mailbox 60
+  bench_rows 170 q3_roundtrip --models qwen3-30b-a3b --dense-int8 --budgets 8 --routings uniform \
+    --cpu-share 0.6 auto --modes graphs --tokens 64 --warmup 32 --prefill-budgets 99 --ttft-context 0 \
+    | grep -E "^qwen|CPU kernel|CPU worker|mailbox|round trip|clock|learned CPU share:"
+  bench_rows 110 q36_roundtrip --models qwen3.6-35b-a3b --dense-int8 --budgets 8 --routings uniform \
+    --cpu-share auto --modes graphs --tokens 64 --warmup 32 --prefill-budgets 99 --ttft-context 0 \
+    | grep -E "^qwen|CPU kernel|mailbox|round trip|clock|learned CPU share:"
   rm -f "$OUT"/model_*.json "$OUT"/model.json
 else
   # decode rows through graphs only (eager rows cost minutes); the CPU share learned (auto; printed with a *),
