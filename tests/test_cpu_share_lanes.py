@@ -240,6 +240,33 @@ def test_the_mailbox_timeline_spans_each_request_from_its_handoff_to_its_rows():
     assert box.timeline(int(box.ticket[0])) is None                                   # nothing after the last
 
 
+def test_the_clock_echo_answers_each_ping_and_stamps_it():
+    """The compiled echo that the GPU's clock pings talk to (mailbox_clock.echo_pings), driven from a thread here:
+    each ping's value comes back, its cycle stamp lies between the sender's counter reads around it, and an echo
+    that waits in vain returns the pings it answered."""
+    import threading
+
+    from runtime.experts.cpu_share import publish, read_cycles, spin_until_changed
+    from runtime.experts.mailbox_clock import echo_pings
+    req, resp = np.zeros(1, dtype=np.int64), np.zeros(1, dtype=np.int64)
+    cycles, answered, sent = np.zeros(4, dtype=np.int64), [0], []
+    echo_pings(req, resp, cycles, 0, 1, 0)              # (compiled before the thread waits on it)
+    t = threading.Thread(target=lambda: answered.__setitem__(0, echo_pings(req, resp, cycles, 4, 2_000_000_000, 0)))
+    t.start()
+    for v in (1, 2, 3):
+        c0 = int(read_cycles())
+        publish(req, v)
+        assert int(spin_until_changed(resp, v - 1, 2_000_000_000)) == v
+        sent.append((c0, int(read_cycles())))
+    t.join(timeout=0.1)
+    assert t.is_alive()                                 # (still waiting for the fourth)
+    publish(req, 4)
+    t.join(timeout=30)
+    assert answered[0] == 4 and int(resp[0]) == 4
+    assert all(c0 <= c <= c1 for (c0, c1), c in zip(sent, cycles[:3])), (sent, cycles)
+    assert echo_pings(req, resp, cycles, 2, 1000, 4) == 0             # nothing new: none answered
+
+
 @pytest.mark.skipif(numba.config.NUMBA_NUM_THREADS < 2, reason="needs 2 numba threads")
 def test_the_worker_stamps_put_its_time_between_the_two_crossings(cpu):
     """The compiled worker stamps each request's seeing and end with the cycle counter (Mailbox.cpu_times); a

@@ -661,8 +661,8 @@ def warm_up_share(ctl, model, graphs, experts, router, args, *, layers: int, ste
 def worker_counts(hybrid) -> tuple:
     """(requests answered, seconds in its serving calls, seconds from seeing requests to answering them: 0 where
     the cycle counter is unavailable, the kernel's phase marks so far, requests of its finished serving calls, the
-    mailbox's last ticket) of the tier's CPU-share worker; zeros without one. The first and third are current; the second and last are
-    added to only when a serving call ends (its spin runs out), so they go together."""
+    mailbox's last ticket) of the tier's CPU-share worker; zeros without one. The first and third are current; the
+    second and fifth are added to only when a serving call ends (its spin runs out), so they go together."""
     w, box = getattr(hybrid, "_worker", None), getattr(hybrid, "_box", None)
     if w is None:
         return (0, 0.0, 0.0, np.zeros(1, dtype=np.int64), 0, 0)

@@ -87,8 +87,8 @@ try:
         return _cycles()
 
     def serve_int8(req, resp, meta, ids, weights, x, out, part, part_resp, last, spins, clock, stamps, phases, lanes,
-                   sel64, sel32, s64, s32, s8, ctl, codec, bufs, g_scale, u_scale, d_scale, nbytes, offs, has_bias, inter,
-                   group, table, activation, alpha, limit):
+                   sel64, sel32, s64, s32, s8, ctl, codec, bufs, g_scale, u_scale, d_scale, nbytes, offs, has_bias,
+                   inter, group, table, activation, alpha, limit):
         """The worker's request loop: poll the request word, gather the CPU's assignments, run the int8 kernel
         over the layer's blocks, answer - in two compiled steps without the GIL. Returns the last ticket served
         once `spins` polls saw nothing new (the Python side then checks its stop flag and naps). clock [2] int64
@@ -361,7 +361,8 @@ class CpuShareWorker:
         b = self.box._np
         return int(serve_int8(b["req"], b["resp"], b["meta"], b["ids"], b["weights"], b["x"], b["out"], b["part"],
                               b["part_resp"], last, spins,
-                              self._clock, self.box.cpu_times, self._phases, self._lanes, *self._scratch, *self.int8_args))
+                              self._clock, self.box.cpu_times, self._phases, self._lanes, *self._scratch,
+                              *self.int8_args))
 
     @property
     def kernel_seconds(self) -> float | None:

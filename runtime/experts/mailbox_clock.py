@@ -3,7 +3,7 @@
 The mailbox's timeline has each request's GPU side on the GPU's %globaltimer (`Mailbox.times`: published,
 collect started, the answer seen, its rows added) and its CPU side on the CPU's cycle counter (`Mailbox.cpu_times`:
 the compiled worker saw it, was done with it). Set on one clock they split the round trip into the request's
-crossing, the worker's time and the answer's crossing: sessions 18's rows had ~25 µs a request that neither the
+crossing, the worker's time and the answer's crossing: session 18's rows had ~25 µs a request that neither the
 worker's own time nor an idle round trip (2.3 µs) accounts for, and a flush of the request's ticket did not move it.
 
 A `ClockMap` maps cycles to the other clock, fitted from two samples taken apart (before and after a bench row).
@@ -71,32 +71,26 @@ def host_sample(tries: int = 50) -> ClockSample:
     return ClockSample((c0 + c1) // 2, t, 0.0)
 
 
-_ECHO = None
+try:
+    from numba import njit
 
+    from runtime.experts.cpu_kernels_int8 import _cycles
+    from runtime.experts.cpu_share import publish, spin_until_changed
 
-def _echo():
-    """The compiled echo (made once: numba compiles it on first use, cached on disk)."""
-    global _ECHO
-    if _ECHO is None:
-        from numba import njit
-
-        from runtime.experts.cpu_kernels_int8 import _cycles
-        from runtime.experts.cpu_share import publish, spin_until_changed
-
-        @njit(nogil=True, cache=True)
-        def echo(req, resp, cycles, n, spins, last):
-            """Answer n pings (req's new value back in resp), each one's cycle counter when seen into cycles;
-            returns the pings answered (fewer: one did not come within `spins` polls)."""
-            for k in range(n):
-                v = spin_until_changed(req, last, spins)
-                if v == last:
-                    return k
-                cycles[k] = _cycles()
-                publish(resp, v)
-                last = v
-            return n
-        _ECHO = echo
-    return _ECHO
+    @njit(nogil=True, cache=True)
+    def echo_pings(req, resp, cycles, n, spins, last):
+        """Answer n pings (req's new value back in resp), each one's cycle counter when seen into cycles; returns
+        the pings answered (fewer: one did not come within `spins` polls)."""
+        for k in range(n):
+            v = spin_until_changed(req, last, spins)
+            if v == last:
+                return k
+            cycles[k] = _cycles()
+            publish(resp, v)
+            last = v
+        return n
+except ImportError:               # numba absent: no compiled echo (the GPU's clock sync needs one)
+    echo_pings = None
 
 
 class GpuClockSync:
@@ -108,8 +102,9 @@ class GpuClockSync:
         self.req = torch.zeros(1, dtype=torch.int64).pin_memory()
         self.resp = torch.zeros(1, dtype=torch.int64).pin_memory()
         self._count = 0
-        echo = _echo()
-        echo(self.req.numpy(), self.resp.numpy(), np.zeros(1, dtype=np.int64), 0, 1, 0)    # compiled now
+        if echo_pings is None:
+            raise RuntimeError("the GPU's clock sync needs numba (a compiled CPU echo)")
+        echo_pings(self.req.numpy(), self.resp.numpy(), np.zeros(1, dtype=np.int64), 0, 1, 0)    # compiled now
         self.pings(1)                               # and the kernel: a first compile outlasts any echo's spin
 
     def pings(self, n: int, *, spins: int = 2_000_000_000) -> tuple[np.ndarray, np.ndarray]:
@@ -122,9 +117,12 @@ class GpuClockSync:
         first = self._count + 1
         self._count += n
         answered = [0]
-        # (from the word's current value: the last round's final ping is not one of this round's)
-        t = threading.Thread(target=lambda: answered.__setitem__(0, _echo()(
-            self.req.numpy(), self.resp.numpy(), cycles, n, spins, int(self.req[0]))))
+        start = int(self.req[0])          # (the last round's final ping is not one of this round's)
+
+        def echo() -> None:
+            answered[0] = echo_pings(self.req.numpy(), self.resp.numpy(), cycles, n, spins, start)
+
+        t = threading.Thread(target=echo, name="clock-echo")
         t.start()
         clock_pings(self.req, self.resp, g, first)
         torch.cuda.current_stream(self.device).synchronize()

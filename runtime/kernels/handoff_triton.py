@@ -24,6 +24,10 @@ Why: a recorded decode step cannot stop for the host to decide which experts the
 - `collect` (grid over the hidden size and the tokens): spins on the mailbox's answer word until it holds the
   ticket (volatile loads over PCIe; gives up after `max_spins` and raises the error flag instead of
   hanging the GPU), then adds the CPU's fp32 rows into the output.
+- The mailbox's timeline (`Mailbox.times`, the GPU's %globaltimer): the handoff stamps a request before its ticket,
+  collect when it starts, sees the answer and has added its rows (four stores a request; not in the interpreter).
+  `clock_pings` times pings of a compiled CPU echo: they set the worker's cycle counter against that clock
+  (runtime/experts/mailbox_clock.py), so `bench model` can split a round trip at the worker (session 18).
 """
 from __future__ import annotations
 
@@ -228,8 +232,8 @@ def handoff(layer_index: int, ids: torch.Tensor, weights: torch.Tensor, x: torch
                           hit, zc, box.ids, box.weights, box.x, box.meta, box.req, box.error,
                           ids if log is None else log, box.split, box.split_unit, box.times, layer_index, t, t * k,
                           d, box.intermediate, RING=box.times.shape[0], TIMES=TIMES, FENCE=fence,
-                          FLUSH=fence and flush, LOG=log is not None, ABLOCK=max(16, triton.next_power_of_2(t * k)), DBLOCK=1024,
-                          num_warps=4)
+                          FLUSH=fence and flush, LOG=log is not None, ABLOCK=max(16, triton.next_power_of_2(t * k)),
+                          DBLOCK=1024, num_warps=4)
     return hit, zc
 
 
