@@ -49,14 +49,15 @@ def _stats(ns: torch.Tensor) -> dict:
     return {"median_us": statistics.median(us), "p10_us": q(0.1), "p90_us": q(0.9), "max_us": us[-1]}
 
 
-def _with_load(kind: str | None, dev, fn):
+def _with_load(kind: str | None, dev, fn, *, blocks: int = 48):
     """fn() while `kind` traffic crosses the link (bench_model.GatherTraffic: the gather kernel's SM loads or the
-    copy engines, 8 blocks of 2.5 MB a launch, queued to outlast fn), the result and the traffic's GB/s."""
+    copy engines, 8 blocks of 2.5 MB a launch out of `blocks` such blocks of page-locked memory, queued to outlast
+    fn), the result and the traffic's GB/s."""
     from runtime.experts.bench_model import GatherTraffic
 
     if kind is None:
         return fn(), None
-    src = torch.randint(0, 255, (48, 2_506_752), dtype=torch.uint8).pin_memory()
+    src = torch.randint(0, 255, (blocks, 2_506_752), dtype=torch.uint8).pin_memory()
     load = GatherTraffic([src], dev, blocks=8, launches=2000, copy_engine=kind == "copy engine")
     load.start()                                          # ~40 GB: ~0.8 s of link at ~45 GB/s
     time.sleep(0.01)
@@ -71,6 +72,9 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--pings", type=int, default=2000)
     ap.add_argument("--json", type=Path)
+    ap.add_argument("--load-blocks", type=int, nargs="+", default=[48],
+                    help="the gather's source, in 2.5 MB blocks (each a row beside it): a small one is a test of "
+                         "whether the link's translations (IOTLB) or its queue hold a word up behind the gather")
     args = ap.parse_args()
     from runtime.experts.cpu_share import Mailbox
     from runtime.experts.mailbox_clock import GpuClockSync
@@ -108,14 +112,16 @@ def main() -> None:
         return _stats(torch.tensor(spans[20:]))
 
     round_trips(), polls(), collects()                   # compiles
-    for kind in (None, "gather", "copy engine"):
+    loads = [(None, 0)] + [("gather", b) for b in args.load_blocks] + [("copy engine", args.load_blocks[0])]
+    for kind, blocks in loads:
         for name, fn in (("round trip", round_trips), ("one poll", polls), ("collect (answer there)", collects)):
-            stats, gbps = _with_load(kind, dev, fn)
-            rows.append({"what": name, "beside": kind or "idle", "load_gbps": gbps, **stats})
-    print(f"{'what':<24} {'beside':<12} {'load GB/s':>9} {'median µs':>9} {'p10':>7} {'p90':>7} {'max':>8}")
+            stats, gbps = _with_load(kind, dev, fn, blocks=blocks)
+            beside = "idle" if kind is None else kind if len(args.load_blocks) == 1 else f"{kind} {blocks * 2.5:g}MB"
+            rows.append({"what": name, "beside": beside, "load_gbps": gbps, **stats})
+    print(f"{'what':<24} {'beside':<18} {'load GB/s':>9} {'median µs':>9} {'p10':>7} {'p90':>7} {'max':>8}")
     for r in rows:
         g = "" if r["load_gbps"] is None else f"{r['load_gbps']:.1f}"
-        print(f"{r['what']:<24} {r['beside']:<12} {g:>9} {r['median_us']:>9.2f} {r['p10_us']:>7.2f} "
+        print(f"{r['what']:<24} {r['beside']:<18} {g:>9} {r['median_us']:>9.2f} {r['p10_us']:>7.2f} "
               f"{r['p90_us']:>7.2f} {r['max_us']:>8.1f}")
     if args.json:
         args.json.write_text(json.dumps(rows, indent=1))

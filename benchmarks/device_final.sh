@@ -139,9 +139,10 @@ split_rows() {    # SECONDS SHARES SPLITS: qwen3-30b 8 GiB rows at each share wi
   trace_summaries 30
   rm -f "$OUT"/model_*.json "$OUT"/model.json
 }
-mailbox() {       # SECONDS: benchmarks/bench_mailbox_latency.py to $OUT/mailbox.{txt,json}, its table printed
-  timeout "$1" python3 benchmarks/bench_mailbox_latency.py --json "$OUT/mailbox.json" > "$OUT/mailbox.txt" 2>&1
-  echo "mailbox rc=$?"; tail -12 "$OUT/mailbox.txt"
+mailbox() {       # SECONDS [ARGS...]: benchmarks/bench_mailbox_latency.py to $OUT/mailbox.{txt,json}, its table printed
+  local seconds=$1; shift
+  timeout "$seconds" python3 benchmarks/bench_mailbox_latency.py --json "$OUT/mailbox.json" "$@" > "$OUT/mailbox.txt" 2>&1
+  echo "mailbox rc=$?"; tail -16 "$OUT/mailbox.txt"
 }
 cuda_tests() {   # SECONDS PYTEST-ARGS...: CUDA tests to $OUT/cuda_tests.log, its last lines printed
   local seconds=$1; shift
@@ -813,8 +814,9 @@ elif [ "$1" = s18d ]; then
   # request sit in the request's crossing or the answer's? First the clock's and the timeline's CUDA tests, the
   # mailbox bench (its round trip now GpuClockSync's pings), then whole-expert rows at 0.6 and learned, and qwen3.6
   warm 150 new
+  thp_settings
   cuda_tests 150 tests/test_hybrid_zero_copy.py -k "worker_clock or compiled_worker_answers_inside_a_cuda_graph"
-  mailbox 60
+  mailbox 90 --load-blocks 8 48 400      # (a word beside a gather of 20 MB, 120 MB, 1 GB: the queue or the IOTLB?)
   bench_rows 170 q3_roundtrip --models qwen3-30b-a3b --dense-int8 --budgets 8 --routings uniform \
     --cpu-share 0.6 auto --modes graphs --tokens 64 --warmup 32 --prefill-budgets 99 --ttft-context 0 \
     | grep -E "^qwen|CPU kernel|CPU worker|mailbox|round trip|clock|learned CPU share:"
