@@ -819,10 +819,10 @@ elif [ "$1" = s18d ]; then
   mailbox 90 --load-blocks 8 48 400      # (a word beside a gather of 20 MB, 120 MB, 1 GB: the queue or the IOTLB?)
   bench_rows 170 q3_roundtrip --models qwen3-30b-a3b --dense-int8 --budgets 8 --routings uniform \
     --cpu-share 0.6 auto --modes graphs --tokens 64 --warmup 32 --prefill-budgets 99 --ttft-context 0 \
-    | grep -E "^qwen|CPU kernel|CPU worker|mailbox|round trip|clock|learned CPU share:"
+    | grep -E "^qwen|CPU kernel|CPU worker|mailbox|round trip|clock|learned CPU share:|its trials"
   bench_rows 110 q36_roundtrip --models qwen3.6-35b-a3b --dense-int8 --budgets 8 --routings uniform \
     --cpu-share auto --modes graphs --tokens 64 --warmup 32 --prefill-budgets 99 --ttft-context 0 \
-    | grep -E "^qwen|CPU kernel|mailbox|round trip|clock|learned CPU share:"
+    | grep -E "^qwen|CPU kernel|mailbox|round trip|clock|learned CPU share:|its trials"
   rm -f "$OUT"/model_*.json "$OUT"/model.json
 else
   # decode rows through graphs only (eager rows cost minutes); the CPU share learned (auto; printed with a *),

@@ -240,6 +240,22 @@ def test_a_held_share_that_slows_down_past_a_neighbour_is_looked_at_again_soon()
                 assert set(held.tolist()) == {0.7}, seed
 
 
+def test_each_trial_leaves_its_verdict_in_the_trail():
+    """`trials` (bench model prints it under a learned row: why a share holds where it holds) has one entry a
+    trial: a move wherever the trial beat the held share by the margin, as many moves as the controller made, a
+    plateau only next to the held share and within the margin, and the held share after the last move."""
+    ctl, _, _ = simulate(h200, steps=1500, seed=3)
+    trail = ctl.trials
+    assert trail and [t["step"] for t in trail] == sorted(t["step"] for t in trail)
+    moved = [t for t in trail if t["verdict"] == "moved"]
+    assert len(moved) == ctl.moves >= 1 and moved[-1]["trial"] == ctl.held_share
+    for t in trail:
+        faster = t["trial_s"] < (1 - t["margin"]) * t["held_s"]
+        assert (t["verdict"] == "moved") == faster, t
+        if t["verdict"] == "plateau":
+            assert abs(t["trial"] - t["held"]) < 0.11 and t["trial_s"] < (1 + t["margin"]) * t["held_s"], t
+
+
 def test_a_trial_share_too_slow_to_count_as_a_sample_still_ends():
     """Held-share steps beyond 3x the median are pauses, not samples; a share on trial that is itself that slow
     (the old controller dropped its every step and stayed on trial forever) is kept and ended early."""

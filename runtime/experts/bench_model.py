@@ -487,6 +487,9 @@ def run_model(name: str, args, hw, report: dict) -> None:
                       f"{ctl.held_share:.2f} after {warm} warm-up steps (" + ", ".join(
                           f"{ctl.grid[i]:g}: {1e3 * t:.2f} ms" for i, t in sorted(ctl.medians.items())) + ")",
                       flush=True)
+                print("    its trials (share on trial against the held one, ms a step, the margin): " + "; ".join(
+                    f"{t['trial']:g} {1e3 * t['trial_s']:.2f} vs {t['held']:g} {1e3 * t['held_s']:.2f} "
+                    f"({100 * t['margin']:.0f} %) {t['verdict']}" for t in getattr(ctl, "trials", [])), flush=True)
             for use_graphs in modes:
                 cache = model.new_cache(device=device, dtype=dtype)
                 prefill(model, cache, args.context, chunk=args.chunk, device=device)

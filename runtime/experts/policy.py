@@ -535,6 +535,8 @@ class ShareController:
         self._rejected: set[int] = set()            # tried since the last move and not faster
         self._cycles = 0
         self._slower_windows = 0                    # windows in a row the held share ran slower than a neighbour had
+        # every trial's verdict, in order (bench model prints them: why a learned share holds where it holds)
+        self.trials: list[dict] = []
         self._scanned = bool(remembered)            # the scan's shares measured once (see _next_trial); a
                                                     # remembered controller had its scan in an earlier run
         self._up = True
@@ -695,6 +697,10 @@ class ShareController:
         self.medians[trial] = med
         self.measured.add(trial)
         margin = self.noise_margin()
+        verdict = ("aborted" if aborted else "moved" if med < (1.0 - margin) * ref
+                   else "plateau" if abs(trial - held) == 1 and med < (1.0 + margin) * ref else "slower")
+        self.trials.append({"step": self.steps, "trial": self.grid[trial], "held": self.grid[held],
+                            "trial_s": med, "held_s": ref, "margin": margin, "verdict": verdict})
         if not aborted and med < (1.0 - margin) * ref:
             # faster: hold it, and carry on in that direction (and check the near side of a jump)
             step = 1 if trial > held else -1
