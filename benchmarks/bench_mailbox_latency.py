@@ -9,6 +9,9 @@ Rows (GPU machine; numba for the CPU side):
                thread (compiled, no GIL) has echoed it; globaltimer around each ping (mailbox_clock.GpuClockSync:
                the pings that also set the worker's clock against the GPU's for bench model's round-trip line)
   one poll     dependent volatile loads of a host word already set: a poll's own round trip
+  a store      the GPU stores a word (its clock just before), a CPU echo sees it (its cycle counter, set on the
+               GPU's clock by pings around the trials): the request's crossing without the worker, alone and with
+               the gather launched right behind the store, as decode's misses follow its handoff
   collect      `handoff_triton.collect` with its answer already there, from its start to its rows added (the
                mailbox's timeline, the GPU's clock: s17d timed the launches with CUDA events and measured Python's
                launch, ~32 µs): its floor
@@ -111,17 +114,34 @@ def main() -> None:
             spans.append(t[3] - t[1])
         return _stats(torch.tensor(spans[20:]))
 
+    from runtime.kernels.gather_triton import gather_blocks
+    src = torch.randint(0, 255, (48, 2_506_752), dtype=torch.uint8).pin_memory()
+    scratch = torch.empty((8, 2_506_752), dtype=torch.uint8, device=dev)
+    eight = torch.randperm(48)[:8].view(1, 8).to(dev)
+
+    def crossings(then):
+        return lambda: _stats(torch.from_numpy(sync.one_way(200, then)[20:]))
+
     round_trips(), polls(), collects()                   # compiles
+    gather_blocks(src, eight, scratch)
+    # the request's crossing alone (no worker): a store the CPU echo sees, on an idle link, and with the gather
+    # launched right behind it (decode's handoff, then its misses' gather: 8 blocks, 20 MB)
+    for name, then in (("a store, seen by the CPU", None),
+                       ("the same, a gather behind", lambda: gather_blocks(src, eight, scratch))):
+        try:
+            rows.append({"what": name, "beside": "idle", "load_gbps": None, **crossings(then)()})
+        except RuntimeError as exc:
+            print(f"{name}: not measured - {exc}", flush=True)
     loads = [(None, 0)] + [("gather", b) for b in args.load_blocks] + [("copy engine", args.load_blocks[0])]
     for kind, blocks in loads:
         for name, fn in (("round trip", round_trips), ("one poll", polls), ("collect (answer there)", collects)):
             stats, gbps = _with_load(kind, dev, fn, blocks=blocks)
             beside = "idle" if kind is None else kind if len(args.load_blocks) == 1 else f"{kind} {blocks * 2.5:g}MB"
             rows.append({"what": name, "beside": beside, "load_gbps": gbps, **stats})
-    print(f"{'what':<24} {'beside':<18} {'load GB/s':>9} {'median µs':>9} {'p10':>7} {'p90':>7} {'max':>8}")
+    print(f"{'what':<28} {'beside':<18} {'load GB/s':>9} {'median µs':>9} {'p10':>7} {'p90':>7} {'max':>8}")
     for r in rows:
         g = "" if r["load_gbps"] is None else f"{r['load_gbps']:.1f}"
-        print(f"{r['what']:<24} {r['beside']:<18} {g:>9} {r['median_us']:>9.2f} {r['p10_us']:>7.2f} "
+        print(f"{r['what']:<28} {r['beside']:<18} {g:>9} {r['median_us']:>9.2f} {r['p10_us']:>7.2f} "
               f"{r['p90_us']:>7.2f} {r['max_us']:>8.1f}")
     if args.json:
         args.json.write_text(json.dumps(rows, indent=1))

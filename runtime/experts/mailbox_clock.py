@@ -132,6 +132,39 @@ class GpuClockSync:
             raise RuntimeError("the CPU's echo stopped answering the GPU's pings")
         return g, cycles
 
+    def one_way(self, trials: int, then=None, *, gap_s: float = 2e-4) -> np.ndarray:
+        """ns from the GPU storing a word (its clock just before the store) to a CPU echo seeing it, `trials`
+        times, each store alone on an idle link, then `then()` launched right behind it on the same stream (as
+        decode's handoff is followed by its misses' gather) when given: the request's crossing without the
+        worker. The clock set by samples around the trials."""
+        from runtime.kernels.handoff_triton import clock_pings
+
+        before = self.sample()
+        g = torch.zeros(trials, 2, dtype=torch.int64, device=self.device)
+        cycles = np.zeros(trials, dtype=np.int64)
+        first = self._count + 1
+        self._count += trials
+        answered = [0]
+        start = int(self.req[0])
+
+        def echo() -> None:
+            answered[0] = echo_pings(self.req.numpy(), self.resp.numpy(), cycles, trials, 2_000_000_000, start)
+
+        t = threading.Thread(target=echo, name="clock-echo")
+        t.start()
+        stream = torch.cuda.current_stream(self.device)
+        for i in range(trials):
+            clock_pings(self.req, self.resp, g[i:i + 1], first + i, max_spins=0)   # the store, no wait for it
+            if then is not None:
+                then()
+            stream.synchronize()
+            time.sleep(gap_s)                         # (seen before the next: the echo takes every value)
+        t.join()
+        clock = ClockMap.fit(before, self.sample())
+        if answered[0] < trials or clock is None:
+            raise RuntimeError("the CPU's echo missed a store, or the clock could not be set")
+        return clock.ns(cycles) - g.cpu().numpy()[:, 0]
+
     def sample(self, n: int = PINGS) -> ClockSample:
         """The cycle counter against the GPU's clock, from the shortest of n pings (the first tenth left out:
         they warm both sides up)."""
