@@ -119,9 +119,6 @@ def main() -> None:
     scratch = torch.empty((8, 2_506_752), dtype=torch.uint8, device=dev)
     eight = torch.randperm(48)[:8].view(1, 8).to(dev)
 
-    def crossings(then):
-        return lambda: _stats(torch.from_numpy(sync.one_way(200, then)[20:]))
-
     round_trips(), polls(), collects()                   # compiles
     gather_blocks(src, eight, scratch)
     # the request's crossing alone (no worker): a store the CPU echo sees, on an idle link, and with the gather
@@ -129,7 +126,8 @@ def main() -> None:
     for name, then in (("a store, seen by the CPU", None),
                        ("the same, a gather behind", lambda: gather_blocks(src, eight, scratch))):
         try:
-            rows.append({"what": name, "beside": "idle", "load_gbps": None, **crossings(then)()})
+            ns = sync.one_way(200, then)[20:]                 # (the first stores warm both sides up)
+            rows.append({"what": name, "beside": "idle", "load_gbps": None, **_stats(torch.from_numpy(ns))})
         except RuntimeError as exc:
             print(f"{name}: not measured - {exc}", flush=True)
     loads = [(None, 0)] + [("gather", b) for b in args.load_blocks] + [("copy engine", args.load_blocks[0])]

@@ -125,6 +125,9 @@ warm() {         # SECONDS LABEL [old]: a fresh compile of the CPU kernels timed
 }
 Q3_ROW=(--models qwen3-30b-a3b --dense-int8 --budgets 8 --routings uniform --cpu-share 0.5 --modes graphs
         --tokens 64 --warmup 32 --prefill-budgets 99 --ttft-context 0)   # session 10's 8 GiB row at share 0.5
+ROW_8G=(--dense-int8 --budgets 8 --routings uniform --modes graphs --tokens 64 --warmup 32 --prefill-budgets 99
+        --ttft-context 0)   # session 18's decode rows: 8 GiB, uniform, graphs, no prefill or TTFT rows
+ROW_LINES="^qwen|CPU kernel|CPU worker|mailbox|round trip|clock|learned CPU share:|its trials"   # what they print
 old_rows() {     # SECONDS ARGS...: the same `bench model` rows with the older code of .ab/old.tar (an A/B in one call)
   local seconds=$1; shift
   old_tree
@@ -784,29 +787,25 @@ elif [ "$1" = s18a ]; then
   warm 150 new
   mailbox 60
   cuda_tests 120 tests/test_hybrid_zero_copy.py -k "compiled_worker_answers_inside_a_cuda_graph or cuda_handoff"
-  bench_rows 220 q3_timeline --models qwen3-30b-a3b --dense-int8 --budgets 8 --routings uniform \
-    --cpu-share 0.6 auto --expert-split off --modes graphs --tokens 64 --warmup 32 --prefill-budgets 99 \
-    --ttft-context 0 | grep -E "^qwen|CPU kernel|CPU worker|mailbox|learned CPU share:"
+  bench_rows 220 q3_timeline --models qwen3-30b-a3b "${ROW_8G[@]}" --cpu-share 0.6 auto --expert-split off \
+    | grep -E "$ROW_LINES"
   rm -f "$OUT"/model_*.json "$OUT"/model.json
 elif [ "$1" = s18b ]; then
   # session 18, after s18a (the mailbox's timeline: a request's answer seen ~20-40 µs later than the worker's own
   # time and an idle round trip, 2.3 µs, account for): the request's ticket flushed to host memory by a second
   # system fence (--request-flush), A/B at 0.6 in one process (on, off, on, off), then learned each way
   warm 150 new
-  bench_rows 380 q3_flush --models qwen3-30b-a3b --dense-int8 --budgets 8 --routings uniform \
-    --cpu-share 0.6 0.6 auto --request-flush on off --modes graphs --tokens 64 --warmup 32 --prefill-budgets 99 \
-    --ttft-context 0 | grep -E "^qwen|CPU kernel|CPU worker|mailbox|learned CPU share:"
+  bench_rows 380 q3_flush --models qwen3-30b-a3b "${ROW_8G[@]}" --cpu-share 0.6 0.6 auto --request-flush on off \
+    | grep -E "$ROW_LINES"
   rm -f "$OUT"/model_*.json "$OUT"/model.json
 elif [ "$1" = s18c ]; then
   # session 18, after s18b (flushed ahead in 3 of 3 pairs, each run first: +2.0, +5.3, +3.7 %): the same A/B the
   # other way round (off first), then qwen3.6 learned each way; sized for the session's last ~450 s
   warm 100 new
-  bench_rows 230 q3_flush --models qwen3-30b-a3b --dense-int8 --budgets 8 --routings uniform \
-    --cpu-share 0.6 0.6 auto --request-flush off on --modes graphs --tokens 64 --warmup 32 --prefill-budgets 99 \
-    --ttft-context 0 | grep -E "^qwen|CPU kernel|CPU worker|mailbox|learned CPU share:"
-  bench_rows 80 q36_flush --models qwen3.6-35b-a3b --dense-int8 --budgets 8 --routings uniform --cpu-share auto \
-    --request-flush off on --modes graphs --tokens 64 --warmup 32 --prefill-budgets 99 --ttft-context 0 \
-    | grep -E "^qwen|CPU kernel|mailbox|learned CPU share:"
+  bench_rows 230 q3_flush --models qwen3-30b-a3b "${ROW_8G[@]}" --cpu-share 0.6 0.6 auto --request-flush off on \
+    | grep -E "$ROW_LINES"
+  bench_rows 80 q36_flush --models qwen3.6-35b-a3b "${ROW_8G[@]}" --cpu-share auto --request-flush off on \
+    | grep -E "$ROW_LINES"
   rm -f "$OUT"/model_*.json "$OUT"/model.json
 elif [ "$1" = s18d ]; then
   # for session 19 (written after session 18's last call, not run): the round trip split at the worker - its
@@ -817,12 +816,8 @@ elif [ "$1" = s18d ]; then
   thp_settings
   cuda_tests 150 tests/test_hybrid_zero_copy.py -k "worker_clock or compiled_worker_answers_inside_a_cuda_graph"
   mailbox 90 --load-blocks 8 48 400      # (a word beside a gather of 20 MB, 120 MB, 1 GB: the queue or the IOTLB?)
-  bench_rows 170 q3_roundtrip --models qwen3-30b-a3b --dense-int8 --budgets 8 --routings uniform \
-    --cpu-share 0.6 auto --modes graphs --tokens 64 --warmup 32 --prefill-budgets 99 --ttft-context 0 \
-    | grep -E "^qwen|CPU kernel|CPU worker|mailbox|round trip|clock|learned CPU share:|its trials"
-  bench_rows 110 q36_roundtrip --models qwen3.6-35b-a3b --dense-int8 --budgets 8 --routings uniform \
-    --cpu-share auto --modes graphs --tokens 64 --warmup 32 --prefill-budgets 99 --ttft-context 0 \
-    | grep -E "^qwen|CPU kernel|mailbox|round trip|clock|learned CPU share:|its trials"
+  bench_rows 170 q3_roundtrip --models qwen3-30b-a3b "${ROW_8G[@]}" --cpu-share 0.6 auto | grep -E "$ROW_LINES"
+  bench_rows 110 q36_roundtrip --models qwen3.6-35b-a3b "${ROW_8G[@]}" --cpu-share auto | grep -E "$ROW_LINES"
   rm -f "$OUT"/model_*.json "$OUT"/model.json
 else
   # decode rows through graphs only (eager rows cost minutes); the CPU share learned (auto; printed with a *),

@@ -456,13 +456,12 @@ def run_model(name: str, args, hw, report: dict) -> None:
                 """A decode row from the tier's counters over the row's `steps` steps of `sequences` tokens; the
                 ceiling is the step's miss bytes over both links' rates plus the dense step."""
                 misses = (c["cpu_experts"] + c["fetched_experts"]) / steps                     # per step
-                over = lambda cpu_gbps: sequences / (                                          # noqa: E731
-                    misses * store.block_nbytes / ((hw.h2d_gbps + cpu_gbps) * 1e9) + dense_s)
+                over = lambda gbps: sequences / (misses * store.block_nbytes / (gbps * 1e9) + dense_s)  # noqa: E731
                 # the issue's: the CPU kernel's bandwidth (or the read probe's where it could not be measured)
-                ceiling, ceiling_read = over(kernel_gbps or hw.cpu_gbps), over(hw.cpu_gbps)
-                laptop = sequences / (misses * store.block_nbytes / (LAPTOP_LINKS_GBPS * 1e9) + dense_s)
+                ceiling = over(hw.h2d_gbps + (kernel_gbps or hw.cpu_gbps))
+                ceiling_read, laptop = over(hw.h2d_gbps + hw.cpu_gbps), over(LAPTOP_LINKS_GBPS)
                 # beside it, over the two bandwidths measured together (0: not measured)
-                joint = sequences / (misses * store.block_nbytes / (joint_gbps * 1e9) + dense_s) if joint_gbps else 0.0
+                joint = over(joint_gbps) if joint_gbps else 0.0
                 return {"model": name, "budget": label, "routing": routing, "kind": kind, "slots": slots, "dense": dense,
                         "tok_s": tok_s, "ceiling_tok_s": ceiling, "of_ceiling": tok_s / ceiling,
                         "ceiling_read_tok_s": ceiling_read, "of_ceiling_read": tok_s / ceiling_read,

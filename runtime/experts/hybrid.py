@@ -120,7 +120,7 @@ class HybridOptions:
                                                 # gathered in two launches, gate/up parts then down parts, the
                                                 # gate/up kernel on the side stream beside the second (session 14)
     flush_request: bool = False                 # zero-copy decode on CUDA: a system fence after the request's
-                                                # ticket (handoff_triton.handoff's flush; session 18 measures it)
+                                                # ticket (handoff_triton.handoff's flush; session 18: no effect)
     expert_split: bool = False                  # zero-copy decode with a compiled CPU worker: one-token calls split
                                                 # one miss between the sides by rows (cpu_share.py, session 16).
                                                 # Off: no steady gain on the H200 (session 17: 4-8 % ahead at

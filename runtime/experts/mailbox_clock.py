@@ -107,28 +107,35 @@ class GpuClockSync:
         echo_pings(self.req.numpy(), self.resp.numpy(), np.zeros(1, dtype=np.int64), 0, 1, 0)    # compiled now
         self.pings(1)                               # and the kernel: a first compile outlasts any echo's spin
 
-    def pings(self, n: int, *, spins: int = 2_000_000_000) -> tuple[np.ndarray, np.ndarray]:
-        """n pings: (the GPU's clock before and after each [n, 2], the echo's cycle counter at each [n]); raises
-        when the echo stopped answering."""
-        from runtime.kernels.handoff_triton import clock_pings
-
+    def _round(self, n: int, send, *, spins: int = 2_000_000_000) -> tuple[np.ndarray, np.ndarray]:
+        """n values sent by `send(g, first)` while a compiled echo answers each one from a thread of its own: (the
+        GPU's clocks g [n, 2], the echo's cycle counter at each [n]); raises when the echo missed one."""
         g = torch.zeros(n, 2, dtype=torch.int64, device=self.device)
         cycles = np.zeros(n, dtype=np.int64)
         first = self._count + 1
         self._count += n
         answered = [0]
-        start = int(self.req[0])          # (the last round's final ping is not one of this round's)
+        start = int(self.req[0])          # (the last round's final value is not one of this round's)
 
         def echo() -> None:
             answered[0] = echo_pings(self.req.numpy(), self.resp.numpy(), cycles, n, spins, start)
 
         t = threading.Thread(target=echo, name="clock-echo")
         t.start()
-        clock_pings(self.req, self.resp, g, first)
+        send(g, first)
         torch.cuda.current_stream(self.device).synchronize()
         t.join()
-        g = g.cpu().numpy()
-        if answered[0] < n or bool((g[:, 1] < 0).any()):
+        if answered[0] < n:
+            raise RuntimeError("the CPU's echo stopped answering the GPU's pings")
+        return g.cpu().numpy(), cycles
+
+    def pings(self, n: int) -> tuple[np.ndarray, np.ndarray]:
+        """n pings: (the GPU's clock before and after each [n, 2], the echo's cycle counter at each [n]); raises
+        when the echo stopped answering."""
+        from runtime.kernels.handoff_triton import clock_pings
+
+        g, cycles = self._round(n, lambda g, first: clock_pings(self.req, self.resp, g, first))
+        if bool((g[:, 1] < 0).any()):
             raise RuntimeError("the CPU's echo stopped answering the GPU's pings")
         return g, cycles
 
@@ -139,31 +146,21 @@ class GpuClockSync:
         worker. The clock set by samples around the trials."""
         from runtime.kernels.handoff_triton import clock_pings
 
+        def send(g: torch.Tensor, first: int) -> None:
+            stream = torch.cuda.current_stream(self.device)
+            for i in range(trials):
+                clock_pings(self.req, self.resp, g[i:i + 1], first + i, max_spins=0)   # the store, no wait for it
+                if then is not None:
+                    then()
+                stream.synchronize()
+                time.sleep(gap_s)                     # (seen before the next: the echo takes every value)
+
         before = self.sample()
-        g = torch.zeros(trials, 2, dtype=torch.int64, device=self.device)
-        cycles = np.zeros(trials, dtype=np.int64)
-        first = self._count + 1
-        self._count += trials
-        answered = [0]
-        start = int(self.req[0])
-
-        def echo() -> None:
-            answered[0] = echo_pings(self.req.numpy(), self.resp.numpy(), cycles, trials, 2_000_000_000, start)
-
-        t = threading.Thread(target=echo, name="clock-echo")
-        t.start()
-        stream = torch.cuda.current_stream(self.device)
-        for i in range(trials):
-            clock_pings(self.req, self.resp, g[i:i + 1], first + i, max_spins=0)   # the store, no wait for it
-            if then is not None:
-                then()
-            stream.synchronize()
-            time.sleep(gap_s)                         # (seen before the next: the echo takes every value)
-        t.join()
+        g, cycles = self._round(trials, send)
         clock = ClockMap.fit(before, self.sample())
-        if answered[0] < trials or clock is None:
-            raise RuntimeError("the CPU's echo missed a store, or the clock could not be set")
-        return clock.ns(cycles) - g.cpu().numpy()[:, 0]
+        if clock is None:
+            raise RuntimeError("the CPU's cycle counter could not be set against the GPU's clock")
+        return clock.ns(cycles) - g[:, 0]
 
     def sample(self, n: int = PINGS) -> ClockSample:
         """The cycle counter against the GPU's clock, from the shortest of n pings (the first tenth left out:

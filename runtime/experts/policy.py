@@ -701,7 +701,7 @@ class ShareController:
                    else "plateau" if abs(trial - held) == 1 and med < (1.0 + margin) * ref else "slower")
         self.trials.append({"step": self.steps, "trial": self.grid[trial], "held": self.grid[held],
                             "trial_s": med, "held_s": ref, "margin": margin, "verdict": verdict})
-        if not aborted and med < (1.0 - margin) * ref:
+        if verdict == "moved":
             # faster: hold it, and carry on in that direction (and check the near side of a jump)
             step = 1 if trial > held else -1
             self.index, self._up = trial, step > 0
@@ -711,7 +711,7 @@ class ShareController:
             self._interval = self.explore_every
         else:
             self._rejected.add(trial)
-            if not aborted and abs(trial - held) == 1 and med < (1.0 + margin) * ref:
+            if verdict == "plateau":
                 # a plateau says little about the slope: look one share further that way
                 further = 2 * trial - held
                 if 0 <= further < len(self.grid) and further not in self._queue:

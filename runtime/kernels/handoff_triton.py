@@ -65,14 +65,8 @@ if HAVE_TRITON:
 
     @triton.jit
     def _fence_system(x):
-        """A system-scope memory fence (the CPU must see the mailbox before the ticket); returns x."""
-        return tl.inline_asm_elementwise("fence.sc.sys; mov.b32 $0, $1;", "=r,r", [x], dtype=tl.int32,
-                                         is_pure=False, pack=1)
-
-    @triton.jit
-    def _flush_system(x):
-        """A system-scope fence that no memory access moves across (a memory clobber): after the request's ticket,
-        it pushes the ticket's store out to host memory now; returns x."""
+        """A system-scope memory fence (the CPU must see the mailbox before the ticket) that no memory access
+        moves across (a memory clobber); returns x."""
         return tl.inline_asm_elementwise("fence.sc.sys; mov.b32 $0, $1;", "=r,r,~{memory}", [x], dtype=tl.int32,
                                          is_pure=False, pack=1)
 
@@ -151,7 +145,7 @@ if HAVE_TRITON:
                 tl.store(times_ptr + (ticket % RING) * 4, globaltimer(n_cpu))
             tl.store(box_req_ptr, ticket)
             if FLUSH:
-                _flush_system(n_cpu)
+                _fence_system(n_cpu)
 
     @triton.jit
     def _await_ticket(word_ptr, ticket_ptr, err_ptr, max_spins):
@@ -220,9 +214,9 @@ def handoff(layer_index: int, ids: torch.Tensor, weights: torch.Tensor, x: torch
     """ids [T, K] int64 (contiguous), weights [T, K], x [T, D] -> (hit slots [T, K], zero-copy ids [T, K]) on the
     device; the CPU's share goes to `box` (a cpu_share.Mailbox). `log` (contiguous int64, >= T*K elements): gets
     the ids too (the tier's step log; a copy kernel of its own would sit between the router and the CPU's start).
-    `flush`: a second system fence after the ticket's store, so the worker sees it at once rather than when the
-    GPU's caches write it back (s18a: the mailbox's timeline had ~20-40 µs a request that neither the worker's
-    time nor an idle round trip, 2.3 µs, accounts for). One launch."""
+    `flush`: a second system fence after the ticket's store, in case the GPU's caches held it back (s18a: ~20-40
+    µs a request that neither the worker's time nor an idle round trip accounts for); s18b-c measured no effect,
+    so it is off. One launch."""
     t, k = ids.shape
     d = x.shape[1]
     if log is not None and (not log.is_contiguous() or log.numel() < t * k or log.dtype != ids.dtype):
