@@ -14,7 +14,9 @@ Rows (GPU machine; numba for the CPU side):
                the gather launched right behind the store, as decode's misses follow its handoff
   collect      `handoff_triton.collect` with its answer already there, from its start to its rows added (the
                mailbox's timeline, the GPU's clock: s17d timed the launches with CUDA events and measured Python's
-               launch, ~32 µs): its floor
+               launch, ~32 µs): its floor; "its poll" to the ticket seen. One thread a token polling (the default
+               since session 19) and every warp (s18d: 8.7 µs idle where one poll takes 1.2)
+  k warps      one poll of a word while k warps poll it too (8 programs of 2 warps: collect until session 19)
 each idle, beside the gather kernel on another stream (SM loads, as zero-copy decode's misses) and beside
 copy-engine copies. Predicted: ~1-2 µs idle; beside the gather, a poll waits behind the reads already in flight.
 """
@@ -43,7 +45,8 @@ def _poll_kernel(word_ptr, times_ptr, n):
     for i in range(n):
         t0 = _timer(i)
         v = tl.load(word_ptr + (v - v), volatile=True)     # dependent: one round trip after the other
-        tl.store(times_ptr + i, _timer(i) - t0 + (v - v))
+        if tl.program_id(0) == 0:                         # (every warp of every program polls; one writes)
+            tl.store(times_ptr + i, _timer(i) - t0 + (v - v))
 
 
 def _stats(ns: torch.Tensor) -> dict:
@@ -94,24 +97,24 @@ def main() -> None:
         g, _ = sync.pings(n)
         return _stats(torch.from_numpy(g[n // 10:, 1] - g[n // 10:, 0]))     # (the first pings warm both up)
 
-    def polls():
+    def polls(programs=1, warps=1):
         resp.fill_(7)
-        _poll_kernel[(1,)](resp, times, n, num_warps=1)
+        _poll_kernel[(programs,)](resp, times, n, num_warps=warps)
         torch.cuda.current_stream().synchronize()
         return _stats(times[n // 10:].cpu())
 
     box = Mailbox(max_tokens=1, top_k=8, hidden=2048, device=dev, share=0.5)
     out = torch.zeros(1, 2048, dtype=torch.bfloat16, device=dev)
 
-    def collects():
+    def collects(one_poller=True, span=(1, 3)):
         box.ncpu.fill_(1)
         box.ticket.fill_(5)
         box.resp.fill_(5)
         spans = []
         for _ in range(200):
-            hk.collect(out, box)
+            hk.collect(out, box, one_poller=one_poller)
             t = box.times[5].tolist()                     # (a copy on this stream: after the collect)
-            spans.append(t[3] - t[1])
+            spans.append(t[span[1]] - t[span[0]])
         return _stats(torch.tensor(spans[20:]))
 
     from runtime.kernels.gather_triton import gather_blocks
@@ -130,9 +133,18 @@ def main() -> None:
             rows.append({"what": name, "beside": "idle", "load_gbps": None, **_stats(torch.from_numpy(ns))})
         except RuntimeError as exc:
             print(f"{name}: not measured - {exc}", flush=True)
+    # polls of one word from many warps at once (collect's programs polled from every warp until session 19):
+    # does each poll wait behind the others?
+    for programs, warps in ((1, 4), (8, 2)):
+        rows.append({"what": f"one poll, {programs * warps} warps", "beside": "idle", "load_gbps": None,
+                     **polls(programs, warps)})
     loads = [(None, 0)] + [("gather", b) for b in args.load_blocks] + [("copy engine", args.load_blocks[0])]
+    collect_rows = (("collect (answer there)", collects),
+                    ("  its poll", lambda: collects(span=(1, 2))),
+                    ("collect, every warp polls", lambda: collects(False)),
+                    ("  its poll", lambda: collects(False, span=(1, 2))))
     for kind, blocks in loads:
-        for name, fn in (("round trip", round_trips), ("one poll", polls), ("collect (answer there)", collects)):
+        for name, fn in (("round trip", round_trips), ("one poll", polls), *collect_rows):
             stats, gbps = _with_load(kind, dev, fn, blocks=blocks)
             beside = "idle" if kind is None else kind if len(args.load_blocks) == 1 else f"{kind} {blocks * 2.5:g}MB"
             rows.append({"what": name, "beside": beside, "load_gbps": gbps, **stats})

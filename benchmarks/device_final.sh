@@ -89,7 +89,8 @@
 #   (device) bash benchmarks/device_final.sh s18a # session 18: the mailbox's timeline (GPU clock) on whole rows
 #   (device) bash benchmarks/device_final.sh s18b # session 18: the request's ticket flushed (A/B), then learned
 #   (device) bash benchmarks/device_final.sh s18c # session 18: the flush A/B the other way round, qwen3.6 each way
-#   (device) bash benchmarks/device_final.sh s18d # for session 19 (not run): the round trip split at the worker
+#   (device) bash benchmarks/device_final.sh s18d # session 19: the round trip split at the worker
+#   (device) bash benchmarks/device_final.sh s19a # collect polled from one thread a token, against every warp
 # carry .site (numba, llvmlite, fla-core, platformdirs unpacked, xz). Results under $OUT. Build .site once (the
 # wheels alone pass the 64 MiB carry limit; unpacked and xz-compressed they take ~44 MB):
 #   pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
@@ -145,7 +146,7 @@ split_rows() {    # SECONDS SHARES SPLITS: qwen3-30b 8 GiB rows at each share wi
 mailbox() {       # SECONDS [ARGS...]: benchmarks/bench_mailbox_latency.py to $OUT/mailbox.{txt,json}, its table printed
   local seconds=$1; shift
   timeout "$seconds" python3 benchmarks/bench_mailbox_latency.py --json "$OUT/mailbox.json" "$@" > "$OUT/mailbox.txt" 2>&1
-  echo "mailbox rc=$?"; tail -16 "$OUT/mailbox.txt"
+  echo "mailbox rc=$?"; grep -v Warning "$OUT/mailbox.txt" | tail -40
 }
 cuda_tests() {   # SECONDS PYTEST-ARGS...: CUDA tests to $OUT/cuda_tests.log, its last lines printed
   local seconds=$1; shift
@@ -806,6 +807,20 @@ elif [ "$1" = s18c ]; then
     | grep -E "$ROW_LINES"
   bench_rows 80 q36_flush --models qwen3.6-35b-a3b "${ROW_8G[@]}" --cpu-share auto --request-flush off on \
     | grep -E "$ROW_LINES"
+  rm -f "$OUT"/model_*.json "$OUT"/model.json
+elif [ "$1" = s19a ]; then
+  # session 19: s18d put the ~25 µs a request outside the worker in the answer's crossing (collect saw the ticket
+  # 9.5 µs after the worker's end; idle, collect with its answer already there took 8.7 µs where one poll takes
+  # 1.2). Hypothesis: collect's 16 polling warps queue their polls of one word one behind the other. The kernel
+  # now polls from one thread a token: CUDA tests of the collect paths, the mailbox bench (k warps polling; both
+  # collects with their poll apart), then decode rows alternating one poller / every warp in one process
+  warm 150 new
+  cuda_tests 150 tests/test_hybrid_zero_copy.py -k "graph_step or compiled_worker_answers_inside or handoff_gives or beside"
+  mailbox 90 --load-blocks 48
+  bench_rows 160 q3_poll --models qwen3-30b-a3b "${ROW_8G[@]}" --tokens 192 --warmup 48 --cpu-share 0.6 0.6 auto \
+    --collect-poll one every | grep -E "$ROW_LINES"
+  bench_rows 110 q36_poll --models qwen3.6-35b-a3b "${ROW_8G[@]}" --tokens 192 --warmup 48 --cpu-share 0.5 0.5 \
+    --collect-poll one every | grep -E "$ROW_LINES"
   rm -f "$OUT"/model_*.json "$OUT"/model.json
 elif [ "$1" = s18d ]; then
   # for session 19 (written after session 18's last call, not run): the round trip split at the worker - its

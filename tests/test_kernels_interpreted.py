@@ -434,14 +434,23 @@ def case_handoff_matches_the_reference():
         misses = torch.randn(3, 40, generator=gen).to(torch.bfloat16)
         hits = torch.randn(3, 80, generator=gen).to(torch.bfloat16)[:, ::2]           # strided rows refused...
         for extra in (None, hits.contiguous()):
-            got = hk.collect(misses.clone(), a, extra=extra)
             want = misses.float() + (0 if extra is None else extra.float())
             if int(a.ncpu[0]):
                 want = want + a.out[:3]
-            # (within one bf16 step: the interpreter truncates where the GPU rounds to nearest)
-            torch.testing.assert_close(got.float(), want, rtol=8e-3, atol=8e-3)
+            for one_poller in (True, False):              # a program a token (one thread polls), or 256 columns
+                got = hk.collect(misses.clone(), a, extra=extra, one_poller=one_poller)
+                # (within one bf16 step: the interpreter truncates where the GPU rounds to nearest)
+                torch.testing.assert_close(got.float(), want, rtol=8e-3, atol=8e-3)
+                assert int(a.error[0]) == error
             ref = collect_reference(misses.float(), b, extra=None if extra is None else extra.float())
             torch.testing.assert_close(ref, want, rtol=1e-6, atol=1e-6)
+        if int(a.ncpu[0]):                                # an answer that never comes: bounded, the flag up
+            for one_poller in (True, False):
+                a.resp.fill_(-5)
+                a.error.zero_()
+                got = hk.collect(misses.clone(), a, max_spins=3, one_poller=one_poller)
+                assert int(a.error[0]) == 1, one_poller
+                a.resp.copy_(a.ticket)
         try:
             hk.collect(misses.clone(), a, extra=hits)
         except ValueError as exc:
@@ -969,12 +978,13 @@ def test_kernels_compile_for_h200_without_spilling(tmp_path, monkeypatch):
                        ticket_ptr="*i64", err_ptr="*i32", max_spins=20_000_000), dict(BLOCK=1024), 4))
     small.append((handoff_k._fill_split_kernel,
                   dict(h_ptr="*bf16", I=768, split_ptr="*i32", part_dev_ptr="*fp32"), dict(BLOCK=256), 1))
-    for extra in (False, True):
-        small.append((handoff_k._collect_kernel,
-                      dict(out_ptr="*bf16", out_st=2048, extra_ptr="*bf16", extra_st=2048, ticket_ptr="*i64",
-                           ncpu_ptr="*i32", box_resp_ptr="*i64", box_out_ptr="*fp32", err_ptr="*i32",
-                           times_ptr="*i64", D=2048, max_spins=20_000_000),
-                      dict(RING=8192, TIMES=True, EXTRA=extra, BLOCK=256), 2))
+    for extra in (False, True):             # (collect's one thread a token polling, and every warp)
+        for block, lanes, warps in ((2048, 128, 4), (256, 0, 2)):
+            small.append((handoff_k._collect_kernel,
+                          dict(out_ptr="*bf16", out_st=2048, extra_ptr="*bf16", extra_st=2048, ticket_ptr="*i64",
+                               ncpu_ptr="*i32", box_resp_ptr="*i64", box_out_ptr="*fp32", err_ptr="*i32",
+                               times_ptr="*i64", D=2048, max_spins=20_000_000),
+                          dict(RING=8192, TIMES=True, EXTRA=extra, BLOCK=block, POLL_LANES=lanes), warps))
     for fn, args, constexprs, warps in cases + small:
         regs, local, sass = _compile_sm90(fn, args, constexprs, warps, tmp_path)
         assert local == 0, (fn.__name__, constexprs, regs, local)               # no spills

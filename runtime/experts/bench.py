@@ -550,6 +550,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     m.add_argument("--request-flush", dest="request_flush", nargs="+", default=["off"], choices=["on", "off"],
                    help="zero-copy decode on CUDA: a system fence after each request's ticket, pushing it to host "
                         "memory at once (on), or none (off); both: a row each")
+    m.add_argument("--collect-poll", dest="collect_poll", nargs="+", default=["one"], choices=["one", "every"],
+                   help="zero-copy decode on CUDA: one thread a token polls for the CPU's answer (one), or every warp "
+                        "of collect's programs (every: sessions 9-18); both: a row each")
     m.add_argument("--promotions", nargs="+", default=["adaptive"], choices=["adaptive", "fixed"],
                    help="zero-copy decode: the step's promotion budget learned from what promotions buy (adaptive) "
                         "or always the byte budget's blocks (fixed); both: a row each")

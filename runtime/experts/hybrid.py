@@ -121,6 +121,8 @@ class HybridOptions:
                                                 # gate/up kernel on the side stream beside the second (session 14)
     flush_request: bool = False                 # zero-copy decode on CUDA: a system fence after the request's
                                                 # ticket (handoff_triton.handoff's flush; session 18: no effect)
+    collect_one_poller: bool = True             # zero-copy decode on CUDA: one thread a token polls for the CPU's
+                                                # answer (handoff_triton.collect); False: every warp (sessions 9-18)
     expert_split: bool = False                  # zero-copy decode with a compiled CPU worker: one-token calls split
                                                 # one miss between the sides by rows (cpu_share.py, session 16).
                                                 # Off: no steady gain on the H200 (session 17: 4-8 % ahead at
@@ -370,7 +372,7 @@ class HybridExperts:
                 self._beside_parts(misses,
                                    lambda: self._pool_forward(cache.pool, self.layout, self.spec, x, hit, topk_weights))
             if self.cuda:
-                return handoff_triton.collect(out, self._box, extra=hits)
+                return handoff_triton.collect(out, self._box, extra=hits, one_poller=self.options.collect_one_poller)
             return collect_reference(out, self._box, extra=hits)
         self._log[li, :x.shape[0]].copy_(topk_ids)      # the step log's row (the handoff writes it above)
         misses = lambda: self._misses(li, x, topk_ids, topk_weights, table_row=cache.miss_rows[li])  # noqa: E731

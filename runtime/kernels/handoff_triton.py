@@ -21,9 +21,9 @@ Why: a recorded decode step cannot stop for the host to decide which experts the
   the split's rows ran at half speed, then 3 % behind whole experts - s16a, s16c, s17a). The second writes them
   into the split expert's first rows of h after the gate/up kernel (which computed the others from the rows the
   gather left it).
-- `collect` (grid over the hidden size and the tokens): spins on the mailbox's answer word until it holds the
-  ticket (volatile loads over PCIe; gives up after `max_spins` and raises the error flag instead of
-  hanging the GPU), then adds the CPU's fp32 rows into the output.
+- `collect` (a program a token): one thread spins on the mailbox's answer word until it holds the ticket
+  (volatile loads over PCIe; gives up after `max_spins` and raises the error flag instead of hanging the GPU),
+  then the program adds the CPU's fp32 row into the output.
 - The mailbox's timeline (`Mailbox.times`, the GPU's %globaltimer): the handoff stamps a request before its ticket,
   collect when it starts, sees the answer and has added its rows (four stores a request; not in the interpreter).
   `clock_pings` times pings of a compiled CPU echo: they set the worker's cycle counter against that clock
@@ -148,20 +148,34 @@ if HAVE_TRITON:
                 _fence_system(n_cpu)
 
     @triton.jit
-    def _await_ticket(word_ptr, ticket_ptr, err_ptr, max_spins):
+    def _read_once(word_ptr, LANES: tl.constexpr):
+        """The int64 at word_ptr, read over PCIe by one thread of the program (volatile), for all of it. LANES (the
+        program's threads, 32 * num_warps) gives every thread an element of its own, so only thread 0 loads: a
+        scalar load would be issued by every warp, and polls of one word seem to queue one behind the other (s18d:
+        collect's 16 warps saw the answer 9.5 µs after the worker wrote it, where one warp's round trip is 2.3)."""
+        lane = tl.arange(0, LANES)
+        return tl.sum(tl.load(word_ptr + lane * 0, mask=lane == 0, other=0, volatile=True), 0)
+
+    @triton.jit
+    def _await_ticket(word_ptr, ticket_ptr, err_ptr, max_spins, POLL_LANES: tl.constexpr):
         """Poll word_ptr (volatile: over PCIe each time) until it holds the call's ticket, at most max_spins
-        times; past that the error flag goes up and the caller goes on (a lost answer must not hang the GPU)."""
+        times; past that the error flag goes up and the caller goes on (a lost answer must not hang the GPU).
+        POLL_LANES: 0, every warp polls; else the program's thread count, and one thread polls (`_read_once`)."""
         ticket = tl.load(ticket_ptr)
         spins = 0
-        while (tl.load(word_ptr, volatile=True) != ticket) & (spins < max_spins):
-            spins += 1
+        if POLL_LANES == 0:
+            while (tl.load(word_ptr, volatile=True) != ticket) & (spins < max_spins):
+                spins += 1
+        else:
+            while (_read_once(word_ptr, POLL_LANES) != ticket) & (spins < max_spins):
+                spins += 1
         if spins >= max_spins:
             tl.store(err_ptr, 1)
 
     @triton.jit
     def _collect_kernel(out_ptr, out_st, extra_ptr, extra_st, ticket_ptr, ncpu_ptr, box_resp_ptr, box_out_ptr,
                         err_ptr, times_ptr, D, max_spins, RING: tl.constexpr, TIMES: tl.constexpr,
-                        EXTRA: tl.constexpr, BLOCK: tl.constexpr):
+                        EXTRA: tl.constexpr, BLOCK: tl.constexpr, POLL_LANES: tl.constexpr):
         t = tl.program_id(1)
         cols = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
         mask = cols < D
@@ -173,7 +187,7 @@ if HAVE_TRITON:
         if n_cpu > 0:
             if first:
                 tl.store(times + 1, globaltimer(n_cpu))
-            _await_ticket(box_resp_ptr, ticket_ptr, err_ptr, max_spins)
+            _await_ticket(box_resp_ptr, ticket_ptr, err_ptr, max_spins, POLL_LANES)
             if first:
                 tl.store(times + 2, globaltimer(n_cpu))         # (after the loop that read the ticket)
             v = tl.load(box_out_ptr + t * D + cols, mask=mask, other=0.0, volatile=True)
@@ -192,7 +206,7 @@ if HAVE_TRITON:
                            BLOCK: tl.constexpr):
         rows = tl.load(split_ptr + 1)
         if (tl.load(split_ptr) >= 0) & (rows > 0):
-            _await_ticket(part_resp_ptr, ticket_ptr, err_ptr, max_spins)
+            _await_ticket(part_resp_ptr, ticket_ptr, err_ptr, max_spins, 0)
             r = tl.arange(0, BLOCK)                             # (BLOCK >= I: every row in one round trip)
             v = tl.load(part_ptr + r, mask=r < rows, other=0.0, volatile=True)
             tl.store(part_dev_ptr + r, v, mask=r < rows)
@@ -266,17 +280,22 @@ def clock_pings(req: torch.Tensor, resp: torch.Tensor, g: torch.Tensor, first: i
     _clock_ping_kernel[(1,)](req, resp, g, g.shape[0], first, max_spins, num_warps=1)
 
 
-def collect(out: torch.Tensor, box, *, extra: torch.Tensor | None = None, max_spins: int = MAX_SPINS) -> torch.Tensor:
+def collect(out: torch.Tensor, box, *, extra: torch.Tensor | None = None, max_spins: int = MAX_SPINS,
+            one_poller: bool = True) -> torch.Tensor:
     """out [T, D] += the CPU's answer, once it is there, and `extra` [T, D] (the hits' rows, computed beside the
-    misses) when given: summed in fp32, rounded once (in place; returns out). One launch."""
+    misses) when given: summed in fp32, rounded once (in place; returns out). One launch.
+
+    one_poller: a program a token, each a whole row (every column's load in flight at once) whose answer word one
+    thread polls; else (sessions 9-18) programs of 256 columns, every warp of each polling (16 at hidden 2048)."""
     t, d = out.shape
     if extra is not None and (extra.shape != out.shape or extra.stride(1) != 1):
         raise ValueError(f"collect: extra rows {tuple(extra.shape)} (strides {extra.stride()}) do not match "
                          f"out {tuple(out.shape)}")
-    block = 256
+    block, warps = (triton.next_power_of_2(d), 4) if one_poller else (256, 2)
     _collect_kernel[(triton.cdiv(d, block), t)](out, out.stride(0), out if extra is None else extra,
                                                 0 if extra is None else extra.stride(0), box.ticket, box.ncpu,
                                                 box.resp, box.out, box.error, box.times, d, max_spins,
                                                 RING=box.times.shape[0], TIMES=TIMES, EXTRA=extra is not None,
-                                                BLOCK=block, num_warps=2)
+                                                BLOCK=block, POLL_LANES=32 * warps if one_poller else 0,
+                                                num_warps=warps)
     return out
