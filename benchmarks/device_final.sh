@@ -822,6 +822,13 @@ elif [ "$1" = s19a ]; then
   bench_rows 110 q36_poll --models qwen3.6-35b-a3b "${ROW_8G[@]}" --tokens 192 --warmup 48 --cpu-share 0.5 0.5 \
     --collect-poll one every | grep -E "$ROW_LINES"
   rm -f "$OUT"/model_*.json "$OUT"/model.json
+elif [ "$1" = s19b ]; then
+  # s19a's CUDA tests: the hits-beside test failed at share 0.5 (both slot counts) with collect's one poller, and
+  # the call ran out before its summary: that test with each poller (error flags and the differing elements
+  # asserted), then the compiled worker inside a graph
+  timeout 280 python3 -m pytest -q -p no:cacheprovider --device cuda --tb=short tests/test_hybrid_zero_copy.py \
+    -k "hits_beside or compiled_worker_answers_inside" > "$OUT/cuda_tests.log" 2>&1
+  echo "pytest rc=$?"; grep -v Warning "$OUT/cuda_tests.log" | tail -60
 elif [ "$1" = s18d ]; then
   # for session 19 (written after session 18's last call, not run): the round trip split at the worker - its
   # stamps set on the GPU's clock (mailbox_clock.GpuClockSync, sampled around each row): does the ~25 µs a

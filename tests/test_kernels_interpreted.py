@@ -975,7 +975,7 @@ def test_kernels_compile_for_h200_without_spilling(tmp_path, monkeypatch):
                   dict(req_ptr="*i64", resp_ptr="*i64", g_ptr="*i64", n="i32", first="i64", max_spins="i32"), {}, 1))
     small.append((handoff_k._take_split_kernel,
                   dict(split_ptr="*i32", part_ptr="*fp32", part_dev_ptr="*fp32", part_resp_ptr="*i64",
-                       ticket_ptr="*i64", err_ptr="*i32", max_spins=20_000_000), dict(BLOCK=1024), 4))
+                       ticket_ptr="*i64", err_ptr="*i32", max_spins=100_000_000), dict(BLOCK=1024, POLL_LANES=128), 4))
     small.append((handoff_k._fill_split_kernel,
                   dict(h_ptr="*bf16", I=768, split_ptr="*i32", part_dev_ptr="*fp32"), dict(BLOCK=256), 1))
     for extra in (False, True):             # (collect's one thread a token polling, and every warp)
@@ -983,7 +983,7 @@ def test_kernels_compile_for_h200_without_spilling(tmp_path, monkeypatch):
             small.append((handoff_k._collect_kernel,
                           dict(out_ptr="*bf16", out_st=2048, extra_ptr="*bf16", extra_st=2048, ticket_ptr="*i64",
                                ncpu_ptr="*i32", box_resp_ptr="*i64", box_out_ptr="*fp32", err_ptr="*i32",
-                               times_ptr="*i64", D=2048, max_spins=20_000_000),
+                               times_ptr="*i64", D=2048, max_spins=100_000_000),
                           dict(RING=8192, TIMES=True, EXTRA=extra, BLOCK=block, POLL_LANES=lanes), warps))
     for fn, args, constexprs, warps in cases + small:
         regs, local, sass = _compile_sm90(fn, args, constexprs, warps, tmp_path)

@@ -160,7 +160,8 @@ if HAVE_TRITON:
     def _await_ticket(word_ptr, ticket_ptr, err_ptr, max_spins, POLL_LANES: tl.constexpr):
         """Poll word_ptr (volatile: over PCIe each time) until it holds the call's ticket, at most max_spins
         times; past that the error flag goes up and the caller goes on (a lost answer must not hang the GPU).
-        POLL_LANES: 0, every warp polls; else the program's thread count, and one thread polls (`_read_once`)."""
+        POLL_LANES: 0, every warp polls (kept for the A/B of s19a); else the program's thread count, and one
+        thread polls (`_read_once`)."""
         ticket = tl.load(ticket_ptr)
         spins = 0
         if POLL_LANES == 0:
@@ -203,10 +204,10 @@ if HAVE_TRITON:
 
     @triton.jit
     def _take_split_kernel(split_ptr, part_ptr, part_dev_ptr, part_resp_ptr, ticket_ptr, err_ptr, max_spins,
-                           BLOCK: tl.constexpr):
+                           BLOCK: tl.constexpr, POLL_LANES: tl.constexpr):
         rows = tl.load(split_ptr + 1)
         if (tl.load(split_ptr) >= 0) & (rows > 0):
-            _await_ticket(part_resp_ptr, ticket_ptr, err_ptr, max_spins, 0)
+            _await_ticket(part_resp_ptr, ticket_ptr, err_ptr, max_spins, POLL_LANES)
             r = tl.arange(0, BLOCK)                             # (BLOCK >= I: every row in one round trip)
             v = tl.load(part_ptr + r, mask=r < rows, other=0.0, volatile=True)
             tl.store(part_dev_ptr + r, v, mask=r < rows)
@@ -248,7 +249,9 @@ def handoff(layer_index: int, ids: torch.Tensor, weights: torch.Tensor, x: torch
 # the GPU's clock into the mailbox's timeline (box.times); not in Triton's interpreter (no inline PTX there: the
 # references write the host's clock instead)
 TIMES = os.environ.get("TRITON_INTERPRET") != "1"
-MAX_SPINS = 20_000_000       # polls of the answer word (PCIe round trips): seconds, far past any real answer
+# polls of the answer word (PCIe round trips) before collect gives up: ~2 minutes at one poller's ~1.2-1.5 µs a
+# poll (s19a), as long as the 20 M polls of every warp took at ~8.6 µs each - far past any real answer
+MAX_SPINS = 100_000_000
 
 
 def take_split_rows(box, *, max_spins: int = MAX_SPINS) -> None:
@@ -260,7 +263,8 @@ def take_split_rows(box, *, max_spins: int = MAX_SPINS) -> None:
     # every row in one block: each pass of the copy loop is a round trip over PCIe (~3 µs? s17b's take kernel
     # took a median 11-14 µs for rows the CPU had answered long before; 256 rows a pass made 3-4 trips)
     _take_split_kernel[(1,)](box.split, box.part, box.part_dev, box.part_resp, box.ticket, box.error, max_spins,
-                             BLOCK=triton.next_power_of_2(max(16, box.part.numel())), num_warps=4)
+                             BLOCK=triton.next_power_of_2(max(16, box.part.numel())), POLL_LANES=32 * 4,
+                             num_warps=4)     # (one thread polls, as collect's: MAX_SPINS is counted for that)
 
 
 def fill_split_rows(h: torch.Tensor, box) -> torch.Tensor:
