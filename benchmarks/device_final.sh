@@ -91,6 +91,8 @@
 #   (device) bash benchmarks/device_final.sh s18c # session 18: the flush A/B the other way round, qwen3.6 each way
 #   (device) bash benchmarks/device_final.sh s18d # session 19: the round trip split at the worker
 #   (device) bash benchmarks/device_final.sh s19a # collect polled from one thread a token, against every warp
+#   (device) bash benchmarks/device_final.sh s19b # s19a's failed CUDA tests again, with each poller
+#   (device) bash benchmarks/device_final.sh s19c # for session 20 (not run): session 19's final code, 75 % again?
 # carry .site (numba, llvmlite, fla-core, platformdirs unpacked, xz). Results under $OUT. Build .site once (the
 # wheels alone pass the 64 MiB carry limit; unpacked and xz-compressed they take ~44 MB):
 #   pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
@@ -829,6 +831,18 @@ elif [ "$1" = s19b ]; then
   timeout 280 python3 -m pytest -q -p no:cacheprovider --device cuda --tb=short tests/test_hybrid_zero_copy.py \
     -k "hits_beside or compiled_worker_answers_inside" > "$OUT/cuda_tests.log" 2>&1
   echo "pytest rc=$?"; grep -v Warning "$OUT/cuda_tests.log" | tail -60
+elif [ "$1" = s19c ]; then
+  # for session 20 (written after session 19's last call, not run): session 19's final code on a fresh host - is
+  # 75 % repeatable? The CUDA tests of the collect paths (every CPU answer asserted to come), then qwen3-30b 8 GiB
+  # at 0.6, learned and 0.6 again (a process's first rows ran slow in s19a: the worker at 176-189 µs a request
+  # where later rows took 124-150), and qwen3.6 at 0.5 and learned
+  warm 150 new
+  cuda_tests 120 tests/test_hybrid_zero_copy.py -k "hits_beside or graph_step or compiled_worker_answers_inside"
+  bench_rows 150 q3_final --models qwen3-30b-a3b "${ROW_8G[@]}" --tokens 192 --warmup 48 --cpu-share 0.6 auto 0.6 \
+    | grep -E "$ROW_LINES"
+  bench_rows 110 q36_final --models qwen3.6-35b-a3b "${ROW_8G[@]}" --tokens 192 --warmup 48 --cpu-share 0.5 auto \
+    | grep -E "$ROW_LINES"
+  rm -f "$OUT"/model_*.json "$OUT"/model.json
 elif [ "$1" = s18d ]; then
   # for session 19 (written after session 18's last call, not run): the round trip split at the worker - its
   # stamps set on the GPU's clock (mailbox_clock.GpuClockSync, sampled around each row): does the ~25 µs a
