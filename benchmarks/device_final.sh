@@ -130,7 +130,7 @@ Q3_ROW=(--models qwen3-30b-a3b --dense-int8 --budgets 8 --routings uniform --cpu
         --tokens 64 --warmup 32 --prefill-budgets 99 --ttft-context 0)   # session 10's 8 GiB row at share 0.5
 ROW_8G=(--dense-int8 --budgets 8 --routings uniform --modes graphs --tokens 64 --warmup 32 --prefill-budgets 99
         --ttft-context 0)   # session 18's decode rows: 8 GiB, uniform, graphs, no prefill or TTFT rows
-ROW_LINES="^qwen|CPU kernel|CPU worker|mailbox|round trip|clock|learned CPU share:|its trials"   # what they print
+ROW_LINES="^qwen|CPU kernel|CPU worker|mailbox|round trip|clock|learned CPU share:|its trials|store now"   # what they print
 old_rows() {     # SECONDS ARGS...: the same `bench model` rows with the older code of .ab/old.tar (an A/B in one call)
   local seconds=$1; shift
   old_tree

@@ -534,6 +534,13 @@ def run_model(name: str, args, hw, report: dict) -> None:
                 line = host_line(rows[-1]["host_us_per_call"]) if c["decode_calls"] else None
                 if line:
                     print(line, flush=True)
+                now = store.huge_page_bytes()
+                if huge is not None and now is not None and now != huge:
+                    # (a process's first rows ran ~40 % slower on the CPU side than its later ones, s19a: does
+                    # the kernel's khugepaged fold the store into huge pages while the rows run?)
+                    rows[-1]["huge_page_gib"] = now / GiB
+                    print(f"    store now {now / GiB:.2f} GiB in transparent huge pages ({huge / GiB:.2f} at the "
+                          "start)", flush=True)
                 if use_graphs and args.trace and args.out and slots < layers * e:
                     trace_decode(graphs, cache, experts, args.trace, args.out / (
                         f"trace_{name}_{label.replace(' ', '')}_{routing}_{split}{share}_{hits_mode}_{promotion}"
