@@ -15,7 +15,8 @@ Rows (GPU machine; numba for the CPU side):
   collect      `handoff_triton.collect` with its answer already there, from its start to its rows added (the
                mailbox's timeline, the GPU's clock: s17d timed the launches with CUDA events and measured Python's
                launch, ~32 µs): its floor; "its poll" to the ticket seen. One thread a token polling (the default
-               since session 19) and every warp (s18d: 8.7 µs idle where one poll takes 1.2)
+               since session 19; its program of 4 warps, and of 16: one 16-byte load of the row a thread) and
+               every warp (s18d: 8.7 µs idle where one poll takes 1.2)
   k warps      one poll of a word while k warps poll it too (8 programs of 2 warps: collect until session 19)
 each idle, beside the gather kernel on another stream (SM loads, as zero-copy decode's misses) and beside
 copy-engine copies. Predicted: ~1-2 µs idle; beside the gather, a poll waits behind the reads already in flight.
@@ -106,13 +107,13 @@ def main() -> None:
     box = Mailbox(max_tokens=1, top_k=8, hidden=2048, device=dev, share=0.5)
     out = torch.zeros(1, 2048, dtype=torch.bfloat16, device=dev)
 
-    def collects(one_poller=True, span=(1, 3)):
+    def collects(one_poller=True, span=(1, 3), warps=4):
         box.ncpu.fill_(1)
         box.ticket.fill_(5)
         box.resp.fill_(5)
         spans = []
         for _ in range(200):
-            hk.collect(out, box, one_poller=one_poller)
+            hk.collect(out, box, one_poller=one_poller, warps=warps)
             t = box.times[5].tolist()                     # (a copy on this stream: after the collect)
             spans.append(t[span[1]] - t[span[0]])
         return _stats(torch.tensor(spans[20:]))
@@ -141,6 +142,8 @@ def main() -> None:
     loads = [(None, 0)] + [("gather", b) for b in args.load_blocks] + [("copy engine", args.load_blocks[0])]
     collect_rows = (("collect (answer there)", collects),
                     ("  its poll", lambda: collects(span=(1, 2))),
+                    ("collect, one poller, 16 warps", lambda: collects(warps=16)),
+                    ("  its poll", lambda: collects(span=(1, 2), warps=16)),
                     ("collect, every warp polls", lambda: collects(False)),
                     ("  its poll", lambda: collects(False, span=(1, 2))))
     for kind, blocks in loads:

@@ -835,11 +835,12 @@ elif [ "$1" = s19c ]; then
   # for session 20 (written after session 19's last call, not run): session 19's final code on a fresh host - is
   # 75 % repeatable? The CUDA tests of the collect paths (every CPU answer asserted to come), then qwen3-30b 8 GiB
   # at 0.6, learned and 0.6 again (a process's first rows ran slow in s19a: the worker at 176-189 µs a request
-  # where later rows took 124-150), and qwen3.6 at 0.5 and learned
+  # where later rows took 124-150), each with collect's one-poller program of 4 warps and of 16 (one 16-byte load
+  # of the row a thread: predicted its add 2.8 -> ~1.4 µs), and qwen3.6 at 0.5 and learned
   warm 150 new
   cuda_tests 120 tests/test_hybrid_zero_copy.py -k "hits_beside or graph_step or compiled_worker_answers_inside"
-  bench_rows 150 q3_final --models qwen3-30b-a3b "${ROW_8G[@]}" --tokens 192 --warmup 48 --cpu-share 0.6 auto 0.6 \
-    | grep -E "$ROW_LINES"
+  bench_rows 170 q3_final --models qwen3-30b-a3b "${ROW_8G[@]}" --tokens 192 --warmup 48 --cpu-share 0.6 auto 0.6 \
+    --collect-warps 4 16 | grep -E "$ROW_LINES"
   bench_rows 110 q36_final --models qwen3.6-35b-a3b "${ROW_8G[@]}" --tokens 192 --warmup 48 --cpu-share 0.5 auto \
     | grep -E "$ROW_LINES"
   rm -f "$OUT"/model_*.json "$OUT"/model.json

@@ -437,8 +437,8 @@ def case_handoff_matches_the_reference():
             want = misses.float() + (0 if extra is None else extra.float())
             if int(a.ncpu[0]):
                 want = want + a.out[:3]
-            for one_poller in (True, False):              # a program a token (one thread polls), or 256 columns
-                got = hk.collect(misses.clone(), a, extra=extra, one_poller=one_poller)
+            for one_poller, warps in ((True, 4), (True, 16), (False, 4)):   # a program a token, or 256 columns
+                got = hk.collect(misses.clone(), a, extra=extra, one_poller=one_poller, warps=warps)
                 # (within one bf16 step: the interpreter truncates where the GPU rounds to nearest)
                 torch.testing.assert_close(got.float(), want, rtol=8e-3, atol=8e-3)
                 assert int(a.error[0]) == error
@@ -457,6 +457,12 @@ def case_handoff_matches_the_reference():
             assert "do not match" in str(exc)
         else:
             raise AssertionError("strided extra rows were taken")
+        try:
+            hk.collect(misses.clone(), a, warps=3)
+        except ValueError as exc:
+            assert "power of two" in str(exc)
+        else:
+            raise AssertionError("a program of 3 warps was launched")
     try:
         hk.handoff(0, ids, w, x, table, boxes[0], fence=False, log=torch.zeros(5, dtype=torch.int64))
     except ValueError as exc:
@@ -979,7 +985,7 @@ def test_kernels_compile_for_h200_without_spilling(tmp_path, monkeypatch):
     small.append((handoff_k._fill_split_kernel,
                   dict(h_ptr="*bf16", I=768, split_ptr="*i32", part_dev_ptr="*fp32"), dict(BLOCK=256), 1))
     for extra in (False, True):             # (collect's one thread a token polling, and every warp)
-        for block, lanes, warps in ((2048, 128, 4), (256, 0, 2)):
+        for block, lanes, warps in ((2048, 128, 4), (2048, 512, 16), (256, 0, 2)):
             small.append((handoff_k._collect_kernel,
                           dict(out_ptr="*bf16", out_st=2048, extra_ptr="*bf16", extra_st=2048, ticket_ptr="*i64",
                                ncpu_ptr="*i32", box_resp_ptr="*i64", box_out_ptr="*fp32", err_ptr="*i32",
@@ -990,6 +996,10 @@ def test_kernels_compile_for_h200_without_spilling(tmp_path, monkeypatch):
         assert local == 0, (fn.__name__, constexprs, regs, local)               # no spills
         if fn is not router_k._route_kernel and (fn, args, constexprs, warps) not in small:
             assert "LDG.E.128" in sass, (fn.__name__, constexprs)
+        if fn is handoff_k._collect_kernel and constexprs["POLL_LANES"]:
+            # one poller: the row's fp32 read 16 bytes a load, each thread's share in 2048 / 4 / (32 * warps) loads
+            # (4 at 4 warps: s19a's 2.8 µs an add; 1 at 16, as the 256-column programs' 1.4 µs)
+            assert sass.count("LDG.E.128.STRONG.SYS") == 2048 // 4 // (32 * warps), (warps, sass[:2000])
         if fn is handoff_k._handoff_kernel:
             # the system-scope fence before the ticket, and with FLUSH a second one after it
             fences = sass.count("MEMBAR.ALL.SYS") + sass.count("MEMBAR.SC.SYS")

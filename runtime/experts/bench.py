@@ -553,6 +553,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     m.add_argument("--collect-poll", dest="collect_poll", nargs="+", default=["one"], choices=["one", "every"],
                    help="zero-copy decode on CUDA: one thread a token polls for the CPU's answer (one), or every warp "
                         "of collect's programs (every: sessions 9-18); both: a row each")
+    m.add_argument("--collect-warps", dest="collect_warps", nargs="+", type=int, default=[4],
+                   choices=[1, 2, 4, 8, 16], help="zero-copy decode on CUDA, one poller: the warps of collect's "
+                                                  "program a token (4: s19a's); several: a row each")
     m.add_argument("--promotions", nargs="+", default=["adaptive"], choices=["adaptive", "fixed"],
                    help="zero-copy decode: the step's promotion budget learned from what promotions buy (adaptive) "
                         "or always the byte budget's blocks (fixed); both: a row each")

@@ -425,8 +425,10 @@ def run_model(name: str, args, hw, report: dict) -> None:
         starts = getattr(args, "share_start", ["balance"])
         expert_splits = getattr(args, "expert_split", ["off"])
         flushes = getattr(args, "request_flush", ["off"])
-        polls = getattr(args, "collect_poll", ["one"])
-        for routing, split, share, gather, threads, host_wait, hits_mode, promotion, parts, start, esplit, flush, poll in [
+        polls = [(po, w) for po in getattr(args, "collect_poll", ["one"])
+                 for w in (getattr(args, "collect_warps", [4]) if po == "one" else [4])]
+        for routing, split, share, gather, threads, host_wait, hits_mode, promotion, parts, start, esplit, flush, \
+                (poll, cwarps) in [
                 (r, sp, sh, g, th, hw_, hm, pm, pa, st, es, fl, po) for r in args.routings for sp in splits
                 for sh in (shares if sp == "auto" else shares[:1]) for g in gathers
                 for th in (thread_counts if sh != 0 else thread_counts[:1]) for hw_ in waits for hm in hits_modes
@@ -440,7 +442,7 @@ def run_model(name: str, args, hw, report: dict) -> None:
                 slots=slots, top_k=k, cpu_gbps=hw.cpu_gbps, h2d_gbps=hw.h2d_gbps, split=split, cpu_share=share,
                 zero_copy_gather=gather == "on", cpu_threads=threads or None, hits_beside=hits_mode == "beside",
                 adaptive_promotions=promotion == "adaptive", split_gather=parts == "two", expert_split=esplit == "on",
-                flush_request=flush == "on", collect_one_poller=poll == "one",
+                flush_request=flush == "on", collect_one_poller=poll == "one", collect_warps=cwarps,
                 share_start=None if start == "balance" else float(start),
                 hot_set=tuple((lay, x) for lay in moe_layers for x in range(e)) if slots >= layers * e else ()))
             router = Router(routing, layers=layers, experts=e, k=k, seed=1)
@@ -514,6 +516,7 @@ def run_model(name: str, args, hw, report: dict) -> None:
                                         + (" split expert" if esplit == "on" else "")
                                         + (" flushed" if flush == "on" else "")
                                         + ("" if poll == "one" else " every warp polls")
+                                        + ("" if cwarps == 4 else f" collect {cwarps} warps")
                                         + ("" if share is not None or start == "balance" else f" from {start}")
                                         if hybrid.zero_copy else hybrid.split.mode)
                                        + ("" if split == "auto" else " (forced)")))

@@ -123,6 +123,7 @@ class HybridOptions:
                                                 # ticket (handoff_triton.handoff's flush; session 18: no effect)
     collect_one_poller: bool = True             # zero-copy decode on CUDA: one thread a token polls for the CPU's
                                                 # answer (handoff_triton.collect); False: every warp (sessions 9-18)
+    collect_warps: int = 4                      # ...and the warps of its program a token (s19a measured 4)
     expert_split: bool = False                  # zero-copy decode with a compiled CPU worker: one-token calls split
                                                 # one miss between the sides by rows (cpu_share.py, session 16).
                                                 # Off: no steady gain on the H200 (session 17: 4-8 % ahead at
@@ -372,7 +373,8 @@ class HybridExperts:
                 self._beside_parts(misses,
                                    lambda: self._pool_forward(cache.pool, self.layout, self.spec, x, hit, topk_weights))
             if self.cuda:
-                return handoff_triton.collect(out, self._box, extra=hits, one_poller=self.options.collect_one_poller)
+                return handoff_triton.collect(out, self._box, extra=hits, one_poller=self.options.collect_one_poller,
+                                              warps=self.options.collect_warps)
             return collect_reference(out, self._box, extra=hits)
         self._log[li, :x.shape[0]].copy_(topk_ids)      # the step log's row (the handoff writes it above)
         misses = lambda: self._misses(li, x, topk_ids, topk_weights, table_row=cache.miss_rows[li])  # noqa: E731

@@ -285,19 +285,23 @@ def clock_pings(req: torch.Tensor, resp: torch.Tensor, g: torch.Tensor, first: i
 
 
 def collect(out: torch.Tensor, box, *, extra: torch.Tensor | None = None, max_spins: int = MAX_SPINS,
-            one_poller: bool = True) -> torch.Tensor:
+            one_poller: bool = True, warps: int = 4) -> torch.Tensor:
     """out [T, D] += the CPU's answer, once it is there, and `extra` [T, D] (the hits' rows, computed beside the
     misses) when given: summed in fp32, rounded once (in place; returns out). One launch.
 
     one_poller: a program a token, its whole row, one thread polling the answer word (s19a: the answer seen
     0.2-0.8 µs after the worker's end, where every warp's polls saw it 8-12 µs late; but the row then takes 2.8 µs
     to add, each thread's volatile loads partly one after another, against 1.4 in programs of 256 columns); else
-    (sessions 9-18) programs of 256 columns, every warp of each polling (16 at hidden 2048)."""
+    (sessions 9-18) programs of 256 columns, every warp of each polling (16 at hidden 2048). `warps`: the one
+    poller's program (a power of two, 1-16): at hidden 2048, 4 give each thread four 16-byte loads of the row, 16
+    one (predicted ~1.4 µs an add, as the 256-column programs; not measured yet)."""
     t, d = out.shape
     if extra is not None and (extra.shape != out.shape or extra.stride(1) != 1):
         raise ValueError(f"collect: extra rows {tuple(extra.shape)} (strides {extra.stride()}) do not match "
                          f"out {tuple(out.shape)}")
-    block, warps = (triton.next_power_of_2(d), 4) if one_poller else (256, 2)
+    if warps not in (1, 2, 4, 8, 16):
+        raise ValueError(f"collect: {warps} warps (a power of two, 1-16)")
+    block, warps = (triton.next_power_of_2(d), warps) if one_poller else (256, 2)
     _collect_kernel[(triton.cdiv(d, block), t)](out, out.stride(0), out if extra is None else extra,
                                                 0 if extra is None else extra.stride(0), box.ticket, box.ncpu,
                                                 box.resp, box.out, box.error, box.times, d, max_spins,
