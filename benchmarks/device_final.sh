@@ -158,6 +158,10 @@ cuda_tests() {   # SECONDS PYTEST-ARGS...: CUDA tests to $OUT/cuda_tests.log, it
 thp_settings() {  # the host's transparent-huge-page settings (why a store gets no huge pages)
   for f in enabled defrag; do echo "THP $f: $(cat /sys/kernel/mm/transparent_hugepage/$f 2>&1)"; done
 }
+numa_settings() { # NUMA nodes and automatic balancing (does a process's CPU side speed up as pages or threads move?)
+  echo "NUMA nodes: $(ls -d /sys/devices/system/node/node* 2>/dev/null | wc -l); numa_balancing:" \
+    "$(cat /proc/sys/kernel/numa_balancing 2>&1); CPU MHz now: $(grep -m4 MHz /proc/cpuinfo | awk '{print $4}' | xargs)"
+}
 trace_summaries() {  # LINES: each $OUT/trace_*.json.gz summarised (trace_summary.py, its first LINES lines), removed
   for t in "$OUT"/trace_*.json.gz; do echo "${t##*/}"; python3 benchmarks/trace_summary.py "$t" | head -"$1"
     rm -f "$t"; done
@@ -838,6 +842,7 @@ elif [ "$1" = s19c ]; then
   # where later rows took 124-150), each with collect's one-poller program of 4 warps and of 16 (one 16-byte load
   # of the row a thread: predicted its add 2.8 -> ~1.4 µs), and qwen3.6 at 0.5 and learned
   warm 150 new
+  thp_settings; numa_settings
   cuda_tests 120 tests/test_hybrid_zero_copy.py -k "hits_beside or graph_step or compiled_worker_answers_inside"
   bench_rows 170 q3_final --models qwen3-30b-a3b "${ROW_8G[@]}" --tokens 192 --warmup 48 --cpu-share 0.6 auto 0.6 \
     --collect-warps 4 16 | grep -E "$ROW_LINES"
