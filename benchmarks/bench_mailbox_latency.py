@@ -107,13 +107,13 @@ def main() -> None:
     box = Mailbox(max_tokens=1, top_k=8, hidden=2048, device=dev, share=0.5)
     out = torch.zeros(1, 2048, dtype=torch.bfloat16, device=dev)
 
-    def collects(one_poller=True, span=(1, 3), warps=4):
+    def collects(span=(1, 3), warps=4):
         box.ncpu.fill_(1)
         box.ticket.fill_(5)
         box.resp.fill_(5)
         spans = []
         for _ in range(200):
-            hk.collect(out, box, one_poller=one_poller, warps=warps)
+            hk.collect(out, box, warps=warps)
             t = box.times[5].tolist()                     # (a copy on this stream: after the collect)
             spans.append(t[span[1]] - t[span[0]])
         return _stats(torch.tensor(spans[20:]))
@@ -144,8 +144,8 @@ def main() -> None:
                     ("  its poll", lambda: collects(span=(1, 2))),
                     ("collect, one poller, 16 warps", lambda: collects(warps=16)),
                     ("  its poll", lambda: collects(span=(1, 2), warps=16)),
-                    ("collect, every warp polls", lambda: collects(False)),
-                    ("  its poll", lambda: collects(False, span=(1, 2))))
+                    ("collect, every warp polls", lambda: collects(warps=0)),
+                    ("  its poll", lambda: collects(span=(1, 2), warps=0)))
     for kind, blocks in loads:
         for name, fn in (("round trip", round_trips), ("one poll", polls), *collect_rows):
             stats, gbps = _with_load(kind, dev, fn, blocks=blocks)

@@ -798,6 +798,7 @@ elif [ "$1" = s18a ]; then
     | grep -E "$ROW_LINES"
   rm -f "$OUT"/model_*.json "$OUT"/model.json
 elif [ "$1" = s18b ]; then
+  # (s18b and s18c need commit 6442c9c: session 19 removed --request-flush after s18b-c measured no effect)
   # session 18, after s18a (the mailbox's timeline: a request's answer seen ~20-40 µs later than the worker's own
   # time and an idle round trip, 2.3 µs, account for): the request's ticket flushed to host memory by a second
   # system fence (--request-flush), A/B at 0.6 in one process (on, off, on, off), then learned each way
@@ -824,9 +825,9 @@ elif [ "$1" = s19a ]; then
   cuda_tests 150 tests/test_hybrid_zero_copy.py -k "graph_step or compiled_worker_answers_inside or handoff_gives or beside"
   mailbox 90 --load-blocks 48
   bench_rows 160 q3_poll --models qwen3-30b-a3b "${ROW_8G[@]}" --tokens 192 --warmup 48 --cpu-share 0.6 0.6 auto \
-    --collect-poll one every | grep -E "$ROW_LINES"
+    --collect-warps 4 0 | grep -E "$ROW_LINES"
   bench_rows 110 q36_poll --models qwen3.6-35b-a3b "${ROW_8G[@]}" --tokens 192 --warmup 48 --cpu-share 0.5 0.5 \
-    --collect-poll one every | grep -E "$ROW_LINES"
+    --collect-warps 4 0 | grep -E "$ROW_LINES"
   rm -f "$OUT"/model_*.json "$OUT"/model.json
 elif [ "$1" = s19b ]; then
   # s19a's CUDA tests: the hits-beside test failed at share 0.5 (both slot counts) with collect's one poller, and

@@ -169,8 +169,8 @@ def test_zero_copy_graph_step_on_cuda_matches_eager(device, share, gather):
     assert tier.counters.total.misses > 0 and tier.counters.total.hits > 0
 
 
-@pytest.mark.parametrize("share,slots,one_poller", [(0.0, 6, True), (0.5, 6, True), (0.5, 0, True), (0.5, 6, False)])
-def test_hits_beside_and_the_gather_in_two_give_the_same_bits_as_one_stream(device, share, slots, one_poller):
+@pytest.mark.parametrize("share,slots,collect_warps", [(0.0, 6, 4), (0.5, 6, 4), (0.5, 0, 4), (0.5, 6, 0)])
+def test_hits_beside_and_the_gather_in_two_give_the_same_bits_as_one_stream(device, share, slots, collect_warps):
     """On the GPU machine: the hits' pool kernels on a side stream (beside the misses' gather), and the misses'
     blocks gathered in two parts with their gate/up kernel on the side stream beside the second part's copy, are
     branches of the recorded graph that give the very bits of everything on one stream, replay after replay; the
@@ -183,7 +183,7 @@ def test_hits_beside_and_the_gather_in_two_give_the_same_bits_as_one_stream(devi
     runs = []
     for beside, split in ((True, True), (True, False), (False, True), (False, False)):
         _, tier = _tier(dev, slots=slots, hot=[(0, 0), (0, 3), (1, 1)][:slots], pin=True, cpu_share=share,
-                        hits_beside=beside, split_gather=split, collect_one_poller=one_poller)
+                        hits_beside=beside, split_gather=split, collect_warps=collect_warps)
         assert (tier._side_stream is not None) == (beside or split)
         assert tier._split_at == (down_offset(tier.layout) if split else 0) and (tier._split_at > 0) == split
         x = torch.randn(1, 64, device=dev, dtype=torch.bfloat16, generator=torch.Generator(dev).manual_seed(3))

@@ -437,19 +437,19 @@ def case_handoff_matches_the_reference():
             want = misses.float() + (0 if extra is None else extra.float())
             if int(a.ncpu[0]):
                 want = want + a.out[:3]
-            for one_poller, warps in ((True, 4), (True, 16), (False, 4)):   # a program a token, or 256 columns
-                got = hk.collect(misses.clone(), a, extra=extra, one_poller=one_poller, warps=warps)
+            for warps in (4, 16, 0):                      # a program a token, one thread polling; or 256 columns
+                got = hk.collect(misses.clone(), a, extra=extra, warps=warps)
                 # (within one bf16 step: the interpreter truncates where the GPU rounds to nearest)
                 torch.testing.assert_close(got.float(), want, rtol=8e-3, atol=8e-3)
                 assert int(a.error[0]) == error
             ref = collect_reference(misses.float(), b, extra=None if extra is None else extra.float())
             torch.testing.assert_close(ref, want, rtol=1e-6, atol=1e-6)
         if int(a.ncpu[0]):                                # an answer that never comes: bounded, the flag up
-            for one_poller in (True, False):
+            for warps in (4, 0):
                 a.resp.fill_(-5)
                 a.error.zero_()
-                got = hk.collect(misses.clone(), a, max_spins=3, one_poller=one_poller)
-                assert int(a.error[0]) == 1, one_poller
+                got = hk.collect(misses.clone(), a, max_spins=3, warps=warps)
+                assert int(a.error[0]) == 1, warps
                 a.resp.copy_(a.ticket)
         try:
             hk.collect(misses.clone(), a, extra=hits)
@@ -969,14 +969,14 @@ def test_kernels_compile_for_h200_without_spilling(tmp_path, monkeypatch):
                            NPARTS=6 if skip else 0, WORD=4), gather_k.NUM_WARPS))
     from runtime.kernels import handoff_triton as handoff_k
     small = []                  # the CPU share's handoff and collect: a few words and rows, no wide loads to check
-    for log, flush in ((False, False), (True, False), (True, True)):
+    for log in (False, True):
         small.append((handoff_k._handoff_kernel,
                       dict(ids_ptr="*i64", w_ptr="*bf16", x_ptr="*bf16", x_st=2048, table_ptr="*i64", share_ptr="*fp32",
                            ticket_ptr="*i64", ncpu_ptr="*i32", hit_ptr="*i64", zc_ptr="*i64", box_ids_ptr="*i64",
                            box_w_ptr="*fp32", box_x_ptr="*fp32", box_meta_ptr="*i64", box_req_ptr="*i64",
                            err_ptr="*i32", log_ptr="*i64", split_ptr="*i32", unit_ptr="*fp32", times_ptr="*i64",
                            layer=3, T=1, A=8, D=2048, I=768),
-                      dict(RING=8192, TIMES=True, FENCE=True, FLUSH=flush, LOG=log, ABLOCK=16, DBLOCK=1024), 4))
+                      dict(RING=8192, TIMES=True, FENCE=True, LOG=log, ABLOCK=16, DBLOCK=1024), 4))
     small.append((handoff_k._clock_ping_kernel,
                   dict(req_ptr="*i64", resp_ptr="*i64", g_ptr="*i64", n="i32", first="i64", max_spins="i32"), {}, 1))
     small.append((handoff_k._take_split_kernel,
@@ -1001,9 +1001,9 @@ def test_kernels_compile_for_h200_without_spilling(tmp_path, monkeypatch):
             # (4 at 4 warps: s19a's 2.8 µs an add; 1 at 16, as the 256-column programs' 1.4 µs)
             assert sass.count("LDG.E.128.STRONG.SYS") == 2048 // 4 // (32 * warps), (warps, sass[:2000])
         if fn is handoff_k._handoff_kernel:
-            # the system-scope fence before the ticket, and with FLUSH a second one after it
+            # the system-scope fence before the ticket
             fences = sass.count("MEMBAR.ALL.SYS") + sass.count("MEMBAR.SC.SYS")
-            assert fences == 1 + constexprs["FLUSH"], (constexprs, fences, sass[:2000])
+            assert fences == 1, (constexprs, fences, sass[:2000])
 
 
 def test_gdn_decode_kernels_compile_for_h200_without_spilling(tmp_path, monkeypatch):

@@ -547,15 +547,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     m.add_argument("--expert-split", dest="expert_split", nargs="+", default=["off"], choices=["on", "off"],
                    help="zero-copy decode with a CPU share: a one-token call splits one miss between the sides by "
                         "gate/up rows (on) or hands out whole experts only (off); both: a row each")
-    m.add_argument("--request-flush", dest="request_flush", nargs="+", default=["off"], choices=["on", "off"],
-                   help="zero-copy decode on CUDA: a system fence after each request's ticket, pushing it to host "
-                        "memory at once (on), or none (off); both: a row each")
-    m.add_argument("--collect-poll", dest="collect_poll", nargs="+", default=["one"], choices=["one", "every"],
-                   help="zero-copy decode on CUDA: one thread a token polls for the CPU's answer (one), or every warp "
-                        "of collect's programs (every: sessions 9-18); both: a row each")
     m.add_argument("--collect-warps", dest="collect_warps", nargs="+", type=int, default=[4],
-                   choices=[1, 2, 4, 8, 16], help="zero-copy decode on CUDA, one poller: the warps of collect's "
-                                                  "program a token (4: s19a's); several: a row each")
+                   choices=[0, 1, 2, 4, 8, 16],
+                   help="zero-copy decode on CUDA: the warps of collect's program a token, one thread polling for the "
+                        "CPU's answer (4: s19a's); 0: every warp of 256-column programs polls (sessions 9-18); "
+                        "several: a row each")
     m.add_argument("--promotions", nargs="+", default=["adaptive"], choices=["adaptive", "fixed"],
                    help="zero-copy decode: the step's promotion budget learned from what promotions buy (adaptive) "
                         "or always the byte budget's blocks (fixed); both: a row each")

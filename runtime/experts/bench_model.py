@@ -424,17 +424,14 @@ def run_model(name: str, args, hw, report: dict) -> None:
         parts_modes = getattr(args, "gather_parts", ["two"])
         starts = getattr(args, "share_start", ["balance"])
         expert_splits = getattr(args, "expert_split", ["off"])
-        flushes = getattr(args, "request_flush", ["off"])
-        polls = [(po, w) for po in getattr(args, "collect_poll", ["one"])
-                 for w in (getattr(args, "collect_warps", [4]) if po == "one" else [4])]
-        for routing, split, share, gather, threads, host_wait, hits_mode, promotion, parts, start, esplit, flush, \
-                (poll, cwarps) in [
-                (r, sp, sh, g, th, hw_, hm, pm, pa, st, es, fl, po) for r in args.routings for sp in splits
+        collect_warps = getattr(args, "collect_warps", [4])
+        for routing, split, share, gather, threads, host_wait, hits_mode, promotion, parts, start, esplit, cwarps in [
+                (r, sp, sh, g, th, hw_, hm, pm, pa, st, es, cw) for r in args.routings for sp in splits
                 for sh in (shares if sp == "auto" else shares[:1]) for g in gathers
                 for th in (thread_counts if sh != 0 else thread_counts[:1]) for hw_ in waits for hm in hits_modes
                 for pm in promotions for pa in parts_modes for st in (starts if sh is None else starts[:1])
                 for es in (expert_splits if sh != 0 else expert_splits[:1])
-                for fl in (flushes if sh != 0 else flushes[:1]) for po in (polls if sh != 0 else polls[:1])]:
+                for cw in (collect_warps if sh != 0 else collect_warps[:1])]:
             if device.type == "cuda":
                 torch.cuda.empty_cache()
                 torch.cuda.reset_peak_memory_stats()
@@ -442,7 +439,7 @@ def run_model(name: str, args, hw, report: dict) -> None:
                 slots=slots, top_k=k, cpu_gbps=hw.cpu_gbps, h2d_gbps=hw.h2d_gbps, split=split, cpu_share=share,
                 zero_copy_gather=gather == "on", cpu_threads=threads or None, hits_beside=hits_mode == "beside",
                 adaptive_promotions=promotion == "adaptive", split_gather=parts == "two", expert_split=esplit == "on",
-                flush_request=flush == "on", collect_one_poller=poll == "one", collect_warps=cwarps,
+                collect_warps=cwarps,
                 share_start=None if start == "balance" else float(start),
                 hot_set=tuple((lay, x) for lay in moe_layers for x in range(e)) if slots >= layers * e else ()))
             router = Router(routing, layers=layers, experts=e, k=k, seed=1)
@@ -514,9 +511,7 @@ def run_model(name: str, args, hw, report: dict) -> None:
                                         + ("" if promotion == "adaptive" else " fixed promotions")
                                         + ("" if parts == "two" else " one gather")
                                         + (" split expert" if esplit == "on" else "")
-                                        + (" flushed" if flush == "on" else "")
-                                        + ("" if poll == "one" else " every warp polls")
-                                        + ("" if cwarps == 4 else f" collect {cwarps} warps")
+                                        + ({4: "", 0: " every warp polls"}.get(cwarps, f" collect {cwarps} warps"))
                                         + ("" if share is not None or start == "balance" else f" from {start}")
                                         if hybrid.zero_copy else hybrid.split.mode)
                                        + ("" if split == "auto" else " (forced)")))

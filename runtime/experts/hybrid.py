@@ -119,11 +119,9 @@ class HybridOptions:
     split_gather: bool = True                   # zero-copy decode on CUDA with the gather: the misses' blocks
                                                 # gathered in two launches, gate/up parts then down parts, the
                                                 # gate/up kernel on the side stream beside the second (session 14)
-    flush_request: bool = False                 # zero-copy decode on CUDA: a system fence after the request's
-                                                # ticket (handoff_triton.handoff's flush; session 18: no effect)
-    collect_one_poller: bool = True             # zero-copy decode on CUDA: one thread a token polls for the CPU's
-                                                # answer (handoff_triton.collect); False: every warp (sessions 9-18)
-    collect_warps: int = 4                      # ...and the warps of its program a token (s19a measured 4)
+    collect_warps: int = 4                      # zero-copy decode on CUDA: collect's program a token, one thread
+                                                # polling for the CPU's answer (handoff_triton.collect; s19a
+                                                # measured 4); 0: every warp polls (sessions 9-18)
     expert_split: bool = False                  # zero-copy decode with a compiled CPU worker: one-token calls split
                                                 # one miss between the sides by rows (cpu_share.py, session 16).
                                                 # Off: no steady gain on the H200 (session 17: 4-8 % ahead at
@@ -363,7 +361,7 @@ class HybridExperts:
             ids = topk_ids if topk_ids.is_contiguous() else topk_ids.contiguous()
             if self.cuda:
                 hit, zc = handoff_triton.handoff(li, ids, topk_weights, x, cache.table_rows[li], self._box,
-                                                 flush=self.options.flush_request, log=self._log[li])
+                                                 log=self._log[li])
             else:
                 hit, zc = handoff_reference(li, ids, topk_weights, x, cache.table_rows[li], self._box,
                                             log=self._log[li])
@@ -373,8 +371,7 @@ class HybridExperts:
                 self._beside_parts(misses,
                                    lambda: self._pool_forward(cache.pool, self.layout, self.spec, x, hit, topk_weights))
             if self.cuda:
-                return handoff_triton.collect(out, self._box, extra=hits, one_poller=self.options.collect_one_poller,
-                                              warps=self.options.collect_warps)
+                return handoff_triton.collect(out, self._box, extra=hits, warps=self.options.collect_warps)
             return collect_reference(out, self._box, extra=hits)
         self._log[li, :x.shape[0]].copy_(topk_ids)      # the step log's row (the handoff writes it above)
         misses = lambda: self._misses(li, x, topk_ids, topk_weights, table_row=cache.miss_rows[li])  # noqa: E731

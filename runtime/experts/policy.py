@@ -21,6 +21,7 @@ import logging
 import math
 import os
 import time
+from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Container, Iterable, Protocol
@@ -465,6 +466,7 @@ class SplitController:
 
 
 SHARE_SCAN = (0.0, 0.3, 0.5, 0.8, 1.0)   # shares a fresh controller measures before it climbs from the best
+TRIALS_KEPT = 256                          # ShareController.trials: the verdicts a controller keeps
 SHARE_GRID = tuple(round(0.1 * i, 1) for i in range(11))     # the CPU shares a ShareController chooses among
 SPLIT_SHARE_GRID = tuple(round(0.05 * i, 2) for i in range(21))   # ...with the finer split (cpu_share.py): the step
 # time then moves with the share between whole experts, and a 0.1 step is ~0.55 of an expert at 8 GiB
@@ -535,8 +537,9 @@ class ShareController:
         self._rejected: set[int] = set()            # tried since the last move and not faster
         self._cycles = 0
         self._slower_windows = 0                    # windows in a row the held share ran slower than a neighbour had
-        # every trial's verdict, in order (bench model prints them: why a learned share holds where it holds)
-        self.trials: list[dict] = []
+        # the last TRIALS_KEPT trials' verdicts, in order (bench model prints them: why a learned share holds
+        # where it holds; bounded: a server's controller explores for as long as it decodes)
+        self.trials: deque[dict] = deque(maxlen=TRIALS_KEPT)
         self._scanned = bool(remembered)            # the scan's shares measured once (see _next_trial); a
                                                     # remembered controller had its scan in an earlier run
         self._up = True

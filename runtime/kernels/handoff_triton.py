@@ -80,7 +80,7 @@ if HAVE_TRITON:
     def _handoff_kernel(ids_ptr, w_ptr, x_ptr, x_st, table_ptr, share_ptr, ticket_ptr, ncpu_ptr,
                         hit_ptr, zc_ptr, box_ids_ptr, box_w_ptr, box_x_ptr, box_meta_ptr, box_req_ptr, err_ptr,
                         log_ptr, split_ptr, unit_ptr, times_ptr, layer, T, A, D, I, RING: tl.constexpr,
-                        TIMES: tl.constexpr, FENCE: tl.constexpr, FLUSH: tl.constexpr, LOG: tl.constexpr,
+                        TIMES: tl.constexpr, FENCE: tl.constexpr, LOG: tl.constexpr,
                         ABLOCK: tl.constexpr, DBLOCK: tl.constexpr):
         a = tl.arange(0, ABLOCK)
         m = a < A
@@ -144,8 +144,6 @@ if HAVE_TRITON:
             if TIMES:                                           # the mailbox's timeline (box.times)
                 tl.store(times_ptr + (ticket % RING) * 4, globaltimer(n_cpu))
             tl.store(box_req_ptr, ticket)
-            if FLUSH:
-                _fence_system(n_cpu)
 
     @triton.jit
     def _read_once(word_ptr, LANES: tl.constexpr):
@@ -224,14 +222,12 @@ if HAVE_TRITON:
 
 
 def handoff(layer_index: int, ids: torch.Tensor, weights: torch.Tensor, x: torch.Tensor, table_row: torch.Tensor,
-            box, *, fence: bool = True, flush: bool = False,
-            log: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+            box, *, fence: bool = True, log: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """ids [T, K] int64 (contiguous), weights [T, K], x [T, D] -> (hit slots [T, K], zero-copy ids [T, K]) on the
     device; the CPU's share goes to `box` (a cpu_share.Mailbox). `log` (contiguous int64, >= T*K elements): gets
     the ids too (the tier's step log; a copy kernel of its own would sit between the router and the CPU's start).
-    `flush`: a second system fence after the ticket's store, in case the GPU's caches held it back (s18a: ~20-40
-    µs a request that neither the worker's time nor an idle round trip accounts for); s18b-c measured no effect,
-    so it is off. One launch."""
+    One launch. (A second system fence after the ticket, in case the GPU's caches held it back, measured no effect
+    in s18b-c and was removed in session 19: the ~25 µs it was after lay in collect's polls.)"""
     t, k = ids.shape
     d = x.shape[1]
     if log is not None and (not log.is_contiguous() or log.numel() < t * k or log.dtype != ids.dtype):
@@ -241,8 +237,8 @@ def handoff(layer_index: int, ids: torch.Tensor, weights: torch.Tensor, x: torch
                           hit, zc, box.ids, box.weights, box.x, box.meta, box.req, box.error,
                           ids if log is None else log, box.split, box.split_unit, box.times, layer_index, t, t * k,
                           d, box.intermediate, RING=box.times.shape[0], TIMES=TIMES, FENCE=fence,
-                          FLUSH=fence and flush, LOG=log is not None, ABLOCK=max(16, triton.next_power_of_2(t * k)),
-                          DBLOCK=1024, num_warps=4)
+                          LOG=log is not None, ABLOCK=max(16, triton.next_power_of_2(t * k)), DBLOCK=1024,
+                          num_warps=4)
     return hit, zc
 
 
@@ -285,22 +281,22 @@ def clock_pings(req: torch.Tensor, resp: torch.Tensor, g: torch.Tensor, first: i
 
 
 def collect(out: torch.Tensor, box, *, extra: torch.Tensor | None = None, max_spins: int = MAX_SPINS,
-            one_poller: bool = True, warps: int = 4) -> torch.Tensor:
+            warps: int = 4) -> torch.Tensor:
     """out [T, D] += the CPU's answer, once it is there, and `extra` [T, D] (the hits' rows, computed beside the
     misses) when given: summed in fp32, rounded once (in place; returns out). One launch.
 
-    one_poller: a program a token, its whole row, one thread polling the answer word (s19a: the answer seen
-    0.2-0.8 µs after the worker's end, where every warp's polls saw it 8-12 µs late; but the row then takes 2.8 µs
-    to add, each thread's volatile loads partly one after another, against 1.4 in programs of 256 columns); else
-    (sessions 9-18) programs of 256 columns, every warp of each polling (16 at hidden 2048). `warps`: the one
-    poller's program (a power of two, 1-16): at hidden 2048, 4 give each thread four 16-byte loads of the row, 16
-    one (predicted ~1.4 µs an add, as the 256-column programs; not measured yet)."""
+    warps (a power of two, 1-16): a program a token of that many warps, its whole row, one thread polling the
+    answer word (s19a at 4: the answer seen 0.2-0.8 µs after the worker's end, where every warp's polls saw it
+    8-12 µs late; but the row then takes 2.8 µs to add - each thread's four 16-byte loads at hidden 2048 partly one
+    after another - against 1.4 in programs of 256 columns; 16 warps read it in one load a thread, predicted ~1.4,
+    not measured yet). 0: sessions 9-18's programs of 256 columns (2 warps), every warp of each polling."""
     t, d = out.shape
     if extra is not None and (extra.shape != out.shape or extra.stride(1) != 1):
         raise ValueError(f"collect: extra rows {tuple(extra.shape)} (strides {extra.stride()}) do not match "
                          f"out {tuple(out.shape)}")
-    if warps not in (1, 2, 4, 8, 16):
-        raise ValueError(f"collect: {warps} warps (a power of two, 1-16)")
+    if warps not in (0, 1, 2, 4, 8, 16):
+        raise ValueError(f"collect: {warps} warps (a power of two, 1-16; 0: every warp polls)")
+    one_poller = warps > 0
     block, warps = (triton.next_power_of_2(d), warps) if one_poller else (256, 2)
     _collect_kernel[(triton.cdiv(d, block), t)](out, out.stride(0), out if extra is None else extra,
                                                 0 if extra is None else extra.stride(0), box.ticket, box.ncpu,
