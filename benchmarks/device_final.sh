@@ -92,7 +92,8 @@
 #   (device) bash benchmarks/device_final.sh s18d # session 19: the round trip split at the worker
 #   (device) bash benchmarks/device_final.sh s19a # collect polled from one thread a token, against every warp
 #   (device) bash benchmarks/device_final.sh s19b # s19a's failed CUDA tests again, with each poller
-#   (device) bash benchmarks/device_final.sh s19c # for session 20 (not run): session 19's final code, 75 % again?
+#   (device) bash benchmarks/device_final.sh s19c # session 20: session 19's final code on a fresh host, 75 % again?
+#   (device) bash benchmarks/device_final.sh s20a # session 20: the store in huge pages (private mapping), A/B + rows
 # carry .site (numba, llvmlite, fla-core, platformdirs unpacked, xz). Results under $OUT. Build .site once (the
 # wheels alone pass the 64 MiB carry limit; unpacked and xz-compressed they take ~44 MB):
 #   pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
@@ -836,8 +837,20 @@ elif [ "$1" = s19b ]; then
   timeout 280 python3 -m pytest -q -p no:cacheprovider --device cuda --tb=short tests/test_hybrid_zero_copy.py \
     -k "hits_beside or compiled_worker_answers_inside" > "$OUT/cuda_tests.log" 2>&1
   echo "pytest rc=$?"; grep -v Warning "$OUT/cuda_tests.log" | tail -60
+elif [ "$1" = s20a ]; then
+  # session 20: s19c found the store in no huge pages again - HostBuffer mapped MAP_SHARED (shmem, out of THP's
+  # reach); now private. The worker over a 2 MiB-page store against a 4 KiB one in one process, then the rows
+  warm 140 new
+  thp_settings
+  timeout 90 python3 benchmarks/bench_store_pages.py --experts 3 8 --rounds 3 --json "$OUT/store_pages.json" \
+    > "$OUT/store_pages.txt" 2>&1; echo "store_pages rc=$?"; grep -v -E "Warning|@njit" "$OUT/store_pages.txt"
+  bench_rows 150 q3_pages --models qwen3-30b-a3b "${ROW_8G[@]}" --tokens 192 --warmup 48 --cpu-share 0.6 auto \
+    | grep -E "$ROW_LINES|store"
+  bench_rows 200 q36_pages --models qwen3.6-35b-a3b "${ROW_8G[@]}" --tokens 192 --warmup 48 --cpu-share 0.5 auto \
+    | grep -E "$ROW_LINES|store"
+  rm -f "$OUT"/model_*.json "$OUT"/model.json
 elif [ "$1" = s19c ]; then
-  # for session 20 (written after session 19's last call, not run): session 19's final code on a fresh host - is
+  # session 20 (written after session 19's last call): session 19's final code on a fresh host - is
   # 75 % repeatable? The CUDA tests of the collect paths (every CPU answer asserted to come), then qwen3-30b 8 GiB
   # at 0.6, learned and 0.6 again (a process's first rows ran slow in s19a: the worker at 176-189 µs a request
   # where later rows took 124-150), each with collect's one-poller program of 4 warps and of 16 (one 16-byte load

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -185,10 +186,25 @@ def test_huge_pages_are_counted_inside_the_buffer_only():
         "AnonHugePages:         0 kB", "ShmemPmdMapped:     2048 kB"])
     assert huge_bytes_in(smaps, 0x7f0000200000, 0x7f0000c00000) == (6144 + 2048) << 10
     assert huge_bytes_in(smaps, 0x7f0000200000, 0x7f0000a00000) == 6144 << 10
+    # a buffer whose end is not page-aligned still counts its mapping (which ends on the next page), capped at
+    # the buffer's size (a neighbour merged into the same mapping is not the buffer's)
+    assert huge_bytes_in(smaps, 0x7f0000200000, 0x7f00009ff800) == 6144 << 10
+    assert huge_bytes_in(smaps, 0x7f0000200000, 0x7f0000201000) == 4096
     buf = HostBuffer(64 << 20)
     buf.array[:] = 1                                        # faulted in: huge pages only where the OS gives them
     got = buf.huge_page_bytes()
     assert got is None or 0 <= got <= buf.nbytes
+    small = HostBuffer(64 << 20, huge_pages=False)           # the 4 KiB side of bench_store_pages.py
+    small.array[:] = 1
+    assert small.huge_page_bytes() in (None, 0)
+    try:
+        thp = Path("/sys/kernel/mm/transparent_hugepage/enabled").read_text()
+    except OSError:
+        thp = ""
+    if got is not None and ("[always]" in thp or "[madvise]" in thp):
+        # where the OS offers huge pages on request, the buffer gets them: Python's default MAP_SHARED anonymous
+        # mapping is shmem, which ignores MADV_HUGEPAGE (every GPU-machine store until session 20: 0 bytes)
+        assert got > 0, f"a 64 MiB HostBuffer got no transparent huge pages (THP: {thp.strip()})"
     store = HostExpertStore.synthetic(layers=1, num_experts=4, hidden=64, intermediate=64, codec="int4")
     got = store.huge_page_bytes()                           # the store asks its buffer
     assert got is None or 0 <= got <= store.nbytes

@@ -40,20 +40,29 @@ class ExpertStoreError(ValueError):
 
 
 class HostBuffer:
-    """Host memory for a store: an anonymous mapping of exactly `nbytes` (transparent huge pages where the
-    OS offers them: 512x fewer page faults while it fills), page-locked in place on request.
+    """Host memory for a store: a private anonymous mapping of exactly `nbytes` (transparent huge pages where the
+    OS offers them: 512x fewer page faults while it fills, and the CPU kernel's reads, scattered over the whole
+    store, walk 512x fewer page-table entries), page-locked in place on request.
+
+    Private, not Python's default: `mmap.mmap(-1, n)` maps MAP_SHARED, which Linux backs with shmem, whose huge
+    pages follow `shmem_enabled` (default "never") rather than MADV_HUGEPAGE - every store measured on the GPU
+    machine until session 20 sat in 4 KiB pages ("0.00 GiB in transparent huge pages"). Nothing forks: the
+    mapping is only ever shared with the GPU (cudaHostRegister), which private pages serve as well.
+    `huge_pages=False` asks for 4 KiB pages (MADV_NOHUGEPAGE): benchmarks/bench_store_pages.py's other side.
 
     Why not `torch.empty(..., pin_memory=True)`: torch's caching host allocator rounds every allocation up
     to a power of two (pytorch/pytorch#150517), so a 14.3 GiB store locked 16 GiB and a 20 GB one would
     lock 32 GiB. `pin()` registers our own pages with the driver instead (cudaHostRegister, what SGLang
     does for the same reason) and unregisters them when the last view is gone."""
 
-    def __init__(self, nbytes: int):
+    def __init__(self, nbytes: int, *, huge_pages: bool = True):
         self.nbytes = nbytes
-        self._map = mmap.mmap(-1, max(1, nbytes))
-        if hasattr(mmap, "MADV_HUGEPAGE") and nbytes >= (64 << 20):
+        private = getattr(mmap, "MAP_PRIVATE", 0) | getattr(mmap, "MAP_ANONYMOUS", 0)    # (Unix; 0 on Windows)
+        self._map = mmap.mmap(-1, max(1, nbytes), flags=private) if private else mmap.mmap(-1, max(1, nbytes))
+        advice = getattr(mmap, "MADV_HUGEPAGE" if huge_pages else "MADV_NOHUGEPAGE", None)
+        if advice is not None and nbytes >= (64 << 20):      # before the first touch: the faults then take 2 MiB
             try:
-                self._map.madvise(mmap.MADV_HUGEPAGE)
+                self._map.madvise(advice)
             except OSError:
                 pass
         self.array = np.frombuffer(self._map, dtype=np.uint8, count=nbytes)     # [nbytes]
@@ -99,16 +108,18 @@ class HostBuffer:
 
 
 def huge_bytes_in(smaps: str, start: int, end: int) -> int:
-    """AnonHugePages of the mappings of a /proc/<pid>/smaps text that lie inside [start, end), in bytes."""
+    """AnonHugePages of the mappings of a /proc/<pid>/smaps text that overlap [start, end), in bytes, at most
+    end - start. Overlap, not containment: a mapping ends on a page boundary past an unaligned `end`, and the
+    kernel may merge a private anonymous buffer with a neighbour into one mapping (smaps cannot split that)."""
     total, inside = 0, False
     for line in smaps.splitlines():
         head = line.split(None, 1)[0] if line else ""
         if "-" in head and ":" not in head:                  # a mapping's header: lo-hi perms offset ...
             lo, hi = (int(v, 16) for v in head.split("-"))
-            inside = lo >= start and hi <= end
+            inside = lo < end and hi > start
         elif inside and head == "AnonHugePages:":
             total += int(line.split()[1]) * 1024
-    return total
+    return min(total, max(0, end - start))
 
 
 def _unregister(ptr: int, _mapping) -> None:
@@ -458,9 +469,10 @@ class HostExpertStore:
         return True
 
     @classmethod
-    def allocate(cls, layout: BlockLayout, layers: list[int], num_experts: int, *, pin: bool = False) -> "HostExpertStore":
+    def allocate(cls, layout: BlockLayout, layers: list[int], num_experts: int, *, pin: bool = False,
+                 huge_pages: bool = True) -> "HostExpertStore":
         """An empty in-memory store (page-locked when `pin`, so the GPU can DMA from it directly)."""
-        buf = HostBuffer(len(layers) * num_experts * layout.nbytes)
+        buf = HostBuffer(len(layers) * num_experts * layout.nbytes, huge_pages=huge_pages)
         if pin:
             buf.pin()
         arr = buf.array.reshape(len(layers), num_experts, layout.nbytes)
@@ -507,7 +519,7 @@ class HostExpertStore:
     @classmethod
     def synthetic(cls, *, layers: int, num_experts: int, hidden: int, intermediate: int, codec: str,
                   group: int = 64, fp4_format: str = "mxfp4", seed: int = 0, pin: bool = False,
-                  weight_std: float = 0.02) -> "HostExpertStore":
+                  weight_std: float = 0.02, huge_pages: bool = True) -> "HostExpertStore":
         """Random experts at any size, fast: random codes, scales chosen so weights have about `weight_std`.
 
         Codes are drawn once for a 256 MiB pool and tiled with a per-copy rotation, so even a 20 GB store is
@@ -515,7 +527,7 @@ class HostExpertStore:
         layout = BlockLayout.build(codec, hidden, intermediate, group=group, fp4_format=fp4_format)
         # filled, then page-locked, as a package's load does (`load`): the writes fault the pages in (huge ones
         # where the OS gives them). Run s13a locked the untouched buffer first and found 0.4 of 14 GB in huge pages
-        store = cls.allocate(layout, list(range(layers)), num_experts)
+        store = cls.allocate(layout, list(range(layers)), num_experts, huge_pages=huge_pages)
         rng = np.random.default_rng(seed)
         pool_blocks = max(1, min(layers * num_experts, (256 << 20) // layout.nbytes))
         pool = rng.integers(0, 256, size=(pool_blocks, layout.nbytes), dtype=np.uint8)
