@@ -94,6 +94,7 @@
 #   (device) bash benchmarks/device_final.sh s19b # s19a's failed CUDA tests again, with each poller
 #   (device) bash benchmarks/device_final.sh s19c # session 20: session 19's final code on a fresh host, 75 % again?
 #   (device) bash benchmarks/device_final.sh s20a # session 20: the store in huge pages (private mapping), A/B + rows
+#   (device) bash benchmarks/device_final.sh s20b # session 20: huge pages on another host - cold load, learned rows
 # carry .site (numba, llvmlite, fla-core, platformdirs unpacked, xz). Results under $OUT. Build .site once (the
 # wheels alone pass the 64 MiB carry limit; unpacked and xz-compressed they take ~44 MB):
 #   pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
@@ -837,6 +838,18 @@ elif [ "$1" = s19b ]; then
   timeout 280 python3 -m pytest -q -p no:cacheprovider --device cuda --tb=short tests/test_hybrid_zero_copy.py \
     -k "hits_beside or compiled_worker_answers_inside" > "$OUT/cuda_tests.log" 2>&1
   echo "pytest rc=$?"; grep -v Warning "$OUT/cuda_tests.log" | tail -60
+elif [ "$1" = s20b ]; then
+  # session 20's last call (~400 s of device time left): the private mapping's cold load of a 20 GB package (do
+  # 2 MiB faults and compaction slow the fill?), then the learned rows of both shapes on another host (no warm
+  # step: the first row's process compiles the CPU kernels inside its time)
+  thp_settings
+  timeout 60 python3 benchmarks/bench_load.py --gib 18.6 --methods read --threads 16 --json "$OUT/load.json" \
+    > "$OUT/load.txt" 2>&1; echo "load rc=$?"; tail -3 "$OUT/load.txt"
+  bench_rows 200 q3_learned --models qwen3-30b-a3b "${ROW_8G[@]}" --tokens 192 --warmup 48 --cpu-share auto \
+    | grep -E "$ROW_LINES|store"
+  bench_rows 120 q36_learned --models qwen3.6-35b-a3b "${ROW_8G[@]}" --tokens 192 --warmup 48 --cpu-share auto \
+    | grep -E "$ROW_LINES|store"
+  rm -f "$OUT"/model_*.json "$OUT"/model.json
 elif [ "$1" = s20a ]; then
   # session 20: s19c found the store in no huge pages again - HostBuffer mapped MAP_SHARED (shmem, out of THP's
   # reach); now private. The worker over a 2 MiB-page store against a 4 KiB one in one process, then the rows
