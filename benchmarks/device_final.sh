@@ -95,6 +95,7 @@
 #   (device) bash benchmarks/device_final.sh s19c # session 20: session 19's final code on a fresh host, 75 % again?
 #   (device) bash benchmarks/device_final.sh s20a # session 20: the store in huge pages (private mapping), A/B + rows
 #   (device) bash benchmarks/device_final.sh s20b # session 20: huge pages on another host - cold load, learned rows
+#   (device) bash benchmarks/device_final.sh s20c # for session 21 (not run): learned rows on more hosts, the split again
 # carry .site (numba, llvmlite, fla-core, platformdirs unpacked, xz). Results under $OUT. Build .site once (the
 # wheels alone pass the 64 MiB carry limit; unpacked and xz-compressed they take ~44 MB):
 #   pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
@@ -838,6 +839,18 @@ elif [ "$1" = s19b ]; then
   timeout 280 python3 -m pytest -q -p no:cacheprovider --device cuda --tb=short tests/test_hybrid_zero_copy.py \
     -k "hits_beside or compiled_worker_answers_inside" > "$OUT/cuda_tests.log" 2>&1
   echo "pytest rc=$?"; grep -v Warning "$OUT/cuda_tests.log" | tail -60
+elif [ "$1" = s20c ]; then
+  # for session 21 (written after session 20's last call, not run): qwen3-30b's learned row with the store in huge
+  # pages on more hosts (s20a: 74.3 %; s20b's ran out of time without a warm step), and the finer split again - its
+  # take of the CPU's rows polls from one thread since session 19 (the every-warp polls that cost collect 9-12 µs a
+  # request were in it too; s17b-c: ahead at fixed shares, behind learned), split off first in each pair
+  warm 140 new
+  thp_settings
+  bench_rows 230 q3_split --models qwen3-30b-a3b "${ROW_8G[@]}" --tokens 192 --warmup 48 --cpu-share auto 0.6 \
+    --expert-split off on | grep -E "$ROW_LINES|store|split rows"
+  bench_rows 170 q36_split --models qwen3.6-35b-a3b "${ROW_8G[@]}" --tokens 192 --warmup 48 --cpu-share auto \
+    --expert-split off on | grep -E "$ROW_LINES|store|split rows"
+  rm -f "$OUT"/model_*.json "$OUT"/model.json
 elif [ "$1" = s20b ]; then
   # session 20's last call (~400 s of device time left): the private mapping's cold load of a 20 GB package (do
   # 2 MiB faults and compaction slow the fill?), then the learned rows of both shapes on another host (no warm
