@@ -267,6 +267,20 @@ def test_the_clock_echo_answers_each_ping_and_stamps_it():
     assert echo_pings(req, resp, cycles, 2, 1000, 4) == 0             # nothing new: none answered
 
 
+def _wait_for_end_stamp(box, ticket: int, timeout_s: float = 10.0) -> None:
+    """Until the worker has stamped request `ticket`'s end (after it booked the request's cycles), then a moment
+    more: the compiled loop's two plain stores carry no order a reader could rely on."""
+    import time
+
+    from runtime.experts.cpu_share import TIMELINE_RING
+
+    deadline = time.monotonic() + timeout_s
+    while box.cpu_times[ticket % TIMELINE_RING, 1] == 0:
+        assert time.monotonic() < deadline, f"the worker never stamped request {ticket}'s end"
+        time.sleep(0.001)
+    time.sleep(0.01)
+
+
 @pytest.mark.skipif(numba.config.NUMBA_NUM_THREADS < 2, reason="needs 2 numba threads")
 def test_the_worker_stamps_put_its_time_between_the_two_crossings(cpu):
     """The compiled worker stamps each request's seeing and end with the cycle counter (Mailbox.cpu_times); a
@@ -283,13 +297,19 @@ def test_the_worker_stamps_put_its_time_between_the_two_crossings(cpu):
     try:
         _post(box, cpu, 0, gen, t=1)                     # (a first request: compiled paths warm)
         collect_reference(torch.zeros(1, D), box)
-        after, cycles_before = int(box.ticket[0]), int(worker._clock[0])
+        after = int(box.ticket[0])
+        # the worker counts a request's cycles after its answer is out (its last task answers; lane 0 then books
+        # the time and stamps its end): read the clock once that is done, or a loaded machine (CI's two test
+        # workers) reads it before the first request's cycles land and counts them with the five below
+        _wait_for_end_stamp(box, after)
+        cycles_before = int(worker._clock[0])
         first = host_sample()
         for layer in (0, 1, 0, 1, 1):
             _post(box, cpu, layer, gen, t=1)
             time.sleep(0.002)                            # (collect starts late: the answer is there before it)
             collect_reference(torch.zeros(1, D), box)
         clock = ClockMap.fit(first, host_sample())
+        _wait_for_end_stamp(box, after + 5)
         spans = box.timeline(after, clock=clock)
         cycles = int(worker._clock[0]) - cycles_before
     finally:

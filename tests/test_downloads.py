@@ -485,7 +485,10 @@ def test_ctrl_c_pauses_the_download_command_and_the_same_command_resumes(hub, fr
                                                                          capsys):
     from app.cli import main
 
-    hub.throttle_bps = 150_000
+    # slow enough that the download is still running when Ctrl-C lands, even on a loaded machine: at 150 kB/s a
+    # ~200 kB shard (each file its own connection) was done in ~1.3 s, and once under CI's two test workers the
+    # command finished before its SIGINT was handled (exit 0); the resume below runs unthrottled
+    hub.throttle_bps = 40_000
     env = {**os.environ, "HF_HUB_OFFLINE": "0", "PYTHONPATH": str(ROOT), "FREETOKEN_HOME": str(freetoken_home)}
     argv = ["download", REPO, "--endpoint", hub.url, "--no-convert", "--include", "*.safetensors"]
     proc = subprocess.Popen([sys.executable, "-m", "ui.entry", *argv], env=env, cwd=ROOT,
