@@ -170,6 +170,32 @@ def test_page_locking_registers_exactly_the_store_and_unregisters_when_the_last_
     assert buf.pin() is True and [c[3] for c in calls] == [3, 0]
 
 
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="fork() is POSIX")
+def test_a_forked_child_is_not_given_the_store():
+    """A store is private memory, page-locked for the GPU's DMA: Linux copies such pages into a child at fork, so a
+    fork() (a subprocess with a preexec_fn, a multiprocessing "fork" pool) would copy the whole store. The buffer is
+    kept out of children (MADV_DONTFORK): the child's address space has nothing at the buffer's address."""
+    from runtime.experts.host_store import HostBuffer
+
+    buf = HostBuffer(64 << 20)
+    buf.array[:] = 1
+    start = buf.array.ctypes.data
+
+    def mapped_at(maps: str, address: int) -> bool:
+        for line in maps.splitlines():
+            lo, hi = (int(v, 16) for v in line.split()[0].split("-"))
+            if lo <= address < hi:
+                return True
+        return False
+
+    assert mapped_at(Path("/proc/self/maps").read_text(), start)          # (the parent has it)
+    pid = os.fork()
+    if pid == 0:                                                          # the child: 0 when the buffer is absent
+        os._exit(1 if mapped_at(Path("/proc/self/maps").read_text(), start) else 0)
+    _, status = os.waitpid(pid, 0)
+    assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0, "a forked child was given the store's buffer"
+
+
 def test_huge_pages_are_counted_inside_the_buffer_only():
     """The benchmark reports how much of a store sits in transparent huge pages: smaps' AnonHugePages of the
     mappings inside the buffer's range, not its neighbours'."""

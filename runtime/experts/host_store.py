@@ -46,8 +46,8 @@ class HostBuffer:
 
     Private, not Python's default: `mmap.mmap(-1, n)` maps MAP_SHARED, which Linux backs with shmem, whose huge
     pages follow `shmem_enabled` (default "never") rather than MADV_HUGEPAGE - every store measured on the GPU
-    machine until session 20 sat in 4 KiB pages ("0.00 GiB in transparent huge pages"). Nothing forks: the
-    mapping is only ever shared with the GPU (cudaHostRegister), which private pages serve as well.
+    machine until session 20 sat in 4 KiB pages ("0.00 GiB in transparent huge pages"). The mapping is only ever
+    shared with the GPU (cudaHostRegister), which private pages serve as well; a forked child is not given it.
     `huge_pages=False` asks for 4 KiB pages (MADV_NOHUGEPAGE): benchmarks/bench_store_pages.py's other side.
 
     Why not `torch.empty(..., pin_memory=True)`: torch's caching host allocator rounds every allocation up
@@ -63,6 +63,15 @@ class HostBuffer:
         if advice is not None and nbytes >= (64 << 20):      # before the first touch: the faults then take 2 MiB
             try:
                 self._map.madvise(advice)
+            except OSError:
+                pass
+        if private and hasattr(mmap, "MADV_DONTFORK"):
+            # a forked child does not get the buffer: private pages that are page-locked for DMA are copied into
+            # the child at fork (Linux keeps the parent's DMA target in place), 14-20 GB for a store - a
+            # subprocess started with fork() (a preexec_fn, a multiprocessing "fork" pool) would stall and could
+            # run the host out of RAM. What the shared mapping gave for free; RDMA stacks do the same
+            try:
+                self._map.madvise(mmap.MADV_DONTFORK)
             except OSError:
                 pass
         self.array = np.frombuffer(self._map, dtype=np.uint8, count=nbytes)     # [nbytes]
