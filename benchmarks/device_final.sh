@@ -843,13 +843,14 @@ elif [ "$1" = s20c ]; then
   # for session 21 (written after session 20's last call, not run): qwen3-30b's learned row with the store in huge
   # pages on more hosts (s20a: 74.3 %; s20b's ran out of time without a warm step), and the finer split again - its
   # take of the CPU's rows polls from one thread since session 19 (the every-warp polls that cost collect 9-12 µs a
-  # request were in it too; s17b-c: ahead at fixed shares, behind learned), split off first in each pair
+  # request were in it too; s17b-c: ahead at fixed shares, behind learned), split off first in each pair. The store
+  # is MADV_DONTFORK since after s20b: a failed cudaHostRegister would print here (and zero-copy would be off)
   warm 140 new
   thp_settings
   bench_rows 230 q3_split --models qwen3-30b-a3b "${ROW_8G[@]}" --tokens 192 --warmup 48 --cpu-share auto 0.6 \
-    --expert-split off on | grep -E "$ROW_LINES|store|split rows"
+    --expert-split off on | grep -E "$ROW_LINES|store|split rows|cudaHostRegister|page-lock"
   bench_rows 170 q36_split --models qwen3.6-35b-a3b "${ROW_8G[@]}" --tokens 192 --warmup 48 --cpu-share auto \
-    --expert-split off on | grep -E "$ROW_LINES|store|split rows"
+    --expert-split off on | grep -E "$ROW_LINES|store|split rows|cudaHostRegister|page-lock"
   rm -f "$OUT"/model_*.json "$OUT"/model.json
 elif [ "$1" = s20b ]; then
   # session 20's last call (~400 s of device time left): the private mapping's cold load of a 20 GB package (do
