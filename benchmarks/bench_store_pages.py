@@ -21,8 +21,6 @@ import statistics
 import sys
 from pathlib import Path
 
-import torch
-
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 GIB = 1 << 30
@@ -38,21 +36,12 @@ def build(model: str, layers: int | None, huge: bool):
 
 
 def worker_seconds(store, *, top_k: int, experts: int, threads: int, seed: int) -> float:
-    """The worker's own mean seconds a request (cycle counter), `experts` cold misses of a `top_k` row each."""
-    from runtime.experts.bench_model import time_requests
-    from runtime.experts.cpu_executor import CpuExecutor
-    from runtime.experts.cpu_share import CpuShareWorker, Mailbox
-    from runtime.experts.interface import ExpertSpec
+    """The worker's own mean seconds a request (cycle counter), `experts` cold misses of a `top_k` row each: one
+    round of the ceiling's measurement (`bench_model.cpu_kernel_gbps`), turned back into seconds."""
+    from runtime.experts.bench_model import cpu_kernel_gbps
 
-    cpu = CpuExecutor(store, ExpertSpec())
-    cpu.warm_up(store.layers[0])
-    box = Mailbox(max_tokens=1, top_k=top_k, hidden=store.layout.hidden, device=torch.device("cpu"), share=1.0)
-    worker = CpuShareWorker(box, None, int8_args=cpu.int8_args(), threads=threads)
-    try:
-        return time_requests(worker, box, store, experts=experts, calls=2 * len(store.layers), gap_s=100e-6,
-                             hot=False, seed=seed)[1]
-    finally:
-        worker.close()
+    gbps = cpu_kernel_gbps(store, top_k=top_k, experts=experts, threads=threads, rounds=1, seed=seed)
+    return experts * store.block_nbytes / (gbps * 1e9) if gbps else float("nan")
 
 
 def main() -> int:
@@ -66,9 +55,7 @@ def main() -> int:
     args = ap.parse_args()
 
     from runtime.experts.cpu_share import default_worker_threads
-    from runtime.experts.openmp import load_private_openmp
 
-    load_private_openmp()                       # as the tier does before its worker's threads exist
     threads = args.threads or default_worker_threads()
     stores = {}
     for pages, huge in (("2 MiB", True), ("4 KiB", False)):

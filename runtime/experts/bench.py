@@ -548,7 +548,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    help="zero-copy decode with a CPU share: a one-token call splits one miss between the sides by "
                         "gate/up rows (on) or hands out whole experts only (off); both: a row each")
     m.add_argument("--collect-warps", dest="collect_warps", nargs="+", type=int, default=[4],
-                   choices=[0, 1, 2, 4, 8, 16],
+                   choices=[0, 1, 2, 4, 8, 16],       # (handoff_triton.COLLECT_WARPS: not imported, the CLI
+                                                       # parser is built for every command and must not load torch)
                    help="zero-copy decode on CUDA: the warps of collect's program a token, one thread polling for the "
                         "CPU's answer (4: s19a's); 0: every warp of 256-column programs polls (sessions 9-18); "
                         "several: a row each")

@@ -299,7 +299,8 @@ class GatherTraffic:
 
 
 def cpu_kernel_gbps(store, *, top_k: int, threads: int, calls: int | None = None, gap_s: float = 100e-6,
-                    rounds: int = 3, beside: GatherTraffic | None = None) -> float:
+                    rounds: int = 3, beside: GatherTraffic | None = None, experts: int | None = None,
+                    seed: int = 0) -> float:
     """The CPU-kernel bandwidth in issue 10's physical ceiling, GB/s of expert bytes: the CPU-share worker (the
     compiled loop that decode's CPU share runs in, at its thread count) answering one-token requests of a whole
     layer's `top_k` experts, every one a miss and cold (request i reads layer i of the store, past the caches), over
@@ -307,7 +308,9 @@ def cpu_kernel_gbps(store, *, top_k: int, threads: int, calls: int | None = None
     cost of a request is spread over the most bytes), and the best of `rounds` rounds (one process measured
     67.0-78.7 GB/s in session 14), so the ceiling it gives is the highest the kernel allows. 0.0 where the int8
     kernel or the worker's cycle clock is not available. `beside`: GPU traffic started before the timed rounds and
-    marked around them (then the mean of the rounds, requests back to back: the rate while both read)."""
+    marked around them (then the mean of the rounds, requests back to back: the rate while both read). `experts`:
+    fewer cold misses a request than the layer's `top_k` (a decode step's CPU share; benchmarks/bench_store_pages.py),
+    `seed`: the first round's routing seed."""
     from runtime.experts.cpu_executor import CpuExecutor
     from runtime.experts.cpu_share import CpuShareWorker, Mailbox
     from runtime.experts.interface import ExpertSpec
@@ -325,8 +328,8 @@ def cpu_kernel_gbps(store, *, top_k: int, threads: int, calls: int | None = None
             beside.start()
             time.sleep(0.01)                    # (the link's reads in full flow first)
             beside.mark()
-        per_round = [time_requests(worker, box, store, experts=top_k, calls=calls or 2 * len(store.layers),
-                                   gap_s=gap_s if beside is None else 0.0, hot=False, seed=r)[1]
+        per_round = [time_requests(worker, box, store, experts=experts or top_k, calls=calls or 2 * len(store.layers),
+                                   gap_s=gap_s if beside is None else 0.0, hot=False, seed=seed + r)[1]
                      for r in range(rounds)]
         if beside is not None:
             beside.mark()
@@ -334,7 +337,7 @@ def cpu_kernel_gbps(store, *, top_k: int, threads: int, calls: int | None = None
     finally:
         worker.close()                          # its thread ends, and with it its OpenMP pool
     busy = min(per_round) if beside is None else float(np.mean(per_round))
-    return top_k * store.block_nbytes / busy / 1e9 if busy > 0 else 0.0
+    return (experts or top_k) * store.block_nbytes / busy / 1e9 if busy > 0 else 0.0
 
 
 def run_model(name: str, args, hw, report: dict) -> None:

@@ -59,21 +59,20 @@ class HostBuffer:
         self.nbytes = nbytes
         private = getattr(mmap, "MAP_PRIVATE", 0) | getattr(mmap, "MAP_ANONYMOUS", 0)    # (Unix; 0 on Windows)
         self._map = mmap.mmap(-1, max(1, nbytes), flags=private) if private else mmap.mmap(-1, max(1, nbytes))
-        advice = getattr(mmap, "MADV_HUGEPAGE" if huge_pages else "MADV_NOHUGEPAGE", None)
-        if advice is not None and nbytes >= (64 << 20):      # before the first touch: the faults then take 2 MiB
-            try:
-                self._map.madvise(advice)
-            except OSError:
-                pass
-        if private and hasattr(mmap, "MADV_DONTFORK"):
+        # before the first touch: the faults then take 2 MiB (for a store; small buffers stay as the OS likes)
+        advice = ["MADV_HUGEPAGE" if huge_pages else "MADV_NOHUGEPAGE"] if nbytes >= (64 << 20) else []
+        if private:
             # a forked child does not get the buffer: private pages that are page-locked for DMA are copied into
             # the child at fork (Linux keeps the parent's DMA target in place), 14-20 GB for a store - a
             # subprocess started with fork() (a preexec_fn, a multiprocessing "fork" pool) would stall and could
             # run the host out of RAM. What the shared mapping gave for free; RDMA stacks do the same
-            try:
-                self._map.madvise(mmap.MADV_DONTFORK)
-            except OSError:
-                pass
+            advice.append("MADV_DONTFORK")
+        for name in advice:
+            if hasattr(mmap, name):
+                try:
+                    self._map.madvise(getattr(mmap, name))
+                except OSError:
+                    pass
         self.array = np.frombuffer(self._map, dtype=np.uint8, count=nbytes)     # [nbytes]
         self.pinned = False
 

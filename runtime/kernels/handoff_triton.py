@@ -248,6 +248,8 @@ TIMES = os.environ.get("TRITON_INTERPRET") != "1"
 # polls of the answer word (PCIe round trips) before collect gives up: ~2 minutes at one poller's ~1.2-1.5 µs a
 # poll (s19a), as long as the 20 M polls of every warp took at ~8.6 µs each - far past any real answer
 MAX_SPINS = 100_000_000
+# collect's program sizes: warps of a token's program with one poller; 0 for every warp of 256-column programs
+COLLECT_WARPS = (0, 1, 2, 4, 8, 16)
 
 
 def take_split_rows(box, *, max_spins: int = MAX_SPINS) -> None:
@@ -285,16 +287,16 @@ def collect(out: torch.Tensor, box, *, extra: torch.Tensor | None = None, max_sp
     """out [T, D] += the CPU's answer, once it is there, and `extra` [T, D] (the hits' rows, computed beside the
     misses) when given: summed in fp32, rounded once (in place; returns out). One launch.
 
-    warps (a power of two, 1-16): a program a token of that many warps, its whole row, one thread polling the
-    answer word (s19a at 4: the answer seen 0.2-0.8 µs after the worker's end, where every warp's polls saw it
-    8-12 µs late; but the row then takes 2.8 µs to add - each thread's four 16-byte loads at hidden 2048 partly one
-    after another - against 1.4 in programs of 256 columns; 16 warps read it in one load a thread, predicted ~1.4,
-    not measured yet). 0: sessions 9-18's programs of 256 columns (2 warps), every warp of each polling."""
+    warps (COLLECT_WARPS: a power of two, 1-16): a program a token of that many warps, its whole row, one thread
+    polling the answer word (s19a at 4: the answer seen 0.2-0.8 µs after the worker's end, where every warp's polls
+    saw it 8-12 µs late; but the row then takes 2.8 µs to add - each thread's four 16-byte loads at hidden 2048
+    partly one after another - against 1.4 in programs of 256 columns; 16 warps read it in one load a thread: 1.6
+    µs in s19c, and no tok/s gained). 0: sessions 9-18's programs of 256 columns (2 warps), every warp polling."""
     t, d = out.shape
     if extra is not None and (extra.shape != out.shape or extra.stride(1) != 1):
         raise ValueError(f"collect: extra rows {tuple(extra.shape)} (strides {extra.stride()}) do not match "
                          f"out {tuple(out.shape)}")
-    if warps not in (0, 1, 2, 4, 8, 16):
+    if warps not in COLLECT_WARPS:
         raise ValueError(f"collect: {warps} warps (a power of two, 1-16; 0: every warp polls)")
     one_poller = warps > 0
     block, warps = (triton.next_power_of_2(d), warps) if one_poller else (256, 2)
