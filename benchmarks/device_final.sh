@@ -95,7 +95,8 @@
 #   (device) bash benchmarks/device_final.sh s19c # session 20: session 19's final code on a fresh host, 75 % again?
 #   (device) bash benchmarks/device_final.sh s20a # session 20: the store in huge pages (private mapping), A/B + rows
 #   (device) bash benchmarks/device_final.sh s20b # session 20: huge pages on another host - cold load, learned rows
-#   (device) bash benchmarks/device_final.sh s20c # for session 21 (not run): learned rows on more hosts, the split again
+#   (device) bash benchmarks/device_final.sh s20c # session 21: learned rows on more hosts, the split again
+#   (device) bash benchmarks/device_final.sh s21a # session 21: 15 lanes against 14, the whole-expert share 0.55
 # carry .site (numba, llvmlite, fla-core, platformdirs unpacked, xz). Results under $OUT. Build .site once (the
 # wheels alone pass the 64 MiB carry limit; unpacked and xz-compressed they take ~44 MB):
 #   pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
@@ -839,6 +840,18 @@ elif [ "$1" = s19b ]; then
   timeout 280 python3 -m pytest -q -p no:cacheprovider --device cuda --tb=short tests/test_hybrid_zero_copy.py \
     -k "hits_beside or compiled_worker_answers_inside" > "$OUT/cuda_tests.log" 2>&1
   echo "pytest rc=$?"; grep -v Warning "$OUT/cuda_tests.log" | tail -60
+elif [ "$1" = s21a ]; then
+  # session 21: a 15th lane (the worker's polling is lane 0's, so 14 lanes + the decoding thread left one core
+  # idle; session 6's "15 no better" predates the one-region worker), each row held to the kernel measured at its
+  # own lanes; and the whole-expert share 0.55 (between the learned grid's 0.5 and 0.6: round(0.6 x 6 misses) = 4
+  # leaves the CPU a layer's critical path), qwen3-30b at 8 GiB; qwen3.6 learned at 14/15 lanes
+  warm 140 new
+  thp_settings
+  bench_rows 300 q3_lanes --models qwen3-30b-a3b "${ROW_8G[@]}" --tokens 192 --warmup 48 --cpu-share auto 0.55 \
+    --cpu-threads 14 15 | grep -E "$ROW_LINES|store|threads"
+  bench_rows 170 q36_lanes --models qwen3.6-35b-a3b "${ROW_8G[@]}" --tokens 192 --warmup 48 --cpu-share auto \
+    --cpu-threads 14 15 | grep -E "$ROW_LINES|store|threads"
+  rm -f "$OUT"/model_*.json "$OUT"/model.json
 elif [ "$1" = s20c ]; then
   # for session 21 (written after session 20's last call, not run): qwen3-30b's learned row with the store in huge
   # pages on more hosts (s20a: 74.3 %; s20b's ran out of time without a warm step), and the finer split again - its

@@ -371,6 +371,14 @@ def run_model(name: str, args, hw, report: dict) -> None:
     kernel = f"{kernel_gbps:.1f} GB/s (a layer's {k} experts cold, one token, {worker_threads} threads)" \
         if kernel_gbps else "not measured (the ceiling takes the read probe)"
     print(f"{name} CPU kernel {kernel}; read probe {hw.cpu_gbps:.1f} GB/s, PCIe {hw.h2d_gbps:.1f} GB/s", flush=True)
+    # a row with another thread count (`--cpu-threads`) is held to the kernel measured at its own count: more lanes
+    # raise the kernel's bandwidth, and with it that row's ceiling
+    kernel_at = {worker_threads: kernel_gbps}
+    for threads in getattr(args, "cpu_threads", [0]):
+        if kernel_gbps and threads and threads not in kernel_at:
+            kernel_at[threads] = cpu_kernel_gbps(store, top_k=k, threads=threads)
+            print(f"{name} CPU kernel {kernel_at[threads]:.1f} GB/s at {threads} threads", flush=True)
+    report.setdefault("cpu_kernel_gbps_at", {})[name] = {str(t): g for t, g in kernel_at.items()}
     joint_gbps = 0.0
     if kernel_gbps:
         try:            # both at once: what this host's DRAM serves to the two sides together
@@ -461,7 +469,7 @@ def run_model(name: str, args, hw, report: dict) -> None:
                 misses = (c["cpu_experts"] + c["fetched_experts"]) / steps                     # per step
                 over = lambda gbps: sequences / (misses * store.block_nbytes / (gbps * 1e9) + dense_s)  # noqa: E731
                 # the issue's: the CPU kernel's bandwidth (or the read probe's where it could not be measured)
-                ceiling = over(hw.h2d_gbps + (kernel_gbps or hw.cpu_gbps))
+                ceiling = over(hw.h2d_gbps + (kernel_at.get(threads or worker_threads, 0.0) or hw.cpu_gbps))
                 ceiling_read, laptop = over(hw.h2d_gbps + hw.cpu_gbps), over(LAPTOP_LINKS_GBPS)
                 # beside it, over the two bandwidths measured together (0: not measured)
                 joint = over(joint_gbps) if joint_gbps else 0.0
