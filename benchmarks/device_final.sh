@@ -97,6 +97,7 @@
 #   (device) bash benchmarks/device_final.sh s20b # session 20: huge pages on another host - cold load, learned rows
 #   (device) bash benchmarks/device_final.sh s20c # session 21: learned rows on more hosts, the split again
 #   (device) bash benchmarks/device_final.sh s21a # session 21: 15 lanes against 14, the whole-expert share 0.55
+#   (device) bash benchmarks/device_final.sh s21b # session 21: the GPU-path tests on the final code
 # carry .site (numba, llvmlite, fla-core, platformdirs unpacked, xz). Results under $OUT. Build .site once (the
 # wheels alone pass the 64 MiB carry limit; unpacked and xz-compressed they take ~44 MB):
 #   pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
@@ -840,6 +841,14 @@ elif [ "$1" = s19b ]; then
   timeout 280 python3 -m pytest -q -p no:cacheprovider --device cuda --tb=short tests/test_hybrid_zero_copy.py \
     -k "hits_beside or compiled_worker_answers_inside" > "$OUT/cuda_tests.log" 2>&1
   echo "pytest rc=$?"; grep -v Warning "$OUT/cuda_tests.log" | tail -60
+elif [ "$1" = s21b ]; then
+  # session 21's last call: the GPU-path tests on the final code (the store private, MADV_DONTFORK and page-locked
+  # since session 20: never run under pytest on the GPU), the CPU kernels compiled first
+  warm 140 new
+  timeout 420 python3 -m pytest -q -p no:cacheprovider --device cuda --tb=short tests/test_hybrid_zero_copy.py \
+    tests/test_cpu_share_lanes.py tests/test_host_store_load.py tests/test_hybrid_host.py tests/test_hybrid_kernels.py \
+    tests/test_decode_graph.py tests/test_engine_default_tier.py tests/test_host_wait.py > "$OUT/cuda_tests.log" 2>&1
+  echo "pytest rc=$?"; grep -v Warning "$OUT/cuda_tests.log" | tail -40
 elif [ "$1" = s21a ]; then
   # session 21: a 15th lane (the worker's polling is lane 0's, so 14 lanes + the decoding thread left one core
   # idle; session 6's "15 no better" predates the one-region worker), each row held to the kernel measured at its
