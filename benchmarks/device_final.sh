@@ -99,6 +99,7 @@
 #   (device) bash benchmarks/device_final.sh s21a # session 21: 15 lanes against 14, the whole-expert share 0.55
 #   (device) bash benchmarks/device_final.sh s21b # session 21: the GPU-path tests on the final code
 #   (device) bash benchmarks/device_final.sh s21c # session 21: the split off/on, learned, 15 lanes
+#   (device) bash benchmarks/device_final.sh s21d # session 21: the split on, learned, 15 lanes then 14
 # carry .site (numba, llvmlite, fla-core, platformdirs unpacked, xz). Results under $OUT. Build .site once (the
 # wheels alone pass the 64 MiB carry limit; unpacked and xz-compressed they take ~44 MB):
 #   pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
@@ -856,6 +857,10 @@ elif [ "$1" = s21c ]; then
   bench_rows 250 q3_split15 --models qwen3-30b-a3b "${ROW_8G[@]}" --tokens 192 --warmup 48 --cpu-share auto \
     --cpu-threads 15 --expert-split off on | grep -E "$ROW_LINES|store|threads|split rows"
   rm -f "$OUT"/model_*.json "$OUT"/model.json
+elif [ "$1" = s21d ]; then
+  # session 21 (run inline on s21c's warm host; recorded here): the split on, learned, at 15 lanes then 14
+  bench_rows 250 q3_split_again --models qwen3-30b-a3b "${ROW_8G[@]}" --tokens 192 --warmup 48 --cpu-share auto \
+    --cpu-threads 15 14 --expert-split on | grep -E "$ROW_LINES|store|threads|split rows"
 elif [ "$1" = s21a ]; then
   # session 21: a 15th lane (the worker's polling is lane 0's, so 14 lanes + the decoding thread left one core
   # idle; session 6's "15 no better" predates the one-region worker), each row held to the kernel measured at its
