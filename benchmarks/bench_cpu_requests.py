@@ -135,6 +135,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--gap-us", type=float, default=250.0)
     p.add_argument("--layers", type=int, default=8)
     p.add_argument("--no-sweeps", dest="sweeps", action="store_false", help="skip the read sweeps (after the rows)")
+    p.add_argument("--early-x", nargs="+", choices=["on", "off"], default=["on"],
+                   help="the worker's early plan (x quantized while the lanes ask for their first rows) on and/or "
+                        "off: with both, each row runs in each mode in turn (--repeat times), one worker throughout")
+    p.add_argument("--repeat", type=int, default=1, help="rounds of the modes a row (an A/B alternating)")
     p.add_argument("--json", type=Path, default=None)
     args = p.parse_args(argv)
     sys.setswitchinterval(5e-5)                     # the background thread's Python must not hold the GIL long
@@ -157,8 +161,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"H2D alone: {report['h2d_alone_gbps']:.1f} GB/s", flush=True)
     # the worker rows first: libgomp counts every pool's threads, and a second pool (the sweeps' thread's) beside
     # the worker's would make it throttle (short spins, sleeping threads woken each region) - not the tier's case
-    print(f"{'threads':>7} {'experts':>7} {'data':>5} {'beside':>6} {'worker µs':>9} {'GB/s':>6} {'µs/expert':>9} "
-          f"{'trip µs':>7} {'p90':>6}", flush=True)
+    print(f"{'threads':>7} {'experts':>7} {'data':>5} {'beside':>6} {'early x':>7} {'worker µs':>9} {'GB/s':>6} "
+          f"{'µs/expert':>9} {'trip µs':>7} {'p90':>6}", flush=True)
     args8 = cpu.int8_args()
     for threads in args.threads:
         box = Mailbox(max_tokens=1, top_k=max(args.experts), hidden=store.layout.hidden,
@@ -166,7 +170,11 @@ def main(argv: list[str] | None = None) -> int:
         worker = CpuShareWorker(box, None, int8_args=args8, threads=threads)
         for n in args.experts:
             for hot in (False, True):
-                for beside in (["none", "h2d"] if bg is not None and not hot else ["none"]):
+                for beside, early in [(b_, e_) for b_ in (["none", "h2d"] if bg is not None and not hot else ["none"])
+                                      for _ in range(args.repeat) for e_ in args.early_x]:
+                    if worker.early_x != (early == "on"):
+                        worker.early_x = early == "on"    # read as the worker's loop next enters its region:
+                        time.sleep(0.02)                  # its 5 ms spin over first
                     kw = dict(experts=n, calls=args.calls, gap_s=args.gap_us * 1e-6, hot=hot)
                     marks = worker.phase_marks()
                     if beside == "h2d":
@@ -178,11 +186,11 @@ def main(argv: list[str] | None = None) -> int:
                     p90 = sorted(trips)[int(0.9 * len(trips))]
                     gbps = n * store.block_nbytes / busy / GB if busy else 0.0
                     r = {"threads": threads, "experts": n, "data": "hot" if hot else "cold", "beside": beside,
-                         "worker_us": busy * 1e6, "gbps": gbps, "trip_median_us": med * 1e6, "trip_p90_us": p90 * 1e6}
+                         "early_x": early, "worker_us": busy * 1e6, "gbps": gbps, "trip_median_us": med * 1e6, "trip_p90_us": p90 * 1e6}
                     if beside == "h2d":
                         r["h2d_gbps"] = bg.gbps
                     report["rows"].append(r)
-                    print(f"{threads:>7} {n:>7} {r['data']:>5} {beside:>6} {busy * 1e6:>9.0f} {gbps:>6.1f} "
+                    print(f"{threads:>7} {n:>7} {r['data']:>5} {beside:>6} {early:>7} {busy * 1e6:>9.0f} {gbps:>6.1f} "
                           f"{busy * 1e6 / n:>9.0f} {med * 1e6:>7.0f} {p90 * 1e6:>6.0f}"
                           + (f"  (H2D {bg.gbps:.0f} GB/s)" if beside == "h2d" else ""), flush=True)
                     line = phases_line(worker, marks)      # (the warm-up calls included: 10 of them)

@@ -100,6 +100,10 @@
 #   (device) bash benchmarks/device_final.sh s21b # session 21: the GPU-path tests on the final code
 #   (device) bash benchmarks/device_final.sh s21c # session 21: the split off/on, learned, 15 lanes
 #   (device) bash benchmarks/device_final.sh s21d # session 21: the split on, learned, 15 lanes then 14
+#   (device) bash benchmarks/device_final.sh s22a # session 22: the early plan (x quantized while the lanes ask for
+#                                                # their first rows) on/off: small requests alternating, 8 GiB rows
+#                                                # each held to a probe taken right after it too
+#   (device) bash benchmarks/device_final.sh s22b # session 22: the GPU-path tests on the final code, qwen3.6 rows
 # carry .site (numba, llvmlite, fla-core, platformdirs unpacked, xz). Results under $OUT. Build .site once (the
 # wheels alone pass the 64 MiB carry limit; unpacked and xz-compressed they take ~44 MB):
 #   pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
@@ -851,6 +855,28 @@ elif [ "$1" = s21b ]; then
     tests/test_cpu_share_lanes.py tests/test_host_store_load.py tests/test_hybrid_host.py tests/test_hybrid_kernels.py \
     tests/test_decode_graph.py tests/test_engine_default_tier.py tests/test_host_wait.py > "$OUT/cuda_tests.log" 2>&1
   echo "pytest rc=$?"; grep -v Warning "$OUT/cuda_tests.log" | tail -40
+elif [ "$1" = s22a ]; then
+  # session 22: the worker's early plan (lane 0 publishes a one-token request's plan before it quantizes x; the
+  # other lanes take their first gate/up task, ask for all of its rows and wait for x only to compute it) against
+  # x quantized first, in one worker (small requests, alternating) and in one process (8 GiB rows); every row is
+  # also held to the ceiling's probe run again right after it
+  warm 140 new
+  thp_settings; numa_settings
+  timeout 120 python3 benchmarks/bench_cpu_requests.py --threads 14 --experts 1 3 8 --early-x on off --repeat 2 \
+    --no-sweeps --json "$OUT/cpu_requests.json" > "$OUT/cpu_requests.txt" 2>&1
+  echo "cpu_requests rc=$?"; grep -v -E "Warning|@njit" "$OUT/cpu_requests.txt"
+  bench_rows 320 q3_early --models qwen3-30b-a3b "${ROW_8G[@]}" --tokens 192 --warmup 48 --cpu-share auto 0.6 \
+    --early-x on off | grep -E "$ROW_LINES|store|right after"
+  rm -f "$OUT"/model_*.json "$OUT"/model.json
+elif [ "$1" = s22b ]; then
+  # session 22: the GPU-path tests on the final code (the worker's 14-lane bit-for-bit tests with the early plan
+  # each way among them), then qwen3.6 at 8 GiB learned, early plan on/off, and qwen3-30b learned once more
+  timeout 300 python3 -m pytest -q -p no:cacheprovider --device cuda --tb=short tests/test_hybrid_zero_copy.py \
+    tests/test_cpu_share_lanes.py tests/test_hybrid_host.py tests/test_decode_graph.py > "$OUT/cuda_tests.log" 2>&1
+  echo "pytest rc=$?"; grep -v Warning "$OUT/cuda_tests.log" | tail -15
+  bench_rows 200 q36_early --models qwen3.6-35b-a3b "${ROW_8G[@]}" --tokens 192 --warmup 48 --cpu-share auto \
+    --early-x on off | grep -E "$ROW_LINES|store|right after"
+  rm -f "$OUT"/model_*.json "$OUT"/model.json
 elif [ "$1" = s21c ]; then
   # session 21's leftover device time: the finer split off/on, learned, at 15 lanes (s21a's fastest row: 110.9)
   warm 100 new

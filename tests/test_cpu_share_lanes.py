@@ -42,14 +42,16 @@ def _want(cpu, layer, x, ids, w, table):
     return cpu.run(layer, x, tok, ids.reshape(-1)[miss].numpy(), w.reshape(-1)[miss].numpy())
 
 
+@pytest.mark.parametrize("early_x", [True, False], ids=["early plan", "x before the plan"])
 @pytest.mark.parametrize("threads", [2, 14])
-def test_the_lanes_answer_request_after_request_as_the_executor_does(cpu, threads):
+def test_the_lanes_answer_request_after_request_as_the_executor_does(cpu, threads, early_x):
     """(14 lanes: the GPU machine's worker, where a race between lanes - a group of h quantized before its last
-    rows landed, a down task taken early - would show)"""
+    rows landed, a down task taken early, a gate/up row computed before lane 0 finished x under the early plan -
+    would show)"""
     if numba.config.NUMBA_NUM_THREADS < threads:
         pytest.skip(f"needs {threads} numba threads (the GPU machine's worker runs 14 lanes)")
     box = _box()
-    worker = CpuShareWorker(box, None, int8_args=cpu.int8_args(), threads=threads)
+    worker = CpuShareWorker(box, None, int8_args=cpu.int8_args(), threads=threads, early_x=early_x)
     compiled = set(k8.serve_layers.signatures)   # the worker compiled its loop while it was built...
     gen = torch.Generator().manual_seed(5)
     try:
@@ -112,10 +114,11 @@ def _direct(box, cpu, lanes):
     return worker_like._scratch_for(lanes), np.zeros(2, dtype=np.int64), np.zeros(k8.N_PHASES, dtype=np.int64)
 
 
-def _serve(box, cpu, scratch, lanes, last, clock, phases):
+def _serve(box, cpu, scratch, lanes, last, clock, phases, early_x=1):
     b = box._np
     return serve_int8(b["req"], b["resp"], b["meta"], b["ids"], b["weights"], b["x"], b["out"], b["part"],
-                      b["part_resp"], last, 1000, clock, box.cpu_times, phases, lanes, *scratch, *cpu.int8_args())
+                      b["part_resp"], last, 1000, clock, box.cpu_times, phases, lanes, early_x, *scratch,
+                      *cpu.int8_args())
 
 
 @pytest.mark.skipif(numba.config.NUMBA_NUM_THREADS < 2, reason="needs 2 numba threads")
@@ -340,6 +343,21 @@ def test_the_ceilings_cpu_kernel_bandwidth_is_the_workers_on_whole_cold_layers(c
     assert 0.0 < gbps < 1e4
     plain = HostExpertStore.synthetic(layers=1, num_experts=E, hidden=D, intermediate=I, codec="bf16", seed=2)
     assert cpu_kernel_gbps(plain, top_k=K, threads=2, calls=2, gap_s=0.0) == 0.0
+
+
+def test_a_row_is_held_to_the_probe_taken_right_after_it_too(cpu):
+    """`bench model` probes the CPU kernel again after each zero-copy row and holds the row to that ceiling beside
+    the process's start probe: the same formula (miss bytes over PCIe + kernel, plus the dense time), another
+    bandwidth - a row faster than both ceilings' sum of links would be a wrong formula, not a fast row."""
+    from runtime.experts.bench_model import probe_after_row
+    row = {"tok_s": 50.0, "misses_per_token": 40.0, "of_ceiling": 0.5}
+    probe_after_row(row, cpu.store, top_k=K, threads=2, h2d_gbps=1.0, dense_s=1e-3)
+    after = row["kernel_gbps_after"]
+    assert 0.0 < after < 1e4
+    want = 1.0 / (40.0 * cpu.store.block_nbytes / ((1.0 + after) * 1e9) + 1e-3)
+    assert row["ceiling_after_tok_s"] == pytest.approx(want)
+    assert row["of_ceiling_after"] == pytest.approx(50.0 / want)
+    assert row["ceiling_after_tok_s"] < 1e3        # (never above the dense step alone: 1 ms a token)
 
 
 def test_the_split_rule_takes_the_fraction_of_an_expert_in_rows():

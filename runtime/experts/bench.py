@@ -553,6 +553,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    help="zero-copy decode on CUDA: the warps of collect's program a token, one thread polling for the "
                         "CPU's answer (4: s19a's); 0: every warp of 256-column programs polls (sessions 9-18); "
                         "several: a row each")
+    m.add_argument("--early-x", dest="early_x", nargs="+", choices=["on", "off"], default=["on"],
+                   help="zero-copy decode's CPU worker: a one-token request's x quantized while the lanes ask for "
+                        "their first rows (on, the default) or before its plan is published (off); both: a row each")
     m.add_argument("--promotions", nargs="+", default=["adaptive"], choices=["adaptive", "fixed"],
                    help="zero-copy decode: the step's promotion budget learned from what promotions buy (adaptive) "
                         "or always the byte budget's blocks (fixed); both: a row each")

@@ -340,6 +340,22 @@ def cpu_kernel_gbps(store, *, top_k: int, threads: int, calls: int | None = None
     return (experts or top_k) * store.block_nbytes / busy / 1e9 if busy > 0 else 0.0
 
 
+def probe_after_row(row: dict, store, *, top_k: int, threads: int, h2d_gbps: float, dense_s: float) -> None:
+    """The ceiling's CPU-kernel probe run again right after a decode row (its tier idle: the worker's spin over),
+    and the row held to the ceiling it gives, beside the one from the probe at the process's start: the probe read
+    78.1 and then 94.8 GB/s in two processes minutes apart on one host (session 21, s21c/s21d) while the rows moved
+    less, so a probe taken once per process says as much about that moment as about the row."""
+    time.sleep(0.2)                 # the tier's worker leaves its region after a 5 ms spin, its pool then sleeps
+    after = cpu_kernel_gbps(store, top_k=top_k, threads=threads)
+    if not after:
+        return
+    ceiling = 1.0 / (row["misses_per_token"] * store.block_nbytes / ((h2d_gbps + after) * 1e9) + dense_s)
+    row.update(kernel_gbps_after=after, ceiling_after_tok_s=ceiling, of_ceiling_after=row["tok_s"] / ceiling)
+    print(f"    CPU kernel right after the row: {after:.1f} GB/s -> ceiling {ceiling:.1f} tok/s, "
+          f"{100 * row['of_ceiling_after']:.1f} % (the process's start probe: {100 * row['of_ceiling']:.1f} %)",
+          flush=True)
+
+
 def run_model(name: str, args, hw, report: dict) -> None:
     from runtime.experts.cpu_share import default_worker_threads
     from runtime.experts.host_store import HostExpertStore
@@ -436,13 +452,16 @@ def run_model(name: str, args, hw, report: dict) -> None:
         starts = getattr(args, "share_start", ["balance"])
         expert_splits = getattr(args, "expert_split", ["off"])
         collect_warps = getattr(args, "collect_warps", [4])
-        for routing, split, share, gather, threads, host_wait, hits_mode, promotion, parts, start, esplit, cwarps in [
-                (r, sp, sh, g, th, hw_, hm, pm, pa, st, es, cw) for r in args.routings for sp in splits
+        early_xs = getattr(args, "early_x", ["on"])
+        for routing, split, share, gather, threads, host_wait, hits_mode, promotion, parts, start, esplit, cwarps, \
+                early_x in [
+                (r, sp, sh, g, th, hw_, hm, pm, pa, st, es, cw, ex) for r in args.routings for sp in splits
                 for sh in (shares if sp == "auto" else shares[:1]) for g in gathers
                 for th in (thread_counts if sh != 0 else thread_counts[:1]) for hw_ in waits for hm in hits_modes
                 for pm in promotions for pa in parts_modes for st in (starts if sh is None else starts[:1])
                 for es in (expert_splits if sh != 0 else expert_splits[:1])
-                for cw in (collect_warps if sh != 0 else collect_warps[:1])]:
+                for cw in (collect_warps if sh != 0 else collect_warps[:1])
+                for ex in (early_xs if sh != 0 else early_xs[:1])]:
             if device.type == "cuda":
                 torch.cuda.empty_cache()
                 torch.cuda.reset_peak_memory_stats()
@@ -450,7 +469,7 @@ def run_model(name: str, args, hw, report: dict) -> None:
                 slots=slots, top_k=k, cpu_gbps=hw.cpu_gbps, h2d_gbps=hw.h2d_gbps, split=split, cpu_share=share,
                 zero_copy_gather=gather == "on", cpu_threads=threads or None, hits_beside=hits_mode == "beside",
                 adaptive_promotions=promotion == "adaptive", split_gather=parts == "two", expert_split=esplit == "on",
-                collect_warps=cwarps,
+                collect_warps=cwarps, cpu_early_x=early_x == "on",
                 share_start=None if start == "balance" else float(start),
                 hot_set=tuple((lay, x) for lay in moe_layers for x in range(e)) if slots >= layers * e else ()))
             router = Router(routing, layers=layers, experts=e, k=k, seed=1)
@@ -523,12 +542,16 @@ def run_model(name: str, args, hw, report: dict) -> None:
                                         + ("" if parts == "two" else " one gather")
                                         + (" split expert" if esplit == "on" else "")
                                         + ({4: "", 0: " every warp polls"}.get(cwarps, f" collect {cwarps} warps"))
+                                        + ("" if early_x == "on" else " x before plan")
                                         + ("" if share is not None or start == "balance" else f" from {start}")
                                         if hybrid.zero_copy else hybrid.split.mode)
                                        + ("" if split == "auto" else " (forced)")))
                 print(_fmt(rows[-1]), flush=True)
                 print_worker_line(hybrid, worker_before, rows[-1], steps=args.tokens + args.warmup,
                                   clock=clock_map(clock_before, clock_sample(hybrid, device)))
+                if kernel_gbps and hybrid.zero_copy and slots < layers * e:
+                    probe_after_row(rows[-1], store, top_k=k, threads=threads or worker_threads,
+                                    h2d_gbps=hw.h2d_gbps, dense_s=dense_s)
                 if trace:
                     # relative to the row's start: the worker's counters before the row are the baseline
                     trace = [(t, None if c is None else tuple(x - y for x, y in zip(c, worker_before)))

@@ -946,11 +946,12 @@ def fused_down_inputs(n_a, group):
 
 
 @njit(cache=True, inline="always")
-def _prepare(x, tokens_in, experts_in, weights_in, n_exp, n_tok, d, i, group, n_thr, v):
+def _prepare(x, tokens_in, experts_in, weights_in, n_exp, n_tok, d, i, group, n_thr, v, quantize_x):
     """A call's serial start: its assignments sorted by expert, the marks cleared (plain loops: in a
     parallel=True function `seen[:] = 0` would be a parallel region of its own), x quantized here when it is a
-    single token (SERIAL_X_TOKENS); each stage's task count (none for the down inputs when the gate/up tasks
-    quantize them, `fused_down_inputs`: its groups' counters cleared instead)."""
+    single token (SERIAL_X_TOKENS) and `quantize_x` (else the caller does it serially after publishing the plan:
+    the worker's early plan); each stage's task count (none for the down inputs when the gate/up tasks quantize
+    them, `fused_down_inputs`: its groups' counters cleared instead)."""
     counts, tokens, experts, starts, sync, seen, t_in, weights, xs, xm = v[:10]
     xq, qdone = v[13], v[15]
     n_u = group_by_expert(tokens_in, experts_in, weights_in, n_exp, n_tok, counts, tokens, weights, experts, starts)
@@ -965,8 +966,9 @@ def _prepare(x, tokens_in, experts_in, weights_in, n_exp, n_tok, d, i, group, n_
         t_in[j] = _NEVER
     n_x = n_tok * (d // group)
     if n_tok <= SERIAL_X_TOKENS:
-        for n in range(n_tok):
-            _quantize_row(x, n, group, xq, xs, xm)
+        if quantize_x:
+            for n in range(n_tok):
+                _quantize_row(x, n, group, xq, xs, xm)
         n_x = 0
     rows = _down_rows(n_u)
     return n_x, n_u * ((i + ROWS_PER_TASK - 1) // ROWS_PER_TASK), n_down_in, (d + rows - 1) // rows
@@ -986,6 +988,18 @@ def _prefetch_gate_up(buf, b0, o, r, row_d, scale_d, mins):
     """Row r of the gate and up matrices of the block at b0 (codes, scales, mins) asked for."""
     _prefetch_row(buf, b0, o[0], o[1], o[2], np.uint64(r), row_d, scale_d, mins)
     _prefetch_row(buf, b0, o[3], o[4], o[5], np.uint64(r), row_d, scale_d, mins)
+
+
+@njit(cache=True, inline="always")
+def _rows_asked_then_x(buf, b0, o, r0, r1, row_d, scale_d, mins, x_word, x_at, x_gen):
+    """A lane's first gate/up task under the early plan: every row of it asked for (codes, scales, mins of both
+    matrices), then a wait until x is quantized (x_word[x_at] >= x_gen) - the task's reads from DRAM overlap lane
+    0's serial quantization of x instead of following it."""
+    if _load_acquire(x_word, x_at) >= x_gen:         # (x was ready before the call: nothing to overlap)
+        return
+    for r in range(r0, r1):
+        _prefetch_gate_up(buf, b0, o, r, row_d, scale_d, mins)
+    _wait_at_least(x_word, x_at, x_gen)
 
 
 @njit(cache=True, fastmath=True, inline="always")
@@ -1011,7 +1025,7 @@ def _gate_up_act(codec, buf, buf16, buf32, b0, o, ru, gd, hg, table, xq, xs, xm,
 @njit(cache=True, fastmath=True, nogil=True, _nrt=False)
 def _stages(codec, buf, buf16, buf32, nbytes, offs, has_bias, i, group, table, x, n_a, gate_scale, up_scale,
             down_scale, activation, alpha, limit, out, v, plan, answer, ticket, gen_word, gen, lane, phases,
-            clear_out, split_e, split_t, split_r, split_base, part, part_answer):
+            clear_out, split_e, split_t, split_r, split_base, part, part_answer, x_word, x_at, x_gen):
     """One lane's part of a call: each stage's tasks taken from its counter until none is left, then a wait until
     every task of the stage is done (counting tasks, not lanes: a lane the OS never runs takes none, and nothing
     waits for it). plan: (the stages' counter bases, then their task counts) - counters run on from call to call
@@ -1038,7 +1052,12 @@ def _stages(codec, buf, buf16, buf32, nbytes, offs, has_bias, i, group, table, x
     `part` (fp32, not quantized: the GPU's down kernel takes them as its own h rows), before any whole expert's
     rows; the lane that finishes the last of them (a counter that runs on from call to call like the stages',
     from split_base) stores `ticket` in part_answer[0] (release). That expert has no down task here: the GPU
-    computes its other rows and its down projection."""
+    computes its other rows and its down projection.
+
+    x_word[x_at] >= x_gen is when x's int8 form is whole (the worker's early plan: lane 0 publishes the plan and
+    then quantizes a single token's x while the other lanes take their first gate/up task and ask for all of its
+    rows; each waits for x only before computing it). Where x is quantized before the call, x_word[x_at] is
+    already past x_gen and the wait is one load."""
     tokens, experts, starts, sync, seen = v[1], v[2], v[3], v[4], v[5]
     weights, xs, xm, h, hs, hm, xq, hq, qdone = v[7:]
     d = x.shape[1]
@@ -1062,6 +1081,7 @@ def _stages(codec, buf, buf16, buf32, nbytes, offs, has_bias, i, group, table, x
     held_rows = max(ahead_i, np.int64(HELD_PREFETCH_BYTES) // (np.int64(row_i) + np.int64(2) * np.int64(scale_i)))
     lb = LANE_BASE + lane * LANE_WORDS
     counting = phases.shape[0] >= lb + LANE_WORDS
+    x_waited = False                                 # (this lane has seen x whole: its gate/up tasks may run)
     for stage in range(N_STAGES):
         base = plan[stage]
         end = base + plan[N_STAGES + stage]
@@ -1084,6 +1104,9 @@ def _stages(codec, buf, buf16, buf32, nbytes, offs, has_bias, i, group, table, x
                 b0, t = e * nb, np.uint64(split_t)
                 r0 = task * ROWS_PER_TASK
                 r1 = r0 + ROWS_PER_TASK
+                if not x_waited:
+                    _rows_asked_then_x(buf, b0, o, r0, r1, row_d, scale_d, mins, x_word, x_at, x_gen)
+                    x_waited = True
                 for r in range(r0, min(r0 + ahead_d, r1)):
                     _prefetch_gate_up(buf, b0, o, r, row_d, scale_d, mins)
                 for r in range(r0, r1):
@@ -1098,6 +1121,9 @@ def _stages(codec, buf, buf16, buf32, nbytes, offs, has_bias, i, group, table, x
                         phases[SPLIT_COUNT] += 1
             elif stage == 1:                          # gate and up rows of one expert
                 u, e, b0, r0, r1 = _task_rows(task - n_split, up_blocks, experts, nb, i, ROWS_PER_TASK)
+                if not x_waited:
+                    _rows_asked_then_x(buf, b0, o, r0, r1, row_d, scale_d, mins, x_word, x_at, x_gen)
+                    x_waited = True
                 for r in range(r0, min(r0 + ahead_d, r1)):           # the first rows asked for at once
                     _prefetch_gate_up(buf, b0, o, r, row_d, scale_d, mins)
                 for r in range(r0, r1):
@@ -1228,7 +1254,7 @@ def moe_layer_int8(codec, buf, buf16, buf32, nbytes, offs, has_bias, i, group, t
     n_exp = buf.shape[0] // nbytes
     n_thr = max(1, lanes)
     v = _carve(s64, s32, s8, n_tok, n_a, n_exp, n_thr, d, i, group)
-    n0, n1, n2, n3 = _prepare(x, tokens_in, experts_in, weights_in, n_exp, n_tok, d, i, group, n_thr, v)
+    n0, n1, n2, n3 = _prepare(x, tokens_in, experts_in, weights_in, n_exp, n_tok, d, i, group, n_thr, v, True)
     sync, seen, t_in = v[4], v[5], v[6]
     for j in range(sync.shape[0]):
         sync[j] = 0
@@ -1240,7 +1266,8 @@ def moe_layer_int8(codec, buf, buf16, buf32, nbytes, offs, has_bias, i, group, t
         t_in[lane] = _cycles()
         _stages(codec, buf, buf16, buf32, nbytes, offs, has_bias, i, group, table, x, n_a, gate_scale, up_scale,
                 down_scale, activation, alpha, limit, out, v, plan, answer, ticket, always, zero, lane, phases, False,
-                zero, zero, zero, zero, s32, answer)     # (no split expert: the part arrays are never touched)
+                zero, zero, zero, zero, s32, answer, always, 0, zero)   # (no split expert: the part arrays are
+                                                                         # never touched; x quantized already)
     _mark_phases(phases, c0, t_in, n_thr, seen, _cycles())
 
 
@@ -1250,13 +1277,16 @@ CTL_GEN, CTL_BEGIN, CTL_QUIT, CTL_PLAN = (j * SYNC_STRIDE for j in range(4))   #
 CTL_LAYER, CTL_A, CTL_TICKET, CTL_C0, CTL_LAST = (CTL_PLAN + 2 * N_STAGES + j for j in range(5))
 CTL_SPLIT_E, CTL_SPLIT_T, CTL_SPLIT_R, CTL_SPLIT_BASE = (CTL_PLAN + 2 * N_STAGES + 5 + j for j in range(4))
 CTL_BAD = CTL_PLAN + 2 * N_STAGES + 9              # a request refused (its ticket): serve_int8 raises
-CTL_SIZE = CTL_PLAN + 2 * N_STAGES + 10
+# the generation whose x is quantized (the early plan: written after CTL_GEN), on its own 128 bytes - every lane
+# polls it while lane 0 writes x's int8 form
+CTL_XREADY = -(-(CTL_PLAN + 2 * N_STAGES + 10) // SYNC_STRIDE) * SYNC_STRIDE
+CTL_SIZE = CTL_XREADY + SYNC_STRIDE
 
 
 @njit(parallel=True, cache=True, fastmath=True, nogil=True)
 def serve_layers(req, resp, meta, ids, weights, x, out, part, part_answer, last, spins, clock, stamps, phases, lanes,
-                 sel64, sel32, s64, s32, s8, ctl, codec, bufs, g_scale, u_scale, d_scale, nbytes, offs, has_bias, inter,
-                 group, table, activation, alpha, limit):
+                 early_x, sel64, sel32, s64, s32, s8, ctl, codec, bufs, g_scale, u_scale, d_scale, nbytes, offs,
+                 has_bias, inter, group, table, activation, alpha, limit):
     """The CPU-share worker's requests (cpu_share.serve_int8 says what each argument is), served by `lanes` lanes
     that stay in one parallel region from request to request: lane 0 polls the mailbox, gathers a request's
     assignments and publishes it (ctl[CTL_GEN]); every lane, spinning on that word between requests, runs the
@@ -1273,7 +1303,12 @@ def serve_layers(req, resp, meta, ids, weights, x, out, part, part_answer, last,
     sequence check (CTL_BEGIN is bumped before it is written, CTL_GEN after).
 
     A request may name a split expert (meta[2:5]: expert, token, rows; rows 0: none): its first rows' activations
-    go to `part` and their ticket to part_answer (`_stages`), even when the request has no whole expert."""
+    go to `part` and their ticket to part_answer (`_stages`), even when the request has no whole expert.
+
+    early_x (the early plan, for a request of one token): lane 0 publishes the plan straight after the sort and
+    quantizes x after it (CTL_XREADY), so the other lanes' first gate/up rows stream in from DRAM while it does -
+    the serial start's quantization (~4 µs of 6-8 on the GPU machine's host, session 15) no longer holds every
+    lane. Same tasks, same order of sums: the same bits either way."""
     # Every shared word the lanes read inside the prange is read with _load_acquire: numba hoists a plain
     # `meta[0]` or `ctl[i]` (a constant index into an array the loop does not look like it writes) out of the
     # loop, so every request after the first read the first one's layer and token count
@@ -1284,6 +1319,7 @@ def serve_layers(req, resp, meta, ids, weights, x, out, part, part_answer, last,
     n_exp = bufs[0].shape[0] // nbytes
     v = _carve(s64, s32, s8, t_max, a_max, n_exp, n_thr, d, inter, group)
     sync, seen, t_in = v[4], v[5], v[6]
+    xs, xm, xq = v[8], v[9], v[13]
     for j in range(sync.shape[0]):
         sync[j] = 0
     for j in range(ctl.shape[0]):
@@ -1334,8 +1370,9 @@ def serve_layers(req, resp, meta, ids, weights, x, out, part, part_answer, last,
                     clock[0] += stamps[seq % stamps.shape[0], 1] - c0
                     _store_release(ctl, CTL_LAST, seq)
                     continue
+                late_x = early_x != 0 and t <= SERIAL_X_TOKENS     # x quantized after the plan is out
                 n0, n1, n2, n3 = _prepare(x, sel64[:a], sel64[a_max:a_max + a], sel32[:a], n_exp, t, d, inter,
-                                          group, n_thr, v)
+                                          group, n_thr, v, not late_x)
                 n1 += sr // ROWS_PER_TASK           # the split expert's row tasks come first in the stage
                 plan = (b0, b1, b2, b3, n0, n1, n2, n3)
                 b0, b1, b2, b3 = b0 + n0, b1 + n1, b2 + n2, b3 + n3
@@ -1354,8 +1391,15 @@ def serve_layers(req, resp, meta, ids, weights, x, out, part, part_answer, last,
                 bs += sr // ROWS_PER_TASK
                 _store_release(ctl, CTL_SPLIT_BASE, sb)
                 _store_release(ctl, CTL_LAST, seq)
+                if not late_x:
+                    _store_release(ctl, CTL_XREADY, g)
                 phases[0] += _cycles() - c0
                 _store_release(ctl, CTL_GEN, g)
+                if late_x:                          # the other lanes are asking for their first rows meanwhile
+                    for n in range(t):
+                        _quantize_row(x, n, group, xq, xs, xm)
+                    _store_release(ctl, CTL_XREADY, g)
+                    seen[0] = _cycles()             # (the "x quantized" mark: now lane 0's, after the stage's)
             else:
                 _wait_at_least(ctl, CTL_GEN, mine + 1)
                 g = _load_acquire(ctl, CTL_GEN)     # before QUIT: the quitting generation comes with QUIT set
@@ -1378,7 +1422,7 @@ def serve_layers(req, resp, meta, ids, weights, x, out, part, part_answer, last,
             buf = bufs[li]
             _stages(codec, buf, buf.view(np.uint16), buf.view(np.float32), nbytes, offs, has_bias, inter, group,
                     table, x, a, g_scale[li], u_scale[li], d_scale[li], activation, alpha, limit, out, v, plan,
-                    resp, seq, ctl, g, lane, phases, True, se, st, sr, sb, part, part_answer)
+                    resp, seq, ctl, g, lane, phases, True, se, st, sr, sb, part, part_answer, ctl, CTL_XREADY, g)
             if lane == 0:
                 joined = _cycles()
                 c0 = _load_acquire(ctl, CTL_C0)

@@ -87,15 +87,16 @@ try:
         return _cycles()
 
     def serve_int8(req, resp, meta, ids, weights, x, out, part, part_resp, last, spins, clock, stamps, phases, lanes,
-                   sel64, sel32, s64, s32, s8, ctl, codec, bufs, g_scale, u_scale, d_scale, nbytes, offs, has_bias,
-                   inter, group, table, activation, alpha, limit):
+                   early_x, sel64, sel32, s64, s32, s8, ctl, codec, bufs, g_scale, u_scale, d_scale, nbytes, offs,
+                   has_bias, inter, group, table, activation, alpha, limit):
         """The worker's request loop: poll the request word, gather the CPU's assignments, run the int8 kernel
         over the layer's blocks, answer - in two compiled steps without the GIL. Returns the last ticket served
         once `spins` polls saw nothing new (the Python side then checks its stop flag and naps). clock [2] int64
         accumulates the cycles from seeing a request to the kernel's end, and the requests answered; stamps
         [R, 2] int64 gets each request's cycles when seen and when done, at ticket % R (the mailbox's timeline on
         the CPU's side: Mailbox.cpu_times); phases the
-        kernel's own time marks (cpu_kernels_int8.PHASES); lanes its threads; sel64 [2A], sel32 [A] and s64, s32,
+        kernel's own time marks (cpu_kernels_int8.PHASES); lanes its threads; early_x 1: a one-token request's x
+        quantized after its plan is published (serve_layers' early plan), 0: before; sel64 [2A], sel32 [A] and s64, s32,
         s8 (the kernel's) scratch: nothing is allocated per request; ctl [CTL_SIZE] the lanes' shared words.
 
         The poll runs on this thread alone; once a request comes, `serve_layers` serves it and every one after it
@@ -107,7 +108,7 @@ try:
         if spin_until_changed(req, last, spins) == last:
             return last
         seq = serve_layers(req, resp, meta, ids, weights, x, out, part, part_resp, last, spins, clock, stamps, phases,
-                           lanes, sel64, sel32, s64, s32, s8, ctl, codec, bufs, g_scale, u_scale, d_scale, nbytes, offs,
+                           lanes, early_x, sel64, sel32, s64, s32, s8, ctl, codec, bufs, g_scale, u_scale, d_scale, nbytes, offs,
                            has_bias, inter, group, table, activation, alpha, limit)
         if ctl[CTL_BAD]:           # (the worker answers it with zeros and both tickets, and reports this)
             raise ValueError("CPU expert worker: a split expert's id, token or rows are out of range")
@@ -260,11 +261,14 @@ class CpuShareWorker:
     weights [A]) -> [T, D] fp32` until `close()`. A daemon thread; `error` holds the first failure."""
 
     def __init__(self, box: Mailbox, compute, *, name: str = "cpu-experts", int8_args: tuple | None = None,
-                 threads: int = 0):
+                 threads: int = 0, early_x: bool | None = None):
         """`int8_args` (CpuExecutor.int8_args()): serve requests in compiled code (`serve_int8`), no Python
-        between a request and its answer; else each request goes through `compute` in Python."""
+        between a request and its answer; else each request goes through `compute` in Python. `early_x`: the
+        compiled loop's early plan (a one-token request's x quantized while the lanes ask for their first rows;
+        the same bits either way); None: on unless FREETOKEN_CPU_EARLY_X=0 (an A/B without a recompile)."""
         self.box, self.compute = box, compute
         self.int8_args, self.threads = int8_args, threads
+        self.early_x = early_x if early_x is not None else os.environ.get("FREETOKEN_CPU_EARLY_X", "1") != "0"
         self.compiled = int8_args is not None and HAVE_NUMBA     # requests served in compiled code
         load_private_openmp()            # (the tier did it before its warm-up; a worker built alone does it here)
         if HAVE_NUMBA:
@@ -290,7 +294,7 @@ class CpuShareWorker:
             # would leave it a pool of kernel threads for good: CpuExecutor.warm_up)
             args = (b["req"], b["resp"], b["meta"], b["ids"], b["weights"], b["x"], b["out"], b["part"], b["part_resp"],
                     int(b["req"][0]), 0,
-                    self._clock, box.cpu_times, self._phases, 1, *self._scratch, *int8_args)
+                    self._clock, box.cpu_times, self._phases, 1, int(self.early_x), *self._scratch, *int8_args)
             serve_layers.compile(tuple(numba.typeof(a) for a in args))
             self._cycles_per_s = _cycle_rate()
         self.error: BaseException | None = None
@@ -361,8 +365,8 @@ class CpuShareWorker:
         b = self.box._np
         return int(serve_int8(b["req"], b["resp"], b["meta"], b["ids"], b["weights"], b["x"], b["out"], b["part"],
                               b["part_resp"], last, spins,
-                              self._clock, self.box.cpu_times, self._phases, self._lanes, *self._scratch,
-                              *self.int8_args))
+                              self._clock, self.box.cpu_times, self._phases, self._lanes, int(self.early_x),
+                              *self._scratch, *self.int8_args))
 
     @property
     def kernel_seconds(self) -> float | None:

@@ -126,6 +126,9 @@ class HybridOptions:
                                                 # one miss between the sides by rows (cpu_share.py, session 16).
                                                 # Off: no steady gain on the H200 (session 17: 4-8 % ahead at
                                                 # fixed shares on one host, 3-15 % behind learned on another)
+    cpu_early_x: bool | None = None             # the compiled CPU worker's early plan (cpu_kernels_int8.serve_layers:
+                                                # a one-token request's x quantized while its lanes ask for their
+                                                # first rows); None: CpuShareWorker's default (on)
 
 
 class HybridExperts:
@@ -298,7 +301,7 @@ class HybridExperts:
                 return me.cpu.run(layers[li], x, tok, experts, w, threads=worker_threads)
 
             self._worker = CpuShareWorker(self._box, compute, int8_args=self.cpu.int8_args() if self.cpu.int8 else None,
-                                          threads=worker_threads)
+                                          threads=worker_threads, early_x=self.options.cpu_early_x)
             # the host-driven path's CPU work (calls of 5 tokens up to the streaming threshold) runs on the
             # decoding thread: with a pool of its own beside the worker's that outnumbered the cores, libgomp
             # would stop spinning between regions for both (benchmarks/omp_pools.py), so it gets the cores left
