@@ -104,6 +104,8 @@
 #                                                # their first rows) on/off: small requests alternating, 8 GiB rows
 #                                                # each held to a probe taken right after it too
 #   (device) bash benchmarks/device_final.sh s22b # session 22: the GPU-path tests on the final code, qwen3.6 rows
+#   (device) bash benchmarks/device_final.sh s22c # session 22: x's lines asked for at the ticket and the quantizer's
+#                                                # amax vectorised (the early plan's x ready at 7-8 µs in s22a)
 # carry .site (numba, llvmlite, fla-core, platformdirs unpacked, xz). Results under $OUT. Build .site once (the
 # wheels alone pass the 64 MiB carry limit; unpacked and xz-compressed they take ~44 MB):
 #   pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
@@ -867,6 +869,19 @@ elif [ "$1" = s22a ]; then
   echo "cpu_requests rc=$?"; grep -v -E "Warning|@njit" "$OUT/cpu_requests.txt"
   bench_rows 320 q3_early --models qwen3-30b-a3b "${ROW_8G[@]}" --tokens 192 --warmup 48 --cpu-share auto 0.6 \
     --early-x on off | grep -E "$ROW_LINES|store|right after"
+  rm -f "$OUT"/model_*.json "$OUT"/model.json
+elif [ "$1" = s22c ]; then
+  # session 22: s22a put the early plan's x ready 7-8 µs into a request (lane 0 quantizing for ~6 µs after the
+  # plan); now x's lines are asked for at the ticket and the amax loop vectorises (llvm.maxnum). The marks say
+  # whether x is ready sooner; then the 14-lane bit-for-bit tests and qwen3-30b's 8 GiB rows (0.6, learned, 0.6)
+  warm 140 new
+  timeout 90 python3 benchmarks/bench_cpu_requests.py --threads 14 --experts 3 8 --early-x on off --repeat 3 \
+    --no-sweeps --json "$OUT/cpu_requests.json" > "$OUT/cpu_requests.txt" 2>&1
+  echo "cpu_requests rc=$?"; grep -E "^ +14 |^threads|marks" "$OUT/cpu_requests.txt"
+  cuda_tests 150 tests/test_cpu_share_lanes.py tests/test_hybrid_zero_copy.py -k "executor_does or split or graph_step \
+    or compiled_worker"
+  bench_rows 260 q3_xfast --models qwen3-30b-a3b "${ROW_8G[@]}" --tokens 192 --warmup 48 --cpu-share 0.6 auto 0.6 \
+    | grep -E "$ROW_LINES|store|right after"
   rm -f "$OUT"/model_*.json "$OUT"/model.json
 elif [ "$1" = s22b ]; then
   # session 22: the GPU-path tests on the final code (the worker's 14-lane bit-for-bit tests with the early plan
