@@ -106,6 +106,8 @@
 #   (device) bash benchmarks/device_final.sh s22b # session 22: the GPU-path tests on the final code, qwen3.6 rows
 #   (device) bash benchmarks/device_final.sh s22c # session 22: x's lines asked for at the ticket and the quantizer's
 #                                                # amax vectorised (the early plan's x ready at 7-8 µs in s22a)
+#   (device) bash benchmarks/device_final.sh s22d # session 22: a traced 8 GiB row (where a layer's ~60 µs from the
+#                                                # CPU's answer to the next handoff go), qwen3.6 learned, CUDA tests
 # carry .site (numba, llvmlite, fla-core, platformdirs unpacked, xz). Results under $OUT. Build .site once (the
 # wheels alone pass the 64 MiB carry limit; unpacked and xz-compressed they take ~44 MB):
 #   pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
@@ -881,6 +883,19 @@ elif [ "$1" = s22c ]; then
   cuda_tests 150 tests/test_cpu_share_lanes.py tests/test_hybrid_zero_copy.py -k "executor_does or split or graph_step \
     or compiled_worker"
   bench_rows 260 q3_xfast --models qwen3-30b-a3b "${ROW_8G[@]}" --tokens 192 --warmup 48 --cpu-share 0.6 auto 0.6 \
+    | grep -E "$ROW_LINES|store|right after"
+  rm -f "$OUT"/model_*.json "$OUT"/model.json
+elif [ "$1" = s22d ]; then
+  # session 22: s22c's layer was 194 µs with collect seeing the CPU's answer at 133: ~61 µs from there to the next
+  # handoff where the dense step is ~43 µs a layer. A traced row at 0.6 says what the rest is; then qwen3.6 learned
+  # with this session's worker, and the GPU-path tests of the worker and zero-copy decode on the final code
+  warm 140 new
+  timeout 300 python3 -m pytest -q -p no:cacheprovider --device cuda --tb=short tests/test_hybrid_zero_copy.py \
+    tests/test_cpu_share_lanes.py tests/test_decode_graph.py > "$OUT/cuda_tests.log" 2>&1
+  echo "pytest rc=$?"; grep -v Warning "$OUT/cuda_tests.log" | tail -6
+  bench_rows 110 q3_trace --models qwen3-30b-a3b "${ROW_8G[@]}" --cpu-share 0.6 --trace 2 | grep -E "$ROW_LINES|right after"
+  trace_summaries 70
+  bench_rows 150 q36_final --models qwen3.6-35b-a3b "${ROW_8G[@]}" --tokens 192 --warmup 48 --cpu-share auto \
     | grep -E "$ROW_LINES|store|right after"
   rm -f "$OUT"/model_*.json "$OUT"/model.json
 elif [ "$1" = s22b ]; then
