@@ -103,7 +103,8 @@
 #   (device) bash benchmarks/device_final.sh s22a # session 22: the early plan (x quantized while the lanes ask for
 #                                                # their first rows) on/off: small requests alternating, 8 GiB rows
 #                                                # each held to a probe taken right after it too
-#   (device) bash benchmarks/device_final.sh s22b # session 22: the GPU-path tests on the final code, qwen3.6 rows
+#   (device) bash benchmarks/device_final.sh s22b # session 22 (written, not run: s22d ran its tests and qwen3.6's
+#                                                # row): the GPU-path tests, qwen3.6 learned, early plan on/off
 #   (device) bash benchmarks/device_final.sh s22c # session 22: x's lines asked for at the ticket and the quantizer's
 #                                                # amax vectorised (the early plan's x ready at 7-8 µs in s22a)
 #   (device) bash benchmarks/device_final.sh s22d # session 22: a traced 8 GiB row (where a layer's ~60 µs from the
