@@ -107,6 +107,9 @@
 #                                                # row): the GPU-path tests, qwen3.6 learned, early plan on/off
 #   (device) bash benchmarks/device_final.sh s22c # session 22: x's lines asked for at the ticket and the quantizer's
 #                                                # amax vectorised (the early plan's x ready at 7-8 µs in s22a)
+#   (device) bash benchmarks/device_final.sh s22e # session 22: int4 g128 groups' codes in one load (GROUP128_ORDER)
+#                                                # against 3e7c3ba (carry .ab: `git archive 3e7c3ba runtime app
+#                                                # benchmarks`): small requests alternating trees, then 8 GiB rows
 #   (device) bash benchmarks/device_final.sh s22d # session 22: a traced 8 GiB row (where a layer's ~60 µs from the
 #                                                # CPU's answer to the next handoff go), qwen3.6 learned, CUDA tests
 # carry .site (numba, llvmlite, fla-core, platformdirs unpacked, xz). Results under $OUT. Build .site once (the
@@ -885,6 +888,23 @@ elif [ "$1" = s22c ]; then
     or compiled_worker"
   bench_rows 260 q3_xfast --models qwen3-30b-a3b "${ROW_8G[@]}" --tokens 192 --warmup 48 --cpu-share 0.6 auto 0.6 \
     | grep -E "$ROW_LINES|store|right after"
+  rm -f "$OUT"/model_*.json "$OUT"/model.json
+elif [ "$1" = s22e ]; then
+  # session 22: s22d's trace and s22a-c's lanes put the CPU kernel near its compute bound (a 384-byte down row
+  # ~78 ns hot on this host, hot and cold down tasks alike); each int4 g128 group now takes one 64-byte load of
+  # codes and two accumulating vpdpbusd (activations reordered to match) where two 32-byte steps built a 64-byte
+  # vector each. Both trees' kernels compiled side by side, their small requests alternating, then the rows
+  (warm 150 new) & (warm 150 old old) & wait
+  for round in 1 2; do
+    for tree in new old; do
+      dir=$PWD; [ $tree = old ] && dir=/tmp/old
+      (cd "$dir" && PYTHONPATH=/tmp/site:$dir timeout 60 python3 benchmarks/bench_cpu_requests.py --threads 14 \
+        --experts 3 8 --no-sweeps > "$OUT/req_${tree}_$round.txt" 2>&1; echo "requests $tree $round rc=$?")
+      grep -E "^ +14 |lanes" "$OUT/req_${tree}_$round.txt" | sed "s/^/$tree $round: /"
+    done
+  done
+  bench_rows 200 q3_g128 --models qwen3-30b-a3b "${ROW_8G[@]}" --tokens 192 --warmup 48 --cpu-share 0.6 auto \
+    | grep -E "$ROW_LINES|right after"
   rm -f "$OUT"/model_*.json "$OUT"/model.json
 elif [ "$1" = s22d ]; then
   # session 22: s22c's layer was 194 µs with collect seeing the CPU's answer at 133: ~61 µs from there to the next

@@ -44,6 +44,7 @@ def _row_checker(isa: str):
     """A jitted loop over rows that calls this flavour's whole-row intrinsics (int4 groups of 64; fp4 blocks of
     32 with scales through the table, codec 1, or decoded as e8m0, codec 2)."""
     row_i4, row_f4 = k8.make_row(32, "int4", isa), k8.make_row(16, "fp4", isa)
+    row_i4_128 = k8.make_row(64, "int4", isa)
     row_mx = k8.make_row(16, "fp4", isa, e8m0=True)
 
     @njit
@@ -53,6 +54,10 @@ def _row_checker(isa: str):
             if codec == 0:
                 out[r] = row_i4(buf, q0, np.uint64(s_off + 2 * r * n_groups), np.uint64(m_off + 2 * r * n_groups),
                                 np.uint64(n_groups), table, xq, np.uint64(0), xs, xm, np.uint64(0))
+            elif codec == 3:        # int4 groups of 128: one 64-byte load of codes a group (GROUP128_ORDER)
+                out[r] = row_i4_128(buf, q0, np.uint64(s_off + 2 * r * n_groups),
+                                    np.uint64(m_off + 2 * r * n_groups), np.uint64(n_groups), table, xq,
+                                    np.uint64(0), xs, xm, np.uint64(0))
             elif codec == 1:
                 out[r] = row_f4(buf, q0, np.uint64(s_off + r * n_groups), np.uint64(s_off),
                                 np.uint64(n_groups), table, xq, np.uint64(0), xs, xm, np.uint64(0))
@@ -66,21 +71,29 @@ def _row_checker(isa: str):
 def test_every_dot_flavour_this_cpu_runs_is_exact_on_integers(isa):
     """Codes and int8 activations are integers and the scales powers of two, so each row's result is exact:
     VNNI, AVX2 and the generic lowering must all give numpy's integer dot products to the last bit. 1344
-    inputs: 21 or 42 groups, so the coefficients go through the 16- and 4-group vector passes and the tail."""
+    inputs: 21 or 42 groups, so the coefficients go through the 16- and 4-group vector passes and the tail (int4
+    groups of 128: 1408 inputs, 11 groups, each group's codes in one load and its activations in GROUP128_ORDER)."""
     rng = np.random.default_rng(0)
-    rows, k = 8, 1344
+    rows = 8
     e2m1 = np.array([0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12])       # 2 * e2m1(code)
     check = _row_checker(isa)
-    for codec, group in ((0, 64), (1, 32), (2, 32)):
+    for codec, group in ((0, 64), (3, 128), (1, 32), (2, 32)):
+        k = 1408 if group == 128 else 1344
         g = k // group
         codes = rng.integers(0, 256, size=(rows, k // 2), dtype=np.uint8)
         xq_full = rng.integers(-127, 128, size=(g, group)).astype(np.int8)          # [G, group], natural order
-        # the whole-row path's layout: every 64 elements, their even ones then their odd ones
+        # the whole-row path's layout: every 64 elements, their even ones then their odd ones; a group of 128:
+        # both chunks' evens, then both chunks' odds
         chunks = xq_full.reshape(-1, 64)
-        xq = np.concatenate([chunks[:, 0::2], chunks[:, 1::2]], axis=1).reshape(-1)
+        if group == 128:
+            pairs = xq_full.reshape(g, 2, 64)
+            xq = np.concatenate([pairs[:, :, 0::2].reshape(g, 64), pairs[:, :, 1::2].reshape(g, 64)],
+                                axis=1).reshape(-1)
+        else:
+            xq = np.concatenate([chunks[:, 0::2], chunks[:, 1::2]], axis=1).reshape(-1)
         xs = (2.0 ** rng.integers(-3, 3, size=g)).astype(np.float32)
         xm = (2.0 ** rng.integers(-3, 3, size=g)).astype(np.float32)
-        if codec == 0:
+        if codec in (0, 3):
             scales = (2.0 ** rng.integers(-4, 2, size=(rows, g))).astype(np.float16)
             mins = (-(2.0 ** rng.integers(-4, 2, size=(rows, g)))).astype(np.float16)
             buf = np.concatenate([codes.reshape(-1), scales.view(np.uint8).reshape(-1),
@@ -99,7 +112,7 @@ def test_every_dot_flavour_this_cpu_runs_is_exact_on_integers(isa):
             want = (np.ldexp(1.0, sc.astype(np.int64) - 127) * xs * dots).sum(-1)
         out = np.zeros(rows, dtype=np.float32)
         check(codec, buf, k // 2, s_off, m_off, rows, g, table, xq, xs, xm, out)
-        if codec != 0:                  # row 0 holds e8m0 255 (the table's inf): not a finite number either way
+        if codec in (1, 2):             # row 0 holds e8m0 255 (the table's inf): not a finite number either way
             assert not np.isfinite(out[0])
             out, want = out[1:], want[1:]
         np.testing.assert_allclose(out, want, rtol=1e-6, err_msg=f"{isa} codec {codec}")

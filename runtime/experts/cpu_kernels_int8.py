@@ -279,6 +279,11 @@ def _hsum(builder, v):
 
 
 MAX_ROW_GROUPS = 1024      # the whole-row path's coefficient buffer (4 KiB of stack): groups per row at most
+# Activations quantized for int4 groups of 128 lie as each group's 64 evens, then its 64 odds (chunk 0's evens,
+# chunk 1's, chunk 0's odds, chunk 1's), the order of the low and high nibbles of the group's 64 code bytes: the row
+# kernel loads a group's codes once and feeds each half to one vpdpbusd (session 22; before, two 32-byte steps
+# each built a 64-byte vector of nibbles). Other groups keep the 64-element chunks' [evens, odds].
+GROUP128_ORDER = True
 
 
 def make_row(n: int, codec: str, isa: str, *, e8m0: bool = False):
@@ -384,13 +389,32 @@ def make_row(n: int, codec: str, isa: str, *, e8m0: bool = False):
                     codes = twice
                 return _lanes16(builder, codes, sv, isa)
 
+            def group64_lanes(j):
+                """<16 x i32> partial dots of 64-byte group j (int4 g128) in one load of its codes: the low nibbles
+                are the evens of its two 64-element chunks, the high ones their odds, and the activations of a
+                group of 128 lie as [evens, odds] of both chunks (GROUP128_ORDER) - so the two halves go straight
+                into one accumulating vpdpbusd each, no concatenation of two 32-byte steps."""
+                w = _load(builder, context, buf_t, buf_v, builder.add(q0, builder.mul(j, ir.Constant(I64, 64))),
+                          _vec(I8, 64))
+                at = builder.add(x0, builder.mul(j, ir.Constant(I64, 128)))
+                xe = _load(builder, context, xq_t, xq_v, at, _vec(I8, 64))
+                xo = _load(builder, context, xq_t, xq_v, builder.add(at, ir.Constant(I64, 64)), _vec(I8, 64))
+                lo = builder.and_(w, ir.Constant(w.type, [15] * 64))
+                hi = builder.lshr(w, ir.Constant(w.type, [4] * 64))
+                if isa == "vnni512":
+                    v16 = _vec(I32, 16)
+                    first = _call(builder, "llvm.x86.avx512.vpdpbusd.512", v16,
+                                  [ir.Constant(v16, [0] * 16), builder.bitcast(lo, v16), builder.bitcast(xe, v16)])
+                    return _call(builder, "llvm.x86.avx512.vpdpbusd.512", v16,
+                                 [first, builder.bitcast(hi, v16), builder.bitcast(xo, v16)])
+                return builder.add(_lanes16(builder, lo, xe, isa), _lanes16(builder, hi, xo, isa))
+
             def accumulate(j, acc):
-                """Iteration j (one 32-byte step, or for n = 64 one group of two steps) into the lanes at acc."""
+                """Iteration j (one 32-byte step, or for n = 64 one group of 64 bytes) into the lanes at acc."""
                 if n < 64:                     # one step covers `per_step` whole groups
                     ilanes = step_lanes(j)
-                else:                          # a group of 64 bytes is two steps: one scale for both
-                    two_j = builder.mul(j, ir.Constant(I64, 2))
-                    ilanes = builder.add(step_lanes(two_j), step_lanes(builder.add(two_j, ir.Constant(I64, 1))))
+                else:                          # a group of 64 bytes, one scale: one load of its codes
+                    ilanes = group64_lanes(j)
                 lanes = builder.sitofp(ilanes, v16f)
                 k = per_step if n < 64 else 1
                 first = builder.mul(j, ir.Constant(I64, k))
@@ -753,13 +777,15 @@ def _round_half_up(y):
 def _quantize_group(v, n, g, group, vq, vs, vm):
     """Group g of row n of v [N, K] float32 -> int8 into vq [N * K], the group's scale into vs [N * G] and scale *
     sum of its int8 values into vm [N * G]. Layout: when K is a multiple of 64 (the whole-row path), every 64
-    elements as their 32 even ones then their 32 odd ones (the order of a 32-byte step's low, then high nibbles);
-    otherwise every group as its even elements then its odd ones (the group-by-group path). Indices unsigned and
-    stores contiguous, so the loops vectorise."""
+    elements as their 32 even ones then their 32 odd ones (the order of a 32-byte step's low, then high nibbles),
+    except groups of 128 (GROUP128_ORDER): the evens of both 64-element chunks, then both chunks' odds (the low,
+    then high nibbles of the group's 64 code bytes, loaded at once); otherwise every group as its even elements
+    then its odd ones (the group-by-group path). Indices unsigned and stores contiguous, so the loops vectorise."""
     k = v.shape[1]
     one = np.uint64(1)
     nu = np.uint64(n)
     b = np.uint64(g * group)
+    g128 = group == 128 and k % 64 == 0       # GROUP128_ORDER: [evens, odds] of the group's two chunks
     amax = np.float32(0.0)
     for j in range(np.uint64(group)):
         amax = _fmax32(amax, abs(v[nu, b + np.uint64(j)]))
@@ -769,16 +795,20 @@ def _quantize_group(v, n, g, group, vq, vs, vm):
     row = n * k
     if k % 64 == 0:
         span = min(group, 64)                            # the group's part inside one chunk of 64
+        odd = np.uint64(64 if g128 else 32)                # where the odds start after the evens
         for s in range(group // span):
             at = g * group + s * span
-            lo = np.uint64(row + (at & ~63) + ((at & 63) >> 1))   # its evens' first slot; odds 32 later
+            if g128:                                     # chunk s's evens at 32 s, its odds 64 later
+                lo = np.uint64(row + g * group + 32 * s)
+            else:
+                lo = np.uint64(row + (at & ~63) + ((at & 63) >> 1))   # its evens' first slot; odds 32 later
             au = np.uint64(at)
             for j in range(np.uint64(span // 2)):
                 ju = np.uint64(j)
                 qe = _round_half_up(v[nu, au + ju + ju] * inv)
                 qo = _round_half_up(v[nu, au + ju + ju + one] * inv)
                 vq[lo + ju] = qe
-                vq[lo + np.uint64(32) + ju] = qo
+                vq[lo + odd + ju] = qo
                 total += qe + qo
     else:
         hg = np.uint64(group // 2)
