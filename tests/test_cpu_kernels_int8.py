@@ -515,7 +515,8 @@ def count_worker_loop_regions() -> int:
     like.box, like.int8_args = box, ex.int8_args()
     b = box._np
     args = (b["req"], b["resp"], b["meta"], b["ids"], b["weights"], b["x"], b["out"], b["part"], b["part_resp"], 0, 0,
-            np.zeros(2, dtype=np.int64), box.cpu_times, k8.new_phases(2), 2, *like._scratch_for(2), *like.int8_args)
+            np.zeros(2, dtype=np.int64), box.cpu_times, k8.new_phases(2), 2, 1, *like._scratch_for(2),
+            *like.int8_args)
     fresh.compile(tuple(numba.typeof(a) for a in args))
     (compiled,) = fresh.overloads.values()
     return len(compiled.metadata["parfor_diagnostics"].initial_parfors)
