@@ -139,6 +139,7 @@ def main(argv: list[str] | None = None) -> int:
                    help="the worker's early plan (x quantized while the lanes ask for their first rows) on and/or "
                         "off: with both, each row runs in each mode in turn (--repeat times), one worker throughout")
     p.add_argument("--repeat", type=int, default=1, help="rounds of the modes a row (an A/B alternating)")
+    p.add_argument("--warmup-calls", type=int, default=400, help="untimed requests before the table, per lane count")
     p.add_argument("--json", type=Path, default=None)
     args = p.parse_args(argv)
     sys.setswitchinterval(5e-5)                     # the background thread's Python must not hold the GIL long
@@ -168,6 +169,10 @@ def main(argv: list[str] | None = None) -> int:
         box = Mailbox(max_tokens=1, top_k=max(args.experts), hidden=store.layout.hidden,
                       device=torch.device("cpu"), share=1.0)
         worker = CpuShareWorker(box, None, int8_args=args8, threads=threads)
+        # untimed: a process's first cell ran its lanes waiting 20-90 µs a request (s22e, both trees), so the
+        # table starts once the worker's threads have served a while
+        time_requests(worker, box, store, experts=max(args.experts), calls=args.warmup_calls,
+                      gap_s=args.gap_us * 1e-6, hot=False, seed=99)
         for n in args.experts:
             for hot in (False, True):
                 for beside, early in [(b_, e_) for b_ in (["none", "h2d"] if bg is not None and not hot else ["none"])
