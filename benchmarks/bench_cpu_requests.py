@@ -191,7 +191,8 @@ def main(argv: list[str] | None = None) -> int:
                     p90 = sorted(trips)[int(0.9 * len(trips))]
                     gbps = n * store.block_nbytes / busy / GB if busy else 0.0
                     r = {"threads": threads, "experts": n, "data": "hot" if hot else "cold", "beside": beside,
-                         "early_x": early, "worker_us": busy * 1e6, "gbps": gbps, "trip_median_us": med * 1e6, "trip_p90_us": p90 * 1e6}
+                         "early_x": early, "worker_us": busy * 1e6, "gbps": gbps, "trip_median_us": med * 1e6,
+                         "trip_p90_us": p90 * 1e6}
                     if beside == "h2d":
                         r["h2d_gbps"] = bg.gbps
                     report["rows"].append(r)

@@ -54,7 +54,7 @@ def _row_checker(isa: str):
             if codec == 0:
                 out[r] = row_i4(buf, q0, np.uint64(s_off + 2 * r * n_groups), np.uint64(m_off + 2 * r * n_groups),
                                 np.uint64(n_groups), table, xq, np.uint64(0), xs, xm, np.uint64(0))
-            elif codec == 3:        # int4 groups of 128: one 64-byte load of codes a group (GROUP128_ORDER)
+            elif codec == 3:        # int4 groups of 128: one 64-byte load of codes a group (ONE_LOAD_GROUP)
                 out[r] = row_i4_128(buf, q0, np.uint64(s_off + 2 * r * n_groups),
                                     np.uint64(m_off + 2 * r * n_groups), np.uint64(n_groups), table, xq,
                                     np.uint64(0), xs, xm, np.uint64(0))
@@ -72,7 +72,7 @@ def test_every_dot_flavour_this_cpu_runs_is_exact_on_integers(isa):
     """Codes and int8 activations are integers and the scales powers of two, so each row's result is exact:
     VNNI, AVX2 and the generic lowering must all give numpy's integer dot products to the last bit. 1344
     inputs: 21 or 42 groups, so the coefficients go through the 16- and 4-group vector passes and the tail (int4
-    groups of 128: 1408 inputs, 11 groups, each group's codes in one load and its activations in GROUP128_ORDER)."""
+    groups of 128: 1408 inputs, 11 groups, each group's codes in one load and its activations in ONE_LOAD_GROUP)."""
     rng = np.random.default_rng(0)
     rows = 8
     e2m1 = np.array([0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12])       # 2 * e2m1(code)

@@ -114,11 +114,11 @@ def _direct(box, cpu, lanes):
     return worker_like._scratch_for(lanes), np.zeros(2, dtype=np.int64), np.zeros(k8.N_PHASES, dtype=np.int64)
 
 
-def _serve(box, cpu, scratch, lanes, last, clock, phases, early_x=1):
+def _serve(box, cpu, scratch, lanes, last, clock, phases):
     b = box._np
     return serve_int8(b["req"], b["resp"], b["meta"], b["ids"], b["weights"], b["x"], b["out"], b["part"],
-                      b["part_resp"], last, 1000, clock, box.cpu_times, phases, lanes, early_x, *scratch,
-                      *cpu.int8_args())
+                      b["part_resp"], last, 1000, clock, box.cpu_times, phases, lanes, 1, *scratch,
+                      *cpu.int8_args())     # (1: the early plan, the worker's default)
 
 
 @pytest.mark.skipif(numba.config.NUMBA_NUM_THREADS < 2, reason="needs 2 numba threads")

@@ -340,6 +340,12 @@ def cpu_kernel_gbps(store, *, top_k: int, threads: int, calls: int | None = None
     return (experts or top_k) * store.block_nbytes / busy / 1e9 if busy > 0 else 0.0
 
 
+def ceiling_tok_s(misses_per_step: float, block_nbytes: int, gbps: float, dense_s: float, sequences: int = 1) -> float:
+    """Issue 10's physical ceiling of a decode row: a step's miss bytes over the links' summed rate, plus the dense
+    step; tokens a second over `sequences` sequences."""
+    return sequences / (misses_per_step * block_nbytes / (gbps * 1e9) + dense_s)
+
+
 def probe_after_row(row: dict, store, *, top_k: int, threads: int, h2d_gbps: float, dense_s: float) -> None:
     """The ceiling's CPU-kernel probe run again right after a decode row (its tier idle: the worker's spin over),
     and the row held to the ceiling it gives, beside the one from the probe at the process's start: the probe read
@@ -349,7 +355,7 @@ def probe_after_row(row: dict, store, *, top_k: int, threads: int, h2d_gbps: flo
     after = cpu_kernel_gbps(store, top_k=top_k, threads=threads)
     if not after:
         return
-    ceiling = 1.0 / (row["misses_per_token"] * store.block_nbytes / ((h2d_gbps + after) * 1e9) + dense_s)
+    ceiling = ceiling_tok_s(row["misses_per_token"], store.block_nbytes, h2d_gbps + after, dense_s)
     row.update(kernel_gbps_after=after, ceiling_after_tok_s=ceiling, of_ceiling_after=row["tok_s"] / ceiling)
     print(f"    CPU kernel right after the row: {after:.1f} GB/s -> ceiling {ceiling:.1f} tok/s, "
           f"{100 * row['of_ceiling_after']:.1f} % (the process's start probe: {100 * row['of_ceiling']:.1f} %)",
@@ -486,7 +492,7 @@ def run_model(name: str, args, hw, report: dict) -> None:
                 """A decode row from the tier's counters over the row's `steps` steps of `sequences` tokens; the
                 ceiling is the step's miss bytes over both links' rates plus the dense step."""
                 misses = (c["cpu_experts"] + c["fetched_experts"]) / steps                     # per step
-                over = lambda gbps: sequences / (misses * store.block_nbytes / (gbps * 1e9) + dense_s)  # noqa: E731
+                over = lambda gbps: ceiling_tok_s(misses, store.block_nbytes, gbps, dense_s, sequences)  # noqa: E731
                 # the issue's: the CPU kernel's bandwidth (or the read probe's where it could not be measured)
                 ceiling = over(hw.h2d_gbps + (kernel_at.get(threads or worker_threads, 0.0) or hw.cpu_gbps))
                 ceiling_read, laptop = over(hw.h2d_gbps + hw.cpu_gbps), over(LAPTOP_LINKS_GBPS)

@@ -279,11 +279,12 @@ def _hsum(builder, v):
 
 
 MAX_ROW_GROUPS = 1024      # the whole-row path's coefficient buffer (4 KiB of stack): groups per row at most
-# Activations quantized for int4 groups of 128 lie as each group's 64 evens, then its 64 odds (chunk 0's evens,
-# chunk 1's, chunk 0's odds, chunk 1's), the order of the low and high nibbles of the group's 64 code bytes: the row
-# kernel loads a group's codes once and feeds each half to one vpdpbusd (session 22; before, two 32-byte steps
-# each built a 64-byte vector of nibbles). Other groups keep the 64-element chunks' [evens, odds].
-GROUP128_ORDER = True
+# Activations quantized in groups of ONE_LOAD_GROUP (int4 g128: 64 code bytes a group) lie as each group's 64 evens,
+# then its 64 odds (chunk 0's evens, chunk 1's, chunk 0's odds, chunk 1's), the order of the low and high nibbles of
+# the group's 64 code bytes: the row kernel loads a group's codes once and feeds each half to one vpdpbusd (session
+# 22; before, two 32-byte steps each built a 64-byte vector of nibbles). Other groups keep the 64-element chunks'
+# [evens, odds]. `_quantize_group` writes this order and `make_row` reads it: both test this constant.
+ONE_LOAD_GROUP = 128
 
 
 def make_row(n: int, codec: str, isa: str, *, e8m0: bool = False):
@@ -392,7 +393,7 @@ def make_row(n: int, codec: str, isa: str, *, e8m0: bool = False):
             def group64_lanes(j):
                 """<16 x i32> partial dots of 64-byte group j (int4 g128) in one load of its codes: the low nibbles
                 are the evens of its two 64-element chunks, the high ones their odds, and the activations of a
-                group of 128 lie as [evens, odds] of both chunks (GROUP128_ORDER) - so the two halves go straight
+                group of 128 lie as [evens, odds] of both chunks (ONE_LOAD_GROUP) - so the two halves go straight
                 into one accumulating vpdpbusd each, no concatenation of two 32-byte steps."""
                 w = _load(builder, context, buf_t, buf_v, builder.add(q0, builder.mul(j, ir.Constant(I64, 64))),
                           _vec(I8, 64))
@@ -411,10 +412,10 @@ def make_row(n: int, codec: str, isa: str, *, e8m0: bool = False):
 
             def accumulate(j, acc):
                 """Iteration j (one 32-byte step, or for n = 64 one group of 64 bytes) into the lanes at acc."""
-                if n < 64:                     # one step covers `per_step` whole groups
-                    ilanes = step_lanes(j)
-                else:                          # a group of 64 bytes, one scale: one load of its codes
+                if 2 * n == ONE_LOAD_GROUP:    # a group of 64 bytes, one scale: one load of its codes
                     ilanes = group64_lanes(j)
+                else:                          # one step covers `per_step` whole groups
+                    ilanes = step_lanes(j)
                 lanes = builder.sitofp(ilanes, v16f)
                 k = per_step if n < 64 else 1
                 first = builder.mul(j, ir.Constant(I64, k))
@@ -778,14 +779,14 @@ def _quantize_group(v, n, g, group, vq, vs, vm):
     """Group g of row n of v [N, K] float32 -> int8 into vq [N * K], the group's scale into vs [N * G] and scale *
     sum of its int8 values into vm [N * G]. Layout: when K is a multiple of 64 (the whole-row path), every 64
     elements as their 32 even ones then their 32 odd ones (the order of a 32-byte step's low, then high nibbles),
-    except groups of 128 (GROUP128_ORDER): the evens of both 64-element chunks, then both chunks' odds (the low,
+    except groups of 128 (ONE_LOAD_GROUP): the evens of both 64-element chunks, then both chunks' odds (the low,
     then high nibbles of the group's 64 code bytes, loaded at once); otherwise every group as its even elements
     then its odd ones (the group-by-group path). Indices unsigned and stores contiguous, so the loops vectorise."""
     k = v.shape[1]
     one = np.uint64(1)
     nu = np.uint64(n)
     b = np.uint64(g * group)
-    g128 = group == 128 and k % 64 == 0       # GROUP128_ORDER: [evens, odds] of the group's two chunks
+    g128 = group == ONE_LOAD_GROUP and k % 64 == 0    # [evens, odds] of the group's two chunks
     amax = np.float32(0.0)
     for j in range(np.uint64(group)):
         amax = _fmax32(amax, abs(v[nu, b + np.uint64(j)]))

@@ -96,8 +96,8 @@ try:
         [R, 2] int64 gets each request's cycles when seen and when done, at ticket % R (the mailbox's timeline on
         the CPU's side: Mailbox.cpu_times); phases the
         kernel's own time marks (cpu_kernels_int8.PHASES); lanes its threads; early_x 1: a one-token request's x
-        quantized after its plan is published (serve_layers' early plan), 0: before; sel64 [2A], sel32 [A] and s64, s32,
-        s8 (the kernel's) scratch: nothing is allocated per request; ctl [CTL_SIZE] the lanes' shared words.
+        quantized after its plan is published (serve_layers' early plan), 0: before; sel64 [2A], sel32 [A] and s64,
+        s32, s8 (the kernel's) scratch: nothing is allocated per request; ctl [CTL_SIZE] the lanes' shared words.
 
         The poll runs on this thread alone; once a request comes, `serve_layers` serves it and every one after it
         with all lanes kept in one parallel region until the spin ends (an idle worker keeps one core busy, not
@@ -108,8 +108,8 @@ try:
         if spin_until_changed(req, last, spins) == last:
             return last
         seq = serve_layers(req, resp, meta, ids, weights, x, out, part, part_resp, last, spins, clock, stamps, phases,
-                           lanes, early_x, sel64, sel32, s64, s32, s8, ctl, codec, bufs, g_scale, u_scale, d_scale, nbytes, offs,
-                           has_bias, inter, group, table, activation, alpha, limit)
+                           lanes, early_x, sel64, sel32, s64, s32, s8, ctl, codec, bufs, g_scale, u_scale, d_scale,
+                           nbytes, offs, has_bias, inter, group, table, activation, alpha, limit)
         if ctl[CTL_BAD]:           # (the worker answers it with zeros and both tickets, and reports this)
             raise ValueError("CPU expert worker: a split expert's id, token or rows are out of range")
         return seq
