@@ -112,6 +112,13 @@
 #                                                # benchmarks`): small requests alternating trees, then 8 GiB rows
 #   (device) bash benchmarks/device_final.sh s22d # session 22: a traced 8 GiB row (where a layer's ~60 µs from the
 #                                                # CPU's answer to the next handoff go), qwen3.6 learned, CUDA tests
+#   (device) bash benchmarks/device_final.sh s23a # session 23: the targets not re-run since sessions 4-14 on today's
+#                                                # code - qwen3-30b at 8/4 GiB/unlimited b1 and b4, prefill 1K-32K
+#                                                # and the agent turn's TTFT at 8 GiB
+#   (device) bash benchmarks/device_final.sh s23b # session 23: the finer split against whole experts, learned,
+#                                                # alternating in one process (whole, split, whole, split)
+#   (device) bash benchmarks/device_final.sh s23c # session 23: cold load to first token (20 GB package, 8 GiB),
+#                                                # qwen3.6 learned split off/on, the GPU-path tests
 # carry .site (numba, llvmlite, fla-core, platformdirs unpacked, xz). Results under $OUT. Build .site once (the
 # wheels alone pass the 64 MiB carry limit; unpacked and xz-compressed they take ~44 MB):
 #   pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
@@ -888,6 +895,34 @@ elif [ "$1" = s22c ]; then
     or compiled_worker"
   bench_rows 260 q3_xfast --models qwen3-30b-a3b "${ROW_8G[@]}" --tokens 192 --warmup 48 --cpu-share 0.6 auto 0.6 \
     | grep -E "$ROW_LINES|store|right after"
+  rm -f "$OUT"/model_*.json "$OUT"/model.json
+elif [ "$1" = s23a ]; then
+  # session 23: issue 10's rows not re-run since sessions 4-14 (4 GiB, unlimited, b4, prefill, TTFT), on the code
+  # of sessions 15-22 (the worker, the store in huge pages, collect's one poller...): still met? The share fixed
+  # at 0.6 (learned rows need ~100 s each to settle); 8 GiB carries the prefill and TTFT rows
+  warm 150 new
+  bench_rows 420 q3_targets --models qwen3-30b-a3b --dense-int8 --budgets 8 4 0 --routings uniform --modes graphs \
+    --cpu-share 0.6 --batch 4 --tokens 64 --warmup 32 --prefill 1024 8192 16384 32768 --prefill-budgets 8 \
+    --ttft-context 20000 | grep -E "$ROW_LINES|prefill|TTFT|decode"
+  rm -f "$OUT"/model_*.json "$OUT"/model.json
+elif [ "$1" = s23b ]; then
+  # session 23: the finer split against whole experts with the learned share (the default path), each twice and
+  # alternating in one process so a host's drift cancels (s20c-s21c: split ahead learned by 4 % and 12 %, behind
+  # at a fixed 0.6 by 4 %; every row since then whole). Its CUDA tests first
+  warm 120 new
+  cuda_tests 100 tests/test_hybrid_zero_copy.py -k "split" --tb=short
+  bench_rows 440 q3_split_ab --models qwen3-30b-a3b "${ROW_8G[@]}" --tokens 192 --warmup 48 --cpu-share auto \
+    --expert-split off on off on | grep -E "$ROW_LINES|split rows|right after"
+  rm -f "$OUT"/model_*.json "$OUT"/model.json
+elif [ "$1" = s23c ]; then
+  # session 23: cold load to first token of a 20 GB package at 8 GiB (the package written first), qwen3.6
+  # learned with the split off/on (the CPU kernels compiled first: a user's second launch, not a fresh install's)
+  warm 120 new
+  timeout 260 python3 benchmarks/bench_cold_load.py --folder /tmp/ftw-cold --vram-budget 8 --out "$OUT/cold_load.json" \
+    > "$OUT/cold_load.txt" 2>&1; echo "cold load rc=$?"; grep -v Warning "$OUT/cold_load.txt" | tail -30
+  rm -rf /tmp/ftw-cold
+  bench_rows 180 q36_split --models qwen3.6-35b-a3b "${ROW_8G[@]}" --tokens 192 --warmup 48 --cpu-share auto \
+    --expert-split off on | grep -E "$ROW_LINES|split rows|right after"
   rm -f "$OUT"/model_*.json "$OUT"/model.json
 elif [ "$1" = s22e ]; then
   # session 22: s22d's trace and s22a-c's lanes put the CPU kernel near its compute bound (a 384-byte down row
