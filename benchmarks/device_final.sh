@@ -118,7 +118,7 @@
 #   (device) bash benchmarks/device_final.sh s23b # session 23: the finer split against whole experts, learned,
 #                                                # alternating in one process (whole, split, whole, split)
 #   (device) bash benchmarks/device_final.sh s23c # session 23: cold load to first token (20 GB package, 8 GiB),
-#                                                # qwen3.6 learned split off/on, the GPU-path tests
+#                                                # qwen3.6 learned split off/on
 # carry .site (numba, llvmlite, fla-core, platformdirs unpacked, xz). Results under $OUT. Build .site once (the
 # wheels alone pass the 64 MiB carry limit; unpacked and xz-compressed they take ~44 MB):
 #   pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \

@@ -296,7 +296,10 @@ def make_row(n: int, codec: str, isa: str, *, e8m0: bool = False):
     The per-group coefficients (weight scale x activation scale) are computed first, 16 groups per vector
     (fp16 scales converted in one instruction on x86; e8m0 scales (`e8m0`) by placing the byte in a float's
     exponent), so the dot loop only loads them; int4's min term is summed in the same pass."""
-    per_step = max(1, 32 // n)                 # groups covered by one 32-byte step (n = 64: two steps per group)
+    one_load = 2 * n == ONE_LOAD_GROUP          # a group's codes in one 64-byte load (else 32-byte steps)
+    if n not in (8, 16, 32, 64) or (one_load and codec != "int4"):
+        raise ValueError(f"make_row: no whole-row kernel for {codec} groups of {n} packed bytes")
+    per_step = 1 if one_load else 32 // n      # groups covered by one iteration
 
     @intrinsic
     def row(typingctx, buf, q_off, s_off, m_off, n_groups, table, xq, x_off, xs, xm, xs_off):
@@ -412,12 +415,9 @@ def make_row(n: int, codec: str, isa: str, *, e8m0: bool = False):
 
             def accumulate(j, acc):
                 """Iteration j (one 32-byte step, or for n = 64 one group of 64 bytes) into the lanes at acc."""
-                if 2 * n == ONE_LOAD_GROUP:    # a group of 64 bytes, one scale: one load of its codes
-                    ilanes = group64_lanes(j)
-                else:                          # one step covers `per_step` whole groups
-                    ilanes = step_lanes(j)
+                ilanes = group64_lanes(j) if one_load else step_lanes(j)
                 lanes = builder.sitofp(ilanes, v16f)
-                k = per_step if n < 64 else 1
+                k = per_step
                 first = builder.mul(j, ir.Constant(I64, k))
                 if k == 1:
                     coef = builder.insert_element(ir.Constant(_vec(f32, 1), [0.0]), builder.load(coef_ptr(first)),
@@ -432,7 +432,7 @@ def make_row(n: int, codec: str, isa: str, *, e8m0: bool = False):
 
             # pass 2: the dots, two accumulators so consecutive FMAs do not wait on each other's latency
             facc2 = cgutils.alloca_once_value(builder, ir.Constant(v16f, [0.0] * 16))
-            n_iters = builder.udiv(ng, ir.Constant(I64, per_step)) if n < 64 else ng
+            n_iters = builder.udiv(ng, ir.Constant(I64, per_step)) if per_step > 1 else ng
             pairs = builder.udiv(n_iters, ir.Constant(I64, 2))
             with cgutils.for_range(builder, pairs) as loop:
                 two_p = builder.mul(loop.index, ir.Constant(I64, 2))
