@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from runtime.experts.planner import (DECODE_SCRATCH_TOKENS, GiB, HOST_RESERVE, STAGING_RING_BLOCKS_PER_LAYER,
+from runtime.experts.planner import (DECODE_SCRATCH_TOKENS, GiB, HOST_RESERVE, STAGING_RING_LAYERS,
                                      Hardware, ModelShape,
                                      expert_block_bytes, plan_memory)
 
@@ -95,7 +95,7 @@ def test_hybrid_fills_the_budget_with_slots():
     assert 0 < plan.expert_slots < shape.total_experts
     assert plan.vram_budget - plan.vram_planned < shape.expert_block_bytes   # no slot left on the table
     # prefill's double buffer and zero-copy decode's scratch for a call's missed blocks
-    assert plan.stream_buffer_bytes == (STAGING_RING_BLOCKS_PER_LAYER * shape.layer_experts_bytes
+    assert plan.stream_buffer_bytes == (STAGING_RING_LAYERS * shape.layer_experts_bytes
                                         + DECODE_SCRATCH_TOKENS * shape.top_k * shape.expert_block_bytes)
     assert plan.experts_pinned and plan.experts_in_ram_bytes == shape.experts_bytes
     assert plan.cpu_experts_per_layer == pytest.approx((6144 - plan.expert_slots) / 48)
@@ -166,7 +166,7 @@ def test_windows_pinnable_rule():
     assert Hardware.pinnable_for("Windows", 24 * GiB) == 12 * GiB
     win = plan_memory(shape, gpu(8, ram_gib=24, os_name="Windows"))
     lin = plan_memory(shape, gpu(8, ram_gib=24, os_name="Linux"))
-    assert not win.experts_pinned and win.staging_ring_bytes == STAGING_RING_BLOCKS_PER_LAYER * shape.layer_experts_bytes
+    assert not win.experts_pinned and win.staging_ring_bytes == STAGING_RING_LAYERS * shape.layer_experts_bytes
     assert any("pinnable" in note for note in win.notes)
     assert lin.experts_pinned and lin.staging_ring_bytes == 0
     # never the page cache and a pinned copy together
@@ -203,14 +203,14 @@ def test_without_room_for_the_stream_buffers_the_dense_weights_stay_on_the_gpu()
     """A 4 GiB budget at a 4K context: dense weights + KV + workspace fit, two layers of prefill stream buffers do
     not. The plan keeps the GPU (decode reads misses over PCIe into the small decode scratch) with streaming off
     and says so, instead of falling back to the CPU; a context that leaves no room even for that falls back."""
-    from runtime.experts.planner import DECODE_SCRATCH_TOKENS, STAGING_RING_BLOCKS_PER_LAYER
+    from runtime.experts.planner import DECODE_SCRATCH_TOKENS, STAGING_RING_LAYERS
 
     shape = ModelShape.from_config(QWEN3_30B, codec="int4")
     budget = 4 * GiB
     plan = plan_memory(shape, gpu(80), context_length=4096, vram_budget=budget)
     scratch = DECODE_SCRATCH_TOKENS * shape.top_k * shape.expert_block_bytes
     fixed = plan.dense_bytes + plan.kv_bytes + plan.workspace_bytes
-    assert fixed + scratch + STAGING_RING_BLOCKS_PER_LAYER * shape.layer_experts_bytes > budget   # the premise
+    assert fixed + scratch + STAGING_RING_LAYERS * shape.layer_experts_bytes > budget   # the premise
     assert plan.backend == "hybrid" and plan.dense_on == "cuda" and not plan.prefill_streaming
     assert plan.stream_buffer_bytes == scratch and plan.vram_planned <= budget
     assert plan.expert_slots == (budget - fixed - scratch) // shape.expert_block_bytes

@@ -31,7 +31,9 @@ PREFILL_CHUNK_TOKENS = 8192           # prefill runs in chunks this long on a GP
                                       # expert byte streamed over PCIe serves 8K tokens; issue 10 asks 4-16K)
 ACTIVATION_BYTES_PER_TOKEN_PER_D = 24  # a chunk's hidden, residual, norm, attention and MoE buffers (bf16)
 MIN_PREFILL_CHUNK = 1024              # the shortest chunk a tight VRAM budget prefills in before giving up streaming
-STAGING_RING_BLOCKS_PER_LAYER = 2     # the pinned ring double-buffers one layer's worth of missed blocks
+STAGING_RING_LAYERS = 2               # layers of blocks in prefill's double buffers - the device's stream
+                                      # buffers and a mapped store's pinned staging ring (staging.py): one layer
+                                      # filled while the other is read
 DECODE_SCRATCH_TOKENS = 4             # zero-copy decode: calls of up to 4 tokens copy their missed blocks into
                                       # VRAM scratch (top_k blocks per token) before computing them
 
@@ -429,7 +431,7 @@ def plan_memory(shape: ModelShape, hw: Hardware, *, context_length: int = 8192, 
 
     # 2. Hybrid: dense, KV, states and a slot pool on the GPU; every expert in host memory.
     scratch = DECODE_SCRATCH_TOKENS * shape.top_k * shape.expert_block_bytes
-    ring = STAGING_RING_BLOCKS_PER_LAYER * shape.layer_experts_bytes
+    ring = STAGING_RING_LAYERS * shape.layer_experts_bytes
     gpu_ok, streaming = False, True
     if hw.has_cuda:
         # where the dense part and two layers of stream buffers do not fit, first prefill in shorter chunks
@@ -485,7 +487,7 @@ def _place_host(shape: ModelShape, hw: Hardware, *, gpu_used: bool, cpu_side: in
     ram = max(0, hw.ram_available - HOST_RESERVE)
     # Pinning only pays when a GPU reads the experts; it needs the pinnable share to hold all of them.
     pinned = gpu_used and shape.experts_bytes <= min(hw.pinnable, ram)
-    ring = STAGING_RING_BLOCKS_PER_LAYER * shape.layer_experts_bytes if gpu_used and not pinned else 0
+    ring = STAGING_RING_LAYERS * shape.layer_experts_bytes if gpu_used and not pinned else 0
     must_stay = cpu_side + ring        # dense weights, KV and states on the CPU backend; the staging ring
     # At least one layer's experts must be resident at a time, or every step thrashes the disk.
     shortfall = max(0, must_stay + shape.layer_experts_bytes - ram)
