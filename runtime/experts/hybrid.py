@@ -47,7 +47,7 @@ from runtime.experts.policy import (SHARE_GRID, SPLIT_SHARE_GRID, Key, RoutingSt
 from runtime.experts.promotion_budget import PromotionBudget
 from runtime.experts.slot_cache import SlotCache
 from runtime.experts.stats import ExpertStats
-from runtime.experts.transport import Transport
+from runtime.experts.transport import Transport, ready_event
 from runtime.kernels import gather_triton, handoff_triton, int4_pool_triton
 from runtime.kernels.expert_pool import blocks_forward, pool_forward, pool_forward_grouped
 
@@ -174,7 +174,7 @@ class HybridExperts:
             hidden=store.layout.hidden, intermediate=store.layout.intermediate,
             h2d_gbps=options.h2d_gbps if self.cuda and options.slots else 0.0)
         self._stage = None                      # two device buffers [E, nbytes] for prefill streaming
-        self._staged: dict[int, tuple[int, object]] = {}   # layer -> (buffer index, copy event)
+        self._staged: dict[int, tuple[int, object]] = {}   # layer -> (buffer index, copy event or Staged)
         self._stage_free: list[object] = [None, None]       # event after which each buffer may be overwritten
         self._promotions: list[tuple[Key, int, object]] = []
         self._promote_blocks = options.promote_bytes_per_call // max(1, store.block_nbytes)
@@ -909,6 +909,7 @@ class HybridExperts:
         return torch.cuda.current_stream(self.device).record_event() if self.cuda else None
 
     def _wait(self, event) -> None:
+        event = ready_event(event)          # a layer staged from a pageable store: its staging done first
         if event is not None:
             torch.cuda.current_stream(self.device).wait_event(event)
 

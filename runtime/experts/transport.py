@@ -2,32 +2,40 @@
 
 `submit(copies, after=event)` enqueues one non-blocking copy per (host block, device destination) on the
 copy stream, after `after` (the compute work that last read the destination), and returns an event the
-compute stream waits on. Page-locked stores are copied straight from the host buffer; a mapped (pageable)
-store is staged through a ring of pinned buffers first, each reused only after its last copy finished, so
-the GPU never reads a staging buffer the CPU is refilling.
+compute stream waits on. `submit_range` moves a whole layer's blocks (prefill streaming). Page-locked stores
+are copied straight from the host buffer; a mapped (pageable) store is staged through the page-locked ring of
+staging.py, whose layer copies run on its own threads: `submit_range` then returns a `Staged` (its `event()`
+waits for the staging and gives the copy's event).
 
 On a CPU device copies are plain synchronous `copy_` and events are None.
 """
 from __future__ import annotations
 
+import contextlib
+
 import numpy as np
 import torch
 
 from runtime.experts.host_store import HostExpertStore
+from runtime.experts.planner import STAGING_RING_LAYERS
+from runtime.experts.staging import Staged, StagingRing
 
 
 class Transport:
-    def __init__(self, store: HostExpertStore, device: torch.device, *, ring_blocks: int = 16):
+    def __init__(self, store: HostExpertStore, device: torch.device, *, staged: bool | None = None,
+                 copy_threads: int | None = None):
+        """`staged`: copy through the ring (None: when a GPU would read a store that is not page-locked; True on a
+        CPU device runs the ring's code path in tests). `copy_threads`: the ring's host copy threads."""
         self.store = store
         self.device = device
         self.cuda = device.type == "cuda"
         self.stream = torch.cuda.Stream(device=device) if self.cuda else None
         self.pinned = self.cuda and _is_pinned(store)
-        self.ring = None
-        if self.cuda and not self.pinned:
-            self.ring = torch.empty((ring_blocks, store.block_nbytes), dtype=torch.uint8, pin_memory=True)
-            self.ring_events: list[torch.cuda.Event | None] = [None] * ring_blocks
-            self.ring_next = 0
+        if staged is None:
+            staged = self.cuda and not self.pinned
+        self.ring = StagingRing(slots=STAGING_RING_LAYERS, entries_per_slot=store.num_experts,
+                                entry_nbytes=store.block_nbytes, device=device, copy_threads=copy_threads) \
+            if staged else None
         self.bytes_copied = 0
 
     def submit(self, copies: list[tuple[np.ndarray, torch.Tensor]], *, after=None):
@@ -35,45 +43,51 @@ class Transport:
         if not copies:
             return None
         self.bytes_copied += sum(src.nbytes for src, _ in copies)
-        if not self.cuda:
+        if not self.cuda and self.ring is None:
             for src, dst in copies:
                 dst.copy_(torch.from_numpy(src))
             return None
-        with torch.cuda.stream(self.stream):
-            if after is not None:
-                self.stream.wait_event(after)
+        with self._on_stream(after):
             for src, dst in copies:
-                if self.pinned:
+                if self.ring is None:
                     dst.copy_(torch.from_numpy(src), non_blocking=True)
-                else:
-                    i, buf = self._stage(src)
-                    dst.copy_(buf, non_blocking=True)
-                    self.ring_events[i] = self.stream.record_event()
-            return self.stream.record_event()
+                    continue
+                i, buf = self.ring.take_entry(src)
+                dst.copy_(buf, non_blocking=self.cuda)
+                self.ring.mark(i, self.stream.record_event() if self.cuda else None)
+            return self.stream.record_event() if self.cuda else None
 
     def submit_range(self, src: np.ndarray, dst: torch.Tensor, *, after=None):
-        """One large contiguous copy (a whole layer's blocks for prefill streaming)."""
+        """One large contiguous copy (a whole layer's blocks for prefill streaming): an event, None, or (from a
+        pageable store) a `Staged`."""
         self.bytes_copied += src.nbytes
+        if self.ring is not None:
+            return self.ring.stage_layer(src, dst, stream=self.stream, after=after)
         if not self.cuda:
             dst.copy_(torch.from_numpy(src))
             return None
-        if not self.pinned:       # a layer at a time through the ring would serialise: copy block by block
-            return self.submit(list(zip(src, dst)), after=after)
-        with torch.cuda.stream(self.stream):
-            if after is not None:
-                self.stream.wait_event(after)
+        with self._on_stream(after):
             dst.copy_(torch.from_numpy(src), non_blocking=True)
             return self.stream.record_event()
 
-    def _stage(self, src: np.ndarray) -> tuple[int, torch.Tensor]:
-        i = self.ring_next
-        self.ring_next = (i + 1) % len(self.ring_events)
-        ev = self.ring_events[i]
-        if ev is not None:
-            ev.synchronize()                       # the last copy out of this buffer has finished
-        buf = self.ring[i]
-        np.copyto(buf.numpy(), src)
-        return i, buf
+    def close(self) -> None:
+        """Let the ring's threads go (the tier is being dropped)."""
+        if self.ring is not None:
+            self.ring.close()
+
+    def _on_stream(self, after):
+        if not self.cuda:
+            return contextlib.nullcontext()
+        stack = contextlib.ExitStack()
+        stack.enter_context(torch.cuda.stream(self.stream))
+        if after is not None:
+            self.stream.wait_event(after)
+        return stack
+
+
+def ready_event(handle):
+    """The CUDA event (or None) behind what `submit`/`submit_range` returned, waiting for a staging first."""
+    return handle.event() if isinstance(handle, Staged) else handle
 
 
 def _is_pinned(store: HostExpertStore) -> bool:

@@ -1,0 +1,150 @@
+"""Pageable expert bytes on their way to the GPU: the page-locked ring they pass through (style item 5).
+
+A store that could not be page-locked (the experts outgrow the pinnable share: Windows pins about half the RAM)
+is read from its memory-mapped file, and a GPU's copy engine reads only page-locked memory, so every byte is
+first copied by the CPU into this ring. That host copy is the slow half of the trip (one thread copies 10-16
+GB/s, PCIe 4.0 x16 takes ~25 and the H200's link ~54), so for prefill streaming, a layer at a time:
+
+- a layer's blocks are copied into one slot by several threads at once, in chunks (`COPY_CHUNK_BYTES`);
+- the copy runs on the ring's own thread, not the caller's: `stage_layer` returns a `Staged` at once, so the
+  decoding thread goes on launching this layer's compute while the next layer's bytes come in (double
+  buffering, as with a pinned store); `Staged.event()` waits until the layer's DMA is enqueued;
+- a slot is written only after the DMA that last read it has finished (its event), so the GPU never reads bytes
+  the CPU is overwriting.
+
+Decode's few blocks at a time (fetches, promotions) go through the ring's entries one by one on the caller's
+thread (`take_entry`/`mark`): a thread hop would cost more than a 2 MB copy. The ring holds
+`planner.STAGING_RING_LAYERS` layers of blocks: what the planner counts as pinned host memory.
+
+On a CPU device (tests) the "DMA" is a synchronous copy and every event is None.
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+from concurrent.futures import Future, ThreadPoolExecutor
+
+import numpy as np
+import torch
+
+COPY_CHUNK_BYTES = 4 << 20      # a copy thread's unit: large enough that handing it over costs ~1 % of copying it
+MAX_COPY_THREADS = 8            # a desktop's DRAM is saturated by a few copying cores; the rest stay the app's
+
+
+def default_copy_threads() -> int:
+    return max(1, min(MAX_COPY_THREADS, os.cpu_count() or 1))
+
+
+class Staged:
+    """A layer's staging in flight. `event()` waits until its bytes are in the ring and their copy to the device
+    is enqueued, and returns the CUDA event the compute stream must wait on (None on a CPU device, where the
+    copy has then finished). A failed copy raises here, in the caller's thread."""
+
+    def __init__(self, future: Future):
+        self._future = future
+
+    def event(self):
+        return self._future.result()
+
+    def done(self) -> bool:
+        return self._future.done()
+
+
+class StagingRing:
+    def __init__(self, *, slots: int, entries_per_slot: int, entry_nbytes: int, device: torch.device,
+                 copy_threads: int | None = None):
+        if slots < 1 or entries_per_slot < 1:
+            raise ValueError(f"a staging ring needs at least one slot of one entry (got {slots} x {entries_per_slot})")
+        self.device = device
+        self.cuda = device.type == "cuda"
+        self.slots, self.entries_per_slot = slots, entries_per_slot
+        # [slots * entries_per_slot, entry_nbytes]: slot s is entries [s * per_slot, (s + 1) * per_slot)
+        self.buf = torch.empty((slots * entries_per_slot, entry_nbytes), dtype=torch.uint8, pin_memory=self.cuda)
+        self._events: list = [None] * len(self.buf)        # per entry: the DMA that last read it
+        self._next_entry = self._next_slot = 0
+        self.copy_threads = copy_threads or default_copy_threads()
+        self._copier = ThreadPoolExecutor(self.copy_threads, thread_name_prefix="ft-stage-copy") \
+            if self.copy_threads > 1 else None
+        self._stager = ThreadPoolExecutor(1, thread_name_prefix="ft-stage")    # one: DMAs enqueue in call order
+        self._pending: list[Future] = []
+
+    @property
+    def nbytes(self) -> int:
+        return self.buf.numel()
+
+    # ------------------------------------------------------------------ a layer at a time (prefill)
+    def stage_layer(self, src: np.ndarray, dst: torch.Tensor, *, stream=None, after=None) -> Staged:
+        """Copy src ([n, entry_nbytes] uint8, n <= entries_per_slot) into the next slot and from there into dst
+        (a device tensor of the same bytes) on `stream`, after the event `after` (the compute that last read
+        dst). Returns at once."""
+        if src.shape[0] > self.entries_per_slot or src.shape[1:] != self.buf.shape[1:]:
+            raise ValueError(f"{tuple(src.shape)} does not fit a slot of {self.entries_per_slot} entries "
+                             f"of {self.buf.shape[1]} bytes")
+        slot = self._next_slot
+        self._next_slot = (slot + 1) % self.slots
+        future = self._stager.submit(self._stage_layer, slot * self.entries_per_slot, src, dst, stream, after)
+        self._pending = [f for f in self._pending if not f.done()] + [future]
+        return Staged(future)
+
+    def _stage_layer(self, lo: int, src: np.ndarray, dst: torch.Tensor, stream, after):
+        n = src.shape[0]
+        self._wait_entries(lo, lo + n)
+        staging = self.buf[lo:lo + n]
+        self._copy(staging.numpy(), src)
+        event = self._to_device(staging, dst, stream, after)
+        self._events[lo:lo + n] = [event] * n
+        return event
+
+    def _copy(self, dst: np.ndarray, src: np.ndarray) -> None:
+        d, s = dst.reshape(-1), np.ascontiguousarray(src).reshape(-1)      # views: both are C-contiguous
+        if self._copier is None or s.nbytes < 2 * COPY_CHUNK_BYTES:
+            np.copyto(d, s)
+            return
+        # numpy lets go of the GIL while it copies plain bytes, so the chunks copy in parallel
+        starts = range(0, s.nbytes, COPY_CHUNK_BYTES)
+        list(self._copier.map(lambda a: np.copyto(d[a:a + COPY_CHUNK_BYTES], s[a:a + COPY_CHUNK_BYTES]), starts))
+
+    # ------------------------------------------------------------------ a block at a time (decode)
+    def take_entry(self, src: np.ndarray) -> tuple[int, torch.Tensor]:
+        """The next entry, once free, filled with src ([entry_nbytes] uint8); the caller copies it to the device
+        and hands back that copy's event (`mark`)."""
+        self.drain()                     # a layer staged ahead (prefill's last prefetch) may still use the entries
+        i = self._next_entry
+        self._next_entry = (i + 1) % len(self.buf)
+        self._wait_entries(i, i + 1)
+        np.copyto(self.buf[i].numpy(), src)
+        return i, self.buf[i]
+
+    def mark(self, i: int, event) -> None:
+        self._events[i] = event
+
+    # ------------------------------------------------------------------
+    def drain(self) -> None:
+        """Wait for every layer staged so far (raising the first failure)."""
+        pending, self._pending = self._pending, []
+        for future in pending:
+            future.result()
+
+    def close(self) -> None:
+        with contextlib.suppress(Exception):      # a failed staging was already raised to the caller that waited
+            self.drain()
+        self._stager.shutdown(wait=True)
+        if self._copier is not None:
+            self._copier.shutdown(wait=True)
+
+    def _wait_entries(self, lo: int, hi: int) -> None:
+        seen = set()
+        for event in self._events[lo:hi]:
+            if event is not None and id(event) not in seen:
+                seen.add(id(event))
+                event.synchronize()
+
+    def _to_device(self, staging: torch.Tensor, dst: torch.Tensor, stream, after):
+        if not self.cuda:
+            dst.copy_(staging)
+            return None
+        with torch.cuda.stream(stream):
+            if after is not None:
+                stream.wait_event(after)
+            dst.copy_(staging, non_blocking=True)
+            return stream.record_event()

@@ -1,0 +1,153 @@
+"""The page-locked staging ring a mapped (pageable) store's experts pass through (runtime/experts/staging.py).
+
+On the CPU the ring's code runs with plain buffers and a synchronous "DMA" (CI); `--device cuda` runs it with
+page-locked slots, a copy stream and a compute stream that is slow to release its buffers."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from runtime.experts import staging
+from runtime.experts.host_store import HostExpertStore
+from runtime.experts.hybrid import HybridExperts, HybridOptions
+from runtime.experts.interface import ExpertSpec
+from runtime.experts.planner import STAGING_RING_LAYERS
+from runtime.experts.staging import StagingRing
+from runtime.experts.transport import Transport, ready_event
+from tests.test_hybrid_experts import random_routing, reference
+
+CPU = torch.device("cpu")
+
+
+def _layers(n: int, entries: int, nbytes: int, seed: int = 0) -> list[np.ndarray]:
+    rng = np.random.default_rng(seed)
+    return [rng.integers(0, 256, size=(entries, nbytes), dtype=np.uint8) for _ in range(n)]
+
+
+def test_layers_staged_through_two_slots_arrive_intact_in_parallel_chunks(monkeypatch):
+    """Seven layers through a two-slot ring, each copied by three threads in chunks that do not divide it: every
+    destination holds its own layer's bytes, though the slots were refilled while earlier layers were queued."""
+    monkeypatch.setattr(staging, "COPY_CHUNK_BYTES", 1000)          # 5.2 chunks a layer, the last one short
+    ring = StagingRing(slots=2, entries_per_slot=4, entry_nbytes=1300, device=CPU, copy_threads=3)
+    layers = _layers(7, 4, 1300)
+    dsts = [torch.zeros(4, 1300, dtype=torch.uint8) for _ in layers]
+    handles = [ring.stage_layer(src, dst) for src, dst in zip(layers, dsts)]      # all queued before any waits
+    for src, dst, handle in zip(layers, dsts, handles):
+        assert handle.event() is None                   # a CPU device: the copy has finished when event() returns
+        assert np.array_equal(dst.numpy(), src)
+    ring.close()
+
+
+def test_a_short_layer_and_single_blocks_share_the_ring():
+    """Decode's blocks (one entry at a time, on the caller's thread) after a layer staged ahead: the block path
+    waits for the staging, then cycles through every entry of both slots."""
+    ring = StagingRing(slots=2, entries_per_slot=3, entry_nbytes=64, device=CPU, copy_threads=2)
+    short = _layers(1, 2, 64, seed=1)[0]                # fewer experts than a slot holds
+    dst = torch.zeros(2, 64, dtype=torch.uint8)
+    ring.stage_layer(short, dst)
+    blocks = _layers(1, 8, 64, seed=2)[0]
+    seen = []
+    for block in blocks:
+        i, buf = ring.take_entry(block)
+        seen.append(i)
+        assert np.array_equal(buf.numpy(), block)
+        ring.mark(i, None)
+    assert np.array_equal(dst.numpy(), short)           # the layer landed before its entries were reused
+    assert seen == [0, 1, 2, 3, 4, 5, 0, 1]
+    ring.close()
+
+
+def test_a_failed_staging_raises_in_the_waiting_thread_and_the_ring_goes_on():
+    ring = StagingRing(slots=2, entries_per_slot=2, entry_nbytes=16, device=CPU, copy_threads=1)
+    bad = np.full((2, 16), 0.5)                         # floats: numpy refuses to cast them into the byte slot
+    handle = ring.stage_layer(bad, torch.zeros(2, 16, dtype=torch.uint8))
+    with pytest.raises(TypeError):
+        handle.event()
+    good, dst = _layers(1, 2, 16)[0], torch.zeros(2, 16, dtype=torch.uint8)
+    ring.stage_layer(good, dst).event()
+    assert np.array_equal(dst.numpy(), good)
+    with pytest.raises(ValueError, match="does not fit a slot of 2 entries of 16 bytes"):
+        ring.stage_layer(_layers(1, 3, 16)[0], torch.zeros(3, 16, dtype=torch.uint8))
+    ring.close()
+
+
+def test_transport_stages_a_pageable_store_in_the_ring_the_planner_counts():
+    store = HostExpertStore.synthetic(layers=2, num_experts=4, hidden=64, intermediate=32, codec="int4", group=32)
+    transport = Transport(store, CPU, staged=True, copy_threads=2)
+    assert transport.ring.nbytes == STAGING_RING_LAYERS * store.num_experts * store.block_nbytes
+    layer = torch.zeros(store.num_experts, store.block_nbytes, dtype=torch.uint8)
+    assert ready_event(transport.submit_range(store.layer_buffer(1), layer)) is None
+    assert np.array_equal(layer.numpy(), store.layer_buffer(1))
+    blocks = [torch.zeros(store.block_nbytes, dtype=torch.uint8) for _ in range(3)]
+    transport.submit([(store.block(0, e), b) for e, b in zip((3, 0, 2), blocks)])
+    for e, b in zip((3, 0, 2), blocks):
+        assert np.array_equal(b.numpy(), store.block(0, e))
+    assert transport.bytes_copied == 7 * store.block_nbytes
+    assert Transport(store, CPU).ring is None           # a CPU device reads the store itself: nothing to stage
+    transport.close()
+
+
+def test_prefill_streaming_through_the_ring_matches_the_reference():
+    """The hybrid tier's streamed layers (both buffers, wrapping, repeating) through the staging ring's threads."""
+    gen = torch.Generator().manual_seed(5)
+    store = HostExpertStore.synthetic(layers=3, num_experts=4, hidden=64, intermediate=32, codec="int4", group=32,
+                                      weight_std=0.2, seed=4)
+    hybrid = HybridExperts(store, ExpertSpec(), device=CPU, dtype=torch.float32,
+                           options=HybridOptions(slots=2, top_k=2, stream_threshold=8, stream_on_cpu=True))
+    hybrid.transport = Transport(store, CPU, staged=True, copy_threads=2)
+    for layer in (0, 1, 2, 0, 0, 2, 1):
+        x = torch.randn(9, 64, generator=gen)
+        ids, w = random_routing(gen, 9, 4, 2)
+        torch.testing.assert_close(hybrid(layer, x, ids, w), reference(store, ExpertSpec(), layer, x, ids, w),
+                                   rtol=1e-4, atol=1e-5)
+    assert hybrid.counters.total.stream_calls == 7
+    hybrid.transport.close()
+
+
+def test_staged_layers_on_cuda_wait_for_the_compute_that_reads_their_buffer(device):
+    """On the GPU machine: a pageable store is staged (auto); layers go into two device buffers whose reader (a
+    slow kernel on the compute stream) still holds them, and the ring's slots are refilled meanwhile; each
+    buffer, read after its layer's event, holds that layer."""
+    if device != "cuda":
+        pytest.skip("needs the GPU machine (--device cuda)")
+    dev = torch.device("cuda")
+    store = HostExpertStore.synthetic(layers=6, num_experts=8, hidden=256, intermediate=128, codec="int4",
+                                      group=32, pin=False)
+    transport = Transport(store, dev, copy_threads=4)
+    assert not transport.pinned and transport.ring is not None and transport.ring.buf.is_pinned()
+    bufs = torch.empty((2, store.num_experts, store.block_nbytes), dtype=torch.uint8, device=dev)
+    free = [None, None]
+    compute = torch.cuda.current_stream(dev)
+    for round_ in range(3):
+        for layer in store.layers:
+            b = layer % 2
+            staged = transport.submit_range(store.layer_buffer(layer), bufs[b], after=free[b])
+            compute.wait_event(ready_event(staged))
+            torch.cuda._sleep(2_000_000)                # the layer's "compute": holds the buffer ~1 ms
+            got = bufs[b].cpu()                         # on the compute stream, after the event
+            assert torch.equal(got, torch.from_numpy(store.layer_buffer(layer))), (round_, layer)
+            free[b] = compute.record_event()
+    transport.close()
+
+
+def test_prefill_from_a_pageable_store_on_cuda_matches_the_pinned_store(device):
+    if device != "cuda":
+        pytest.skip("needs the GPU machine (--device cuda)")
+    dev = torch.device("cuda")
+    outs = {}
+    for pin in (True, False):
+        store = HostExpertStore.synthetic(layers=3, num_experts=8, hidden=256, intermediate=128, codec="int4",
+                                          group=32, weight_std=0.2, seed=7, pin=pin)
+        hybrid = HybridExperts(store, ExpertSpec(), device=dev, dtype=torch.bfloat16,
+                               options=HybridOptions(slots=4, top_k=2, stream_threshold=16, zero_copy=False))
+        assert (hybrid.transport.ring is None) == pin
+        g = torch.Generator().manual_seed(6)
+        outs[pin] = []
+        for layer in (0, 1, 2, 1, 0):
+            x = torch.randn(64, 256, generator=g).to(dev, torch.bfloat16)
+            ids, w = random_routing(g, 64, 8, 2)
+            outs[pin].append(hybrid(layer, x, ids.to(dev), w.to(dev)).float().cpu())
+        assert hybrid.counters.total.stream_calls == 5
+    for a, b in zip(outs[True], outs[False]):
+        assert torch.equal(a, b)
