@@ -119,6 +119,9 @@
 #                                                # alternating in one process (whole, split, whole, split)
 #   (device) bash benchmarks/device_final.sh s23c # session 23: cold load to first token (20 GB package, 8 GiB),
 #                                                # qwen3.6 learned split off/on
+#   (device) bash benchmarks/device_final.sh s24a # session 24: a pageable store through the staging ring - its CUDA
+#                                                # tests, host copy and staged GB/s by copy threads, qwen3-30b 8 GiB
+#                                                # prefill 8K/16K and decode mapped against pinned
 # carry .site (numba, llvmlite, fla-core, platformdirs unpacked, xz). Results under $OUT. Build .site once (the
 # wheels alone pass the 64 MiB carry limit; unpacked and xz-compressed they take ~44 MB):
 #   pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
@@ -923,6 +926,20 @@ elif [ "$1" = s23c ]; then
   rm -rf /tmp/ftw-cold
   bench_rows 180 q36_split --models qwen3.6-35b-a3b "${ROW_8G[@]}" --tokens 192 --warmup 48 --cpu-share auto \
     --expert-split off on | grep -E "$ROW_LINES|split rows|right after"
+  rm -f "$OUT"/model_*.json "$OUT"/model.json
+elif [ "$1" = s24a ]; then
+  # session 24: the store the planner could not page-lock (Windows pins about half the RAM) is staged through the
+  # ring's copy threads, off the decoding thread. Predicted: host copy ~10 GB/s with 1 thread, 25-35 with 8; staged
+  # layers within 30 % of the pinned DMA; mapped prefill at 16K near the pinned row (was ~31 ms a layer serial)
+  warm 120 new
+  cuda_tests 90 tests/test_staging.py tests/test_hybrid_experts.py --tb=short
+  timeout 90 python3 benchmarks/bench_staging.py --layers 8 --threads 1 2 4 8 --out "$OUT/staging.json" 2>&1 \
+    | tee "$OUT/staging.txt"
+  for store in mapped pinned; do
+    bench_rows 170 q3_$store --models qwen3-30b-a3b --dense-int8 --budgets 8 --routings uniform --modes graphs \
+      --tokens 32 --warmup 16 --prefill 8192 16384 --prefill-budgets 8 --ttft-context 0 --store $store \
+      | grep -E "$ROW_LINES|prefill"
+  done
   rm -f "$OUT"/model_*.json "$OUT"/model.json
 elif [ "$1" = s22e ]; then
   # session 22: s22d's trace and s22a-c's lanes put the CPU kernel near its compute bound (a 384-byte down row

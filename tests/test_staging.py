@@ -76,6 +76,7 @@ def test_transport_stages_a_pageable_store_in_the_ring_the_planner_counts():
     store = HostExpertStore.synthetic(layers=2, num_experts=4, hidden=64, intermediate=32, codec="int4", group=32)
     transport = Transport(store, CPU, staged=True, copy_threads=2)
     assert transport.ring.nbytes == STAGING_RING_LAYERS * store.num_experts * store.block_nbytes
+    assert transport.ring._buf is None                  # nothing page-locked until a copy needs the ring
     layer = torch.zeros(store.num_experts, store.block_nbytes, dtype=torch.uint8)
     assert ready_event(transport.submit_range(store.layer_buffer(1), layer)) is None
     assert np.array_equal(layer.numpy(), store.layer_buffer(1))
@@ -84,6 +85,7 @@ def test_transport_stages_a_pageable_store_in_the_ring_the_planner_counts():
     for e, b in zip((3, 0, 2), blocks):
         assert np.array_equal(b.numpy(), store.block(0, e))
     assert transport.bytes_copied == 7 * store.block_nbytes
+    assert transport.ring.buf.numel() == transport.ring.nbytes
     assert Transport(store, CPU).ring is None           # a CPU device reads the store itself: nothing to stage
     transport.close()
 

@@ -579,6 +579,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    help="time every b1 step (warm-up included): medians per phase and the worker's µs a request")
     m.add_argument("--dense-int8", action="store_true",
                    help="dense projections and LM head in int8 (runtime/models/quantized.py), as a hybrid GPU plan loads")
+    m.add_argument("--store", default="pinned", choices=["pinned", "mapped"],
+                   help="experts page-locked (Linux with RAM to spare) or pageable, staged through the pinned ring "
+                        "(what Windows' pinnable half of RAM or a RAM-short host gets)")
     m.add_argument("--out", type=Path, default=None)
 
 

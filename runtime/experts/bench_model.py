@@ -375,12 +375,16 @@ def run_model(name: str, args, hw, report: dict) -> None:
     cfg = dict(CONFIGS[name], num_hidden_layers=layers, max_position_embeddings=65536)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    # `--store mapped`: the experts stay pageable, as a package the planner could not page-lock (Windows pins about
+    # half the RAM) - misses are fetched and layers streamed through the staging ring (staging.py)
+    store_kind = getattr(args, "store", "pinned") if device.type == "cuda" else "pageable"
     store = HostExpertStore.synthetic(layers=layers, num_experts=e, hidden=d, intermediate=i, codec=codec,
-                                      group=group, pin=device.type == "cuda")
+                                      group=group, pin=store_kind == "pinned")
+    report.setdefault("store", {})[name] = store_kind
     huge = store.huge_page_bytes()
     if huge is not None:
         report.setdefault("huge_page_gib", {})[name] = huge / GiB
-        print(f"{name} store {store.nbytes / GiB:.2f} GiB, {huge / GiB:.2f} GiB in transparent huge pages",
+        print(f"{name} store {store.nbytes / GiB:.2f} GiB {store_kind}, {huge / GiB:.2f} GiB in transparent huge pages",
               flush=True)
     shape = ModelShape.from_config(cfg, codec=codec, group_size=group, block_size=group,
                                    block_nbytes=store.block_nbytes)
@@ -633,6 +637,8 @@ def run_model(name: str, args, hw, report: dict) -> None:
             model.set_experts(NoExperts())
             hybrid.close()
             del experts, hybrid
+    for r in rows:
+        r["store"] = store_kind
     report.setdefault("rows", []).extend(rows)
     report.setdefault("models", {})[name] = {"dense_ms_per_token": dense_s * 1e3, "store_gib": store.nbytes / GiB,
                                              "dense": dense, "dense_gib": shape.dense_bytes / GiB}

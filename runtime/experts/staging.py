@@ -58,9 +58,10 @@ class StagingRing:
         self.device = device
         self.cuda = device.type == "cuda"
         self.slots, self.entries_per_slot = slots, entries_per_slot
-        # [slots * entries_per_slot, entry_nbytes]: slot s is entries [s * per_slot, (s + 1) * per_slot)
-        self.buf = torch.empty((slots * entries_per_slot, entry_nbytes), dtype=torch.uint8, pin_memory=self.cuda)
-        self._events: list = [None] * len(self.buf)        # per entry: the DMA that last read it
+        self.entry_nbytes = entry_nbytes
+        self._buf: torch.Tensor | None = None               # page-locked on first use (a tier that never misses
+        self._events: list = [None] * (slots * entries_per_slot)     # or streams pins nothing); per entry: the DMA
+                                                                     # that last read it
         self._next_entry = self._next_slot = 0
         self.copy_threads = copy_threads or default_copy_threads()
         self._copier = ThreadPoolExecutor(self.copy_threads, thread_name_prefix="ft-stage-copy") \
@@ -69,17 +70,25 @@ class StagingRing:
         self._pending: list[Future] = []
 
     @property
+    def buf(self) -> torch.Tensor:
+        """[slots * entries_per_slot, entry_nbytes]: slot s is entries [s * per_slot, (s + 1) * per_slot)."""
+        if self._buf is None:
+            self._buf = torch.empty((len(self._events), self.entry_nbytes), dtype=torch.uint8, pin_memory=self.cuda)
+        return self._buf
+
+    @property
     def nbytes(self) -> int:
-        return self.buf.numel()
+        return len(self._events) * self.entry_nbytes
 
     # ------------------------------------------------------------------ a layer at a time (prefill)
     def stage_layer(self, src: np.ndarray, dst: torch.Tensor, *, stream=None, after=None) -> Staged:
         """Copy src ([n, entry_nbytes] uint8, n <= entries_per_slot) into the next slot and from there into dst
         (a device tensor of the same bytes) on `stream`, after the event `after` (the compute that last read
         dst). Returns at once."""
-        if src.shape[0] > self.entries_per_slot or src.shape[1:] != self.buf.shape[1:]:
+        if src.shape[0] > self.entries_per_slot or src.shape[1:] != (self.entry_nbytes,):
             raise ValueError(f"{tuple(src.shape)} does not fit a slot of {self.entries_per_slot} entries "
-                             f"of {self.buf.shape[1]} bytes")
+                             f"of {self.entry_nbytes} bytes")
+        _ = self.buf                     # page-locked here, on the caller's thread, if this is the first use
         slot = self._next_slot
         self._next_slot = (slot + 1) % self.slots
         future = self._stager.submit(self._stage_layer, slot * self.entries_per_slot, src, dst, stream, after)
@@ -90,12 +99,13 @@ class StagingRing:
         n = src.shape[0]
         self._wait_entries(lo, lo + n)
         staging = self.buf[lo:lo + n]
-        self._copy(staging.numpy(), src)
+        self.parallel_copy(staging.numpy(), src)
         event = self._to_device(staging, dst, stream, after)
         self._events[lo:lo + n] = [event] * n
         return event
 
-    def _copy(self, dst: np.ndarray, src: np.ndarray) -> None:
+    def parallel_copy(self, dst: np.ndarray, src: np.ndarray) -> None:
+        """dst[...] = src (same bytes, both C-contiguous) by the ring's copy threads, in chunks."""
         d, s = dst.reshape(-1), np.ascontiguousarray(src).reshape(-1)      # views: both are C-contiguous
         if self._copier is None or s.nbytes < 2 * COPY_CHUNK_BYTES:
             np.copyto(d, s)
@@ -110,7 +120,7 @@ class StagingRing:
         and hands back that copy's event (`mark`)."""
         self.drain()                     # a layer staged ahead (prefill's last prefetch) may still use the entries
         i = self._next_entry
-        self._next_entry = (i + 1) % len(self.buf)
+        self._next_entry = (i + 1) % len(self._events)
         self._wait_entries(i, i + 1)
         np.copyto(self.buf[i].numpy(), src)
         return i, self.buf[i]
