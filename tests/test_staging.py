@@ -107,6 +107,33 @@ def test_prefill_streaming_through_the_ring_matches_the_reference():
     hybrid.transport.close()
 
 
+def test_decode_promotions_after_a_streamed_prefill_share_the_ring():
+    """A prompt streamed (the last layer stages the first one ahead), then decode calls whose promotions copy blocks
+    through the same ring's entries: every output matches the reference and the promoted blocks are the store's."""
+    gen = torch.Generator().manual_seed(8)
+    store = HostExpertStore.synthetic(layers=3, num_experts=6, hidden=64, intermediate=32, codec="int4", group=32,
+                                      weight_std=0.2, seed=6)
+    hybrid = HybridExperts(store, ExpertSpec(), device=CPU, dtype=torch.float32,
+                           options=HybridOptions(slots=5, top_k=2, stream_threshold=8, stream_on_cpu=True))
+    hybrid.transport = Transport(store, CPU, staged=True, copy_threads=2)
+    calls = [(layer, 12) for layer in (0, 1, 2)] + [(step % 3, 2) for step in range(12)]
+    for layer, tokens in calls:
+        x = torch.randn(tokens, 64, generator=gen)
+        ids, w = random_routing(gen, tokens, 6, 2)
+        torch.testing.assert_close(hybrid(layer, x, ids, w), reference(store, ExpertSpec(), layer, x, ids, w),
+                                   rtol=1e-4, atol=1e-5)
+    hybrid._finish_promotions()
+    c = hybrid.counters.total
+    assert c.stream_calls == 3 and c.promoted_experts > 0
+    layer_bytes = store.num_experts * store.block_nbytes       # four layers staged: 0, 1, 2 and 0 again ahead
+    moved = c.promoted_experts + c.fetched_experts                # promotions and fetched misses: block by block
+    assert hybrid.transport.bytes_copied == 4 * layer_bytes + moved * store.block_nbytes
+    for (layer, e), slot in hybrid.cache.directory.slot_of.items():
+        if (layer, e) in hybrid.cache.published:
+            assert np.array_equal(hybrid.cache.pool[slot].numpy(), store.block(layer, e)), (layer, e)
+    hybrid.transport.close()
+
+
 def test_staged_layers_on_cuda_wait_for_the_compute_that_reads_their_buffer(device):
     """On the GPU machine: a pageable store is staged (auto); layers go into two device buffers whose reader (a
     slow kernel on the compute stream) still holds them, and the ring's slots are refilled meanwhile; each
