@@ -929,8 +929,8 @@ elif [ "$1" = s23c ]; then
   rm -f "$OUT"/model_*.json "$OUT"/model.json
 elif [ "$1" = s24a ]; then
   # session 24: the store the planner could not page-lock (Windows pins about half the RAM) is staged through the
-  # ring's copy threads, off the decoding thread. Predicted: host copy ~10 GB/s with 1 thread, 25-35 with 8; staged
-  # layers within 30 % of the pinned DMA; mapped prefill at 16K near the pinned row (was ~31 ms a layer serial)
+  # ring's copy threads, off the decoding thread. Predicted: host copy 10-16 GB/s with 1 thread, 25-35 with 8; staged
+  # layers at the host copy's rate (copy and DMA overlap); mapped prefill at 16K 50-65 % of the pinned row
   warm 120 new
   cuda_tests 90 tests/test_staging.py tests/test_hybrid_experts.py --tb=short
   timeout 90 python3 benchmarks/bench_staging.py --layers 8 --threads 1 2 4 8 --out "$OUT/staging.json" 2>&1 \
