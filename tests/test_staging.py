@@ -90,19 +90,29 @@ def test_transport_stages_a_pageable_store_in_the_ring_the_planner_counts():
     transport.close()
 
 
-def test_prefill_streaming_through_the_ring_matches_the_reference():
-    """The hybrid tier's streamed layers (both buffers, wrapping, repeating) through the staging ring's threads."""
-    gen = torch.Generator().manual_seed(5)
-    store = HostExpertStore.synthetic(layers=3, num_experts=4, hidden=64, intermediate=32, codec="int4", group=32,
-                                      weight_std=0.2, seed=4)
+def _staged_tier(*, experts: int, slots: int, seed: int) -> tuple[HostExpertStore, HybridExperts]:
+    """A CPU tier (streaming from 8 tokens) whose transport runs the staging ring's code path."""
+    store = HostExpertStore.synthetic(layers=3, num_experts=experts, hidden=64, intermediate=32, codec="int4",
+                                      group=32, weight_std=0.2, seed=seed)
     hybrid = HybridExperts(store, ExpertSpec(), device=CPU, dtype=torch.float32,
-                           options=HybridOptions(slots=2, top_k=2, stream_threshold=8, stream_on_cpu=True))
+                           options=HybridOptions(slots=slots, top_k=2, stream_threshold=8, stream_on_cpu=True))
     hybrid.transport = Transport(store, CPU, staged=True, copy_threads=2)
-    for layer in (0, 1, 2, 0, 0, 2, 1):
-        x = torch.randn(9, 64, generator=gen)
-        ids, w = random_routing(gen, 9, 4, 2)
+    return store, hybrid
+
+
+def _run_against_reference(store, hybrid, calls, gen) -> None:
+    for layer, tokens in calls:
+        x = torch.randn(tokens, 64, generator=gen)
+        ids, w = random_routing(gen, tokens, store.num_experts, 2)
         torch.testing.assert_close(hybrid(layer, x, ids, w), reference(store, ExpertSpec(), layer, x, ids, w),
                                    rtol=1e-4, atol=1e-5)
+
+
+def test_prefill_streaming_through_the_ring_matches_the_reference():
+    """The hybrid tier's streamed layers (both buffers, wrapping, repeating) through the staging ring's threads."""
+    store, hybrid = _staged_tier(experts=4, slots=2, seed=4)
+    calls = [(layer, 9) for layer in (0, 1, 2, 0, 0, 2, 1)]
+    _run_against_reference(store, hybrid, calls, torch.Generator().manual_seed(5))
     assert hybrid.counters.total.stream_calls == 7
     hybrid.transport.close()
 
@@ -110,18 +120,9 @@ def test_prefill_streaming_through_the_ring_matches_the_reference():
 def test_decode_promotions_after_a_streamed_prefill_share_the_ring():
     """A prompt streamed (the last layer stages the first one ahead), then decode calls whose promotions copy blocks
     through the same ring's entries: every output matches the reference and the promoted blocks are the store's."""
-    gen = torch.Generator().manual_seed(8)
-    store = HostExpertStore.synthetic(layers=3, num_experts=6, hidden=64, intermediate=32, codec="int4", group=32,
-                                      weight_std=0.2, seed=6)
-    hybrid = HybridExperts(store, ExpertSpec(), device=CPU, dtype=torch.float32,
-                           options=HybridOptions(slots=5, top_k=2, stream_threshold=8, stream_on_cpu=True))
-    hybrid.transport = Transport(store, CPU, staged=True, copy_threads=2)
+    store, hybrid = _staged_tier(experts=6, slots=5, seed=6)
     calls = [(layer, 12) for layer in (0, 1, 2)] + [(step % 3, 2) for step in range(12)]
-    for layer, tokens in calls:
-        x = torch.randn(tokens, 64, generator=gen)
-        ids, w = random_routing(gen, tokens, 6, 2)
-        torch.testing.assert_close(hybrid(layer, x, ids, w), reference(store, ExpertSpec(), layer, x, ids, w),
-                                   rtol=1e-4, atol=1e-5)
+    _run_against_reference(store, hybrid, calls, torch.Generator().manual_seed(8))
     hybrid._finish_promotions()
     c = hybrid.counters.total
     assert c.stream_calls == 3 and c.promoted_experts > 0
