@@ -8,7 +8,8 @@ MODEL may be
   interrupted conversion resumes;
 - a name in the models folder: a folder name, or a hub repo id ("Qwen/Qwen3-30B-A3B") that names
   a downloaded checkpoint (`Qwen--Qwen3-30B-A3B`) or a package converted from it. A package wins
-  over a checkpoint that still needs converting.
+  over a checkpoint that still needs converting. The built-in demo's name (`freetoken-demo-random`) makes the
+  demo model when the library lacks it: naming it is its first use, as the README's `run` example does.
 """
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ import logging
 from pathlib import Path
 from typing import Callable
 
+from app.demo import DEMO_MODEL_NAME, DemoError, ensure_demo_model
 from app.paths import user_paths
 
 log = logging.getLogger(__name__)
@@ -115,6 +117,12 @@ def resolve_model(model: str, *, models_dir: Path | None = None, cache_dir: Path
     named = models / model
     if named.is_dir():
         return from_folder(named)
+    if model == DEMO_MODEL_NAME and not named.exists():
+        log.info("%s is not in %s: making it (random weights)", model, models)
+        try:
+            return ensure_demo_model(models).path
+        except (OSError, DemoError) as exc:
+            raise ResolveError(f"could not make the demo model in {models}: {exc}") from exc
     if "/" in model:                                    # a hub repo id
         packages = _packages_from(models, model)
         if packages:

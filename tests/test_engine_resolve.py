@@ -76,3 +76,19 @@ def test_the_models_dir_setting_is_honoured(ftw_packages, tmp_path):
     settings.set("models_dir", str(elsewhere))
     settings.save()
     assert resolve_model("mixtral-tiny") == elsewhere / "mixtral-tiny"
+
+
+def test_naming_the_demo_on_an_empty_library_makes_it_once(tmp_path):
+    """The README's `freetoken run freetoken-demo-random` works on a fresh machine: the name is the demo's first use.
+    The model it makes is the real demo package, made once; another unknown name is still an error."""
+    from app.demo import DEMO_MODEL_NAME
+
+    models = tmp_path / "models"
+    path = resolve_model(DEMO_MODEL_NAME, models_dir=models, cache_dir=tmp_path / "cache")
+    assert path == models / DEMO_MODEL_NAME
+    assert "random" in FTWPackage.open(path).config["freetoken_demo"]
+    stamp = (path / "manifest.json").stat().st_mtime_ns
+    assert resolve_model(DEMO_MODEL_NAME, models_dir=models, cache_dir=tmp_path / "cache") == path
+    assert (path / "manifest.json").stat().st_mtime_ns == stamp
+    with pytest.raises(ResolveError, match=rf"no model named 'freetoken-demo'.*{DEMO_MODEL_NAME}"):
+        resolve_model("freetoken-demo", models_dir=models)
