@@ -19,33 +19,23 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import time
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from runtime.experts.bench import SHAPES, _median_time  # noqa: E402  (the bench's shapes and its timing rule)
+
 GB = 1e9
 
 
 def _store(model: str, layers: int, pin: bool):
-    from runtime.experts.bench import SHAPES
     from runtime.experts.host_store import HostExpertStore
 
     _, e, _, d, i, codec, group = SHAPES[model]
     return HostExpertStore.synthetic(layers=layers, num_experts=e, hidden=d, intermediate=i, codec=codec,
                                      group=group, pin=pin)
-
-
-def _best(fn, repeats: int) -> float:
-    fn()                                        # warm: the pool's threads up, the slots touched
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return min(times)
 
 
 def host_copy_gbps(store, threads: int, repeats: int) -> float:
@@ -59,7 +49,7 @@ def host_copy_gbps(store, threads: int, repeats: int) -> float:
         for layer in store.layers:
             ring.parallel_copy(slot, store.layer_buffer(layer))
 
-    s = _best(copy_all, repeats)
+    s = _median_time(copy_all, repeats=repeats, warmup=1)      # the warm-up starts the threads, touches the slot
     ring.close()
     return len(store.layers) * store.layer_buffer(store.layers[0]).nbytes / s / GB
 
@@ -82,13 +72,12 @@ def device_gbps(store, threads: int | None, repeats: int) -> float:
             free[b] = compute.record_event()
         torch.cuda.synchronize(dev)
 
-    s = _best(all_layers, repeats)
+    s = _median_time(all_layers, repeats=repeats, warmup=1)
     transport.close()
     return len(store.layers) * store.layer_buffer(store.layers[0]).nbytes / s / GB
 
 
 def main(argv: list[str] | None = None) -> int:
-    from runtime.experts.bench import SHAPES
     from runtime.experts.staging import default_copy_threads
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)

@@ -380,7 +380,6 @@ def run_model(name: str, args, hw, report: dict) -> None:
     store_kind = getattr(args, "store", "pinned") if device.type == "cuda" else "pageable"
     store = HostExpertStore.synthetic(layers=layers, num_experts=e, hidden=d, intermediate=i, codec=codec,
                                       group=group, pin=store_kind == "pinned")
-    report.setdefault("store", {})[name] = store_kind
     huge = store.huge_page_bytes()
     if huge is not None:
         report.setdefault("huge_page_gib", {})[name] = huge / GiB

@@ -35,6 +35,19 @@ def default_copy_threads() -> int:
     return max(1, min(MAX_COPY_THREADS, os.cpu_count() or 1))
 
 
+@contextlib.contextmanager
+def on_stream(stream, after):
+    """Work queued inside goes on `stream` (a CUDA stream; None: a CPU device, nothing to do), after the event
+    `after` (the compute that last read the destination)."""
+    if stream is None:
+        yield
+        return
+    with torch.cuda.stream(stream):
+        if after is not None:
+            stream.wait_event(after)
+        yield
+
+
 class Staged:
     """A layer's staging in flight. `event()` waits until its bytes are in the ring and their copy to the device
     is enqueued, and returns the CUDA event the compute stream must wait on (None on a CPU device, where the
@@ -45,9 +58,6 @@ class Staged:
 
     def event(self):
         return self._future.result()
-
-    def done(self) -> bool:
-        return self._future.done()
 
 
 class StagingRing:
@@ -150,11 +160,6 @@ class StagingRing:
                 event.synchronize()
 
     def _to_device(self, staging: torch.Tensor, dst: torch.Tensor, stream, after):
-        if not self.cuda:
-            dst.copy_(staging)
-            return None
-        with torch.cuda.stream(stream):
-            if after is not None:
-                stream.wait_event(after)
-            dst.copy_(staging, non_blocking=True)
-            return stream.record_event()
+        with on_stream(stream if self.cuda else None, after):
+            dst.copy_(staging, non_blocking=self.cuda)
+            return stream.record_event() if self.cuda else None

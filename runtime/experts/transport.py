@@ -11,14 +11,12 @@ On a CPU device copies are plain synchronous `copy_` and events are None.
 """
 from __future__ import annotations
 
-import contextlib
-
 import numpy as np
 import torch
 
 from runtime.experts.host_store import HostExpertStore
 from runtime.experts.planner import STAGING_RING_LAYERS
-from runtime.experts.staging import Staged, StagingRing
+from runtime.experts.staging import Staged, StagingRing, on_stream
 
 
 class Transport:
@@ -43,19 +41,15 @@ class Transport:
         if not copies:
             return None
         self.bytes_copied += sum(src.nbytes for src, _ in copies)
-        if not self.cuda and self.ring is None:
-            for src, dst in copies:
-                dst.copy_(torch.from_numpy(src))
-            return None
-        with self._on_stream(after):
+        with on_stream(self.stream, after):
             for src, dst in copies:
                 if self.ring is None:
-                    dst.copy_(torch.from_numpy(src), non_blocking=True)
+                    dst.copy_(torch.from_numpy(src), non_blocking=self.cuda)
                     continue
                 i, buf = self.ring.take_entry(src)
                 dst.copy_(buf, non_blocking=self.cuda)
-                self.ring.mark(i, self.stream.record_event() if self.cuda else None)
-            return self.stream.record_event() if self.cuda else None
+                self.ring.mark(i, self._record())
+            return self._record()
 
     def submit_range(self, src: np.ndarray, dst: torch.Tensor, *, after=None):
         """One large contiguous copy (a whole layer's blocks for prefill streaming): an event, None, or (from a
@@ -63,26 +57,17 @@ class Transport:
         self.bytes_copied += src.nbytes
         if self.ring is not None:
             return self.ring.stage_layer(src, dst, stream=self.stream, after=after)
-        if not self.cuda:
-            dst.copy_(torch.from_numpy(src))
-            return None
-        with self._on_stream(after):
-            dst.copy_(torch.from_numpy(src), non_blocking=True)
-            return self.stream.record_event()
+        with on_stream(self.stream, after):
+            dst.copy_(torch.from_numpy(src), non_blocking=self.cuda)
+            return self._record()
 
     def close(self) -> None:
         """Let the ring's threads go (the tier is being dropped)."""
         if self.ring is not None:
             self.ring.close()
 
-    def _on_stream(self, after):
-        if not self.cuda:
-            return contextlib.nullcontext()
-        stack = contextlib.ExitStack()
-        stack.enter_context(torch.cuda.stream(self.stream))
-        if after is not None:
-            self.stream.wait_event(after)
-        return stack
+    def _record(self):
+        return self.stream.record_event() if self.cuda else None
 
 
 def ready_event(handle):
