@@ -72,6 +72,24 @@ def test_a_failed_staging_raises_in_the_waiting_thread_and_the_ring_goes_on():
     ring.close()
 
 
+def test_a_staging_buffer_that_cannot_be_page_locked_says_so(monkeypatch):
+    """The OS's page-locked limit reached (Windows pins about half the RAM): a message naming the buffer and what
+    to do, raised where the layer was asked for, and the ring still usable once memory is free."""
+    ring = StagingRing(slots=2, entries_per_slot=2, entry_nbytes=1 << 20, device=CPU, copy_threads=1)
+    real_empty = torch.empty
+
+    def refuse(*args, **kwargs):
+        raise RuntimeError("CUDA error: out of memory")
+    monkeypatch.setattr(staging.torch, "empty", refuse)
+    with pytest.raises(staging.StagingError, match=r"could not page-lock 4 MiB .*staging buffer .*out of memory"):
+        ring.stage_layer(_layers(1, 2, 1 << 20)[0], torch.zeros(2, 1 << 20, dtype=torch.uint8))
+    monkeypatch.setattr(staging.torch, "empty", real_empty)
+    src, dst = _layers(1, 2, 1 << 20)[0], torch.zeros(2, 1 << 20, dtype=torch.uint8)
+    ring.stage_layer(src, dst).event()
+    assert np.array_equal(dst.numpy(), src)
+    ring.close()
+
+
 def test_transport_stages_a_pageable_store_in_the_ring_the_planner_counts():
     store = HostExpertStore.synthetic(layers=2, num_experts=4, hidden=64, intermediate=32, codec="int4", group=32)
     transport = Transport(store, CPU, staged=True, copy_threads=2)

@@ -48,6 +48,10 @@ def on_stream(stream, after):
         yield
 
 
+class StagingError(RuntimeError):
+    """The staging buffer could not be page-locked (a message for the user)."""
+
+
 class Staged:
     """A layer's staging in flight. `event()` waits until its bytes are in the ring and their copy to the device
     is enqueued, and returns the CUDA event the compute stream must wait on (None on a CPU device, where the
@@ -83,7 +87,13 @@ class StagingRing:
     def buf(self) -> torch.Tensor:
         """[slots * entries_per_slot, entry_nbytes]: slot s is entries [s * per_slot, (s + 1) * per_slot)."""
         if self._buf is None:
-            self._buf = torch.empty((len(self._events), self.entry_nbytes), dtype=torch.uint8, pin_memory=self.cuda)
+            try:
+                self._buf = torch.empty((len(self._events), self.entry_nbytes), dtype=torch.uint8,
+                                        pin_memory=self.cuda)
+            except RuntimeError as exc:     # the OS's page-locked limit (Windows: about half the RAM) is used up
+                raise StagingError(f"could not page-lock {self.nbytes / 2**20:,.0f} MiB for the experts' staging "
+                                   f"buffer ({exc}); close other GPU programs or lower the context or VRAM budget "
+                                   "so more host memory stays free") from exc
         return self._buf
 
     @property
