@@ -122,6 +122,12 @@
 #   (device) bash benchmarks/device_final.sh s24a # session 24: a pageable store through the staging ring - its CUDA
 #                                                # tests, host copy and staged GB/s by copy threads, qwen3-30b 8 GiB
 #                                                # prefill 8K/16K and decode mapped against pinned
+#   (device) bash benchmarks/device_final.sh s25a # session 25: the staging ring's CUDA tests (never run on a GPU) and
+#                                                # the split's, then s23b's A/B (whole/split, learned, alternating)
+#   (device) bash benchmarks/device_final.sh s25b # session 25: s23a's targets on today's code (the kernels' cache
+#                                                # kept from s25a on a warm machine)
+#   (device) bash benchmarks/device_final.sh s25c # session 25: s24a's staging rates and the mapped store's prefill
+#                                                # (the pinned row is s25b's), then s23c's cold load
 # carry .site (numba, llvmlite, fla-core, platformdirs unpacked, xz). Results under $OUT. Build .site once (the
 # wheels alone pass the 64 MiB carry limit; unpacked and xz-compressed they take ~44 MB):
 #   pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
@@ -927,6 +933,37 @@ elif [ "$1" = s23c ]; then
   bench_rows 180 q36_split --models qwen3.6-35b-a3b "${ROW_8G[@]}" --tokens 192 --warmup 48 --cpu-share auto \
     --expert-split off on | grep -E "$ROW_LINES|split rows|right after"
   rm -f "$OUT"/model_*.json "$OUT"/model.json
+elif [ "$1" = s25a ]; then
+  # session 25: session 24's staging ring has never run on a GPU - its CUDA tests (both files' CPU tests too) with
+  # the finer split's; then s23b's A/B: whole experts against the split, learned, alternating in one process
+  warm 130 new
+  thp_settings
+  cuda_tests 120 tests/test_staging.py tests/test_hybrid_zero_copy.py -k "staging or split" --tb=short
+  grep -E "passed|failed|Error|assert" "$OUT/cuda_tests.log" | tail -20
+  bench_rows 330 q3_split_ab --models qwen3-30b-a3b "${ROW_8G[@]}" --tokens 160 --warmup 48 --cpu-share auto \
+    --expert-split off on off on | grep -E "$ROW_LINES|split rows|right after"
+  rm -f "$OUT"/model_*.json "$OUT"/model.json
+elif [ "$1" = s25b ]; then
+  # session 25: s23a's rows (the targets not re-run since sessions 4-14) on today's code, share fixed at 0.6
+  warm 60 new
+  bench_rows 520 q3_targets --models qwen3-30b-a3b --dense-int8 --budgets 8 4 0 --routings uniform --modes graphs \
+    --cpu-share 0.6 --batch 4 --tokens 64 --warmup 32 --prefill 1024 8192 16384 32768 --prefill-budgets 8 \
+    --ttft-context 20000 | grep -E "$ROW_LINES|prefill|TTFT|decode"
+  rm -f "$OUT"/model_*.json "$OUT"/model.json
+elif [ "$1" = s25c ]; then
+  # session 25: s24a's rates - host copy and staged GB/s by copy threads (predicted 25-35 GB/s at 8 threads, a staged
+  # layer at min(host copy, link)) and qwen3-30b's 16K prefill from a mapped store at 8 GiB (predicted 50-65 % of
+  # the pinned row s25b measured); then s23c's cold load of a 20 GB package
+  warm 60 new
+  timeout 80 python3 benchmarks/bench_staging.py --layers 8 --threads 1 2 4 8 --out "$OUT/staging.json" 2>&1 \
+    | tee "$OUT/staging.txt"
+  bench_rows 170 q3_mapped --models qwen3-30b-a3b --dense-int8 --budgets 8 --routings uniform --modes graphs \
+    --tokens 32 --warmup 16 --prefill 8192 16384 --prefill-budgets 8 --ttft-context 0 --store mapped \
+    | grep -E "$ROW_LINES|prefill"
+  rm -f "$OUT"/model_*.json "$OUT"/model.json
+  timeout 240 python3 benchmarks/bench_cold_load.py --folder /tmp/ftw-cold --vram-budget 8 --out "$OUT/cold_load.json" \
+    > "$OUT/cold_load.txt" 2>&1; echo "cold load rc=$?"; grep -v Warning "$OUT/cold_load.txt" | tail -30
+  rm -rf /tmp/ftw-cold
 elif [ "$1" = s24a ]; then
   # session 24: the store the planner could not page-lock (Windows pins about half the RAM) is staged through the
   # ring's copy threads, off the decoding thread. Predicted: host copy 10-16 GB/s with 1 thread, 25-35 with 8; staged
