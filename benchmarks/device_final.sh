@@ -128,6 +128,8 @@
 #                                                # kept from s25a on a warm machine)
 #   (device) bash benchmarks/device_final.sh s25c # session 25: s24a's staging rates and the mapped store's prefill
 #                                                # (the pinned row is s25b's), then s23c's cold load
+#   (device) bash benchmarks/device_final.sh s25d # session 25: s25c's mapped row again once the ring's thread copies in
+#                                                # the caller's inference mode, beside the pinned row; qwen3.6 learned
 # carry .site (numba, llvmlite, fla-core, platformdirs unpacked, xz). Results under $OUT. Build .site once (the
 # wheels alone pass the 64 MiB carry limit; unpacked and xz-compressed they take ~44 MB):
 #   pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
@@ -964,6 +966,21 @@ elif [ "$1" = s25c ]; then
   timeout 240 python3 benchmarks/bench_cold_load.py --folder /tmp/ftw-cold --vram-budget 8 --out "$OUT/cold_load.json" \
     > "$OUT/cold_load.txt" 2>&1; echo "cold load rc=$?"; grep -v Warning "$OUT/cold_load.txt" | tail -30
   rm -rf /tmp/ftw-cold
+elif [ "$1" = s25d ]; then
+  # session 25: s25c's mapped row stopped at its first streamed layer (the ring's thread wrote into the engine's
+  # inference-mode buffer outside inference mode); fixed, the CUDA tests now stream under inference mode. The
+  # mapped and pinned stores' prefill and decode on one host, then qwen3.6 learned (s23c's second half)
+  warm 100 new
+  cuda_tests 90 tests/test_staging.py --tb=short
+  grep -E "passed|failed|Error" "$OUT/cuda_tests.log" | tail -5
+  for store in mapped pinned; do
+    bench_rows 150 q3_$store --models qwen3-30b-a3b --dense-int8 --budgets 8 --routings uniform --modes graphs \
+      --tokens 64 --warmup 32 --prefill 8192 16384 --prefill-budgets 8 --ttft-context 0 --store $store \
+      | grep -E "$ROW_LINES|prefill|Error"
+  done
+  bench_rows 200 q36_learned --models qwen3.6-35b-a3b "${ROW_8G[@]}" --tokens 192 --warmup 48 --cpu-share auto \
+    | grep -E "$ROW_LINES|right after"
+  rm -f "$OUT"/model_*.json "$OUT"/model.json
 elif [ "$1" = s24a ]; then
   # session 24: the store the planner could not page-lock (Windows pins about half the RAM) is staged through the
   # ring's copy threads, off the decoding thread. Predicted: host copy 10-16 GB/s with 1 thread, 25-35 with 8; staged

@@ -135,6 +135,18 @@ def test_prefill_streaming_through_the_ring_matches_the_reference():
     hybrid.transport.close()
 
 
+def test_prefill_streaming_under_the_engines_inference_mode():
+    """The engine runs its forward under torch.inference_mode, so the stream buffers are inference tensors; the
+    ring's own thread (where inference mode is off) must still write into them (s25c: the mapped store's first GPU
+    row stopped at 'Inplace update to inference tensor outside InferenceMode')."""
+    store, hybrid = _staged_tier(experts=4, slots=2, seed=9)
+    with torch.inference_mode():
+        _run_against_reference(store, hybrid, [(layer, 9) for layer in (0, 1, 2, 0)],
+                               torch.Generator().manual_seed(10))
+    assert hybrid.counters.total.stream_calls == 4
+    hybrid.transport.close()
+
+
 def test_decode_promotions_after_a_streamed_prefill_share_the_ring():
     """A prompt streamed (the last layer stages the first one ahead), then decode calls whose promotions copy blocks
     through the same ring's entries: every output matches the reference and the promoted blocks are the store's."""
@@ -195,7 +207,8 @@ def test_prefill_from_a_pageable_store_on_cuda_matches_the_pinned_store(device):
         for layer in (0, 1, 2, 1, 0):
             x = torch.randn(64, 256, generator=g).to(dev, torch.bfloat16)
             ids, w = random_routing(g, 64, 8, 2)
-            outs[pin].append(hybrid(layer, x, ids.to(dev), w.to(dev)).float().cpu())
+            with torch.inference_mode():                 # as the engine runs it
+                outs[pin].append(hybrid(layer, x, ids.to(dev), w.to(dev)).float().cpu())
         assert hybrid.counters.total.stream_calls == 5
     for a, b in zip(outs[True], outs[False]):
         assert torch.equal(a, b)

@@ -405,7 +405,10 @@ def run_model(name: str, args, hw, report: dict) -> None:
             print(f"{name} CPU kernel {kernel_at[threads]:.1f} GB/s at {threads} threads", flush=True)
     report.setdefault("cpu_kernel_gbps_at", {})[name] = {str(t): g for t, g in kernel_at.items()}
     joint_gbps = 0.0
-    if kernel_gbps:
+    if kernel_gbps and store_kind == "mapped":      # the gather reads page-locked memory: a mapped store has none
+        print(f"{name} together: not measured (the GPU reads a pageable store only through the staging ring)",
+              flush=True)
+    elif kernel_gbps:
         try:            # both at once: what this host's DRAM serves to the two sides together
             traffic = GatherTraffic.of_store(store, device, blocks=k)
             cpu_beside = cpu_kernel_gbps(store, top_k=k, threads=worker_threads, rounds=2, beside=traffic)

@@ -111,16 +111,20 @@ class StagingRing:
         _ = self.buf                     # page-locked here, on the caller's thread, if this is the first use
         slot = self._next_slot
         self._next_slot = (slot + 1) % self.slots
-        future = self._stager.submit(self._stage_layer, slot * self.entries_per_slot, src, dst, stream, after)
+        # inference mode is per thread: the engine's dst was made under it, and outside it torch refuses to write
+        # into such a tensor, so the ring's thread copies in the caller's mode
+        future = self._stager.submit(self._stage_layer, slot * self.entries_per_slot, src, dst, stream, after,
+                                     torch.is_inference_mode_enabled())
         self._pending = [f for f in self._pending if not f.done()] + [future]
         return Staged(future)
 
-    def _stage_layer(self, lo: int, src: np.ndarray, dst: torch.Tensor, stream, after):
+    def _stage_layer(self, lo: int, src: np.ndarray, dst: torch.Tensor, stream, after, inference: bool):
         n = src.shape[0]
         self._wait_entries(lo, lo + n)
         staging = self.buf[lo:lo + n]
         self.parallel_copy(staging.numpy(), src)
-        event = self._to_device(staging, dst, stream, after)
+        with torch.inference_mode(inference):
+            event = self._to_device(staging, dst, stream, after)
         self._events[lo:lo + n] = [event] * n
         return event
 
