@@ -507,6 +507,8 @@ class Engine:
                 return logits
         batch = Batch.build([(seq.tokens[seq.computed:seq.computed + n], seq.payload.cache) for seq, n in work],
                             device=self.device)
+        if hasattr(self.model.experts, "prefill_continues"):     # a streaming tier stages ahead only for a next chunk
+            self.model.experts.prefill_continues = any(seq.computed + n < seq.prompt_len for seq, n in work)
         return self.model(batch)
 
     def _fail(self, work: list[tuple[Sequence, int]], exc: Exception) -> list[TokenEvent]:

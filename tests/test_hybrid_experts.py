@@ -248,6 +248,52 @@ def test_prefill_streaming_double_buffers_across_layers():
     assert c.stream_calls == 8 and c.bytes_streamed >= 8 * 4 * store.block_nbytes
 
 
+def test_the_last_chunk_of_a_prompt_stages_no_layer_ahead():
+    """The last layer stages the first one ahead only while the engine says another prefill chunk follows: after a
+    prompt's last chunk that copy would serve nobody (and hold up the copy stream's decode promotions)."""
+    gen = torch.Generator().manual_seed(9)
+    store = HostExpertStore.synthetic(layers=3, num_experts=4, hidden=64, intermediate=32, codec="int4", group=32,
+                                      weight_std=0.2, seed=3)
+    hybrid = HybridExperts(store, ExpertSpec(), device=CPU, dtype=torch.float32,
+                           options=HybridOptions(slots=2, top_k=2, stream_threshold=8, stream_on_cpu=True))
+    layer_bytes = store.num_experts * store.block_nbytes
+    for chunk, last in ((0, False), (1, True)):
+        hybrid.prefill_continues = not last
+        for layer in (0, 1, 2):
+            x = torch.randn(10, 64, generator=gen)
+            ids, w = random_routing(gen, 10, 4, 2)
+            torch.testing.assert_close(hybrid(layer, x, ids, w), reference(store, ExpertSpec(), layer, x, ids, w),
+                                       rtol=1e-4, atol=1e-5)
+    # six streamed layers, each copied once: the first chunk's wrap-around staged layer 0 for the second chunk,
+    # the second's last layer staged nothing
+    assert hybrid.counters.total.stream_calls == 6
+    assert hybrid.transport.bytes_copied == 6 * layer_bytes and not hybrid._staged
+
+
+def test_the_engine_tells_a_streaming_tier_whether_a_prefill_chunk_follows(ftw_packages):
+    """Engine.step sets `prefill_continues` before each forward: True for every chunk of a prompt but its last."""
+    from runtime.engine import Engine, SamplingParams
+
+    seen = []
+
+    class Recording(ResidentExperts):
+        prefill_continues = True
+
+        def __call__(self, layer, hidden, topk_ids, topk_weights):
+            if layer == 0:
+                seen.append((hidden.shape[0], self.prefill_continues))
+            return super().__call__(layer, hidden, topk_ids, topk_weights)
+
+    def factory(package, spec, *, device, dtype, **_unused):
+        return Recording.from_store(package.experts, spec, device=device, dtype=dtype)
+
+    eng = Engine.load(ftw_packages("qwen3_moe", "int4"), device="cpu", experts_factory=factory, prefill_chunk=8)
+    eng.generate(random_prompt(20, seed=4), SamplingParams(temperature=0.0, max_tokens=2, stop_token_ids=[]))
+    prefill = [entry for entry in seen if entry[0] > 1]
+    assert [n for n, _ in prefill] == [8, 8, 4]
+    assert [more for _, more in prefill] == [True, True, False]
+
+
 def test_bookkeeping_stays_consistent_under_churn():
     """Many calls over a small pool with fetches, promotions and prefetch competing for slots: every output
     matches the reference, the device table equals the host's map, and nothing stays 'in flight' forever."""

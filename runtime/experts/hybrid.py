@@ -174,6 +174,10 @@ class HybridExperts:
             hidden=store.layout.hidden, intermediate=store.layout.intermediate,
             h2d_gbps=options.h2d_gbps if self.cuda and options.slots else 0.0)
         self._stage = None                      # two device buffers [E, nbytes] for prefill streaming
+        # whether another prefill chunk follows this forward (the engine says so before each; unknown: True).
+        # The last layer stages the first one ahead only then: after a prompt's last chunk that copy (a layer,
+        # ~330 MB for qwen3-30b) would serve nobody and hold up the copy stream's first decode promotions
+        self.prefill_continues = True
         self._staged: dict[int, tuple[int, object]] = {}   # layer -> (buffer index, copy event or Staged)
         self._stage_free: list[object] = [None, None]       # event after which each buffer may be overwritten
         self._promotions: list[tuple[Key, int, object]] = []
@@ -788,7 +792,9 @@ class HybridExperts:
 
     def _next_layer(self, layer: int) -> int | None:
         i = self.cache.layer_index[layer] + 1
-        return self.store.layers[i] if i < len(self.store.layers) else self.store.layers[0]
+        if i < len(self.store.layers):
+            return self.store.layers[i]
+        return self.store.layers[0] if self.prefill_continues else None
 
     # ------------------------------------------------------------------ promotion (off the critical path)
     def _promote(self, layer: int, experts: np.ndarray, *, budget_bytes: int | None = None,
