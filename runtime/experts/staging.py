@@ -12,9 +12,13 @@ GB/s, PCIe 4.0 x16 takes ~25 and the H200's link ~54), so for prefill streaming,
 - a slot is written only after the DMA that last read it has finished (its event), so the GPU never reads bytes
   the CPU is overwriting.
 
-Decode's few blocks at a time (fetches, promotions) go through the ring's entries one by one on the caller's
-thread (`take_entry`/`mark`): a thread hop would cost more than a 2 MB copy. The ring holds
-`planner.STAGING_RING_LAYERS` layers of blocks: what the planner counts as pinned host memory.
+Decode's few blocks at a time (fetches, promotions) go through the ring's entries too, on the same thread
+(`stage_blocks`), so every write into the ring happens in call order on one thread and none can overtake another.
+A promotion's host copy (~200 µs a qwen3-30b block at one thread's ~12 GB/s) then stays off the decoding thread,
+as the design wants of promotions (s25d: with them copied on the decoding thread, decode from a mapped store ran
+at 6.8 tok/s, 2.3 ms a layer call outside the CPU's and the link's work); a fetch, which the call waits for anyway,
+pays one thread hop. The ring holds `planner.STAGING_RING_LAYERS` layers of blocks: what the planner counts as
+pinned host memory.
 
 On a CPU device (tests) the "DMA" is a synchronous copy and every event is None.
 """
@@ -62,6 +66,13 @@ class Staged:
 
     def event(self):
         return self._future.result()
+
+    def query(self) -> bool:
+        """True once the bytes are on the device (never blocks; a failed staging raises here)."""
+        if not self._future.done():
+            return False
+        event = self._future.result()
+        return event is None or event.query()
 
 
 class StagingRing:
@@ -138,19 +149,38 @@ class StagingRing:
         starts = range(0, s.nbytes, COPY_CHUNK_BYTES)
         list(self._copier.map(lambda a: np.copyto(d[a:a + COPY_CHUNK_BYTES], s[a:a + COPY_CHUNK_BYTES]), starts))
 
-    # ------------------------------------------------------------------ a block at a time (decode)
-    def take_entry(self, src: np.ndarray) -> tuple[int, torch.Tensor]:
-        """The next entry, once free, filled with src ([entry_nbytes] uint8); the caller copies it to the device
-        and hands back that copy's event (`mark`)."""
-        self.drain()                     # a layer staged ahead (prefill's last prefetch) may still use the entries
-        i = self._next_entry
-        self._next_entry = (i + 1) % len(self._events)
-        self._wait_entries(i, i + 1)
-        np.copyto(self.buf[i].numpy(), src)
-        return i, self.buf[i]
+    # ------------------------------------------------------------------ blocks (decode: fetches, promotions)
+    def stage_blocks(self, copies: list[tuple[np.ndarray, torch.Tensor]], *, stream=None, after=None) -> Staged:
+        """Each (host block [entry_nbytes] uint8, device destination of its bytes) through the ring's next
+        entries, on the ring's thread after everything staged before; returns at once."""
+        _ = self.buf
+        future = self._stager.submit(self._stage_blocks, copies, stream, after, torch.is_inference_mode_enabled())
+        self._pending = [f for f in self._pending if not f.done()] + [future]
+        return Staged(future)
 
-    def mark(self, i: int, event) -> None:
-        self._events[i] = event
+    def _stage_blocks(self, copies, stream, after, inference: bool):
+        event = None
+        for lo in range(0, len(copies), len(self._events)):      # more blocks than entries: a ring's worth a time
+            part = copies[lo:lo + len(self._events)]
+            entries = []
+            for _ in part:               # (only this thread moves _next_entry: no lock)
+                entries.append(self._next_entry)
+                self._next_entry = (self._next_entry + 1) % len(self._events)
+            for i in entries:
+                self._wait_entries(i, i + 1)
+            fill = lambda j: np.copyto(self.buf[entries[j]].numpy(), part[j][0])      # noqa: E731
+            if self._copier is not None and len(part) > 1:
+                list(self._copier.map(fill, range(len(part))))
+            else:
+                for j in range(len(part)):
+                    fill(j)
+            with torch.inference_mode(inference), on_stream(stream if self.cuda else None, after):
+                for i, (_, dst) in zip(entries, part):
+                    dst.copy_(self.buf[i], non_blocking=self.cuda)
+                event = stream.record_event() if self.cuda else None
+            for i in entries:
+                self._events[i] = event
+        return event
 
     # ------------------------------------------------------------------
     def drain(self) -> None:

@@ -4,8 +4,8 @@
 copy stream, after `after` (the compute work that last read the destination), and returns an event the
 compute stream waits on. `submit_range` moves a whole layer's blocks (prefill streaming). Page-locked stores
 are copied straight from the host buffer; a mapped (pageable) store is staged through the page-locked ring of
-staging.py, whose layer copies run on its own threads: `submit_range` then returns a `Staged` (its `event()`
-waits for the staging and gives the copy's event).
+staging.py, whose copies run on its own threads: `submit` and `submit_range` then return a `Staged` (its
+`event()` waits for the staging and gives the copy's event, its `query()` says whether the bytes have landed).
 
 On a CPU device copies are plain synchronous `copy_` and events are None.
 """
@@ -37,18 +37,16 @@ class Transport:
         self.bytes_copied = 0
 
     def submit(self, copies: list[tuple[np.ndarray, torch.Tensor]], *, after=None):
-        """copies: (host block [nbytes] uint8, device destination [nbytes] uint8). Returns an event (or None)."""
+        """copies: (host block [nbytes] uint8, device destination [nbytes] uint8). Returns an event, None, or (from
+        a pageable store, staged on the ring's thread) a `Staged`."""
         if not copies:
             return None
         self.bytes_copied += sum(src.nbytes for src, _ in copies)
+        if self.ring is not None:
+            return self.ring.stage_blocks(copies, stream=self.stream, after=after)
         with on_stream(self.stream, after):
             for src, dst in copies:
-                if self.ring is None:
-                    dst.copy_(torch.from_numpy(src), non_blocking=self.cuda)
-                    continue
-                i, buf = self.ring.take_entry(src)
-                dst.copy_(buf, non_blocking=self.cuda)
-                self.ring.mark(i, self._record())
+                dst.copy_(torch.from_numpy(src), non_blocking=self.cuda)
             return self._record()
 
     def submit_range(self, src: np.ndarray, dst: torch.Tensor, *, after=None):
