@@ -130,6 +130,8 @@
 #                                                # (the pinned row is s25b's), then s23c's cold load
 #   (device) bash benchmarks/device_final.sh s25d # session 25: s25c's mapped row again once the ring's thread copies in
 #                                                # the caller's inference mode, beside the pinned row; qwen3.6 learned
+#   (device) bash benchmarks/device_final.sh s25e # session 25's last ~4 device minutes: the staging ring's CUDA tests
+#                                                # with decode blocks on its thread, then the mapped store's decode row
 # carry .site (numba, llvmlite, fla-core, platformdirs unpacked, xz). Results under $OUT. Build .site once (the
 # wheels alone pass the 64 MiB carry limit; unpacked and xz-compressed they take ~44 MB):
 #   pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
@@ -981,6 +983,14 @@ elif [ "$1" = s25d ]; then
   bench_rows 200 q36_learned --models qwen3.6-35b-a3b "${ROW_8G[@]}" --tokens 192 --warmup 48 --cpu-share auto \
     | grep -E "$ROW_LINES|right after"
   rm -f "$OUT"/model_*.json "$OUT"/model.json
+elif [ "$1" = s25e ]; then
+  # session 25: decode's blocks from a pageable store now go through the ring's thread (s25d's mapped decode: 6.8
+  # tok/s, 2.3 ms a layer call outside the CPU's and the link's work, the promotions' host copies predicted to be
+  # most of it). The CUDA tests first (pageable decode against the reference), then the row if time is left
+  timeout 120 python3 -m pytest -q -p no:cacheprovider --device cuda tests/test_staging.py --tb=short \
+    > "$OUT/cuda_tests.log" 2>&1; echo "pytest rc=$?"; grep -v Warning "$OUT/cuda_tests.log" | tail -12
+  bench_rows 110 q3_mapped_decode --models qwen3-30b-a3b --dense-int8 --budgets 8 --routings uniform --modes graphs \
+    --tokens 16 --warmup 8 --prefill-budgets 99 --ttft-context 0 --store mapped | grep -E "$ROW_LINES|host µs"
 elif [ "$1" = s24a ]; then
   # session 24: the store the planner could not page-lock (Windows pins about half the RAM) is staged through the
   # ring's copy threads, off the decoding thread. Predicted: host copy 10-16 GB/s with 1 thread, 25-35 with 8; staged
