@@ -508,8 +508,15 @@ class Engine:
         batch = Batch.build([(seq.tokens[seq.computed:seq.computed + n], seq.payload.cache) for seq, n in work],
                             device=self.device)
         if hasattr(self.model.experts, "prefill_continues"):     # a streaming tier stages ahead only for a next chunk
-            self.model.experts.prefill_continues = any(seq.computed + n < seq.prompt_len for seq, n in work)
+            self.model.experts.prefill_continues = self._prefill_follows(work)
         return self.model(batch)
+
+    def _prefill_follows(self, work: list[tuple[Sequence, int]]) -> bool:
+        """Whether a later step will prefill: a prompt in this step not finished by it, a running one this step
+        left out (the token budget), or a request still waiting to be admitted."""
+        stepping = {id(seq) for seq, _ in work}
+        return (any(seq.computed + n < seq.prompt_len for seq, n in work) or bool(self.scheduler.waiting)
+                or any(seq.prefilling for seq in self.scheduler.running if id(seq) not in stepping))
 
     def _fail(self, work: list[tuple[Sequence, int]], exc: Exception) -> list[TokenEvent]:
         """The model raised on this batch: end its requests with finish_reason "error"; the engine lives on."""

@@ -287,11 +287,22 @@ def test_the_engine_tells_a_streaming_tier_whether_a_prefill_chunk_follows(ftw_p
     def factory(package, spec, *, device, dtype, **_unused):
         return Recording.from_store(package.experts, spec, device=device, dtype=dtype)
 
+    sampling = SamplingParams(temperature=0.0, max_tokens=2, stop_token_ids=[])
     eng = Engine.load(ftw_packages("qwen3_moe", "int4"), device="cpu", experts_factory=factory, prefill_chunk=8)
-    eng.generate(random_prompt(20, seed=4), SamplingParams(temperature=0.0, max_tokens=2, stop_token_ids=[]))
+    eng.generate(random_prompt(20, seed=4), sampling)
     prefill = [entry for entry in seen if entry[0] > 1]
     assert [n for n, _ in prefill] == [8, 8, 4]
     assert [more for _, more in prefill] == [True, True, False]
+    # one sequence at a time: the first prompt's last chunk is followed by the waiting request's prefill
+    seen.clear()
+    eng = Engine.load(ftw_packages("qwen3_moe", "int4"), device="cpu", experts_factory=factory, prefill_chunk=8,
+                      max_batch=1)
+    for seed in (5, 6):
+        eng.add_request(random_prompt(12, seed=seed), sampling)
+    while eng.has_work():
+        eng.step()
+    prefill = [entry for entry in seen if entry[0] > 1]
+    assert prefill == [(8, True), (4, True), (8, True), (4, False)]
 
 
 def test_bookkeeping_stays_consistent_under_churn():
