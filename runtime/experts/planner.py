@@ -494,7 +494,8 @@ def _place_host(shape: ModelShape, hw: Hardware, *, gpu_used: bool, cpu_side: in
     in_ram = min(shape.experts_bytes, max(0, ram - must_stay))
     if ring and in_ram == shape.experts_bytes:
         notes.append(f"experts ({_fmt_bytes(shape.experts_bytes)}) exceed the pinnable share "
-                     f"({_fmt_bytes(min(hw.pinnable, ram))}): staged through a pinned ring")
+                     f"({_fmt_bytes(min(hw.pinnable, ram))}): staged through a pinned ring, and decode reads "
+                     "misses through the host (slower than from pinned RAM)")
     on_disk = shape.experts_bytes - in_ram
     if on_disk and not shortfall:
         notes.append(f"host RAM holds {_fmt_bytes(in_ram)} of {_fmt_bytes(shape.experts_bytes)} of experts: "
