@@ -184,7 +184,7 @@ class StagingRing:
 
     # ------------------------------------------------------------------
     def drain(self) -> None:
-        """Wait for every layer staged so far (raising the first failure)."""
+        """Wait for everything staged so far, layers and blocks (raising the first failure)."""
         pending, self._pending = self._pending, []
         for future in pending:
             future.result()
