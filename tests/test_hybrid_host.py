@@ -75,7 +75,8 @@ def test_decode_reads_the_ids_once_and_never_syncs_otherwise(monkeypatch):
     assert c.fetched_experts + c.promoted_experts > 0 and c.cpu_experts > 0 and c.hits > 0   # every path ran
     assert c.decode_calls == 24 and c.tokens == 48
     # the host phases the benchmark prints: each counted, none more than the calls' own time
-    phases = (c.host_wait_seconds, c.host_book_seconds, c.host_fetch_seconds, c.host_upload_seconds, c.cpu_seconds)
+    phases = (c.host_wait_seconds, c.host_book_seconds, c.host_fetch_seconds, c.host_upload_seconds, c.cpu_seconds,
+              c.host_promote_seconds)
     assert all(p > 0 for p in phases) and sum(phases) <= c.decode_seconds
 
 

@@ -814,10 +814,10 @@ def host_line(us: dict[str, float]) -> str | None:
 
 def host_breakdown(c: dict) -> dict:
     """µs per decode-layer call: waiting for the ids, bookkeeping, fetch submission, the CPU kernel, the upload,
-    the rest of the call, and the whole call (from the tier's counters over a row)."""
+    starting promotions, the rest of the call, and the whole call (from the tier's counters over a row)."""
     n = max(1, c["decode_calls"])
     parts = {"wait": c["host_wait_seconds"], "book": c["host_book_seconds"], "fetch": c["host_fetch_seconds"],
-             "cpu": c["cpu_seconds"], "upload": c["host_upload_seconds"]}
+             "cpu": c["cpu_seconds"], "upload": c["host_upload_seconds"], "promote": c.get("host_promote_seconds", 0.0)}
     parts["other"] = c["decode_seconds"] - sum(parts.values())
     parts["call"] = c["decode_seconds"]
     return {key: 1e6 * v / n for key, v in parts.items()}

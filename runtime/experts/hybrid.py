@@ -626,7 +626,7 @@ class HybridExperts:
                 slots_new = torch.where(slots_now >= 0, -1, slots_new)
             fetched_out = self._gpu_forward(hidden, slots_new, topk_weights)
             out = fetched_out if out is None else out.add_(fetched_out)
-        cpu_s = upload_s = 0.0
+        cpu_s = upload_s = promote_s = 0.0
         if n_cpu:
             # CPU: the assignments whose expert is still unpublished (misses not fetched, in-flight promotions)
             tok, kk = np.nonzero(published[ids_h] < 0)                          # [A]
@@ -641,7 +641,9 @@ class HybridExperts:
             # fresh output takes the sum in place (no further allocation)
             out = back.to(hidden.dtype, copy=True) if out is None else out.add_(back)
             if self._promote_blocks and self.options.slots:
+                p0 = time.perf_counter()
                 self._promote(layer, missed[published[missed] < 0] if n_fetch else missed)   # [n_cpu] sorted
+                promote_s = time.perf_counter() - p0
         if out is None:                          # no tokens
             out = torch.zeros_like(hidden, dtype=self.dtype)
         nb = self.store.block_nbytes
@@ -652,7 +654,8 @@ class HybridExperts:
                 self._promote(nxt, np.asarray(predicted, dtype=np.int64),
                               budget_bytes=self.options.prefetch_bytes_per_call, admit_all=True)
         now = time.perf_counter()
-        self.counters.add_decode_times(t_book - t_wait, t_fetch - t_book, t_fetched - t_fetch, upload_s, now - t0)
+        self.counters.add_decode_times(t_book - t_wait, t_fetch - t_book, t_fetched - t_fetch, upload_s, now - t0,
+                                       promote_s)
         if auto:
             # wall time of this call, no device sync: the GPU part overlaps the CPU part and the next
             # call's id transfer waits for it anyway, so a slow GPU shows up in the next call's time

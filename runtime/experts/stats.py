@@ -22,11 +22,12 @@ class ExpertCounters:
     cpu_seconds: float = 0.0         # wall time inside the CPU kernel
     gpu_experts: int = 0             # distinct experts per layer call computed on the device
     # where a decode call's host time goes (wall seconds, summed over calls): waiting for the ids to arrive,
-    # classifying and splitting, submitting fetches, uploading the CPU's result, the whole call
+    # classifying and splitting, submitting fetches, uploading the CPU's result, starting promotions, the whole call
     host_wait_seconds: float = 0.0
     host_book_seconds: float = 0.0
     host_fetch_seconds: float = 0.0
     host_upload_seconds: float = 0.0
+    host_promote_seconds: float = 0.0
     decode_seconds: float = 0.0
 
     @property
@@ -66,13 +67,15 @@ class ExpertStats:
             c.bytes_cpu_read += cpu_experts * block_nbytes
             c.cpu_seconds += cpu_seconds
 
-    def add_decode_times(self, wait: float, book: float, fetch: float, upload: float, call: float) -> None:
+    def add_decode_times(self, wait: float, book: float, fetch: float, upload: float, call: float,
+                         promote: float = 0.0) -> None:
         """One decode call's host phases (see ExpertCounters)."""
         for c in (self.total, self.step):
             c.host_wait_seconds += wait
             c.host_book_seconds += book
             c.host_fetch_seconds += fetch
             c.host_upload_seconds += upload
+            c.host_promote_seconds += promote
             c.decode_seconds += call
 
     def end_step(self) -> dict:
