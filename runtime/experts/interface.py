@@ -52,6 +52,14 @@ class GraphSafeExperts(Experts, Protocol):
     def graph_safe(self, layer: int) -> bool: ...
 
 
+class StreamingExperts(Experts, Protocol):
+    """Optional: a tier that streams experts for prefill (the hybrid tier) has a `prefill_continues` attribute,
+    which the engine sets before each forward: whether a later step will prefill too. The tier stages the next
+    chunk's first layer ahead only then (after a prompt's last chunk that copy would serve nobody)."""
+
+    prefill_continues: bool
+
+
 def activate(spec: ExpertSpec, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     """The expert's gated activation on its gate and up projections (any shape, same for both)."""
     if spec.activation == "silu":
