@@ -4,6 +4,7 @@ On the CPU the ring's code runs with plain buffers and a synchronous "DMA" (CI);
 page-locked slots, a copy stream and a compute stream that is slow to release its buffers."""
 from __future__ import annotations
 
+import re
 import threading
 
 import numpy as np
@@ -74,16 +75,33 @@ def test_a_failed_staging_raises_in_the_waiting_thread_and_the_ring_goes_on():
     ring.close()
 
 
-def test_a_staging_buffer_that_cannot_be_page_locked_says_so(monkeypatch):
-    """The OS's page-locked limit reached (Windows pins about half the RAM): a message naming the buffer and what
-    to do, raised where the layer was asked for, and the ring still usable once memory is free."""
-    ring = StagingRing(slots=2, entries_per_slot=2, entry_nbytes=1 << 20, device=CPU, copy_threads=1)
+def test_a_staging_buffer_that_cannot_be_page_locked_falls_back_and_says_so(monkeypatch, caplog):
+    """The OS's page-locked limit reached (Windows pins about half the RAM): the ring takes pageable slots, says
+    which buffer, how big and what frees page-locked memory, and the layer still arrives; a buffer that cannot be
+    allocated at all is a StagingError with that message, raised where the layer was asked for, and the ring is
+    still usable once memory is free."""
     real_empty = torch.empty
 
+    def no_pinning(*args, **kwargs):
+        if kwargs.get("pin_memory"):
+            raise RuntimeError("CUDA error: out of memory")
+        return real_empty(*args, **kwargs)
+    ring = StagingRing(slots=2, entries_per_slot=2, entry_nbytes=1 << 20, device=CPU, copy_threads=1)
+    ring.pin = True                                      # as on a GPU
+    monkeypatch.setattr(staging.torch, "empty", no_pinning)
+    src, dst = _layers(1, 2, 1 << 20)[0], torch.zeros(2, 1 << 20, dtype=torch.uint8)
+    with caplog.at_level("WARNING", logger="runtime.experts.staging"):
+        ring.stage_layer(src, dst).event()
+    assert np.array_equal(dst.numpy(), src) and not ring.pin and not ring.buf.is_pinned()
+    assert re.search(r"could not page-lock 4 MiB .*staging buffer .*out of memory.*pageable", caplog.text)
+    ring.close()
+
+    ring = StagingRing(slots=2, entries_per_slot=2, entry_nbytes=1 << 20, device=CPU, copy_threads=1)
+
     def refuse(*args, **kwargs):
-        raise RuntimeError("CUDA error: out of memory")
+        raise RuntimeError("out of memory")
     monkeypatch.setattr(staging.torch, "empty", refuse)
-    with pytest.raises(staging.StagingError, match=r"could not page-lock 4 MiB .*staging buffer .*out of memory"):
+    with pytest.raises(staging.StagingError, match=r"could not allocate 4 MiB .*staging buffer .*out of memory"):
         ring.stage_layer(_layers(1, 2, 1 << 20)[0], torch.zeros(2, 1 << 20, dtype=torch.uint8))
     monkeypatch.setattr(staging.torch, "empty", real_empty)
     src, dst = _layers(1, 2, 1 << 20)[0], torch.zeros(2, 1 << 20, dtype=torch.uint8)

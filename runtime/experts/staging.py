@@ -25,11 +25,14 @@ On a CPU device (tests) the "DMA" is a synchronous copy and every event is None.
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import numpy as np
 import torch
+
+log = logging.getLogger(__name__)
 
 COPY_CHUNK_BYTES = 4 << 20      # a copy thread's unit: large enough that handing it over costs ~1 % of copying it
 MAX_COPY_THREADS = 8            # a desktop's DRAM is saturated by a few copying cores; the rest stay the app's
@@ -53,7 +56,7 @@ def on_stream(stream, after):
 
 
 class StagingError(RuntimeError):
-    """The staging buffer could not be page-locked (a message for the user)."""
+    """The staging buffer could not be allocated at all (a message for the user)."""
 
 
 class Staged:
@@ -82,6 +85,7 @@ class StagingRing:
             raise ValueError(f"a staging ring needs at least one slot of one entry (got {slots} x {entries_per_slot})")
         self.device = device
         self.cuda = device.type == "cuda"
+        self.pin = self.cuda             # page-locked slots (False once the OS refused them: pageable, slower)
         self.slots, self.entries_per_slot = slots, entries_per_slot
         self.entry_nbytes = entry_nbytes
         self._buf: torch.Tensor | None = None               # page-locked on first use (a tier that never misses
@@ -98,13 +102,24 @@ class StagingRing:
     def buf(self) -> torch.Tensor:
         """[slots * entries_per_slot, entry_nbytes]: slot s is entries [s * per_slot, (s + 1) * per_slot)."""
         if self._buf is None:
-            try:
-                self._buf = torch.empty((len(self._events), self.entry_nbytes), dtype=torch.uint8,
-                                        pin_memory=self.cuda)
-            except RuntimeError as exc:     # the OS's page-locked limit (Windows: about half the RAM) is used up
-                raise StagingError(f"could not page-lock {self.nbytes / 2**20:,.0f} MiB for the experts' staging "
-                                   f"buffer ({exc}); close other GPU programs or lower the context or VRAM budget "
-                                   "so more host memory stays free") from exc
+            shape = (len(self._events), self.entry_nbytes)
+            if self.pin:
+                try:
+                    self._buf = torch.empty(shape, dtype=torch.uint8, pin_memory=True)
+                except RuntimeError as exc:  # the OS's page-locked limit (Windows: about half the RAM) is used up
+                    # a pageable ring still works - each DMA then waits for the driver's own staging - so the
+                    # prompt goes on, slower, and the user learns why and what frees page-locked memory
+                    log.warning("could not page-lock %s MiB for the experts' staging buffer (%s): copies to the GPU "
+                                "go through pageable memory, slower; close other GPU programs or lower the context "
+                                "or VRAM budget so more host memory stays free", f"{self.nbytes / 2**20:,.0f}", exc)
+                    self.pin = False
+            if self._buf is None:
+                try:
+                    self._buf = torch.empty(shape, dtype=torch.uint8)
+                except RuntimeError as exc:
+                    raise StagingError(f"could not allocate {self.nbytes / 2**20:,.0f} MiB for the experts' staging "
+                                       f"buffer ({exc}); close other programs or lower the context or VRAM budget "
+                                       "so more host memory stays free") from exc
         return self._buf
 
     @property
