@@ -4,6 +4,7 @@ On the CPU the ring's code runs with plain buffers and a synchronous "DMA" (CI);
 page-locked slots, a copy stream and a compute stream that is slow to release its buffers."""
 from __future__ import annotations
 
+import concurrent.futures
 import re
 import threading
 
@@ -209,6 +210,42 @@ def test_decode_promotions_from_a_pageable_store_leave_the_decoding_thread_at_on
     assert len(hybrid.cache.published) == promoted and not hybrid.cache.pending
     for (layer, e), slot in hybrid.cache.directory.slot_of.items():
         assert np.array_equal(hybrid.cache.pool[slot].numpy(), store.block(layer, e)), (layer, e)
+    hybrid.transport.close()
+
+
+def test_a_promotion_that_fails_on_the_rings_thread_is_dropped_once_and_decode_goes_on(caplog):
+    """A promotion staged on the ring's thread that fails there is dropped with a warning: its slot is free again,
+    the expert stays a miss (computed from host memory, exactly), and later calls do not raise its error again."""
+    store = HostExpertStore.synthetic(layers=2, num_experts=8, hidden=64, intermediate=32, codec="int4", group=32,
+                                      weight_std=0.2, seed=16)
+    hybrid = HybridExperts(store, ExpertSpec(), device=CPU, dtype=torch.float32,
+                           options=HybridOptions(slots=4, top_k=2, split="cpu", fill_pool=False))
+    hybrid.transport = Transport(store, CPU, staged=True, copy_threads=1)
+    ring = hybrid.transport.ring
+    real = ring._stage_blocks
+
+    def failing(*args):
+        raise RuntimeError("DMA failed")
+    ring._stage_blocks = failing
+    gen = torch.Generator().manual_seed(17)
+    with caplog.at_level("WARNING", logger="runtime.experts.hybrid"):
+        # each call promotes; the next one finds the last one's promotions failed - and still answers exactly
+        _run_against_reference(store, hybrid, [(0, 1), (1, 1), (0, 1)], gen)
+        for future in list(ring._pending):
+            concurrent.futures.wait([future])
+        hybrid._finish_promotions()
+    started = hybrid.counters.total.promoted_experts
+    assert started > 0 and caplog.text.count("into VRAM failed (DMA failed)") == started    # once each
+    assert not hybrid.cache.pending and not hybrid.cache.published and not hybrid.cache.directory.slot_of
+    ring.drain = lambda: None                                # (the failed futures must not raise at close)
+    ring._stage_blocks = real                                 # the ring works again: promotions land
+    _run_against_reference(store, hybrid, [(1, 1), (0, 1), (1, 1)], gen)
+    ring.__class__.drain(ring)
+    hybrid._finish_promotions()
+    assert hybrid.cache.published
+    for (layer, e), slot in hybrid.cache.directory.slot_of.items():
+        if (layer, e) in hybrid.cache.published:
+            assert np.array_equal(hybrid.cache.pool[slot].numpy(), store.block(layer, e)), (layer, e)
     hybrid.transport.close()
 
 

@@ -842,7 +842,17 @@ class HybridExperts:
         still, landed, slots = [], [], []
         slot_of = self.cache.directory.slot_of
         for key, slot, done in self._promotions:
-            if done is None or done.query():
+            try:
+                arrived = done is None or done.query()
+            except Exception as exc:     # noqa: BLE001  (staged on the ring's thread, it failed there)
+                # dropped, not retried: its slot goes back to the free list and the expert stays a miss; raising
+                # here would fail this call and every later one (the handle keeps its exception)
+                log.warning("promoting expert %s into VRAM failed (%s); it keeps running from host memory", key, exc)
+                self.cache.pending.discard(key)
+                if slot_of.get(key) == slot:
+                    self.cache.directory.release(key)
+                continue
+            if arrived:
                 if slot_of.get(key) == slot:
                     landed.append(key)
                     slots.append(slot)
