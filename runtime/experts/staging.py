@@ -134,25 +134,16 @@ class StagingRing:
         if src.shape[0] > self.entries_per_slot or src.shape[1:] != (self.entry_nbytes,):
             raise ValueError(f"{tuple(src.shape)} does not fit a slot of {self.entries_per_slot} entries "
                              f"of {self.entry_nbytes} bytes")
-        _ = self.buf                     # page-locked here, on the caller's thread, if this is the first use
-        slot = self._next_slot
-        self._next_slot = (slot + 1) % self.slots
-        # inference mode is per thread: the engine's dst was made under it, and outside it torch refuses to write
-        # into such a tensor, so the ring's thread copies in the caller's mode
-        future = self._stager.submit(self._stage_layer, slot * self.entries_per_slot, src, dst, stream, after,
-                                     torch.is_inference_mode_enabled())
-        self._pending = [f for f in self._pending if not f.done()] + [future]
-        return Staged(future)
+        return self._submit(self._stage_layer, src, dst, stream, after)
 
-    def _stage_layer(self, lo: int, src: np.ndarray, dst: torch.Tensor, stream, after, inference: bool):
-        n = src.shape[0]
-        self._wait_entries(lo, lo + n)
-        staging = self.buf[lo:lo + n]
+    def _stage_layer(self, src: np.ndarray, dst: torch.Tensor, stream, after, inference: bool):
+        slot = self._next_slot           # (only the ring's thread moves _next_slot and _next_entry: no lock)
+        self._next_slot = (slot + 1) % self.slots
+        entries = range(slot * self.entries_per_slot, slot * self.entries_per_slot + src.shape[0])
+        self._wait_entries(entries)
+        staging = self.buf[entries.start:entries.stop]
         self.parallel_copy(staging.numpy(), src)
-        with torch.inference_mode(inference):
-            event = self._to_device(staging, dst, stream, after)
-        self._events[lo:lo + n] = [event] * n
-        return event
+        return self._ship(entries, [(staging, dst)], stream, after, inference)
 
     def parallel_copy(self, dst: np.ndarray, src: np.ndarray) -> None:
         """dst[...] = src (same bytes, both C-contiguous) by the ring's copy threads, in chunks."""
@@ -168,33 +159,25 @@ class StagingRing:
     def stage_blocks(self, copies: list[tuple[np.ndarray, torch.Tensor]], *, stream=None, after=None) -> Staged:
         """Each (host block [entry_nbytes] uint8, device destination of its bytes) through the ring's next
         entries, on the ring's thread after everything staged before; returns at once."""
-        _ = self.buf
-        future = self._stager.submit(self._stage_blocks, copies, stream, after, torch.is_inference_mode_enabled())
-        self._pending = [f for f in self._pending if not f.done()] + [future]
-        return Staged(future)
+        return self._submit(self._stage_blocks, copies, stream, after)
 
     def _stage_blocks(self, copies, stream, after, inference: bool):
         event = None
         for lo in range(0, len(copies), len(self._events)):      # more blocks than entries: a ring's worth a time
             part = copies[lo:lo + len(self._events)]
             entries = []
-            for _ in part:               # (only this thread moves _next_entry: no lock)
+            for _ in part:
                 entries.append(self._next_entry)
                 self._next_entry = (self._next_entry + 1) % len(self._events)
-            for i in entries:
-                self._wait_entries(i, i + 1)
+            self._wait_entries(entries)
             fill = lambda j: np.copyto(self.buf[entries[j]].numpy(), part[j][0])      # noqa: E731
             if self._copier is not None and len(part) > 1:
                 list(self._copier.map(fill, range(len(part))))
             else:
                 for j in range(len(part)):
                     fill(j)
-            with torch.inference_mode(inference), on_stream(stream if self.cuda else None, after):
-                for i, (_, dst) in zip(entries, part):
-                    dst.copy_(self.buf[i], non_blocking=self.cuda)
-                event = stream.record_event() if self.cuda else None
-            for i in entries:
-                self._events[i] = event
+            event = self._ship(entries, [(self.buf[i], dst) for i, (_, dst) in zip(entries, part)], stream, after,
+                               inference)
         return event
 
     # ------------------------------------------------------------------
@@ -211,14 +194,31 @@ class StagingRing:
         if self._copier is not None:
             self._copier.shutdown(wait=True)
 
-    def _wait_entries(self, lo: int, hi: int) -> None:
+    def _submit(self, stage, *args) -> Staged:
+        """`stage(*args, inference)` on the ring's one thread (so every write into the ring keeps call order)."""
+        _ = self.buf                     # page-locked here, on the caller's thread, if this is the first use
+        # inference mode is per thread: the engine's dst was made under it, and outside it torch refuses to write
+        # into such a tensor, so the ring's thread copies in the caller's mode
+        future = self._stager.submit(stage, *args, torch.is_inference_mode_enabled())
+        self._pending = [f for f in self._pending if not f.done()] + [future]
+        return Staged(future)
+
+    def _wait_entries(self, entries) -> None:
+        """Until the DMAs that last read these entries have finished (each distinct event once)."""
         seen = set()
-        for event in self._events[lo:hi]:
+        for i in entries:
+            event = self._events[i]
             if event is not None and id(event) not in seen:
                 seen.add(id(event))
                 event.synchronize()
 
-    def _to_device(self, staging: torch.Tensor, dst: torch.Tensor, stream, after):
-        with on_stream(stream if self.cuda else None, after):
-            dst.copy_(staging, non_blocking=self.cuda)
-            return stream.record_event() if self.cuda else None
+    def _ship(self, entries, copies, stream, after, inference: bool):
+        """Each (staging view, device dst) copied on `stream` after `after`, in the caller's inference mode; the
+        entries remember the event (None on a CPU device, where the copies are done)."""
+        with torch.inference_mode(inference), on_stream(stream if self.cuda else None, after):
+            for staging, dst in copies:
+                dst.copy_(staging, non_blocking=self.cuda)
+            event = stream.record_event() if self.cuda else None
+        for i in entries:
+            self._events[i] = event
+        return event
