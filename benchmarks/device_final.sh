@@ -124,8 +124,7 @@
 #                                                # prefill 8K/16K and decode mapped against pinned
 #   (device) bash benchmarks/device_final.sh s25a # session 25: the staging ring's CUDA tests (never run on a GPU) and
 #                                                # the split's, then s23b's A/B (whole/split, learned, alternating)
-#   (device) bash benchmarks/device_final.sh s25b # session 25: s23a's targets on today's code (the kernels' cache
-#                                                # kept from s25a on a warm machine)
+#   (device) bash benchmarks/device_final.sh s25b # session 25: s23a's targets on today's code (the same branch)
 #   (device) bash benchmarks/device_final.sh s25c # session 25: s24a's staging rates and the mapped store's prefill
 #                                                # (the pinned row is s25b's), then s23c's cold load
 #   (device) bash benchmarks/device_final.sh s25d # session 25: s25c's mapped row again once the ring's thread copies in
@@ -909,10 +908,11 @@ elif [ "$1" = s22c ]; then
   bench_rows 260 q3_xfast --models qwen3-30b-a3b "${ROW_8G[@]}" --tokens 192 --warmup 48 --cpu-share 0.6 auto 0.6 \
     | grep -E "$ROW_LINES|store|right after"
   rm -f "$OUT"/model_*.json "$OUT"/model.json
-elif [ "$1" = s23a ]; then
+elif [ "$1" = s23a ] || [ "$1" = s25b ]; then
   # session 23: issue 10's rows not re-run since sessions 4-14 (4 GiB, unlimited, b4, prefill, TTFT), on the code
   # of sessions 15-22 (the worker, the store in huge pages, collect's one poller...): still met? The share fixed
-  # at 0.6 (learned rows need ~100 s each to settle); 8 GiB carries the prefill and TTFT rows
+  # at 0.6 (learned rows need ~100 s each to settle); 8 GiB carries the prefill and TTFT rows. Session 25 ran it
+  # as s25b (on s25a's warm machine: the kernels' cache kept, the whole call 65 s)
   warm 150 new
   bench_rows 420 q3_targets --models qwen3-30b-a3b --dense-int8 --budgets 8 4 0 --routings uniform --modes graphs \
     --cpu-share 0.6 --batch 4 --tokens 64 --warmup 32 --prefill 1024 8192 16384 32768 --prefill-budgets 8 \
@@ -946,13 +946,6 @@ elif [ "$1" = s25a ]; then
   grep -E "passed|failed|Error|assert" "$OUT/cuda_tests.log" | tail -20
   bench_rows 330 q3_split_ab --models qwen3-30b-a3b "${ROW_8G[@]}" --tokens 160 --warmup 48 --cpu-share auto \
     --expert-split off on off on | grep -E "$ROW_LINES|split rows|right after"
-  rm -f "$OUT"/model_*.json "$OUT"/model.json
-elif [ "$1" = s25b ]; then
-  # session 25: s23a's rows (the targets not re-run since sessions 4-14) on today's code, share fixed at 0.6
-  warm 60 new
-  bench_rows 520 q3_targets --models qwen3-30b-a3b --dense-int8 --budgets 8 4 0 --routings uniform --modes graphs \
-    --cpu-share 0.6 --batch 4 --tokens 64 --warmup 32 --prefill 1024 8192 16384 32768 --prefill-budgets 8 \
-    --ttft-context 20000 | grep -E "$ROW_LINES|prefill|TTFT|decode"
   rm -f "$OUT"/model_*.json "$OUT"/model.json
 elif [ "$1" = s25c ]; then
   # session 25: s24a's rates - host copy and staged GB/s by copy threads (predicted 25-35 GB/s at 8 threads, a staged
