@@ -11,16 +11,23 @@ as prefill streaming moves them):
   staged      (GPU only) layers through stage_layer into two device buffers, back to back, as prefill does: GB/s
               end to end with the DMA overlapped
   pinned      (GPU only) the same layers from a page-locked store, DMA only: the rate a staged layer is held to
+  promote     decode's promotions (`--blocks` experts a layer call): the decoding thread's µs to start them through
+              `Transport.submit` (the ring's thread copies them) against copying them itself (`inline`, what it
+              did before session 25): the time a host-driven decode call spends on them
 
-On the dev VM (no GPU) only the host-copy rows run.
+On the dev VM (no GPU) the host-copy and promote rows run (there the "DMA" is a synchronous copy on the ring's
+thread).
 """
 from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import sys
+import time
 from pathlib import Path
 
+import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -77,6 +84,31 @@ def device_gbps(store, threads: int | None, repeats: int) -> float:
     return len(store.layers) * store.layer_buffer(store.layers[0]).nbytes / s / GB
 
 
+def promote_us(store, blocks: int, threads: int, repeats: int) -> tuple[float, float]:
+    """µs on the caller's thread to start `blocks` promotions of one layer: through the ring (submit returns once
+    they are queued) and inline (the caller copies each block into a page-locked entry itself, as before)."""
+    from runtime.experts.transport import Transport, ready_event
+
+    dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    transport = Transport(store, dev, staged=True, copy_threads=threads)
+    pool = torch.empty((blocks, store.block_nbytes), dtype=torch.uint8, device=dev)
+    entries = transport.ring.buf[:blocks].numpy()
+    layers = iter(range(1 << 30))
+    submitted, inline = [], []
+    for _ in range(repeats + 1):                   # (the first of each: warm-up)
+        src = store.layer_buffer(store.layers[next(layers) % len(store.layers)])
+        t0 = time.perf_counter()
+        handle = transport.submit([(src[e], pool[e]) for e in range(blocks)])
+        submitted.append(time.perf_counter() - t0)
+        ready_event(handle)                        # (not timed: the ring's thread, off the decoding thread)
+        t0 = time.perf_counter()
+        for e in range(blocks):
+            np.copyto(entries[e], src[e])
+        inline.append(time.perf_counter() - t0)
+    transport.close()
+    return 1e6 * statistics.median(submitted[1:]), 1e6 * statistics.median(inline[1:])
+
+
 def main(argv: list[str] | None = None) -> int:
     from runtime.experts.staging import default_copy_threads
 
@@ -85,6 +117,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--layers", type=int, default=8, help="layers of the shape in the store (8: ~2.4 GB for int4)")
     ap.add_argument("--threads", nargs="+", type=int, default=[1, 2, 4, 8])
     ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--blocks", type=int, default=3, help="promotions a layer call (8 MiB of qwen3-30b: 3)")
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args(argv)
 
@@ -97,6 +130,11 @@ def main(argv: list[str] | None = None) -> int:
     for t in args.threads:
         rows.append({"row": "host copy", "threads": t, "gbps": host_copy_gbps(store, t, args.repeats)})
         print(f"{'host copy':<12} {t:>7} {rows[-1]['gbps']:>7.1f}", flush=True)
+    submitted, inline = promote_us(store, args.blocks, max(args.threads), max(20, args.repeats))
+    rows += [{"row": "promote", "how": "ring", "blocks": args.blocks, "us": submitted},
+             {"row": "promote", "how": "inline", "blocks": args.blocks, "us": inline}]
+    print(f"promote {args.blocks} blocks, decoding thread's µs: through the ring {submitted:.0f}, inline {inline:.0f}",
+          flush=True)
     if torch.cuda.is_available():
         for t in args.threads:
             rows.append({"row": "staged", "threads": t, "gbps": device_gbps(store, t, args.repeats)})
