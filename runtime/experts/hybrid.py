@@ -847,7 +847,8 @@ class HybridExperts:
             except Exception as exc:     # noqa: BLE001  (staged on the ring's thread, it failed there)
                 # dropped, not retried: its slot goes back to the free list and the expert stays a miss; raising
                 # here would fail this call and every later one (the handle keeps its exception)
-                log.warning("promoting expert %s into VRAM failed (%s); it keeps running from host memory", key, exc)
+                log.warning("copying expert %d of layer %d into VRAM failed (%s); it keeps running from host memory",
+                            key[1], key[0], exc)
                 self.cache.pending.discard(key)
                 if slot_of.get(key) == slot:
                     self.cache.directory.release(key)
