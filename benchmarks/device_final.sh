@@ -980,9 +980,11 @@ elif [ "$1" = s25e ]; then
   # session 25: decode's blocks from a pageable store now go through the ring's thread (s25d's mapped decode: 6.8
   # tok/s, 2.3 ms a layer call outside the CPU's and the link's work, the promotions' host copies predicted to be
   # most of it; the row's host line now has a "promote" column). The CUDA tests first (pageable decode against
-  # the reference), then the row if time is left
+  # the reference), then the row if time is left; the CPU kernels compile beside the tests (a fresh machine)
+  warm 130 new &
   timeout 120 python3 -m pytest -q -p no:cacheprovider --device cuda tests/test_staging.py --tb=short \
     > "$OUT/cuda_tests.log" 2>&1; echo "pytest rc=$?"; grep -v Warning "$OUT/cuda_tests.log" | tail -12
+  wait
   bench_rows 110 q3_mapped_decode --models qwen3-30b-a3b --dense-int8 --budgets 8 --routings uniform --modes graphs \
     --tokens 16 --warmup 8 --prefill-budgets 99 --ttft-context 0 --store mapped | grep -E "$ROW_LINES|host µs"
 elif [ "$1" = s24a ]; then
