@@ -129,6 +129,7 @@
 #                                                # (the pinned row is s25b's), then s23c's cold load
 #   (device) bash benchmarks/device_final.sh s25d # session 25: s25c's mapped row again once the ring's thread copies in
 #                                                # the caller's inference mode, beside the pinned row; qwen3.6 learned
+#   (device) bash benchmarks/device_final.sh s26a # session 26: host-driven decode profiled, pinned vs pageable store
 #   (device) bash benchmarks/device_final.sh s25e # session 25's last ~4 device minutes: the staging ring's CUDA tests
 #                                                # with decode blocks on its thread, then the mapped store's decode row
 # carry .site (numba, llvmlite, fla-core, platformdirs unpacked, xz). Results under $OUT. Build .site once (the
@@ -976,6 +977,13 @@ elif [ "$1" = s25d ]; then
   bench_rows 200 q36_learned --models qwen3.6-35b-a3b "${ROW_8G[@]}" --tokens 192 --warmup 48 --cpu-share auto \
     | grep -E "$ROW_LINES|right after"
   rm -f "$OUT"/model_*.json "$OUT"/model.json
+elif [ "$1" = s26a ]; then
+  # session 26: s25e's mapped row spent 2.4 of 4.7 ms a layer call in "other" (promote 393 µs, though the ring now
+  # copies promotions). The same host-driven calls against a pinned and a pageable store in one process, each with
+  # the decoding thread's cProfile: is "other" the ring's (GIL, CPU contention) or the host-driven path's own?
+  warm 150 new
+  timeout 300 python3 benchmarks/profile_host_decode.py --layers 8 --calls 400 --out "$OUT/profile_host_decode.json" \
+    2>&1 | grep -v Warning | tee "$OUT/profile_host_decode.txt"
 elif [ "$1" = s25e ]; then
   # session 25: decode's blocks from a pageable store now go through the ring's thread (s25d's mapped decode: 6.8
   # tok/s, 2.3 ms a layer call outside the CPU's and the link's work, the promotions' host copies predicted to be
