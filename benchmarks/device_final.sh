@@ -129,6 +129,7 @@
 #                                                # (the pinned row is s25b's), then s23c's cold load
 #   (device) bash benchmarks/device_final.sh s25d # session 25: s25c's mapped row again once the ring's thread copies in
 #                                                # the caller's inference mode, beside the pinned row; qwen3.6 learned
+#   (device) bash benchmarks/device_final.sh s26b # session 26: decode blocks by the ring's one thread; full mapped row profiled
 #   (device) bash benchmarks/device_final.sh s26a # session 26: host-driven decode profiled, pinned vs pageable store
 #   (device) bash benchmarks/device_final.sh s25e # session 25's last ~4 device minutes: the staging ring's CUDA tests
 #                                                # with decode blocks on its thread, then the mapped store's decode row
@@ -977,6 +978,17 @@ elif [ "$1" = s25d ]; then
   bench_rows 200 q36_learned --models qwen3.6-35b-a3b "${ROW_8G[@]}" --tokens 192 --warmup 48 --cpu-share auto \
     | grep -E "$ROW_LINES|right after"
   rm -f "$OUT"/model_*.json "$OUT"/model.json
+elif [ "$1" = s26b ]; then
+  # session 26: s26a found a pageable store's CPU kernel ~3x slower an expert than a pinned store's (673 µs for 6.6
+  # experts against 140 for 4.4) with the ring's 8 copy threads copying promotions beside it; decode's blocks now
+  # go by the ring's one thread. Predicted: the mapped call from ~1.9 ms to ~1.3. Then the full mapped row with its
+  # decoding thread profiled (s25e: "other" 2.4 ms a call there, 0.34 in the small setting)
+  warm 150 new
+  timeout 200 python3 benchmarks/profile_host_decode.py --layers 8 --calls 400 --out "$OUT/profile_host_decode.json" \
+    2>&1 | grep -v Warning | tee "$OUT/profile_host_decode.txt"
+  bench_rows 200 q3_mapped_decode --models qwen3-30b-a3b --dense-int8 --budgets 8 --routings uniform --modes graphs \
+    --tokens 16 --warmup 8 --prefill-budgets 99 --ttft-context 0 --store mapped --profile 6 \
+    | grep -v "^ *[0-9/]* *0.000 *0.000"
 elif [ "$1" = s26a ]; then
   # session 26: s25e's mapped row spent 2.4 of 4.7 ms a layer call in "other" (promote 393 µs, though the ring now
   # copies promotions). The same host-driven calls against a pinned and a pageable store in one process, each with

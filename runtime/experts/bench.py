@@ -569,6 +569,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     m.add_argument("--trace", type=int, default=0,
                    help="record this many graph decode steps of each hybrid row with torch.profiler (Chrome "
                         "trace, gzipped, under --out)")
+    m.add_argument("--profile", type=int, default=0,
+                   help="run this many more decode steps of each hybrid row under cProfile and print the decoding "
+                        "thread's costliest functions (where the host line's 'other' goes)")
     m.add_argument("--first-load", action="store_true",
                    help="--cpu-share auto: time the learned share from its first step, as a first load decodes (with "
                         "--step-times: per phase), instead of warming it up until it settles")

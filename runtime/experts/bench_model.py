@@ -585,6 +585,9 @@ def run_model(name: str, args, hw, report: dict) -> None:
                     rows[-1]["huge_page_gib"] = now / GiB
                     print(f"    store now {now / GiB:.2f} GiB in transparent huge pages ({huge / GiB:.2f} at the "
                           "start)", flush=True)
+                if getattr(args, "profile", 0) and slots < layers * e:
+                    profile_decode(model, graphs, cache, experts, use_graphs=use_graphs, device=device,
+                                   steps=args.profile, out=args.out and args.out / f"profile_{name}_{label.replace(' ', '')}.txt")
                 if use_graphs and args.trace and args.out and slots < layers * e:
                     trace_decode(graphs, cache, experts, args.trace, args.out / (
                         f"trace_{name}_{label.replace(' ', '')}_{routing}_{split}{share}_{hits_mode}_{promotion}"
@@ -821,6 +824,24 @@ def host_breakdown(c: dict) -> dict:
     parts["other"] = c["decode_seconds"] - sum(parts.values())
     parts["call"] = c["decode_seconds"]
     return {key: 1e6 * v / n for key, v in parts.items()}
+
+
+def profile_decode(model, graphs, cache, experts, *, use_graphs: bool, device, steps: int, out=None) -> None:
+    """`steps` more decode steps under cProfile (the decoding thread, wall time): its 25 costliest functions by
+    own time, printed and written to `out` - where a host-driven call's untimed "other" goes."""
+    import cProfile
+    import io
+    import pstats
+
+    prof = cProfile.Profile()
+    prof.enable()
+    decode_rate(model, graphs, cache, steps=steps, warmup=0, experts=experts, use_graphs=use_graphs, device=device)
+    prof.disable()
+    text = io.StringIO()
+    pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(25)
+    print(f"    cProfile over {steps} more steps (decoding thread):", text.getvalue(), sep="\n", flush=True)
+    if out is not None:
+        out.write_text(text.getvalue())
 
 
 def trace_decode(graphs, cache, experts, steps: int, path) -> None:

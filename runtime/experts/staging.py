@@ -96,6 +96,10 @@ class StagingRing:
         self._copier = ThreadPoolExecutor(self.copy_threads, thread_name_prefix="ft-stage-copy") \
             if self.copy_threads > 1 else None
         self._stager = ThreadPoolExecutor(1, thread_name_prefix="ft-stage")    # one: DMAs enqueue in call order
+        # decode's blocks are copied by the ring's one thread, not its copy threads: they overlap the CPU kernel's
+        # misses, the decode call's critical path, which wants every core and the DRAM (s26a: with 8 copy threads
+        # beside it the kernel took ~3x as long an expert as beside a pinned store's DMA-only promotions)
+        self.parallel_blocks = False
         self._pending: list[Future] = []
 
     @property
@@ -171,7 +175,7 @@ class StagingRing:
                 self._next_entry = (self._next_entry + 1) % len(self._events)
             self._wait_entries(entries)
             fill = lambda j: np.copyto(self.buf[entries[j]].numpy(), part[j][0])      # noqa: E731
-            if self._copier is not None and len(part) > 1:
+            if self.parallel_blocks and self._copier is not None and len(part) > 1:
                 list(self._copier.map(fill, range(len(part))))
             else:
                 for j in range(len(part)):
