@@ -127,7 +127,6 @@ def test_page_locking_registers_exactly_the_store_and_unregisters_when_the_last_
     import torch
 
     from runtime.experts.host_store import HostBuffer
-    from runtime.experts.transport import _is_pinned
 
     calls = []
 
@@ -150,7 +149,7 @@ def test_page_locking_registers_exactly_the_store_and_unregisters_when_the_last_
     ptr = copy._owner.array.ctypes.data
     # portable and mapped: the GPU reads missed experts in place (hybrid.py's zero-copy decode)
     assert calls == [("register", ptr, copy.nbytes, 3)] and copy.load_seconds["pinned"] is True
-    assert _is_pinned(copy)
+    assert copy.pinned_layers == frozenset(copy.layers)
     view = copy.block(1, 2)                   # a view outliving the store keeps the registration
     del copy
     gc.collect()
@@ -168,6 +167,47 @@ def test_page_locking_registers_exactly_the_store_and_unregisters_when_the_last_
     calls.clear()
     buf = HostBuffer(1 << 20)
     assert buf.pin() is True and [c[3] for c in calls] == [3, 0]
+
+
+def test_a_store_pinned_in_part_locks_only_those_layers_and_keeps_the_rest_mapped(monkeypatch, tmp_path):
+    """The pinnable share holds only some layers (Windows: about half the RAM): `pinned_copy(layers=...)` copies and
+    registers exactly those layers' bytes, once; the other layers stay views of the mapped file (no second copy in
+    RAM), every block reads the same bytes as the file, and `pinned_layers` names what a GPU may read in place.
+    A registration the driver refuses leaves no layer called pinned."""
+    import torch
+
+    calls = []
+
+    class Runtime:
+        result = 0
+
+        def cudaHostRegister(self, ptr, size, flags):
+            calls.append((ptr, size))
+            return self.result
+
+        def cudaHostUnregister(self, ptr):
+            return 0
+
+    rt = Runtime()
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "cudart", lambda: rt)
+    experts = write_synthetic_ftw_experts(tmp_path, layers=4, num_experts=3, hidden=256, intermediate=128)
+    mapped = HostExpertStore.from_ftw(experts)
+    part = mapped.pinned_copy(pin=True, layers=[2, 0], threads=2)
+    layer_bytes = mapped.layer_buffer(0).nbytes
+    assert calls == [(part.layer_buffer(0).ctypes.data, 2 * layer_bytes)]       # one registration, two layers
+    assert part.pinned_layers == frozenset({0, 2}) and part.layers == mapped.layers
+    for layer in (1, 3):                       # the same memory as the mapped file's
+        assert part.layer_buffer(layer).ctypes.data == mapped.layer_buffer(layer).ctypes.data
+    for layer in (0, 2):                       # copies of their own
+        assert part.layer_buffer(layer).ctypes.data != mapped.layer_buffer(layer).ctypes.data
+    for layer in mapped.layers:
+        np.testing.assert_array_equal(part.layer_buffer(layer), mapped.layer_buffer(layer))
+    assert mapped.pinned_layers == frozenset()
+    with pytest.raises(ExpertStoreError, match="no routed experts"):
+        mapped.pinned_copy(pin=False, layers=[7])
+    rt.result = 2                              # refused: nothing is called pinned
+    assert mapped.pinned_copy(pin=True, layers=[1]).pinned_layers == frozenset()
 
 
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="fork() is POSIX")

@@ -142,6 +142,42 @@ def test_zero_copy_is_off_when_asked_or_for_many_tokens():
     assert on.counters.total.decode_calls == 1
 
 
+@pytest.mark.parametrize("share", [0.0, 0.5])
+def test_a_store_pinned_in_part_decodes_zero_copy_on_cuda(device, share):
+    """On the GPU machine: a store whose middle layer the OS would not page-lock decodes through zero-copy calls
+    (recordable), that layer's misses all on the CPU worker, the others' shared as usual; results match the
+    reference over steps with promotions from both kinds of layer (the unpinned one's through the staging ring)."""
+    if device != "cuda":
+        pytest.skip("needs the GPU machine (--device cuda)")
+    dev = torch.device("cuda")
+    pageable = HostExpertStore.synthetic(layers=3, num_experts=8, hidden=64, intermediate=64, codec="int4",
+                                         weight_std=0.2, seed=4)
+    store = pageable.pinned_copy(pin=True, layers=[0, 2])
+    assert store.pinned_layers == frozenset({0, 2})
+    tier = HybridExperts(store, ExpertSpec(), device=dev, dtype=torch.bfloat16, options=HybridOptions(
+        slots=6, top_k=2, hot_set=((0, 0), (1, 1)), cpu_share=share, promote_bytes_per_step=1 << 20))
+    assert tier.zero_copy and tier.graph_safe(1) and tier._host_only == [1] and tier.transport.ring is not None
+    assert tier._worker is not None
+    gen = torch.Generator().manual_seed(8)
+    for step in range(6):
+        for layer in range(3):
+            x = torch.randn(1, 64, generator=gen).to(dev, torch.bfloat16)
+            ids = torch.randperm(8, generator=gen)[:2][None].to(dev)
+            w = torch.full((1, 2), 0.5, device=dev)
+            got = tier(layer, x, ids, w)
+            want = _reference(store, layer, x.float().cpu(), ids.cpu(), w.cpu())
+            torch.testing.assert_close(got.float().cpu(), want, rtol=3e-2, atol=3e-2)
+    torch.cuda.synchronize()
+    tier.begin_step()
+    tier.flush_step_log()
+    c = tier.counters.total
+    assert c.promoted_experts > 0 and c.cpu_experts > 0 and tier._worker.error is None
+    for (layer, e), slot in tier.cache.directory.slot_of.items():       # promoted bytes, ring or direct, exact
+        if tier.cache.is_ready((layer, e)):
+            assert np.array_equal(tier.cache.pool[slot].cpu().numpy(), store.block(layer, e))
+    tier.close()
+
+
 @pytest.mark.parametrize("share,gather", [(0.0, True), (0.5, True), (0.0, False), (0.5, False)])
 def test_zero_copy_graph_step_on_cuda_matches_eager(device, share, gather):
     """On the GPU machine: the Triton kernels read misses from page-locked host memory inside a recorded graph
@@ -270,6 +306,56 @@ def test_a_failing_cpu_worker_answers_with_zeros_and_hands_its_share_back():
     assert int(tier._box.error[0]) == 1
     with pytest.raises(RuntimeError, match="did not answer"):
         tier(0, x, ids, w)
+
+
+@pytest.mark.parametrize("share", [0.0, 0.5])
+def test_host_only_layers_give_every_miss_to_the_cpu_worker_whatever_the_share(share):
+    """A store pinned in part (the pinnable share held only some layers): the GPU may not read the other layers'
+    host memory, so the handoff gives all their misses to the CPU worker - a worker exists even at share 0, a learned
+    share never reaches those layers - while the pinned layers keep the share. Results stay exact and the books
+    count every miss of a host-only layer as the CPU's."""
+    cpu = torch.device("cpu")
+    store, tier = _tier(cpu, slots=4, hot=[(0, 0), (1, 1)], cpu_share=share, host_only_layers=(1,),
+                        promote_bytes_per_step=1 << 20)
+    assert tier.zero_copy and tier._worker is not None
+    assert tier._box.share_host.tolist() == [share, 2.0, share]
+    tier._box.set_share(0.25)                          # what a learned share does: the host-only layer keeps 2
+    assert tier._box.share_host.tolist() == [0.25, 2.0, 0.25] and float(tier._box.share[1]) == 2.0
+    tier._box.set_share(share)
+    gen = torch.Generator().manual_seed(5)
+    want_cpu = want_misses = 0
+    for step in range(8):
+        for layer in range(3):
+            x = torch.randn(1, 64, generator=gen)
+            ids = torch.randperm(8, generator=gen)[:2][None]
+            w = torch.softmax(torch.randn(1, 2, generator=gen), dim=-1)
+            got = tier(layer, x, ids, w)
+            torch.testing.assert_close(got, _reference(store, layer, x, ids, w), rtol=1e-4, atol=1e-5)
+            if layer == 0:
+                table = tier._snapshot.copy()
+            missed = int((table[layer, ids[0].numpy()] < 0).sum())
+            want_misses += missed
+            want_cpu += missed if layer == 1 else int(missed * share + 0.5)
+    tier.begin_step()
+    tier.flush_step_log()
+    c = tier.counters.total
+    assert c.misses == want_misses and (c.cpu_experts, c.fetched_experts) == (want_cpu, want_misses - want_cpu)
+    assert tier._worker.served > 0 and tier._worker.error is None
+
+
+def test_without_its_worker_a_tier_with_host_only_layers_stops_with_a_clear_error():
+    """The worker is the only reader of a host-only layer: once it fails, the GPU cannot take its misses back (as it
+    does for a pinned store), so the next step boundary says so - reload the model - and every later call too,
+    rather than answering with those layers' experts missing."""
+    cpu = torch.device("cpu")
+    store, tier = _tier(cpu, slots=0, cpu_share=0.0, host_only_layers=(0,))
+    tier._worker.compute = lambda *a: (_ for _ in ()).throw(MemoryError("no RAM for the CPU experts"))
+    x, ids, w = torch.randn(1, 64), torch.tensor([[2, 5]]), torch.full((1, 2), 0.5)
+    tier(0, x, ids, w)
+    for _ in range(2):
+        with pytest.raises(RuntimeError, match="GPU cannot read.*reload the model"):
+            tier(0, x, ids, w)
+    assert int(tier._box.error[0]) == 1            # (no request goes to the stopped worker)
 
 
 def test_after_one_unanswered_call_the_rest_of_the_step_does_not_wait_for_the_worker():

@@ -409,13 +409,17 @@ def case_handoff_matches_the_reference():
     gen = torch.Generator().manual_seed(6)
     table = torch.tensor([-1, 3, -1, -1, 0, -1, 2, -1, -1, 1, -1, -1])          # expert -> pool slot, -1 missed
     cpu = torch.device("cpu")
-    for share, error in ((0.0, 0), (0.5, 0), (1.0, 0), (0.5, 1)):
+    # (host: a share a layer, layer 2 host-only - a store pinned in part: the GPU may not read its misses)
+    for share, error, host in ((0.0, 0, None), (0.5, 0, None), (1.0, 0, None), (0.5, 1, None), (0.25, 0, [2]),
+                               (0.25, 1, [2]), (0.25, 0, [0, 3])):
         ids = torch.stack([torch.randperm(12, generator=gen)[:4] for _ in range(3)])    # [T=3, K=4]
         w, x = torch.rand(3, 4, generator=gen), torch.randn(3, 40, generator=gen)
-        boxes = [Mailbox(max_tokens=4, top_k=4, hidden=40, device=cpu, share=share) for _ in range(2)]
+        boxes = [Mailbox(max_tokens=4, top_k=4, hidden=40, device=cpu, share=share, layers=4 if host else 1)
+                 for _ in range(2)]
         logs = [torch.full((4, 4), -1, dtype=torch.int64) for _ in range(2)]
         for box in boxes:
             box.error.fill_(error)
+            box.set_host_only(host or [])
         got = hk.handoff(2, ids, w, x, table, boxes[0], fence=False, log=logs[0])
         want = handoff_reference(2, ids, w, x, table, boxes[1], log=logs[1])
         assert all(torch.equal(g, h) for g, h in zip(got, want)), (share, got, want)
@@ -423,6 +427,11 @@ def case_handoff_matches_the_reference():
         a, b = boxes
         assert int(a.ncpu[0]) == int(b.ncpu[0]) and int(a.ticket[0]) == int(b.ticket[0])
         assert (int(a.ncpu[0]) > 0) == (share > 0 and not error)
+        missed = int((table[ids] < 0).sum())
+        if host and 2 in host:      # every miss the CPU's, none read over PCIe - after a failure, none at all
+            assert bool((got[1] == -1).all()) and int(a.ncpu[0]) == (0 if error else missed)
+        elif host:                  # another layer of the same mailbox keeps the share
+            assert int((got[1] >= 0).sum()) == missed - int(missed * share + 0.5)
         if int(a.ncpu[0]):
             for name in ("req", "meta", "ids", "weights"):
                 assert torch.equal(getattr(a, name), getattr(b, name)), name
@@ -969,14 +978,15 @@ def test_kernels_compile_for_h200_without_spilling(tmp_path, monkeypatch):
                            NPARTS=6 if skip else 0, WORD=4), gather_k.NUM_WARPS))
     from runtime.kernels import handoff_triton as handoff_k
     small = []                  # the CPU share's handoff and collect: a few words and rows, no wide loads to check
-    for log in (False, True):
+    for log, per_layer in ((False, False), (True, True)):      # (a share a layer: a store pinned in part)
         small.append((handoff_k._handoff_kernel,
                       dict(ids_ptr="*i64", w_ptr="*bf16", x_ptr="*bf16", x_st=2048, table_ptr="*i64", share_ptr="*fp32",
                            ticket_ptr="*i64", ncpu_ptr="*i32", hit_ptr="*i64", zc_ptr="*i64", box_ids_ptr="*i64",
                            box_w_ptr="*fp32", box_x_ptr="*fp32", box_meta_ptr="*i64", box_req_ptr="*i64",
                            err_ptr="*i32", log_ptr="*i64", split_ptr="*i32", unit_ptr="*fp32", times_ptr="*i64",
                            layer=3, T=1, A=8, D=2048, I=768),
-                      dict(RING=8192, TIMES=True, FENCE=True, LOG=log, ABLOCK=16, DBLOCK=1024), 4))
+                      dict(RING=8192, TIMES=True, FENCE=True, LOG=log, SHARE_PER_LAYER=int(per_layer), ABLOCK=16,
+                           DBLOCK=1024), 4))
     small.append((handoff_k._clock_ping_kernel,
                   dict(req_ptr="*i64", resp_ptr="*i64", g_ptr="*i64", n="i32", first="i64", max_spins="i32"), {}, 1))
     small.append((handoff_k._take_split_kernel,

@@ -167,8 +167,12 @@ def test_windows_pinnable_rule():
     win = plan_memory(shape, gpu(8, ram_gib=24, os_name="Windows"))
     lin = plan_memory(shape, gpu(8, ram_gib=24, os_name="Linux"))
     assert not win.experts_pinned and win.staging_ring_bytes == STAGING_RING_LAYERS * shape.layer_experts_bytes
-    assert any("pinnable" in note and "decode reads misses through the host" in note for note in win.notes)
-    assert lin.experts_pinned and lin.staging_ring_bytes == 0
+    # as many whole layers as fit the pinnable share beside the ring are pinned; the rest stay mapped
+    fit = (12 * GiB - win.staging_ring_bytes) // shape.layer_experts_bytes
+    assert 0 < win.experts_pinned_layers == fit < shape.moe_layers
+    assert any("pinnable" in note and f"{fit} of 48 layers are pinned" in note for note in win.notes)
+    assert any(f"{fit} layers in pinned RAM" in line for line in win.summary_lines())
+    assert lin.experts_pinned and lin.staging_ring_bytes == 0 and lin.experts_pinned_layers == 48
     # never the page cache and a pinned copy together
     assert lin.host_bytes == shape.experts_bytes
     assert win.host_bytes == shape.experts_bytes + win.staging_ring_bytes

@@ -585,6 +585,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     m.add_argument("--store", default="pinned", choices=["pinned", "mapped"],
                    help="experts page-locked (Linux with RAM to spare) or pageable, staged through the pinned ring "
                         "(what Windows' pinnable half of RAM or a RAM-short host gets)")
+    m.add_argument("--pinned-layers", dest="pinned_layers", type=int, default=0,
+                   help="with --store mapped: page-lock this many first layers (a plan pinned in part: the GPU "
+                        "reads those layers' misses in place, the CPU computes all the others')")
     m.add_argument("--out", type=Path, default=None)
 
 

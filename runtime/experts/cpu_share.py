@@ -143,7 +143,7 @@ class Mailbox:
     scalars and slot vectors of the handoff. Shapes: T <= max_tokens tokens, K experts per token, D hidden."""
 
     def __init__(self, *, max_tokens: int, top_k: int, hidden: int, device: torch.device, share: float,
-                 intermediate: int = 0):
+                 intermediate: int = 0, layers: int = 1):
         pin = device.type == "cuda"
         self.top_k, self.intermediate = top_k, intermediate
         a = max_tokens * top_k
@@ -160,7 +160,11 @@ class Mailbox:
         self.ticket = dev(1, dtype=torch.int64)                    # the last request's number (device counter)
         self.ncpu = dev(1, dtype=torch.int32)                      # the CPU's experts in the last call
         self.error = dev(1, dtype=torch.int32)                     # set by collect when the answer never came
-        self.share = dev(1, dtype=torch.float32, fill=share)       # the CPU's share of misses (host sets it)
+        # the CPU's share of misses (host sets it): one for every layer, or (layers > 1) one a layer, where
+        # HOST_ONLY marks a layer the GPU cannot read (`set_host_only`)
+        self.share = dev(max(1, layers), dtype=torch.float32, fill=share)
+        self.share_host = np.full(max(1, layers), share, dtype=np.float32)   # the same, for the host's replays
+        self._host_only = np.zeros(max(1, layers), dtype=bool)
         self.hit_slots = dev(a, dtype=torch.int64, fill=-1)
         self.zc_ids = dev(a, dtype=torch.int64, fill=-1)
         self.split = torch.tensor([-1, 0], dtype=torch.int32, device=device)   # the last call's split (assignment, rows)
@@ -176,7 +180,24 @@ class Mailbox:
                                                                    "part", "part_resp")}
 
     def set_share(self, share: float) -> None:
-        self.share.fill_(float(share))
+        """Every layer's share but the host-only ones'."""
+        self.share_host[~self._host_only] = share
+        self.share.copy_(torch.from_numpy(self.share_host))
+
+    def set_host_only(self, layer_indices) -> None:
+        """These layers' experts live where the GPU cannot read them (host memory the OS would not page-lock):
+        every miss of theirs is the CPU's, whatever the share, and none is read over PCIe - not even once the
+        worker failed (the handoff then drops them; the tier reports the failure)."""
+        idx = list(layer_indices)
+        if idx and len(self.share_host) == 1:
+            raise ValueError("host-only layers need a mailbox with a share a layer (layers > 1)")
+        self._host_only[idx] = True
+        self.share_host[idx] = HOST_ONLY
+        self.share.copy_(torch.from_numpy(self.share_host))
+
+    def share_of(self, layer_index: int) -> float:
+        """The share the handoff applies to this layer (host mirror: no device read)."""
+        return float(self.share_host[layer_index if len(self.share_host) > 1 else 0])
 
     def timeline(self, after: int, last: int | None = None, clock=None) -> dict[str, float] | None:
         """Where a request's round trip goes, from `times`: over tickets after..last (the device counter's value
@@ -463,6 +484,9 @@ def split_unit_rows(layout) -> int:
     return max(1, round(sum(part.nbytes for part in layout.parts.values()) / pair))   # (the block's padding: none)
 
 
+HOST_ONLY = 2.0      # a layer's share past 1: all its misses are the CPU's (Mailbox.set_host_only)
+
+
 def cpu_split(n_miss: int, share: float, *, unit: float = 0.0, inter: int = 0, tokens: int = 1) -> tuple[int, int]:
     """The handoff's rule (`handoff_triton._handoff_kernel` computes the same in fp32, op for op): (misses the CPU
     computes whole, rows of the next miss it computes the first gate/up rows of). Without a split (`unit` 0, or a
@@ -473,9 +497,11 @@ def cpu_split(n_miss: int, share: float, *, unit: float = 0.0, inter: int = 0, t
     f32 = np.float32
     work = f32(n_miss) * f32(share)
     if unit <= 0 or tokens != 1:
-        return int(work + f32(0.5)), 0
+        return min(int(work + f32(0.5)), n_miss), 0
     whole = int(np.floor(work))
     rows = (work - f32(whole)) * f32(unit)
+    if whole >= n_miss:
+        return n_miss, 0
     if rows >= (f32(inter) + f32(unit)) * f32(0.5):
         return whole + 1, 0
     r = int(np.floor(rows * f32(1.0 / SPLIT_ROWS) + f32(0.5))) * SPLIT_ROWS
@@ -496,12 +522,13 @@ def handoff_reference(layer_index: int, ids: torch.Tensor, weights: torch.Tensor
     slot = table_row[ids]                                               # [T, K]
     miss = (slot < 0).reshape(-1)
     rank = torch.cumsum(miss.int(), 0) - miss.int()
-    n_cpu, rows = cpu_split(int(miss.sum()), float(box.share[0]), unit=box.unit, inter=box.intermediate, tokens=t)
+    share = box.share_of(layer_index)
+    n_cpu, rows = cpu_split(int(miss.sum()), share, unit=box.unit, inter=box.intermediate, tokens=t)
     if int(box.error[0]):                       # the worker failed to answer: the GPU's path reads every miss
-        n_cpu = rows = 0
+        n_cpu = rows = 0                        # (but a host-only layer's, which it cannot read: dropped)
     cpu = miss & (rank < n_cpu)
     hit = torch.where(slot >= 0, slot, -1)
-    zc = torch.where((miss & (rank >= n_cpu)).view(t, k), ids, -1)
+    zc = torch.where((miss & (rank >= n_cpu) & (share <= 1.0)).view(t, k), ids, -1)
     split_a = int(torch.nonzero(miss & (rank == n_cpu))[0, 0]) if rows else -1
     if rows and int((ids.reshape(-1) == ids.reshape(-1)[split_a]).sum()) > 1:
         split_a, rows = -1, 0                   # an expert named twice is gathered once for both: no split

@@ -230,6 +230,9 @@ class HostExpertStore:
         self.num_experts = num_experts
         self._owner = owner          # keeps a pinned tensor or a mapped file alive as long as the views
         self._layer_parts: dict[int, dict[str, np.ndarray]] = {}
+        # a store pinned in part (`pinned_copy(layers=...)`): the page-locked copy of those layers, and which
+        self._part: HostBuffer | None = None
+        self._part_layers: frozenset[int] = frozenset()
 
     # ------------------------------------------------------------------ addressing
     codec = property(lambda self: self.layout.codec)
@@ -245,6 +248,17 @@ class HostExpertStore:
     @property
     def nbytes(self) -> int:
         return self.n_blocks * self.layout.nbytes
+
+    @property
+    def pinned_layers(self) -> frozenset[int]:
+        """The layers whose blocks are page-locked (and device-mapped): a GPU DMAs them directly and reads them
+        in place; the others it reaches only through a page-locked staging ring, and only the CPU reads them."""
+        if self._part is not None:
+            return self._part_layers if self._part.pinned else frozenset()
+        owner = self._owner
+        pinned = getattr(owner, "pinned", False) if isinstance(owner, HostBuffer) else \
+            isinstance(owner, torch.Tensor) and owner.is_pinned()
+        return frozenset(self.layers) if pinned else frozenset()
 
     def huge_page_bytes(self) -> int | None:
         """Bytes of an in-memory store in transparent huge pages now (`HostBuffer.huge_page_bytes`); None for a
@@ -307,9 +321,11 @@ class HostExpertStore:
         return cls(bufs, layout, num_experts=experts.num_experts, owner=experts)
 
     def pinned_copy(self, *, pin: bool = True, method: str = "auto", threads: int | None = None,
-                    chunk_bytes: int = 64 << 20) -> "HostExpertStore":
+                    chunk_bytes: int = 64 << 20, layers: list[int] | None = None) -> "HostExpertStore":
         """The same experts copied once into host memory of our own, page-locked when `pin` (the GPU then
         DMAs blocks directly); `pin=False` is the same path in ordinary memory (tests, machines without CUDA).
+        `layers`: copy (and pin) only these; the others stay views of this store (a mapped file: the OS's page
+        cache, never a second copy) - the planner's answer when only part of the experts fits the pinnable share.
 
         The process must never hold the file's pages and the copy at once (issue 10: RSS <= package +
         2 GiB), and the copy is the cold load, so it is done in large chunks by several threads:
@@ -327,12 +343,15 @@ class HostExpertStore:
             raise ExpertStoreError(f"unknown copy method {method!r} (expected 'read', 'map' or 'auto')")
         if method == "read" and source is None:
             raise ExpertStoreError("copy method 'read' needs a store over an FTW file (this one is in memory)")
+        copied = self.layers if layers is None else sorted(set(layers))
+        if not set(copied) <= set(self.layers):
+            raise ExpertStoreError(f"layers {sorted(set(copied) - set(self.layers))} have no routed experts")
         t0 = time.perf_counter()
-        buf = HostBuffer(self.nbytes)
         layer_bytes = self.num_experts * self.layout.nbytes
-        dst = buf.array.reshape(len(self.layers), layer_bytes)                 # [L, E * nbytes]
+        buf = HostBuffer(len(copied) * layer_bytes)
+        dst = buf.array.reshape(len(copied), layer_bytes)                      # [L', E * nbytes]
         chunks = [(i, layer, start, min(start + chunk_bytes, layer_bytes))
-                  for i, layer in enumerate(self.layers) for start in range(0, layer_bytes, chunk_bytes)]
+                  for i, layer in enumerate(copied) for start in range(0, layer_bytes, chunk_bytes)]
         t1 = time.perf_counter()
         if method == "read":
             path, offsets = source
@@ -366,11 +385,15 @@ class HostExpertStore:
                 for f in opened:
                     f.close()
         t2 = time.perf_counter()
-        pinned = buf.pin() if pin else False
+        pinned = buf.pin() if pin and len(copied) else False
         t3 = time.perf_counter()
-        store = HostExpertStore({layer: dst[i].reshape(self.num_experts, self.layout.nbytes)
-                                 for i, layer in enumerate(self.layers)}, self.layout, num_experts=self.num_experts,
-                                owner=buf)
+        bufs = {layer: dst[i].reshape(self.num_experts, self.layout.nbytes) for i, layer in enumerate(copied)}
+        if layers is None:
+            store = HostExpertStore(bufs, self.layout, num_experts=self.num_experts, owner=buf)
+        else:       # the rest stay this store's views; its owner (the mapped file) stays alive with them
+            store = HostExpertStore({**self._bufs, **bufs}, self.layout, num_experts=self.num_experts,
+                                    owner=self._owner)
+            store._part, store._part_layers = buf, frozenset(copied)
         store.load_seconds = {"allocate": t1 - t0, "copy": t2 - t1, "pin": t3 - t2, "threads": n_threads,
                               "method": method, "pinned": pinned}
         return store

@@ -35,7 +35,7 @@ import torch
 
 from runtime.experts.cpu_executor import CpuExecutor
 from runtime.experts.cpu_share import HAVE_NUMBA as CPU_SHARE_COMPILED
-from runtime.experts.cpu_share import (CpuShareWorker, Mailbox, collect_reference, cpu_share_counts,
+from runtime.experts.cpu_share import (HOST_ONLY, CpuShareWorker, Mailbox, collect_reference, cpu_share_counts,
                                        default_worker_threads, handoff_reference, split_row_parts, split_unit_rows)
 from runtime.experts.host_store import HostExpertStore
 from runtime.experts.interface import ExpertSpec
@@ -129,6 +129,8 @@ class HybridOptions:
     cpu_early_x: bool | None = None             # the compiled CPU worker's early plan (cpu_kernels_int8.serve_layers:
                                                 # a one-token request's x quantized while its lanes ask for their
                                                 # first rows); None: CpuShareWorker's default (on)
+    host_only_layers: tuple[int, ...] = ()      # on a CPU device (tests): layer indices treated as a GPU's host-only
+                                                # ones (on CUDA: the layers the store could not page-lock)
 
 
 class HybridExperts:
@@ -150,9 +152,17 @@ class HybridExperts:
         directory = SlotDirectory(options.slots, make_policy(options.policy), pinned=options.hot_set)
         self.transport = Transport(store, self.device)
         total = store.n_blocks
+        # the layers (indices) whose host memory the GPU cannot read: not page-locked (a store pinned in part,
+        # the pinnable share being short) - zero-copy decode leaves all their misses to the CPU worker
+        self._host_only = [li for li, layer in enumerate(store.layers) if layer not in self.transport.pinned_layers] \
+            if self.cuda else list(options.host_only_layers)
+        self.cpu = CpuExecutor(store, spec, threads=options.cpu_threads)
         want_zero_copy = options.split in ("auto", "fetch") if options.zero_copy is None else options.zero_copy
+        # (host-only layers need the CPU worker: the compiled kernel and, on a GPU, Triton's handoff)
+        worker_possible = (self.cpu.int8 or self.cpu.fast) and (not self.cuda or handoff_triton.HAVE_TRITON)
         self.zero_copy = bool(want_zero_copy and options.slots < total and (
-            options.zero_copy or (self.cuda and self.transport.pinned and int4_pool_triton.supports(store.layout, spec))))
+            options.zero_copy or (self.cuda and self.transport.pinned_layers and int4_pool_triton.supports(store.layout, spec)))
+            and (worker_possible or not self._host_only) and len(self._host_only) < len(store.layers))
         self.cache = SlotCache(directory=directory, layers=store.layers, num_experts=store.num_experts,
                                block_nbytes=store.block_nbytes, device=self.device, miss_table=self.zero_copy)
         if self.zero_copy:
@@ -160,7 +170,6 @@ class HybridExperts:
             load_private_openmp()
         elif not self.cuda:
             warn_if_private_beside_torch()
-        self.cpu = CpuExecutor(store, spec, threads=options.cpu_threads)
         if options.slots < total:
             # misses may run on the CPU: compile (or load from numba's cache) the kernel now, while the
             # model loads, not during the first answer (a first compile takes about a minute)
@@ -248,7 +257,14 @@ class HybridExperts:
         publishes promotions that have landed, `end_step` (while the GPU runs the step) counts hits and
         misses, feeds the policy and routing statistics and starts promotions on the copy stream."""
         store = self.store
-        self._host_layers = [torch.from_numpy(store.layer_buffer(layer)) for layer in store.layers]   # [E, nbytes]
+        # [E, nbytes] host blocks the kernels read in place; a host-only layer's are never read by the GPU (the
+        # handoff gives all its misses to the CPU), so it gets a stand-in the kernels may be pointed at
+        stand_in = torch.zeros((1, store.block_nbytes), dtype=torch.uint8, device=self.device) \
+            if self.cuda and self._host_only else None
+        only = set(self._host_only) if self.cuda else set()
+        self._host_layers = [stand_in if li in only else torch.from_numpy(store.layer_buffer(layer))
+                             for li, layer in enumerate(store.layers)]
+        self._dead: str | None = None           # why this tier can no longer decode (a worker lost, host-only layers)
         shape = (len(store.layers), ZERO_COPY_MAX_TOKENS, self.options.top_k)
         self._log = torch.full(shape, -1, dtype=torch.int64, device=self.device)       # [L, T, K] ids of a step
         self._log_host = torch.empty(shape, dtype=torch.int64, pin_memory=self.cuda)
@@ -289,10 +305,13 @@ class HybridExperts:
         share = (self._share_control.share if self._share_control else 0.0) if fixed is None else \
             self._default_cpu_share() if fixed < 0 else float(fixed)
         self._step_started = None
-        if (share > 0 or self._share_control is not None) and (not self.cuda or handoff_triton.HAVE_TRITON):
+        if (share > 0 or self._share_control is not None or self._host_only) and (
+                not self.cuda or handoff_triton.HAVE_TRITON):
             self._box = Mailbox(max_tokens=ZERO_COPY_MAX_TOKENS, top_k=self.options.top_k,
                                 hidden=store.layout.hidden, device=self.device, share=share,
-                                intermediate=store.layout.intermediate)
+                                intermediate=store.layout.intermediate,
+                                layers=len(store.layers) if self._host_only else 1)
+            self._box.set_host_only(self._host_only)
             # the worker thread holds the tier only weakly, and the tier's finaliser stops the thread: a model
             # that is unloaded (the service drops the engine) frees its pinned experts and VRAM pool
             tier, layers = weakref.ref(self), store.layers
@@ -349,6 +368,8 @@ class HybridExperts:
         if self._worker is not None:
             self._worker.close()
             self._worker = None
+        if getattr(self, "_box", None) is not None and self._host_only:
+            self._box.error.fill_(1)     # no request to a stopped worker (the host-only layers' misses are dropped)
         if getattr(self, "_box", None) is not None:
             if self._share_control is not None and self.share_memory is not None:
                 self.share_memory.try_save(self._share_control)      # the medians of this run too
@@ -493,6 +514,8 @@ class HybridExperts:
         the step), copy the previous step's routing log to the host and note the table this step will see."""
         if not self.zero_copy:
             return
+        if self._dead:
+            raise RuntimeError(self._dead)
         if self._promotions:
             self._finish_promotions()
         if self._log_copy is None:
@@ -523,6 +546,14 @@ class HybridExperts:
             return
         self._log_copy = None
         if self._box is not None:
+            lost = int(self._err_host[0]) or (self._worker is not None and self._worker.error is not None)
+            if lost and self._host_only:
+                # those layers' experts are where only the CPU reads them: without the worker nothing computes them
+                self.close()
+                self._dead = (f"the CPU expert worker stopped; {len(self._host_only)} of this model's "
+                              f"{len(self.store.layers)} expert layers are in memory the GPU cannot read (the OS would "
+                              "not page-lock more), so decoding cannot go on without it: reload the model")
+                raise RuntimeError(self._dead)
             if int(self._err_host[0]):
                 self.close()
                 raise RuntimeError("the CPU expert worker did not answer the GPU in time; its share of misses "
@@ -533,6 +564,7 @@ class HybridExperts:
         nb, budget = self.store.block_nbytes, self._promotion_budget.blocks
         dirc, seen = self.cache.directory, self._seen
         used_rows, evicted, promoted_before = [], [], len(self._promotions)
+        host_only = set(self._host_only) if self._box is not None else set()
         for li, layer in enumerate(self.store.layers):
             row = ids[li]
             used = row >= 0
@@ -548,8 +580,9 @@ class HybridExperts:
             used_rows.append((li, uniq))
             missed = uniq[~ready]
             n_cpu = 0
-            if share > 0:          # the handoff's rule replayed per call (one call per step per layer)
-                n_cpu = min(len(missed), cpu_share_counts(row[used.any(axis=1)], snapshot[li], share,
+            layer_share = HOST_ONLY if li in host_only else share
+            if layer_share > 0:    # the handoff's rule replayed per call (one call per step per layer)
+                n_cpu = min(len(missed), cpu_share_counts(row[used.any(axis=1)], snapshot[li], layer_share,
                                                           unit=self._split_unit, inter=self.layout.intermediate)[0])
             self.counters.add_decode(int(used.any(axis=1).sum()), n_hits, len(missed), n_cpu, len(missed) - n_cpu,
                                      nb, 0.0)
@@ -1032,11 +1065,15 @@ def hybrid_experts_factory(package, spec: ExpertSpec, *, device, dtype, vram_bud
         # dequantizing to bf16 would need ~4x the VRAM it reserved): every layer is resident, sync-free
         slots = store.n_blocks
         hot_all = tuple((layer, e) for layer in store.layers for e in range(store.num_experts))
-    if plan.experts_pinned and device.type == "cuda" and not hot_all:   # all in VRAM: no pinned host copy
-        store = store.pinned_copy()
+    part = plan.experts_pinned_layers if not plan.experts_pinned else 0
+    if (plan.experts_pinned or part) and device.type == "cuda" and not hot_all:   # all in VRAM: no host copy
+        # (in part: the first layers, as many as fit the pinnable share; the rest stay mapped from the file)
+        store = store.pinned_copy(layers=store.layers[:part] if part else None)
         ls = store.load_seconds
-        log.info("experts: %.2f GB copied into %s host memory in %.2f s (%s, %d threads; pinning %.2f s)",
-                 store.nbytes / 1e9, "page-locked" if ls["pinned"] else "pageable (pinning refused)",
+        log.info("experts: %.2f GB (%s) copied into %s host memory in %.2f s (%s, %d threads; pinning %.2f s)",
+                 (part or len(store.layers)) * store.num_experts * store.block_nbytes / 1e9,
+                 f"{part} of {len(store.layers)} layers" if part else "all layers",
+                 "page-locked" if ls["pinned"] else "pageable (pinning refused)",
                  ls["allocate"] + ls["copy"] + ls["pin"], ls["method"], ls["threads"], ls["pin"])
     n_slots = plan.expert_slots if slots is None else slots
     stats = RoutingStats()

@@ -351,6 +351,9 @@ class Plan:
     prefill_streaming: bool = True        # hybrid: prompt chunks stream layers of experts to the GPU (False: no
                                           # room for the buffers; their experts run on the CPU instead)
     prefill_chunk: int = 8192             # prompt tokens a step: the workspace above is sized for it
+    # where not all of them fit the pinnable share: the first this many MoE layers' experts are copied into
+    # page-locked RAM (zero-copy decode reads them; the others' misses all run on the CPU), the rest stay mapped
+    experts_pinned_layers: int = 0
     notes: list[str] = field(default_factory=list)
 
     def summary_lines(self) -> list[str]:
@@ -367,7 +370,8 @@ class Plan:
             lines.append(f"expert stream buffers (prefill, decode) — {_fmt_bytes(self.stream_buffer_bytes)}")
         if self.backend != "gpu":
             where = "pinned RAM" if self.experts_pinned else \
-                f"mapped file, {_fmt_bytes(self.staging_ring_bytes)} pinned staging ring"
+                (f"{self.experts_pinned_layers} layers in pinned RAM, the rest " if self.experts_pinned_layers else "") \
+                + f"mapped file, {_fmt_bytes(self.staging_ring_bytes)} pinned staging ring"
             lines.append(f"experts in host memory: {_fmt_bytes(self.experts_in_ram_bytes)} ({where})"
                          + (f", {_fmt_bytes(self.experts_on_disk_bytes)} left on disk" if self.experts_on_disk_bytes else ""))
         if self.backend == "hybrid":
@@ -492,15 +496,28 @@ def _place_host(shape: ModelShape, hw: Hardware, *, gpu_used: bool, cpu_side: in
     # At least one layer's experts must be resident at a time, or every step thrashes the disk.
     shortfall = max(0, must_stay + shape.layer_experts_bytes - ram)
     in_ram = min(shape.experts_bytes, max(0, ram - must_stay))
+    # Short of it, as many whole layers as fit beside the ring (all of them resident): the GPU reads those layers'
+    # misses in place, the CPU computes every miss of the others. A pinned layer's copy replaces its mapped pages
+    # (released after the copy), so RAM still counts each page once
+    pinned_layers = 0
+    if ring and in_ram == shape.experts_bytes and shape.layer_experts_bytes:
+        pinned_layers = int(min(shape.moe_layers - 1,
+                                max(0, min(hw.pinnable, ram) - ring) // shape.layer_experts_bytes))
     if ring and in_ram == shape.experts_bytes:
-        notes.append(f"experts ({_fmt_bytes(shape.experts_bytes)}) exceed the pinnable share "
-                     f"({_fmt_bytes(min(hw.pinnable, ram))}): staged through a pinned ring, and decode reads "
-                     "misses through the host (slower than from pinned RAM)")
+        share = _fmt_bytes(min(hw.pinnable, ram))
+        if pinned_layers:
+            notes.append(f"experts ({_fmt_bytes(shape.experts_bytes)}) exceed the pinnable share ({share}): "
+                         f"{pinned_layers} of {shape.moe_layers} layers are pinned, and the CPU computes every miss of "
+                         "the other layers (decode a little slower than with all of them pinned)")
+        else:
+            notes.append(f"experts ({_fmt_bytes(shape.experts_bytes)}) exceed the pinnable share ({share}): staged "
+                         "through a pinned ring, and decode reads misses through the host (slower than from pinned RAM)")
     on_disk = shape.experts_bytes - in_ram
     if on_disk and not shortfall:
         notes.append(f"host RAM holds {_fmt_bytes(in_ram)} of {_fmt_bytes(shape.experts_bytes)} of experts: "
                      f"the cold tail is read from disk (slower)")
     return dict(host_bytes=in_ram + must_stay, experts_pinned=pinned, staging_ring_bytes=ring,
+                experts_pinned_layers=shape.moe_layers if pinned else pinned_layers,
                 experts_in_ram_bytes=in_ram, experts_on_disk_bytes=on_disk, shortfall_bytes=shortfall)
 
 

@@ -28,7 +28,13 @@ class Transport:
         self.device = device
         self.cuda = device.type == "cuda"
         self.stream = torch.cuda.Stream(device=device) if self.cuda else None
-        self.pinned = self.cuda and _is_pinned(store)
+        # the layers a GPU DMAs from directly (page-locked); the rest go through the ring. A store pinned in part
+        # (`HostExpertStore.pinned_copy(layers=...)`) keeps its pinned layers in one buffer: a block is copied
+        # directly when its address lies in that span
+        self.pinned_layers = store.pinned_layers if self.cuda else frozenset()
+        self.pinned = self.cuda and self.pinned_layers == frozenset(store.layers)     # every layer
+        spans = [(b.ctypes.data, b.ctypes.data + b.nbytes) for b in map(store.layer_buffer, self.pinned_layers)]
+        self._direct_span = (min(a for a, _ in spans), max(b for _, b in spans)) if spans else (0, 0)
         if staged is None:
             staged = self.cuda and not self.pinned
         self.ring = StagingRing(slots=STAGING_RING_LAYERS, entries_per_slot=store.num_experts,
@@ -42,22 +48,29 @@ class Transport:
         if not copies:
             return None
         self.bytes_copied += sum(src.nbytes for src, _ in copies)
-        if self.ring is not None:
-            return self.ring.stage_blocks(copies, stream=self.stream, after=after)
+        staged = [c for c in copies if not self._direct(c[0])] if self.ring is not None else []
+        direct = [c for c in copies if self._direct(c[0])] if staged else copies
         with on_stream(self.stream, after):
-            for src, dst in copies:
+            for src, dst in direct:
                 dst.copy_(torch.from_numpy(src), non_blocking=self.cuda)
-            return self._record()
+            event = self._record()
+        # (the ring's DMAs go on the same stream, after these: its event covers both)
+        return self.ring.stage_blocks(staged, stream=self.stream, after=after) if staged else event
 
     def submit_range(self, src: np.ndarray, dst: torch.Tensor, *, after=None):
         """One large contiguous copy (a whole layer's blocks for prefill streaming): an event, None, or (from a
         pageable store) a `Staged`."""
         self.bytes_copied += src.nbytes
-        if self.ring is not None:
+        if self.ring is not None and not self._direct(src):
             return self.ring.stage_layer(src, dst, stream=self.stream, after=after)
         with on_stream(self.stream, after):
             dst.copy_(torch.from_numpy(src), non_blocking=self.cuda)
             return self._record()
+
+    def _direct(self, src: np.ndarray) -> bool:
+        """Whether the GPU DMAs this host block directly (it lies in the page-locked span)."""
+        lo, hi = self._direct_span
+        return self.ring is None or lo <= src.ctypes.data < hi
 
     def close(self) -> None:
         """Let the ring's threads go (the tier is being dropped)."""
@@ -71,10 +84,3 @@ class Transport:
 def ready_event(handle):
     """The CUDA event (or None) behind what `submit`/`submit_range` returned, waiting for a staging first."""
     return handle.event() if isinstance(handle, Staged) else handle
-
-
-def _is_pinned(store: HostExpertStore) -> bool:
-    owner = getattr(store, "_owner", None)
-    if getattr(owner, "pinned", False):               # a HostBuffer registered with the driver
-        return True
-    return isinstance(owner, torch.Tensor) and owner.is_pinned()

@@ -5,7 +5,8 @@ Why: a recorded decode step cannot stop for the host to decide which experts the
 (a rule the host can replay) and talks to a CPU thread through page-locked, device-mapped host memory:
 
 - `handoff` (one program): expert ids [A = T*K] -> slots in the pool (hits), the misses the GPU reads over PCIe
-  itself, and the misses the CPU computes: the first round(n_miss * share) misses in assignment order. Writes
+  itself, and the misses the CPU computes: the first round(n_miss * share) misses in assignment order (the
+  mailbox's share, or its layer's: a share past 1 marks a layer whose host memory the GPU cannot read). Writes
   the pool and zero-copy slot vectors to device memory, the CPU's ids, weights and the tokens' activations
   (fp32) to the mailbox, then - after a system-scope fence - the request's ticket, which starts the worker. No
   request when the CPU's share of this call is empty (`ncpu` = 0 tells `collect` not to wait), nor once the
@@ -80,7 +81,7 @@ if HAVE_TRITON:
     def _handoff_kernel(ids_ptr, w_ptr, x_ptr, x_st, table_ptr, share_ptr, ticket_ptr, ncpu_ptr,
                         hit_ptr, zc_ptr, box_ids_ptr, box_w_ptr, box_x_ptr, box_meta_ptr, box_req_ptr, err_ptr,
                         log_ptr, split_ptr, unit_ptr, times_ptr, layer, T, A, D, I, RING: tl.constexpr,
-                        TIMES: tl.constexpr, FENCE: tl.constexpr, LOG: tl.constexpr,
+                        TIMES: tl.constexpr, FENCE: tl.constexpr, LOG: tl.constexpr, SHARE_PER_LAYER: tl.constexpr,
                         ABLOCK: tl.constexpr, DBLOCK: tl.constexpr):
         a = tl.arange(0, ABLOCK)
         m = a < A
@@ -92,7 +93,8 @@ if HAVE_TRITON:
         miss_i = miss.to(tl.int32)
         rank = tl.cumsum(miss_i, 0) - miss_i                    # misses before this assignment
         n_miss = tl.sum(miss_i, 0)
-        work = n_miss.to(tl.float32) * tl.load(share_ptr)
+        share = tl.load(share_ptr + layer * SHARE_PER_LAYER)
+        work = n_miss.to(tl.float32) * share
         # the finer split (cpu_share.cpu_split: the same fp32 ops): whole misses, then rows of the next one
         unit = tl.load(unit_ptr)
         whole = tl.floor(work)
@@ -102,7 +104,7 @@ if HAVE_TRITON:
         n_split = tl.where(past, whole + 1.0, whole).to(tl.int32)
         r = tl.where(past | (n_split >= n_miss), 0, tl.minimum(r, I))
         split = (unit > 0) & (T == 1)
-        n_cpu = tl.where(split, n_split, (work + 0.5).to(tl.int32))
+        n_cpu = tl.minimum(tl.where(split, n_split, (work + 0.5).to(tl.int32)), n_miss)   # (a host-only share: 2)
         r = tl.where(split, r, 0)
         failed = tl.load(err_ptr) != 0                        # the worker failed to answer: no more requests
         n_cpu = tl.where(failed, 0, n_cpu)
@@ -117,7 +119,10 @@ if HAVE_TRITON:
         split_a = tl.where(r > 0, split_a, -1)
         cpu = miss & (rank < n_cpu)
         tl.store(hit_ptr + a, tl.where(m & (slot >= 0), slot, -1), mask=m)
-        tl.store(zc_ptr + a, tl.where(miss & (rank >= n_cpu), ids, -1), mask=m)
+        # a host-only layer (share past 1: host memory the GPU cannot read) never sends a miss over PCIe, not even
+        # once the worker failed (its misses are then dropped and the tier reports the failure)
+        n_read = tl.where(share <= 1.0, n_miss, 0)
+        tl.store(zc_ptr + a, tl.where(miss & (rank >= n_cpu) & (rank < n_read), ids, -1), mask=m)
         tl.store(ncpu_ptr, n_cpu + (r > 0).to(tl.int32))
         tl.store(split_ptr, split_a)
         tl.store(split_ptr + 1, r)
@@ -233,11 +238,14 @@ def handoff(layer_index: int, ids: torch.Tensor, weights: torch.Tensor, x: torch
     if log is not None and (not log.is_contiguous() or log.numel() < t * k or log.dtype != ids.dtype):
         raise ValueError(f"handoff: a log of {log.dtype} {tuple(log.shape)} cannot take {t * k} ids of {ids.dtype}")
     hit, zc = box.hit_slots[:t * k].view(t, k), box.zc_ids[:t * k].view(t, k)
+    per_layer = box.share.numel() > 1            # a share a layer (host-only layers), else one for all
+    if per_layer and not 0 <= layer_index < box.share.numel():
+        raise ValueError(f"handoff: layer index {layer_index} has no share in a mailbox of {box.share.numel()}")
     _handoff_kernel[(1,)](ids, weights.contiguous(), x, x.stride(0), table_row, box.share, box.ticket, box.ncpu,
                           hit, zc, box.ids, box.weights, box.x, box.meta, box.req, box.error,
                           ids if log is None else log, box.split, box.split_unit, box.times, layer_index, t, t * k,
                           d, box.intermediate, RING=box.times.shape[0], TIMES=TIMES, FENCE=fence,
-                          LOG=log is not None, ABLOCK=max(16, triton.next_power_of_2(t * k)), DBLOCK=1024,
+                          LOG=log is not None, SHARE_PER_LAYER=int(per_layer), ABLOCK=max(16, triton.next_power_of_2(t * k)), DBLOCK=1024,
                           num_warps=4)
     return hit, zc
 
