@@ -129,6 +129,7 @@
 #                                                # (the pinned row is s25b's), then s23c's cold load
 #   (device) bash benchmarks/device_final.sh s25d # session 25: s25c's mapped row again once the ring's thread copies in
 #                                                # the caller's inference mode, beside the pinned row; qwen3.6 learned
+#   (device) bash benchmarks/device_final.sh s26c # session 26: qwen3-30b 8 GiB, 36 of 48 layers pinned, beside all pinned
 #   (device) bash benchmarks/device_final.sh s26b # session 26: decode blocks by the ring's one thread; full mapped row profiled
 #   (device) bash benchmarks/device_final.sh s26a # session 26: host-driven decode profiled, pinned vs pageable store
 #   (device) bash benchmarks/device_final.sh s25e # session 25's last ~4 device minutes: the staging ring's CUDA tests
@@ -977,6 +978,25 @@ elif [ "$1" = s25d ]; then
   done
   bench_rows 200 q36_learned --models qwen3.6-35b-a3b "${ROW_8G[@]}" --tokens 192 --warmup 48 --cpu-share auto \
     | grep -E "$ROW_LINES|right after"
+  rm -f "$OUT"/model_*.json "$OUT"/model.json
+elif [ "$1" = s26c ]; then
+  # session 26: a store pinned in part (the planner pins whole layers up to the pinnable share; the rest stay
+  # pageable and their misses all go to the CPU worker). CUDA tests first (compile, handoff, the tier against the
+  # reference), then qwen3-30b at 8 GiB with 36 of 48 layers pinned (a 24 GiB Windows box pins ~37) beside the
+  # fully pinned row. Predicted: ~90 % of the pinned row's tok/s (s25d's qwen3.6 sweep: a layer all on the CPU
+  # costs ~20 % more than at the best share; a quarter of the layers so)
+  warm 150 new &
+  cuda_tests 150 tests/test_hybrid_zero_copy.py tests/test_staging.py --tb=short
+  grep -E "passed|failed|Error" "$OUT/cuda_tests.log" | tail -5
+  timeout 120 python3 -m pytest -q -p no:cacheprovider --device cuda tests/test_kernels_interpreted.py -k "spilling" \
+    --tb=short 2>&1 | tail -3
+  wait
+  for pinned in 36 48; do
+    store=mapped; [ $pinned = 48 ] && store=pinned
+    bench_rows 200 q3_pin$pinned --models qwen3-30b-a3b --dense-int8 --budgets 8 --routings uniform --modes graphs \
+      --tokens 64 --warmup 96 --prefill-budgets 99 --ttft-context 0 --store $store --pinned-layers $pinned \
+      | grep -E "$ROW_LINES|pinned|host µs"
+  done
   rm -f "$OUT"/model_*.json "$OUT"/model.json
 elif [ "$1" = s26b ]; then
   # session 26: s26a found a pageable store's CPU kernel ~3x slower an expert than a pinned store's (673 µs for 6.6
