@@ -985,12 +985,12 @@ elif [ "$1" = s26c ]; then
   # reference), then qwen3-30b at 8 GiB with 36 of 48 layers pinned (a 24 GiB Windows box pins ~37) beside the
   # fully pinned row. Predicted: ~90 % of the pinned row's tok/s (s25d's qwen3.6 sweep: a layer all on the CPU
   # costs ~20 % more than at the best share; a quarter of the layers so)
-  warm 150 new &
+  # (the kernels compile first, alone: beside the tests, a test's own compile ran them past 150 s in s26c)
+  warm 150 new
   cuda_tests 150 tests/test_hybrid_zero_copy.py tests/test_staging.py --tb=short
   grep -E "passed|failed|Error" "$OUT/cuda_tests.log" | tail -5
   timeout 120 python3 -m pytest -q -p no:cacheprovider --device cuda tests/test_kernels_interpreted.py -k "spilling" \
     --tb=short 2>&1 | tail -3
-  wait
   for pinned in 36 48; do
     store=mapped; [ $pinned = 48 ] && store=pinned
     bench_rows 200 q3_pin$pinned --models qwen3-30b-a3b --dense-int8 --budgets 8 --routings uniform --modes graphs \

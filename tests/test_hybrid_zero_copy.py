@@ -479,6 +479,46 @@ def test_the_engine_generates_the_same_tokens_through_zero_copy_decode(ftw_packa
     experts.close()
 
 
+def test_a_plan_pinned_in_part_loads_and_decodes_zero_copy_on_cuda(device, ftw_packages, monkeypatch):
+    """On the GPU machine, the load a Windows user gets whose model outgrows the pinnable half: a plan that pins
+    the first MoE layer only (the tiny model has 2, fewer than the planner could split: its ring alone takes 2, so
+    the plan is edited), the factory copies and page-locks just that layer and keeps the others mapped from the
+    file, and the engine decodes zero-copy with the other layers' misses all on the CPU worker: greedy tokens equal
+    to a fully pinned load's."""
+    if device != "cuda":
+        pytest.skip("needs the GPU machine (--device cuda)")
+    import dataclasses
+    import functools
+
+    from runtime.engine import Engine, SamplingParams
+    from runtime.experts import planner
+    from runtime.experts.hybrid import hybrid_experts_factory
+
+    path = ftw_packages("qwen3_moe", "int4")
+    prompt = random_prompt(12, seed=7)
+    sampling = SamplingParams(temperature=0.0, max_tokens=8, stop_token_ids=[])
+    hw = planner.Hardware(vram_free=8 << 30, vram_total=8 << 30, ram_total=16 << 30, ram_available=16 << 30,
+                          pinnable=8 << 30, h2d_gbps=20.0, cpu_gbps=10.0, has_cuda=True)
+    factory = functools.partial(hybrid_experts_factory, hardware=hw, slots=6, cpu_share=0.5)
+    whole = Engine.load(path, device="cuda", experts_factory=factory)
+    want = whole.generate(prompt, sampling).tokens
+    assert whole.model.experts.store.pinned_layers == frozenset(whole.model.experts.store.layers)
+    whole.model.experts.close()
+    real = planner.plan_memory
+    monkeypatch.setattr(planner, "plan_memory", lambda *a, **k: dataclasses.replace(
+        real(*a, **k), experts_pinned=False, experts_pinned_layers=1))
+    eng = Engine.load(path, device="cuda", experts_factory=factory)
+    experts = eng.model.experts
+    first, *rest = experts.store.layers                 # (MoE layers 0 and 2: indices 0 and 1)
+    assert experts.store.pinned_layers == frozenset({first}) and experts._host_only == list(range(1, 1 + len(rest)))
+    assert experts.zero_copy and experts._worker is not None and experts.transport.ring is not None
+    assert eng.generate(prompt, sampling).tokens == want
+    experts.begin_step()
+    experts.flush_step_log()
+    assert experts.counters.total.cpu_experts > 0 and experts._worker.error is None
+    experts.close()
+
+
 def test_the_compiled_worker_loop_answers_with_the_int8_kernels_result():
     """Real layer widths take the int8 kernel: the worker then serves requests in compiled code (no Python
     between a request and its answer) and answers exactly what the executor computes for the same misses."""

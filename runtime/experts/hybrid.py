@@ -158,8 +158,8 @@ class HybridExperts:
             if self.cuda else list(options.host_only_layers)
         self.cpu = CpuExecutor(store, spec, threads=options.cpu_threads)
         want_zero_copy = options.split in ("auto", "fetch") if options.zero_copy is None else options.zero_copy
-        # (host-only layers need the CPU worker: the compiled kernel and, on a GPU, Triton's handoff)
-        worker_possible = (self.cpu.int8 or self.cpu.fast) and (not self.cuda or handoff_triton.HAVE_TRITON)
+        # (host-only layers need the CPU worker, which on a GPU talks through Triton's handoff)
+        worker_possible = not self.cuda or handoff_triton.HAVE_TRITON
         self.zero_copy = bool(want_zero_copy and options.slots < total and (
             options.zero_copy or (self.cuda and self.transport.pinned_layers and int4_pool_triton.supports(store.layout, spec)))
             and (worker_possible or not self._host_only) and len(self._host_only) < len(store.layers))
