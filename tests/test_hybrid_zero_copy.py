@@ -500,14 +500,16 @@ def test_a_plan_pinned_in_part_loads_and_decodes_zero_copy_on_cuda(device, ftw_p
     hw = planner.Hardware(vram_free=8 << 30, vram_total=8 << 30, ram_total=16 << 30, ram_available=16 << 30,
                           pinnable=8 << 30, h2d_gbps=20.0, cpu_gbps=10.0, has_cuda=True)
     factory = functools.partial(hybrid_experts_factory, hardware=hw, slots=6, cpu_share=0.5)
-    whole = Engine.load(path, device="cuda", experts_factory=factory)
+    # (an expert a layer left to the CPU: a hybrid plan, not the all-in-VRAM one this tiny model would get)
+    load = functools.partial(Engine.load, path, device="cuda", experts_factory=factory, cpu_experts_per_layer=1)
+    whole = load()
     want = whole.generate(prompt, sampling).tokens
     assert whole.model.experts.store.pinned_layers == frozenset(whole.model.experts.store.layers)
     whole.model.experts.close()
     real = planner.plan_memory
     monkeypatch.setattr(planner, "plan_memory", lambda *a, **k: dataclasses.replace(
         real(*a, **k), experts_pinned=False, experts_pinned_layers=1))
-    eng = Engine.load(path, device="cuda", experts_factory=factory)
+    eng = load()
     experts = eng.model.experts
     first, *rest = experts.store.layers                 # (MoE layers 0 and 2: indices 0 and 1)
     assert experts.store.pinned_layers == frozenset({first}) and experts._host_only == list(range(1, 1 + len(rest)))
