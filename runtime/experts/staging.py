@@ -97,8 +97,9 @@ class StagingRing:
             if self.copy_threads > 1 else None
         self._stager = ThreadPoolExecutor(1, thread_name_prefix="ft-stage")    # one: DMAs enqueue in call order
         # decode's blocks are copied by the ring's one thread, not its copy threads: they overlap the CPU kernel's
-        # misses, the decode call's critical path, which wants every core and the DRAM (s26a: with 8 copy threads
-        # beside it the kernel took ~3x as long an expert as beside a pinned store's DMA-only promotions)
+        # misses, the host-driven call's critical path, which wants the cores (s26a: with 8 copy threads beside it
+        # the kernel took ~3x as long an expert as beside a pinned store's DMA-only promotions; s26b: one thread
+        # measured no better - the kernel's slowness there is not the copies' - and no worse)
         self.parallel_blocks = False
         self._pending: list[Future] = []
 
