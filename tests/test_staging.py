@@ -130,6 +130,34 @@ def test_transport_stages_a_pageable_store_in_the_ring_the_planner_counts():
     transport.close()
 
 
+def test_a_store_pinned_in_part_stages_only_its_unpinned_layers():
+    """A store pinned in part: blocks and layers inside the pinned span are copied directly (no ring, no Staged),
+    the others through the ring - also within one submit that mixes both (filling the pool at load does) - and every
+    byte arrives. (On the CPU nothing is page-locked: the span a GPU would compute is set as it would be.)"""
+    from runtime.experts.staging import Staged
+    from runtime.experts.transport import layers_span
+
+    store = HostExpertStore.synthetic(layers=3, num_experts=4, hidden=64, intermediate=32, codec="int4",
+                                      group=32).pinned_copy(pin=False, layers=[0, 1])
+    transport = Transport(store, CPU, staged=True, copy_threads=2)
+    transport._direct_span = layers_span(store, [0, 1])
+    layer = torch.zeros(store.num_experts, store.block_nbytes, dtype=torch.uint8)
+    assert not isinstance(transport.submit_range(store.layer_buffer(1), layer), Staged)
+    assert np.array_equal(layer.numpy(), store.layer_buffer(1)) and transport.ring._buf is None   # (ring unused)
+    assert isinstance(transport.submit_range(store.layer_buffer(2), layer), Staged)
+    transport.ring.drain()
+    assert np.array_equal(layer.numpy(), store.layer_buffer(2))
+    keys = [(0, 3), (2, 1), (1, 0), (2, 2)]
+    blocks = [torch.zeros(store.block_nbytes, dtype=torch.uint8) for _ in keys]
+    handle = transport.submit([(store.block(*key), b) for key, b in zip(keys, blocks)])
+    assert isinstance(handle, Staged) and ready_event(handle) is None
+    for key, b in zip(keys, blocks):
+        assert np.array_equal(b.numpy(), store.block(*key))
+    direct = transport.submit([(store.block(0, 1), blocks[0])])
+    assert not isinstance(direct, Staged) and np.array_equal(blocks[0].numpy(), store.block(0, 1))
+    transport.close()
+
+
 def _staged_tier(*, experts: int, slots: int, seed: int) -> tuple[HostExpertStore, HybridExperts]:
     """A CPU tier (streaming from 8 tokens) whose transport runs the staging ring's code path."""
     store = HostExpertStore.synthetic(layers=3, num_experts=experts, hidden=64, intermediate=32, codec="int4",

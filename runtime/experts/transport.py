@@ -33,8 +33,7 @@ class Transport:
         # directly when its address lies in that span
         self.pinned_layers = store.pinned_layers if self.cuda else frozenset()
         self.pinned = self.cuda and self.pinned_layers == frozenset(store.layers)     # every layer
-        spans = [(b.ctypes.data, b.ctypes.data + b.nbytes) for b in map(store.layer_buffer, self.pinned_layers)]
-        self._direct_span = (min(a for a, _ in spans), max(b for _, b in spans)) if spans else (0, 0)
+        self._direct_span = layers_span(store, self.pinned_layers)
         if staged is None:
             staged = self.cuda and not self.pinned
         self.ring = StagingRing(slots=STAGING_RING_LAYERS, entries_per_slot=store.num_experts,
@@ -84,3 +83,10 @@ class Transport:
 def ready_event(handle):
     """The CUDA event (or None) behind what `submit`/`submit_range` returned, waiting for a staging first."""
     return handle.event() if isinstance(handle, Staged) else handle
+
+
+def layers_span(store: HostExpertStore, layers) -> tuple[int, int]:
+    """[lowest, highest) address of these layers' blocks ((0, 0) for none): a store's pinned layers lie in one
+    buffer, so a block inside the span is one of theirs."""
+    spans = [(b.ctypes.data, b.ctypes.data + b.nbytes) for b in map(store.layer_buffer, layers)]
+    return (min(a for a, _ in spans), max(b for _, b in spans)) if spans else (0, 0)
