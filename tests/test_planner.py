@@ -173,6 +173,12 @@ def test_windows_pinnable_rule():
     assert any("pinnable" in note and f"{fit} of 48 layers are pinned" in note for note in win.notes)
     assert any(f"{fit} layers in pinned RAM" in line for line in win.summary_lines())
     assert lin.experts_pinned and lin.staging_ring_bytes == 0 and lin.experts_pinned_layers == 48
+    # the estimate counts the unpinned layers' misses as the CPU's alone (the same slots on both)
+    assert win.expert_slots == lin.expert_slots
+    miss = (1 - lin.expert_slots / shape.total_experts) * shape.top_k * shape.expert_block_bytes
+    both, cpu = 25.0 + 60.0, 60.0
+    assert lin.estimated_decode_tok_s == pytest.approx(1e9 / (48 * miss / both))
+    assert win.estimated_decode_tok_s == pytest.approx(1e9 / (fit * miss / both + (48 - fit) * miss / cpu))
     # never the page cache and a pinned copy together
     assert lin.host_bytes == shape.experts_bytes
     assert win.host_bytes == shape.experts_bytes + win.staging_ring_bytes

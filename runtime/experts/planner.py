@@ -472,7 +472,9 @@ def plan_memory(shape: ModelShape, hw: Hardware, *, context_length: int = 8192, 
                     stream_buffer_bytes=stream, expert_slots=int(slots), pool_bytes=int(pool),
                     prefill_streaming=streaming,
                     cpu_experts_per_layer=(shape.total_experts - slots) / shape.moe_layers,
-                    estimated_decode_tok_s=_decode_estimate(shape, hw, slots=int(slots)), notes=notes, **host, **base)
+                    estimated_decode_tok_s=_decode_estimate(shape, hw, slots=int(slots),
+                                                            pinned_layers=host["experts_pinned_layers"]),
+                    notes=notes, **host, **base)
     else:
         plan = Plan(backend="cpu", vram_planned=0, dense_on="cpu", stream_buffer_bytes=0, expert_slots=0,
                     pool_bytes=0, cpu_experts_per_layer=float(shape.num_experts),
@@ -521,15 +523,19 @@ def _place_host(shape: ModelShape, hw: Hardware, *, gpu_used: bool, cpu_side: in
                 experts_in_ram_bytes=in_ram, experts_on_disk_bytes=on_disk, shortfall_bytes=shortfall)
 
 
-def _decode_estimate(shape: ModelShape, hw: Hardware, *, slots: int) -> float:
+def _decode_estimate(shape: ModelShape, hw: Hardware, *, slots: int, pinned_layers: int | None = None) -> float:
     """Bandwidth-bound decode rate at batch 1 under uniform routing: per token, the missed experts are read by
     the CPU kernel and the hits and dense weights by the GPU (the GPU part is taken as free next to the
-    CPU's, which dominates whenever the pool is short). 0 when the CPU bandwidth is unknown."""
+    CPU's, which dominates whenever the pool is short). `pinned_layers`: the layers whose misses the GPU may read
+    over PCIe (None: all); the others' misses are the CPU's alone. 0 when the CPU bandwidth is unknown."""
     miss_share = 1.0 - slots / shape.total_experts
-    miss_bytes = shape.moe_layers * shape.top_k * miss_share * shape.expert_block_bytes
-    if miss_bytes == 0:
+    layer_miss_bytes = shape.top_k * miss_share * shape.expert_block_bytes
+    if layer_miss_bytes == 0 or shape.moe_layers == 0:
         return 0.0
     if hw.cpu_gbps <= 0:
         return 0.0
-    # Misses may be split between the CPU kernel and PCIe fetches: their bandwidths add.
-    return (hw.cpu_gbps + (hw.h2d_gbps if hw.has_cuda else 0.0)) * 1e9 / miss_bytes
+    shared = shape.moe_layers if pinned_layers is None or not hw.has_cuda else pinned_layers
+    # A pinned layer's misses may be split between the CPU kernel and PCIe: their bandwidths add
+    both = hw.cpu_gbps + (hw.h2d_gbps if hw.has_cuda else 0.0)
+    seconds = layer_miss_bytes * (shared / both + (shape.moe_layers - shared) / hw.cpu_gbps) / 1e9
+    return 1.0 / seconds
