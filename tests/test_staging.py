@@ -176,6 +176,32 @@ def _run_against_reference(store, hybrid, calls, gen) -> None:
                                    rtol=1e-4, atol=1e-5)
 
 
+def test_beside_the_rings_thread_the_host_driven_kernel_leaves_it_a_core(monkeypatch):
+    """A pageable store's host-driven call runs its misses while the ring's thread copies promotions: the kernel
+    takes every core but one (on every core, the copy stalled its parallel region: bench_kernel_beside_copy.py);
+    without a ring it keeps its default, and a user's thread count is kept as given."""
+    import os
+
+    store, hybrid = _staged_tier(experts=6, slots=0, seed=3)         # (no slots: every call runs on the CPU)
+    seen = []
+    real = hybrid.cpu.run
+    monkeypatch.setattr(hybrid.cpu, "run", lambda *a, **kw: seen.append(kw.get("threads")) or real(*a, **kw))
+    gen = torch.Generator().manual_seed(4)
+    _run_against_reference(store, hybrid, [(layer, 1) for layer in (0, 1, 2, 0)], gen)
+    assert seen and set(seen) == {max(1, (os.cpu_count() or 1) - 1)}
+    hybrid.transport.close()
+    hybrid.transport = Transport(store, CPU)                    # no ring: the executor's own default
+    seen.clear()
+    _run_against_reference(store, hybrid, [(layer, 1) for layer in (1, 2)], gen)
+    assert seen and set(seen) == {None}
+    hybrid.transport = Transport(store, CPU, staged=True, copy_threads=2)
+    hybrid.cpu.threads = 1                                      # the user's count
+    seen.clear()
+    _run_against_reference(store, hybrid, [(layer, 1) for layer in (0, 2)], gen)
+    assert seen and set(seen) == {None}
+    hybrid.transport.close()
+
+
 def test_prefill_streaming_through_the_ring_matches_the_reference():
     """The hybrid tier's streamed layers (both buffers, wrapping, repeating) through the staging ring's threads."""
     store, hybrid = _staged_tier(experts=4, slots=2, seed=4)

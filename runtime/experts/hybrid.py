@@ -665,8 +665,7 @@ class HybridExperts:
             tok, kk = np.nonzero(published[ids_h] < 0)                          # [A]
             cpu_ids = ids_h[tok, kk]
             c0 = time.perf_counter()
-            beside = {"threads": self._host_threads} if self._worker is not None else {}
-            cpu_out = self.cpu.run(layer, x_h, tok, cpu_ids, w_h[tok, kk], **beside)   # [T, D] float32, host
+            cpu_out = self.cpu.run(layer, x_h, tok, cpu_ids, w_h[tok, kk], **self._host_kernel_threads())  # [T, D]
             cpu_s = time.perf_counter() - c0
             back = self._upload(cpu_out) if self._staged_io else cpu_out.to(self.dtype)
             upload_s = time.perf_counter() - c0 - cpu_s
@@ -696,6 +695,19 @@ class HybridExperts:
                                pcie_bytes=n_fetch * nb,
                                pcie_seconds=(now - t0 - cpu_s) if n_fetch and not n_cpu else 0.0)
         return out if out.dtype == hidden.dtype else out.to(hidden.dtype)
+
+    def _host_kernel_threads(self) -> dict:
+        """The host-driven path's kernel threads (as `CpuExecutor.run`'s keyword), where its default - every core,
+        or the user's count - would fight another thread: the cores the worker's lanes leave, or, beside a staging
+        ring whose thread copies pageable blocks (promotions) while the kernel runs, every core but one: a parallel
+        region waits for its slowest thread, and one sharing its core stalls it for whole time slices
+        (benchmarks/bench_kernel_beside_copy.py, dev VM: a call's mean 1,926 µs on both cores beside the copy
+        against 992 on one; s26b's GPU host: ~180-250 µs an expert against ~30 in the kernel's probe)."""
+        if self._worker is not None:
+            return {"threads": self._host_threads}
+        if self.transport.ring is not None and not self.cpu.threads:
+            return {"threads": max(1, (os.cpu_count() or 1) - 1)}
+        return {}
 
     def _fetch(self, layer: int, uniq: np.ndarray, experts: list[int]) -> list[Key]:
         """Allocate slots for `experts` (evicting by policy; never this call's experts nor an in-flight
