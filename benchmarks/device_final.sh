@@ -129,6 +129,8 @@
 #                                                # (the pinned row is s25b's), then s23c's cold load
 #   (device) bash benchmarks/device_final.sh s25d # session 25: s25c's mapped row again once the ring's thread copies in
 #                                                # the caller's inference mode, beside the pinned row; qwen3.6 learned
+#   (device) bash benchmarks/device_final.sh s26d # next: the host-driven kernel's fix on a GPU; 20 of 48 layers pinned
+#   (device) bash benchmarks/device_final.sh s26e # next: qwen3.6 with 30 of 40 layers pinned, decode and 16K prefill
 #   (device) bash benchmarks/device_final.sh s26c # session 26: qwen3-30b 8 GiB, 36 of 48 layers pinned, beside all pinned
 #   (device) bash benchmarks/device_final.sh s26b # session 26: decode blocks by the ring's one thread; full mapped row profiled
 #   (device) bash benchmarks/device_final.sh s26a # session 26: host-driven decode profiled, pinned vs pageable store
@@ -978,6 +980,33 @@ elif [ "$1" = s25d ]; then
   done
   bench_rows 200 q36_learned --models qwen3.6-35b-a3b "${ROW_8G[@]}" --tokens 192 --warmup 48 --cpu-share auto \
     | grep -E "$ROW_LINES|right after"
+  rm -f "$OUT"/model_*.json "$OUT"/model.json
+elif [ "$1" = s26d ]; then
+  # session 26, written for the next session (~6 device minutes): (1) the host-driven kernel now leaves the staging
+  # ring's thread a core (dev VM: a call's mean 1,926 -> 992 µs beside a copying thread); predicted: the pageable
+  # store's call near the pinned one's (~1.0-1.3 ms against s26b's 2.2-2.8). (2) qwen3-30b with 20 of 48 layers
+  # pinned (a 16 GiB Windows PC's share): predicted ~85 % of the fully pinned row (s26c: 36 pinned gave 95.6 %)
+  warm 150 new
+  timeout 150 python3 benchmarks/profile_host_decode.py --layers 8 --calls 400 --out "$OUT/profile_host_decode.json" \
+    2>&1 | grep -v Warning | tee "$OUT/profile_host_decode.txt"
+  for pinned in 20 48; do
+    store=mapped; [ $pinned = 48 ] && store=pinned
+    bench_rows 170 q3_pin$pinned --models qwen3-30b-a3b --dense-int8 --budgets 8 --routings uniform --modes graphs \
+      --tokens 64 --warmup 96 --prefill-budgets 99 --ttft-context 0 --store $store --pinned-layers $pinned \
+      | grep -E "^qwen|learned CPU share:|pinned|host µs"
+  done
+  rm -f "$OUT"/model_*.json "$OUT"/model.json
+elif [ "$1" = s26e ]; then
+  # session 26, written for the next session (~5 device minutes): qwen3.6 (fp4, linear attention) at 8 GiB with 30
+  # of 40 layers pinned beside all 40, and a 16K prefill from the partial store (pinned layers by direct DMA, the
+  # rest through the ring). Predicted: decode ~90 % of the pinned row; prefill between s25d's mapped 72 % and 100 %
+  warm 150 new
+  for pinned in 30 40; do
+    store=mapped; [ $pinned = 40 ] && store=pinned
+    bench_rows 200 q36_pin$pinned --models qwen3.6-35b-a3b --dense-int8 --budgets 8 --routings uniform \
+      --modes graphs --tokens 64 --warmup 96 --prefill 16384 --prefill-budgets 8 --ttft-context 0 --store $store \
+      --pinned-layers $pinned | grep -E "^qwen|learned CPU share:|pinned|prefill"
+  done
   rm -f "$OUT"/model_*.json "$OUT"/model.json
 elif [ "$1" = s26c ]; then
   # session 26: a store pinned in part (the planner pins whole layers up to the pinnable share; the rest stay
