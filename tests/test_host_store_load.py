@@ -210,6 +210,45 @@ def test_a_store_pinned_in_part_locks_only_those_layers_and_keeps_the_rest_mappe
     assert mapped.pinned_copy(pin=True, layers=[1]).pinned_layers == frozenset()
 
 
+def test_where_the_os_locks_less_than_planned_the_first_layers_that_fit_are_pinned(monkeypatch, tmp_path, caplog):
+    """The planner's pinnable share is an estimate (other programs hold page-locked memory too): where the OS
+    refuses the whole copy, as many of its first layers as it will take are page-locked (halving the count), the
+    store says which, and the user reads why; where it takes none, none is called pinned."""
+    import torch
+
+    calls, limit = [], [0]
+
+    class Runtime:
+        def cudaHostRegister(self, ptr, size, flags):
+            calls.append(size)
+            return 0 if size <= limit[0] else 2
+
+        def cudaHostUnregister(self, ptr):
+            return 0
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "cudart", lambda: Runtime())
+    experts = write_synthetic_ftw_experts(tmp_path, layers=5, num_experts=3, hidden=256, intermediate=128)
+    mapped = HostExpertStore.from_ftw(experts)
+    layer_bytes = mapped.layer_buffer(0).nbytes
+    limit[0] = int(2.5 * layer_bytes)
+    with caplog.at_level("WARNING"):
+        copy = mapped.pinned_copy(pin=True, threads=2)
+    assert copy.pinned_layers == frozenset(mapped.layers[:2]) and copy.load_seconds["pinned_layers"] == 2
+    assert not copy.load_seconds["pinned"]
+    assert calls[-1] == 2 * layer_bytes and 5 * layer_bytes in calls          # all first, then fewer
+    assert "page-locked only 2 of 5 layers" in caplog.text
+    for layer in mapped.layers:
+        np.testing.assert_array_equal(copy.layer_buffer(layer), mapped.layer_buffer(layer))
+    part = mapped.pinned_copy(pin=True, layers=[0, 1, 2, 3], threads=2)       # a plan pinned in part: the same rule
+    assert part.pinned_layers == frozenset({0, 1})
+    limit[0] = 0
+    caplog.clear()
+    with caplog.at_level("WARNING"):
+        assert mapped.pinned_copy(pin=True, threads=2).pinned_layers == frozenset()
+    assert "refused to page-lock" in caplog.text
+
+
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="fork() is POSIX")
 def test_a_forked_child_is_not_given_the_store():
     """A store is private memory, page-locked for the GPU's DMA: Linux copies such pages into a child at fork, so a

@@ -75,24 +75,29 @@ class HostBuffer:
                     pass
         self.array = np.frombuffer(self._map, dtype=np.uint8, count=nbytes)     # [nbytes]
         self.pinned = False
+        self.pinned_nbytes = 0
 
-    def pin(self) -> bool:
-        """Page-lock the buffer for direct DMA. False (and a warning) without CUDA or when the driver
-        refuses (e.g. the pinnable limit): the store still works, staged through transport's pinned ring."""
+    def pin(self, nbytes: int | None = None, *, quiet: bool = False) -> bool:
+        """Page-lock the buffer (or its first `nbytes`) for direct DMA. False (and a warning, unless `quiet`)
+        without CUDA or when the driver refuses (e.g. the pinnable limit): the store still works, staged through
+        transport's pinned ring. `pinned_nbytes` says how much is locked."""
         if not torch.cuda.is_available():
             log.warning("cannot page-lock %.2f GiB of experts: CUDA is not available", self.nbytes / 2**30)
             return False
         ptr = self.array.ctypes.data
+        size = self.nbytes if nbytes is None else min(int(nbytes), self.nbytes)
         # portable (every device) and mapped: the GPU may read experts in place (hybrid.py's zero-copy misses).
         # A driver that refuses the mapping may still lock the pages (DMA copies work, zero-copy then does not)
         cudart = torch.cuda.cudart()
-        err = cudart.cudaHostRegister(ptr, self.nbytes, HOST_REGISTER_PORTABLE | HOST_REGISTER_MAPPED)
+        err = cudart.cudaHostRegister(ptr, size, HOST_REGISTER_PORTABLE | HOST_REGISTER_MAPPED)
         if int(err) != 0:
-            err = cudart.cudaHostRegister(ptr, self.nbytes, 0)
+            err = cudart.cudaHostRegister(ptr, size, 0)
         if int(err) != 0:
-            log.warning("cudaHostRegister of %.2f GiB failed (error %s): experts stay pageable",
-                        self.nbytes / 2**30, int(err))
+            if not quiet:
+                log.warning("cudaHostRegister of %.2f GiB failed (error %s): experts stay pageable",
+                            size / 2**30, int(err))
             return False
+        self.pinned_nbytes = size
         # unregister before the pages go back to the OS: the finaliser keeps the mapping alive until then
         done = weakref.finalize(self.array, _unregister, ptr, self._map)
         done.atexit = False          # at exit the process's pages go back anyway: no 20 GB unregister walk
@@ -113,6 +118,25 @@ class HostBuffer:
             return None
         start = self.array.ctypes.data
         return huge_bytes_in(text, start, start + self.nbytes)
+
+
+def _pin_layers(buf: HostBuffer, layers: int, layer_bytes: int) -> int:
+    """Page-lock `buf`, a copy of `layers` whole layers: all of them, or - where the OS refuses (its page-locked
+    memory is shorter than the planner thought: other programs hold some) - as many of the first ones as it will
+    take, halving the count (a few refused calls). Returns the layers locked (0: none, with a warning)."""
+    if buf.pin(quiet=True):
+        return layers
+    n = layers // 2
+    while n >= 1 and not buf.pin(n * layer_bytes, quiet=True):
+        n //= 2
+    if n >= 1:
+        log.warning("the OS page-locked only %d of %d layers of experts (%.2f of %.2f GiB): the GPU reads the other "
+                    "layers' misses through the CPU (slower); close other GPU programs to free page-locked memory",
+                    n, layers, n * layer_bytes / 2**30, layers * layer_bytes / 2**30)
+        return n
+    log.warning("the OS refused to page-lock %.2f GiB of experts: they stay pageable (slower decode); close other "
+                "GPU programs to free page-locked memory", layers * layer_bytes / 2**30)
+    return 0
 
 
 def huge_bytes_in(smaps: str, start: int, end: int) -> int:
@@ -385,7 +409,8 @@ class HostExpertStore:
                 for f in opened:
                     f.close()
         t2 = time.perf_counter()
-        pinned = buf.pin() if pin and len(copied) else False
+        locked = _pin_layers(buf, len(copied), layer_bytes) if pin and len(copied) else 0
+        pinned = locked == len(copied) > 0
         t3 = time.perf_counter()
         bufs = {layer: dst[i].reshape(self.num_experts, self.layout.nbytes) for i, layer in enumerate(copied)}
         if layers is None:
@@ -393,9 +418,10 @@ class HostExpertStore:
         else:       # the rest stay this store's views; its owner (the mapped file) stays alive with them
             store = HostExpertStore({**self._bufs, **bufs}, self.layout, num_experts=self.num_experts,
                                     owner=self._owner)
-            store._part, store._part_layers = buf, frozenset(copied)
+        if layers is not None or 0 < locked < len(copied):
+            store._part, store._part_layers = buf, frozenset(copied[:locked])
         store.load_seconds = {"allocate": t1 - t0, "copy": t2 - t1, "pin": t3 - t2, "threads": n_threads,
-                              "method": method, "pinned": pinned}
+                              "method": method, "pinned": pinned, "pinned_layers": locked}
         return store
 
     def copy_to_device(self, dst: torch.Tensor, *, threads: int | None = None, chunk_bytes: int = 32 << 20,

@@ -1082,11 +1082,13 @@ def hybrid_experts_factory(package, spec: ExpertSpec, *, device, dtype, vram_bud
         # (in part: the first layers, as many as fit the pinnable share; the rest stay mapped from the file)
         store = store.pinned_copy(layers=store.layers[:part] if part else None)
         ls = store.load_seconds
-        log.info("experts: %.2f GB (%s) copied into %s host memory in %.2f s (%s, %d threads; pinning %.2f s)",
-                 (part or len(store.layers)) * store.num_experts * store.block_nbytes / 1e9,
+        copied = part or len(store.layers)
+        log.info("experts: %.2f GB (%s) copied into host memory in %.2f s (%s, %d threads; pinning %.2f s): %s",
+                 copied * store.num_experts * store.block_nbytes / 1e9,
                  f"{part} of {len(store.layers)} layers" if part else "all layers",
-                 "page-locked" if ls["pinned"] else "pageable (pinning refused)",
-                 ls["allocate"] + ls["copy"] + ls["pin"], ls["method"], ls["threads"], ls["pin"])
+                 ls["allocate"] + ls["copy"] + ls["pin"], ls["method"], ls["threads"], ls["pin"],
+                 "page-locked" if ls["pinned"] else f"{ls['pinned_layers']} of those layers page-locked (the OS "
+                 "refused more)")
     n_slots = plan.expert_slots if slots is None else slots
     stats = RoutingStats()
     if routing_stats_path:
