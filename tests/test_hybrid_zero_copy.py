@@ -346,6 +346,30 @@ def test_host_only_layers_give_every_miss_to_the_cpu_worker_whatever_the_share(s
     assert tier._worker.served > 0 and tier._worker.error is None
 
 
+def test_host_driven_calls_run_a_host_only_layers_misses_on_the_cpu():
+    """Calls of more tokens than zero-copy takes go host-driven; there a store pinned in part fetches misses only
+    from its pinned layers (a fetch from an unpinned one would wait for the ring's host copy, and the split learned
+    on direct DMA would fetch too many): the host-only layer's misses all run on the CPU, results stay exact."""
+    cpu = torch.device("cpu")
+    store, tier = _tier(cpu, slots=6, cpu_share=0.0, host_only_layers=(1,), split="fetch", fill_pool=False)
+    gen = torch.Generator().manual_seed(12)
+    fetched = {0: 0, 1: 0, 2: 0}
+    cpu_run = {0: 0, 1: 0, 2: 0}
+    for step in range(4):
+        for layer in range(3):
+            x = torch.randn(6, 64, generator=gen)                 # 6 tokens: past ZERO_COPY_MAX_TOKENS
+            ids = torch.stack([torch.randperm(8, generator=gen)[:2] for _ in range(6)])
+            w = torch.softmax(torch.randn(6, 2, generator=gen), dim=-1)
+            before = (tier.counters.total.fetched_experts, tier.counters.total.cpu_experts)
+            torch.testing.assert_close(tier(layer, x, ids, w), _reference(store, layer, x, ids, w), rtol=1e-4,
+                                       atol=1e-5)
+            fetched[layer] += tier.counters.total.fetched_experts - before[0]
+            cpu_run[layer] += tier.counters.total.cpu_experts - before[1]
+    assert fetched[1] == 0 and cpu_run[1] > 0
+    assert fetched[0] > 0 and fetched[2] > 0
+    tier.close()
+
+
 def test_without_its_worker_a_tier_with_host_only_layers_stops_with_a_clear_error():
     """The worker is the only reader of a host-only layer: once it fails, the GPU cannot take its misses back (as it
     does for a pinned store), so the next step boundary says so - reload the model - and every later call too,

@@ -156,6 +156,11 @@ class HybridExperts:
         # the pinnable share being short) - zero-copy decode leaves all their misses to the CPU worker
         self._host_only = [li for li, layer in enumerate(store.layers) if layer not in self.transport.pinned_layers] \
             if self.cuda else list(options.host_only_layers)
+        # a store pinned in part: a host-driven call (5+ tokens) runs every miss of an unpinned layer on the CPU - a
+        # fetch would wait for the ring's host copy, and the split learned on the pinned layers' direct DMA would
+        # fetch too many (a store with no layer pinned keeps learning its own split)
+        self._cpu_misses = {store.layers[li] for li in self._host_only} \
+            if len(self._host_only) < len(store.layers) else set()
         self.cpu = CpuExecutor(store, spec, threads=options.cpu_threads)
         want_zero_copy = options.split in ("auto", "fetch") if options.zero_copy is None else options.zero_copy
         # (host-only layers need the CPU worker, which on a GPU talks through Triton's handoff)
@@ -633,7 +638,7 @@ class HybridExperts:
         fetch_keys: list[Key] = []
         t_fetch = time.perf_counter()
         auto = False
-        if len(missed) and self.options.slots:
+        if len(missed) and self.options.slots and layer not in self._cpu_misses:
             # a promotion still in flight is a miss that runs on the CPU this time (never fetched twice)
             candidates = missed if not cache.pending else \
                 np.array([e for e in missed.tolist() if (layer, e) not in cache.pending], dtype=np.int64)
