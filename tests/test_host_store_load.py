@@ -210,6 +210,21 @@ def test_a_store_pinned_in_part_locks_only_those_layers_and_keeps_the_rest_mappe
     assert mapped.pinned_copy(pin=True, layers=[1]).pinned_layers == frozenset()
 
 
+def test_a_discarded_range_goes_back_to_the_os_and_the_rest_stays():
+    """The benchmark's store pinned in part gives its synthetic copies of the pinned layers back (RSS as a real
+    load's): the range reads as zeros after, the bytes past it are untouched, RSS falls; an unaligned start is
+    refused."""
+    from runtime.experts.host_store import HostBuffer
+
+    buf = HostBuffer(64 << 20)
+    buf.array[:] = 7
+    before = host_rss()
+    assert buf.discard(0, 32 << 20)
+    assert host_rss() < before - (16 << 20)
+    assert not buf.array[:32 << 20].any() and bool((buf.array[32 << 20:] == 7).all())
+    assert not buf.discard(100, 4096)
+
+
 def test_where_the_os_locks_less_than_planned_the_first_layers_that_fit_are_pinned(monkeypatch, tmp_path, caplog):
     """The planner's pinnable share is an estimate (other programs hold page-locked memory too): where the OS
     refuses the whole copy, as many of its first layers as it will take are page-locked (halving the count), the

@@ -387,10 +387,15 @@ def run_model(name: str, args, hw, report: dict) -> None:
               flush=True)
     part = getattr(args, "pinned_layers", 0) if store_kind == "mapped" else 0
     if part:    # `--pinned-layers`: the first layers copied and page-locked, as a plan pinned in part loads them
+        synthetic = store._owner
         store = store.pinned_copy(layers=store.layers[:part])
+        # the synthetic buffer's own copies of those layers go back to the OS, as a real load releases the file's
+        # pages of the layers it copied: RSS is then the plan's
+        released = synthetic.discard(0, part * store.layer_buffer(store.layers[0]).nbytes)
         print(f"{name} store: layers {store.layers[0]}-{store.layers[part - 1]} page-locked "
-              f"({'yes' if store.pinned_layers else 'refused'}), the rest pageable (their copies in the synthetic "
-              "buffer stay allocated: RSS is not the plan's)", flush=True)
+              f"({'yes' if store.pinned_layers else 'refused'}), the rest pageable"
+              + ("" if released else " (the synthetic copies of the pinned layers stay: RSS is not the plan's)"),
+              flush=True)
     shape = ModelShape.from_config(cfg, codec=codec, group_size=group, block_size=group,
                                    block_nbytes=store.block_nbytes)
     # issue 10's ceiling is over the CPU kernel's bandwidth (measured here, on this store, at the worker's threads);

@@ -107,6 +107,18 @@ class HostBuffer:
     def tensor(self) -> torch.Tensor:
         return torch.from_numpy(self.array)
 
+    def discard(self, start: int, length: int) -> bool:
+        """Give bytes [start, start + length) back to the OS (madvise DONTNEED: RSS falls; they read as zeros
+        after). Only for a range nothing reads again - the benchmark's synthetic store once its first layers were
+        copied elsewhere. False where the OS has no madvise (Windows) or refuses."""
+        if not hasattr(self._map, "madvise") or not hasattr(mmap, "MADV_DONTNEED") or start % mmap.PAGESIZE:
+            return False
+        try:
+            self._map.madvise(mmap.MADV_DONTNEED, start, length)
+        except (OSError, ValueError):
+            return False
+        return True
+
     def huge_page_bytes(self) -> int | None:
         """Bytes of the buffer the OS backs with transparent huge pages now (Linux's /proc/self/smaps); None
         where that is not readable. The CPU kernel reads rows all over the store, so 4 KiB pages cost it a TLB
