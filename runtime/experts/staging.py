@@ -1,7 +1,7 @@
 """Pageable expert bytes on their way to the GPU: the page-locked ring they pass through (style item 5).
 
-A store that could not be page-locked (the experts outgrow the pinnable share: Windows pins about half the RAM)
-is read from its memory-mapped file, and a GPU's copy engine reads only page-locked memory, so every byte is
+A store that could not be page-locked (the experts outgrow the pinnable share: Windows pins about half the RAM),
+or the layers of one pinned in part that did not fit, is read from its memory-mapped file, and a GPU's copy engine reads only page-locked memory, so every byte is
 first copied by the CPU into this ring. That host copy is the slow half of the trip (one thread copies 10-16
 GB/s, PCIe 4.0 x16 takes ~25 and the H200's link ~54), so for prefill streaming, a layer at a time:
 

@@ -2,8 +2,9 @@
 
 `submit(copies, after=event)` enqueues one non-blocking copy per (host block, device destination) on the
 copy stream, after `after` (the compute work that last read the destination), and returns an event the
-compute stream waits on. `submit_range` moves a whole layer's blocks (prefill streaming). Page-locked stores
-are copied straight from the host buffer; a mapped (pageable) store is staged through the page-locked ring of
+compute stream waits on. `submit_range` moves a whole layer's blocks (prefill streaming). Page-locked layers
+are copied straight from the host buffer; a mapped (pageable) store's - or the unpinned layers of a store pinned
+in part (`HostExpertStore.pinned_copy(layers=...)`) - are staged through the page-locked ring of
 staging.py, whose copies run on its own threads: `submit` and `submit_range` then return a `Staged` (its
 `event()` waits for the staging and gives the copy's event, its `query()` says whether the bytes have landed).
 
