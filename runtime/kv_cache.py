@@ -8,7 +8,11 @@ Shapes: Hkv key/value heads, S cached tokens, T new tokens, hd head dim.
 """
 from __future__ import annotations
 
+import logging
+
 import torch
+
+log = logging.getLogger(__name__)
 
 # Buffers grow in steps of this many tokens (then by doubling), so decode reallocates rarely.
 GROWTH_STEP = 256
@@ -130,10 +134,28 @@ def _moved(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     caches in host RAM, and bringing a 20K-token conversation back (~2 GB) then runs at the pinned rate
     (~50 GB/s on the H200's link) instead of the pageable one (~8 GB/s), which is most of a warm agent turn."""
     if device.type == "cpu" and t.is_cuda:
-        out = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+        out = host_buffer(t.shape, t.dtype)
         out.copy_(t)
         return out
     return t.to(device, copy=True)
+
+
+_pin_refused = False
+
+
+def host_buffer(shape, dtype: torch.dtype) -> torch.Tensor:
+    """Host memory for a GPU cache's copy: page-locked, or - where the OS's page-locked memory is used up (Windows
+    locks about half the RAM, and the planner may have given all of it to the experts) - ordinary memory, slower to
+    bring back but no failed request; said once."""
+    global _pin_refused
+    if not _pin_refused:
+        try:
+            return torch.empty(shape, dtype=dtype, pin_memory=True)
+        except RuntimeError as exc:
+            _pin_refused = True
+            log.warning("could not page-lock host memory for the prefix cache (%s): it keeps conversations in "
+                        "ordinary memory from now on (a resent conversation comes back to the GPU slower)", exc)
+    return torch.empty(shape, dtype=dtype)
 
 
 class StateCache:

@@ -293,3 +293,28 @@ def test_sliding_window_configs_bound_the_kv_cache():
                 sliding_window=4096)
     assert build_model(qwen, experts=None).kv_window(0) is None          # use_sliding_window is off
     assert build_model(dict(qwen, use_sliding_window=True), experts=None).kv_window(0) == 4096
+
+
+def test_the_prefix_cache_keeps_going_in_ordinary_memory_when_page_locking_is_refused(monkeypatch, caplog):
+    """A GPU engine's prefix cache copies conversations into page-locked host memory; where the OS has none left
+    (Windows locks about half the RAM, and a plan may give all of it to the experts) it falls back to ordinary
+    memory - said once, not tried again per copy - instead of failing the request that saves the prefix."""
+    from runtime import kv_cache
+
+    tries = []
+    real_empty = torch.empty
+
+    def empty(*shape, pin_memory=False, **kw):
+        tries.append(pin_memory)
+        if pin_memory:
+            raise RuntimeError("CUDA error: out of memory")
+        return real_empty(*shape, **kw)
+
+    monkeypatch.setattr(kv_cache, "_pin_refused", False)
+    monkeypatch.setattr(kv_cache.torch, "empty", empty)
+    with caplog.at_level("WARNING"):
+        a = kv_cache.host_buffer((2, 3), torch.float16)
+        b = kv_cache.host_buffer((4,), torch.float32)
+    assert a.shape == (2, 3) and a.dtype == torch.float16 and b.shape == (4,) and not a.is_pinned()
+    assert tries == [True, False, False]                # refused once, then not tried again
+    assert caplog.text.count("could not page-lock host memory for the prefix cache") == 1

@@ -1,11 +1,12 @@
 """The memory planner: its decisions on real model shapes and its bookkeeping against transformers' own models."""
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
 
-from runtime.experts.planner import (DECODE_SCRATCH_TOKENS, GiB, HOST_RESERVE, STAGING_RING_LAYERS,
+from runtime.experts.planner import (DECODE_SCRATCH_TOKENS, GiB, HOST_RESERVE, PINNED_RESERVE, STAGING_RING_LAYERS,
                                      Hardware, ModelShape,
                                      expert_block_bytes, plan_memory)
 
@@ -168,7 +169,7 @@ def test_windows_pinnable_rule():
     lin = plan_memory(shape, gpu(8, ram_gib=24, os_name="Linux"))
     assert not win.experts_pinned and win.staging_ring_bytes == STAGING_RING_LAYERS * shape.layer_experts_bytes
     # as many whole layers as fit the pinnable share beside the ring are pinned; the rest stay mapped
-    fit = (12 * GiB - win.staging_ring_bytes) // shape.layer_experts_bytes
+    fit = (12 * GiB - PINNED_RESERVE - win.staging_ring_bytes) // shape.layer_experts_bytes
     assert 0 < win.experts_pinned_layers == fit < shape.moe_layers
     assert any("pinnable" in note and f"{fit} of 48 layers are pinned" in note for note in win.notes)
     assert any(f"{fit} layers in pinned RAM" in line for line in win.summary_lines())
@@ -183,6 +184,10 @@ def test_windows_pinnable_rule():
     assert lin.host_bytes == shape.experts_bytes
     assert win.host_bytes == shape.experts_bytes + win.staging_ring_bytes
     assert win.host_bytes <= 24 * GiB - HOST_RESERVE
+    # the share keeps a reserve for the tier's small page-locked buffers: experts that would fill it are not pinned
+    at = lambda pinnable: plan_memory(shape, dataclasses.replace(gpu(8, ram_gib=64), pinnable=pinnable))  # noqa: E731
+    assert not at(shape.experts_bytes + PINNED_RESERVE // 2).experts_pinned
+    assert at(shape.experts_bytes + PINNED_RESERVE).experts_pinned
 
 
 def test_short_ram_leaves_cold_tail_on_disk_and_too_little_does_not_fit():

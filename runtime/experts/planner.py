@@ -27,6 +27,9 @@ PART_ALIGN = 64                      # parts inside a block start on a cache lin
 VRAM_SAFETY_FRACTION = 0.05           # allocator fragmentation and other processes' growth
 VRAM_SAFETY_MIN = 512 * MiB           # CUDA context, cuBLAS workspaces, Triton's autotune buffers
 HOST_RESERVE = 2 * GiB                # the OS, the app itself and Python's heap stay out of the plan
+PINNED_RESERVE = 256 * MiB            # of the pinnable share, left to the tier's small page-locked buffers (mailbox,
+                                      # step log, decode staging), which torch's host allocator rounds up, and to
+                                      # the CUDA runtime: experts that took the whole share would fail their load
 PREFILL_CHUNK_TOKENS = 8192           # prefill runs in chunks this long on a GPU (the streaming unit: each
                                       # expert byte streamed over PCIe serves 8K tokens; issue 10 asks 4-16K)
 ACTIVATION_BYTES_PER_TOKEN_PER_D = 24  # a chunk's hidden, residual, norm, attention and MoE buffers (bf16)
@@ -492,7 +495,8 @@ def _place_host(shape: ModelShape, hw: Hardware, *, gpu_used: bool, cpu_side: in
     replaces the page cache over the mapped file (the mapping is dropped after the copy), never both."""
     ram = max(0, hw.ram_available - HOST_RESERVE)
     # Pinning only pays when a GPU reads the experts; it needs the pinnable share to hold all of them.
-    pinned = gpu_used and shape.experts_bytes <= min(hw.pinnable, ram)
+    lockable = max(0, min(hw.pinnable, ram) - PINNED_RESERVE)
+    pinned = gpu_used and shape.experts_bytes <= lockable
     ring = STAGING_RING_LAYERS * shape.layer_experts_bytes if gpu_used and not pinned else 0
     must_stay = cpu_side + ring        # dense weights, KV and states on the CPU backend; the staging ring
     # At least one layer's experts must be resident at a time, or every step thrashes the disk.
@@ -503,8 +507,7 @@ def _place_host(shape: ModelShape, hw: Hardware, *, gpu_used: bool, cpu_side: in
     # (released after the copy), so RAM still counts each page once
     pinned_layers = 0
     if ring and in_ram == shape.experts_bytes and shape.layer_experts_bytes:
-        pinned_layers = int(min(shape.moe_layers - 1,
-                                max(0, min(hw.pinnable, ram) - ring) // shape.layer_experts_bytes))
+        pinned_layers = int(min(shape.moe_layers - 1, max(0, lockable - ring) // shape.layer_experts_bytes))
     if ring and in_ram == shape.experts_bytes:
         share = _fmt_bytes(min(hw.pinnable, ram))
         if pinned_layers:
