@@ -198,6 +198,9 @@ def _decode_range(shape, plan, machine: Machine, cost: CostModel, dense_read: fl
     cpu_dense = dense_read if plan.dense_on == "cpu" else 0.0
     rates = []
     gpu_plan = hw.has_cuda and plan.dense_on == "cuda"
+    # a plan pinned in part (the pinnable share short of the experts: Windows locks about half the RAM) gives every
+    # miss of its unpinned layers to the CPU; the GPU reads only the pinned layers' over PCIe
+    pinned = plan.experts_pinned_layers / shape.moe_layers if gpu_plan and miss_bytes and shape.moe_layers else 1.0
     for i in (0, 1):
         cpu_bw = machine.cpu_read_gbps * cost.cpu_kernel_efficiency[i] * GB
         pcie = hw.h2d_gbps * cost.h2d_efficiency[i] * GB if hw.has_cuda else 0.0
@@ -205,7 +208,7 @@ def _decode_range(shape, plan, machine: Machine, cost: CostModel, dense_read: fl
         # computes every miss
         miss_cpu_bw = machine.cpu_read_gbps * cost.cpu_share_efficiency[i] * GB if gpu_plan else cpu_bw
         gpu_bw = machine.gpu_gbps * cost.gpu_bandwidth_efficiency[i] * GB
-        t_miss = miss_bytes / (miss_cpu_bw + pcie) if miss_bytes else 0.0
+        t_miss = miss_bytes * (pinned / (miss_cpu_bw + pcie) + (1 - pinned) / cpu_bw) if miss_bytes else 0.0
         t_cpu_dense = cpu_dense / cpu_bw if cpu_dense else 0.0
         t_gpu = gpu_bytes / gpu_bw if gpu_bytes else 0.0
         t_disk = disk_bytes / (cost.disk_gbps[i] * GB) if disk_bytes else 0.0

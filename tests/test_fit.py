@@ -83,6 +83,23 @@ def test_experts_read_from_disk_slow_decode_down():
     assert short.decode_tok_s[1] < ample.decode_tok_s[1]
 
 
+def test_layers_past_the_pinnable_share_slow_the_decode_estimate_down():
+    """A Windows PC locks about half its RAM: qwen3-30b's experts outgrow it at 24 GB, the plan pins only some
+    layers, and the estimate gives the others' misses to the CPU alone - slower than the same PC pinning all."""
+    import dataclasses
+
+    def pc(os_name):
+        m = machine(vram_gib=8, ram_gib=24)
+        return dataclasses.replace(m, hardware=dataclasses.replace(
+            m.hardware, pinnable=Hardware.pinnable_for(os_name, m.hardware.ram_total)))
+
+    qwen = "qwen3-30b-a3b-instruct-2507"
+    win, lin = fit(qwen, pc("Windows"), context=8192), fit(qwen, pc("Linux"), context=8192)
+    assert win.verdict == lin.verdict == HYBRID and win.plan["expert_slots"] == lin.plan["expert_slots"]
+    assert 0 < win.plan["experts_pinned_layers"] < 48 == lin.plan["experts_pinned_layers"]
+    assert win.decode_tok_s[0] < lin.decode_tok_s[0] and win.decode_tok_s[1] < lin.decode_tok_s[1]
+
+
 def test_cost_model_efficiencies_bound_the_range():
     m = machine()
     wide = fit("qwen3-30b-a3b-instruct-2507", m, cost=CostModel(cpu_share_efficiency=(0.01, 1.0),
