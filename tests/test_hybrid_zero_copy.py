@@ -344,6 +344,7 @@ def test_host_only_layers_give_every_miss_to_the_cpu_worker_whatever_the_share(s
     c = tier.counters.total
     assert c.misses == want_misses and (c.cpu_experts, c.fetched_experts) == (want_cpu, want_misses - want_cpu)
     assert tier._worker.served > 0 and tier._worker.error is None
+    assert tier.stats_dict()["zero_copy"]["host_only_layers"] == 1 and tier.plan()["layers"] == 3
 
 
 def test_host_driven_calls_run_a_host_only_layers_misses_on_the_cpu():
@@ -540,6 +541,7 @@ def test_a_plan_pinned_in_part_loads_and_decodes_zero_copy_on_cuda(device, ftw_p
     experts = eng.model.experts
     first, *rest = experts.store.layers                 # (MoE layers 0 and 2: indices 0 and 1)
     assert experts.store.pinned_layers == frozenset({first}) and experts._host_only == list(range(1, 1 + len(rest)))
+    assert experts.plan()["pinned_layers"] == 1 and experts.plan()["layers"] == 1 + len(rest)
     assert experts.zero_copy and experts._worker is not None and experts.transport.ring is not None
     assert eng.generate(prompt, sampling).tokens == want
     experts.begin_step()

@@ -1001,7 +1001,9 @@ class HybridExperts:
         return {"backend": self.backend, "slots": self.options.slots, "planner": getattr(self, "planned", None),
                 "slot_total": self.store.n_blocks, "pool_bytes": self.cache.pool.numel(),
                 "policy": self.options.policy, "hot_set": len(self.cache.directory.pinned),
-                "stream_threshold_tokens": self.stream_threshold, "codec": self.layout.codec}
+                "stream_threshold_tokens": self.stream_threshold, "codec": self.layout.codec,
+                # the layers a GPU reads in place (page-locked) of all of them: fewer where the pinnable share was short
+                "pinned_layers": len(self.transport.pinned_layers), "layers": len(self.store.layers)}
 
     def stats_dict(self) -> dict:
         d = self.counters.to_dict(pools={"expert_pool": self.cache.pool.numel(),
@@ -1012,7 +1014,8 @@ class HybridExperts:
             d["zero_copy"] = {"cpu_share": round(self.cpu_share, 3), "learned": self._share_control is not None,
                               "worker_calls": 0 if self._worker is None else self._worker.requests,
                               "worker_seconds": 0.0 if self._worker is None else round(self._worker.busy_seconds, 4),
-                              "promote_blocks_per_step": self._promotion_budget.blocks}
+                              "promote_blocks_per_step": self._promotion_budget.blocks,
+                              "host_only_layers": len(self._host_only)}
         if self.prefetcher is not None:
             c = self.prefetcher.counters
             d["prefetch"] = {"predicted": c.predicted, "precision": round(c.precision, 4), "recall": round(c.recall, 4)}
