@@ -33,6 +33,8 @@ def test_a_gpu_plan_keeps_quantized_experts_packed_in_a_pool_that_holds_them_all
     eng = Engine.load(path, device="cpu", experts_factory=functools.partial(hybrid_experts_factory, hardware=hw))
     experts = eng.model.experts
     assert isinstance(experts, HybridExperts) and experts.planned["backend"] == "gpu"
+    # the planner's own lines travel with the engine's plan, for the app's console
+    assert eng.plan["experts"]["planner"]["summary_lines"][0] == "backend: gpu"
     assert experts.options.slots == len(experts.store.layers) * experts.store.num_experts
     assert all(experts.cache.layer_resident(layer) for layer in experts.store.layers)
     assert eng.generate(prompt, sampling).tokens == want

@@ -72,6 +72,9 @@ def test_console_with_gpu_sensors_plan_and_stats(qtbot, tmp_path):
 def test_plan_and_figures_helpers():
     assert plan_lines({"summary_lines": ["backend: gpu", "KV 8K tokens — 0.16 GiB"]}) == [
         "backend: gpu", "KV 8K tokens — 0.16 GiB"]
+    # an engine's plan: the planner's lines under experts.planner (what a Windows user reads about pinned layers)
+    lines = ["backend: hybrid", "experts in host memory: 13.9 GiB (36 layers in pinned RAM, the rest mapped file)"]
+    assert plan_lines({"backend": "hybrid", "kv_tokens": 8192, "experts": {"planner": {"summary_lines": lines}}}) == lines
     assert engine_figures({}) == {"tokens_per_s": NOT_AVAILABLE, "hit_rate": NOT_AVAILABLE,
                                   "cpu_share": NOT_AVAILABLE}
     assert engine_figures({"engine": {"experts": {"hit_rate": 0.5}}})["hit_rate"] == "50%"

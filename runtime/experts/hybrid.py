@@ -1134,7 +1134,7 @@ def hybrid_experts_factory(package, spec: ExpertSpec, *, device, dtype, vram_bud
                             prefetcher=prefetcher, share_memory=memory)
     if kernels:
         kernels(1, 1)
-    experts.planned = plan.to_dict()
+    experts.planned = {**plan.to_dict(), "summary_lines": plan.summary_lines()}   # (the app shows the lines)
     if progress:
         progress(1, 1)
     return experts

@@ -57,10 +57,13 @@ def engine_figures(stats: dict[str, Any]) -> dict[str, str]:
 
 
 def plan_lines(plan: dict[str, Any]) -> list[str]:
-    """The memory plan in the words the original console uses; the planner's own lines when it sends them."""
-    for key in ("summary_lines", "summary"):
-        if isinstance(plan.get(key), list):
-            return [str(x) for x in plan[key]]
+    """The memory plan in the words the original console uses; the planner's own lines when it sends them (at the
+    top, or - an engine's plan - under experts.planner: slots, host memory, pinned layers and the planner's notes)."""
+    planner = (plan.get("experts") or {}).get("planner") if isinstance(plan.get("experts"), dict) else None
+    for source in (plan, planner or {}):
+        for key in ("summary_lines", "summary"):
+            if isinstance(source.get(key), list):
+                return [str(x) for x in source[key]]
     lines = []
     if plan.get("backend"):
         lines.append(f"backend: {plan['backend']}")
