@@ -188,6 +188,9 @@ def test_windows_pinnable_rule():
     at = lambda pinnable: plan_memory(shape, dataclasses.replace(gpu(8, ram_gib=64), pinnable=pinnable))  # noqa: E731
     assert not at(shape.experts_bytes + PINNED_RESERVE // 2).experts_pinned
     assert at(shape.experts_bytes + PINNED_RESERVE).experts_pinned
+    # ...taken off the page-lock limit, not off RAM: experts that just fit the RAM the plan may use stay pinned
+    tight = dataclasses.replace(gpu(8, ram_gib=64), ram_available=shape.experts_bytes + HOST_RESERVE)
+    assert plan_memory(shape, tight).experts_pinned
 
 
 def test_short_ram_leaves_cold_tail_on_disk_and_too_little_does_not_fit():

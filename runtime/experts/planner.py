@@ -495,7 +495,9 @@ def _place_host(shape: ModelShape, hw: Hardware, *, gpu_used: bool, cpu_side: in
     replaces the page cache over the mapped file (the mapping is dropped after the copy), never both."""
     ram = max(0, hw.ram_available - HOST_RESERVE)
     # Pinning only pays when a GPU reads the experts; it needs the pinnable share to hold all of them.
-    lockable = max(0, min(hw.pinnable, ram) - PINNED_RESERVE)
+    # (the reserve comes off the OS's page-lock limit, not off RAM: where RAM is the tighter bound - Linux, whose
+    # limit is nominal - a plan that pinned everything before still does)
+    lockable = min(max(0, hw.pinnable - PINNED_RESERVE), ram)
     pinned = gpu_used and shape.experts_bytes <= lockable
     ring = STAGING_RING_LAYERS * shape.layer_experts_bytes if gpu_used and not pinned else 0
     must_stay = cpu_side + ring        # dense weights, KV and states on the CPU backend; the staging ring
