@@ -71,3 +71,20 @@ def test_gather_traffic_counts_the_launches_done_between_its_marks(monkeypatch):
     t.events = [_Event(True)] * 100                    # every launch done by the last mark: ran dry
     t.mark()
     assert t.rate() == 0.0
+
+
+def test_a_partial_stores_ceiling_gives_its_unpinned_layers_misses_to_the_cpu_alone():
+    """`bench model --pinned-layers`: all layers pinned is the issue's ceiling (both links summed), none pinned the
+    CPU kernel's alone, and in between the miss bytes split by the pinned fraction."""
+    import pytest
+
+    from runtime.experts.bench_model import ceiling_tok_s, partial_ceiling_tok_s
+
+    args = dict(h2d_gbps=50.0, cpu_gbps=70.0, dense_s=0.003)
+    both = ceiling_tok_s(20.0, 2_500_000, 120.0, 0.003)
+    cpu_only = ceiling_tok_s(20.0, 2_500_000, 70.0, 0.003)
+    assert partial_ceiling_tok_s(20.0, 2_500_000, pinned=1.0, **args) == pytest.approx(both)
+    assert partial_ceiling_tok_s(20.0, 2_500_000, pinned=0.0, **args) == pytest.approx(cpu_only)
+    half = partial_ceiling_tok_s(20.0, 2_500_000, pinned=0.5, **args)
+    assert 1 / half == pytest.approx((1 / both + 1 / cpu_only) / 2)      # (the dense step counted once each side)
+    assert cpu_only < partial_ceiling_tok_s(20.0, 2_500_000, pinned=0.75, **args) < both

@@ -346,6 +346,15 @@ def ceiling_tok_s(misses_per_step: float, block_nbytes: int, gbps: float, dense_
     return sequences / (misses_per_step * block_nbytes / (gbps * 1e9) + dense_s)
 
 
+def partial_ceiling_tok_s(misses_per_step: float, block_nbytes: int, *, h2d_gbps: float, cpu_gbps: float,
+                          pinned: float, dense_s: float, sequences: int = 1) -> float:
+    """`ceiling_tok_s` for a store pinned in part: the `pinned` fraction of the layers' misses over both links'
+    summed rate, the rest over the CPU kernel's alone (the GPU cannot read those layers' host memory)."""
+    miss_bytes = misses_per_step * block_nbytes
+    seconds = miss_bytes * (pinned / ((h2d_gbps + cpu_gbps) * 1e9) + (1 - pinned) / (cpu_gbps * 1e9))
+    return sequences / (seconds + dense_s)
+
+
 def probe_after_row(row: dict, store, *, top_k: int, threads: int, h2d_gbps: float, dense_s: float) -> None:
     """The ceiling's CPU-kernel probe run again right after a decode row (its tier idle: the worker's spin over),
     and the row held to the ceiling it gives, beside the one from the probe at the process's start: the probe read
@@ -515,10 +524,16 @@ def run_model(name: str, args, hw, report: dict) -> None:
                 ceiling_read, laptop = over(hw.h2d_gbps + hw.cpu_gbps), over(LAPTOP_LINKS_GBPS)
                 # beside it, over the two bandwidths measured together (0: not measured)
                 joint = over(joint_gbps) if joint_gbps else 0.0
+                # a store pinned in part: its unpinned layers' misses can only be the CPU's
+                cpu_rate = kernel_at.get(threads or worker_threads, 0.0) or hw.cpu_gbps
+                partial = partial_ceiling_tok_s(misses, store.block_nbytes, h2d_gbps=hw.h2d_gbps, cpu_gbps=cpu_rate,
+                                                pinned=part / layers, dense_s=dense_s, sequences=sequences) \
+                    if part and cpu_rate else 0.0
                 return {"model": name, "budget": label, "routing": routing, "kind": kind, "slots": slots, "dense": dense,
                         "tok_s": tok_s, "ceiling_tok_s": ceiling, "of_ceiling": tok_s / ceiling,
                         "ceiling_read_tok_s": ceiling_read, "of_ceiling_read": tok_s / ceiling_read,
                         "ceiling_joint_tok_s": joint, "of_ceiling_joint": tok_s / joint if joint else 0.0,
+                        "ceiling_partial_tok_s": partial, "of_ceiling_partial": tok_s / partial if partial else 0.0,
                         # issue 10's projection: the same share of a ceiling with a laptop's links
                         "laptop_tok_s": laptop * tok_s / ceiling,
                         "hit_rate": c["hit_rate"], "cpu_share": c["cpu_share"], "split": split_label,
@@ -927,6 +942,9 @@ def _fmt(r: dict) -> str:
         distinct += f"  (read probe: ceiling {r['ceiling_read_tok_s']:.1f}, {100 * r['of_ceiling_read']:.1f}%)"
     if r.get("ceiling_joint_tok_s"):
         distinct += f"  (together: ceiling {r['ceiling_joint_tok_s']:.1f}, {100 * r['of_ceiling_joint']:.1f}%)"
+    if r.get("ceiling_partial_tok_s"):
+        distinct += (f"  (unpinned layers on the CPU alone: ceiling {r['ceiling_partial_tok_s']:.1f}, "
+                     f"{100 * r['of_ceiling_partial']:.1f}%)")
     if r.get("laptop_tok_s"):
         distinct += f"  laptop {r['laptop_tok_s']:>6.1f} tok/s"
     return (f"{r['model']:<16} {r['budget']:>9} {r['routing']:<7} {r['kind']:<18} slots {r['slots']:>5}  "
