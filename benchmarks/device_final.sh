@@ -188,6 +188,17 @@ split_rows() {    # SECONDS SHARES SPLITS: qwen3-30b 8 GiB rows at each share wi
   trace_summaries 30
   rm -f "$OUT"/model_*.json "$OUT"/model.json
 }
+pinned_pair() {   # SECONDS NAME MODEL PART ALL PATTERN [ARGS...]: MODEL's 8 GiB row with its first PART layers pinned
+  # (the rest pageable: a plan pinned in part), then with all ALL pinned; the lines matching PATTERN printed
+  local seconds=$1 name=$2 model=$3 part=$4 all=$5 pattern=$6 pinned store; shift 6
+  for pinned in $part $all; do
+    store=mapped; [ "$pinned" = "$all" ] && store=pinned
+    bench_rows "$seconds" "${name}_pin$pinned" --models "$model" --dense-int8 --budgets 8 --routings uniform \
+      --modes graphs --tokens 64 --warmup 96 --ttft-context 0 --store $store --pinned-layers "$pinned" "$@" \
+      | grep -E "$pattern"
+  done
+  rm -f "$OUT"/model_*.json "$OUT"/model.json
+}
 mailbox() {       # SECONDS [ARGS...]: benchmarks/bench_mailbox_latency.py to $OUT/mailbox.{txt,json}, its table printed
   local seconds=$1; shift
   timeout "$seconds" python3 benchmarks/bench_mailbox_latency.py --json "$OUT/mailbox.json" "$@" > "$OUT/mailbox.txt" 2>&1
@@ -989,25 +1000,14 @@ elif [ "$1" = s26d ]; then
   warm 150 new
   timeout 150 python3 benchmarks/profile_host_decode.py --layers 8 --calls 400 --out "$OUT/profile_host_decode.json" \
     2>&1 | grep -v Warning | tee "$OUT/profile_host_decode.txt"
-  for pinned in 20 48; do
-    store=mapped; [ $pinned = 48 ] && store=pinned
-    bench_rows 170 q3_pin$pinned --models qwen3-30b-a3b --dense-int8 --budgets 8 --routings uniform --modes graphs \
-      --tokens 64 --warmup 96 --prefill-budgets 99 --ttft-context 0 --store $store --pinned-layers $pinned \
-      | grep -E "^qwen|learned CPU share:|pinned|host µs"
-  done
-  rm -f "$OUT"/model_*.json "$OUT"/model.json
+  pinned_pair 170 q3 qwen3-30b-a3b 20 48 "^qwen|learned CPU share:|pinned|host µs" --prefill-budgets 99
 elif [ "$1" = s26e ]; then
   # session 26, written for the next session (~5 device minutes): qwen3.6 (fp4, linear attention) at 8 GiB with 30
   # of 40 layers pinned beside all 40, and a 16K prefill from the partial store (pinned layers by direct DMA, the
   # rest through the ring). Predicted: decode ~90 % of the pinned row; prefill between s25d's mapped 72 % and 100 %
   warm 150 new
-  for pinned in 30 40; do
-    store=mapped; [ $pinned = 40 ] && store=pinned
-    bench_rows 200 q36_pin$pinned --models qwen3.6-35b-a3b --dense-int8 --budgets 8 --routings uniform \
-      --modes graphs --tokens 64 --warmup 96 --prefill 16384 --prefill-budgets 8 --ttft-context 0 --store $store \
-      --pinned-layers $pinned | grep -E "^qwen|learned CPU share:|pinned|prefill"
-  done
-  rm -f "$OUT"/model_*.json "$OUT"/model.json
+  pinned_pair 200 q36 qwen3.6-35b-a3b 30 40 "^qwen|learned CPU share:|pinned|prefill" --prefill 16384 \
+    --prefill-budgets 8
 elif [ "$1" = s26c ]; then
   # session 26: a store pinned in part (the planner pins whole layers up to the pinnable share; the rest stay
   # pageable and their misses all go to the CPU worker). CUDA tests first (compile, handoff, the tier against the
@@ -1020,13 +1020,7 @@ elif [ "$1" = s26c ]; then
   grep -E "passed|failed|Error" "$OUT/cuda_tests.log" | tail -5
   timeout 120 python3 -m pytest -q -p no:cacheprovider --device cuda tests/test_kernels_interpreted.py -k "spilling" \
     --tb=short 2>&1 | tail -3
-  for pinned in 36 48; do
-    store=mapped; [ $pinned = 48 ] && store=pinned
-    bench_rows 200 q3_pin$pinned --models qwen3-30b-a3b --dense-int8 --budgets 8 --routings uniform --modes graphs \
-      --tokens 64 --warmup 96 --prefill-budgets 99 --ttft-context 0 --store $store --pinned-layers $pinned \
-      | grep -E "$ROW_LINES|pinned|host µs"
-  done
-  rm -f "$OUT"/model_*.json "$OUT"/model.json
+  pinned_pair 200 q3 qwen3-30b-a3b 36 48 "$ROW_LINES|pinned|host µs" --prefill-budgets 99
 elif [ "$1" = s26b ]; then
   # session 26: s26a found a pageable store's CPU kernel ~3x slower an expert than a pinned store's (673 µs for 6.6
   # experts against 140 for 4.4) with the ring's 8 copy threads copying promotions beside it; decode's blocks now

@@ -7,8 +7,8 @@ thread, fetches and promotions through runtime/experts/transport.py) is what a s
 decodes with. Session 25's mapped row spent ~2.4 ms of a ~4.7 ms layer call outside every timed phase ("other").
 This runs the same calls (one token, uniform routing, no dense model) against both stores, in one process, with
 the zero-copy path off so both take `_decode`; per store it prints the tier's host line of two runs (and, with
-`--profile`, the second's top functions under cProfile), so the two can be compared. On a GPU the pageable store
-runs twice more: its decode blocks copied by the ring's one thread (since s26a) and by its copy threads (before).
+`--profile`, the second's top functions under cProfile), so the two can be compared. (s26b also ran the pageable
+store with decode's blocks copied by the ring's eight copy threads: no faster; that option is gone since.)
 """
 from __future__ import annotations
 
@@ -29,8 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from runtime.experts.bench import SHAPES  # noqa: E402
 
 
-def run(store, *, slots: int, calls: int, top_k: int, profile: bool, parallel_blocks: bool = False,
-        seed: int = 0) -> dict:
+def run(store, *, slots: int, calls: int, top_k: int, profile: bool, seed: int = 0) -> dict:
     from runtime.experts.bench_model import host_breakdown
     from runtime.experts.hybrid import HybridExperts, HybridOptions
     from runtime.experts.interface import ExpertSpec
@@ -38,8 +37,6 @@ def run(store, *, slots: int, calls: int, top_k: int, profile: bool, parallel_bl
     dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     tier = HybridExperts(store, ExpertSpec(), device=dev, dtype=torch.bfloat16,
                          options=HybridOptions(slots=slots, top_k=top_k, zero_copy=False))
-    if tier.transport.ring is not None:
-        tier.transport.ring.parallel_blocks = parallel_blocks     # decode's blocks by the copy threads (before s26b)
     rng = np.random.default_rng(seed)
     e, d = store.num_experts, store.layout.hidden
     x = torch.randn((1, d), dtype=torch.bfloat16, device=dev)
@@ -95,19 +92,16 @@ def main(argv: list[str] | None = None) -> int:
         store = HostExpertStore.synthetic(layers=args.layers, num_experts=e, hidden=d, intermediate=i, codec=codec,
                                           group=group, pin=kind == "pinned" and torch.cuda.is_available())
         slots = int(args.slots_share * store.n_blocks)
-        for parallel in ([False, True] if kind == "mapped" and torch.cuda.is_available() else [False]):
-            label = kind + (", blocks by the copy threads" if parallel else "")
-            plain = run(store, slots=slots, calls=args.calls, top_k=k, profile=False, parallel_blocks=parallel)
-            profiled = run(store, slots=slots, calls=args.calls, top_k=k, profile=args.profile,
-                           parallel_blocks=parallel)
-            results[label] = {"plain": plain, "profiled": profiled}
-            print(f"== {label} store: {args.layers} layers, {slots} slots; {plain['us_per_call']:.0f} µs a call "
-                  f"(again {profiled['us_per_call']:.0f}); hit rate {plain['hit_rate']:.2f}, CPU experts "
-                  f"{plain['cpu_experts_per_call']:.2f}, fetched {plain['fetched_per_call']:.2f} a call", flush=True)
-            for r in (plain, profiled):
-                print("   host µs: " + "  ".join(f"{key} {v:.0f}" for key, v in r["host_us"].items()), flush=True)
-            if args.profile:
-                print(profiled["profile"], flush=True)
+        plain = run(store, slots=slots, calls=args.calls, top_k=k, profile=False)
+        profiled = run(store, slots=slots, calls=args.calls, top_k=k, profile=args.profile)
+        results[kind] = {"plain": plain, "profiled": profiled}
+        print(f"== {kind} store: {args.layers} layers, {slots} slots; {plain['us_per_call']:.0f} µs a call "
+              f"(again {profiled['us_per_call']:.0f}); hit rate {plain['hit_rate']:.2f}, CPU experts "
+              f"{plain['cpu_experts_per_call']:.2f}, fetched {plain['fetched_per_call']:.2f} a call", flush=True)
+        for r in (plain, profiled):
+            print("   host µs: " + "  ".join(f"{key} {v:.0f}" for key, v in r["host_us"].items()), flush=True)
+        if args.profile:
+            print(profiled["profile"], flush=True)
         del store
     if args.out:
         args.out.write_text(json.dumps(results, indent=1))

@@ -164,8 +164,6 @@ class Mailbox:
         # HOST_ONLY marks a layer the GPU cannot read (`set_host_only`)
         self.share = dev(max(1, layers), dtype=torch.float32, fill=share)
         self.share_host = np.full(max(1, layers), share, dtype=np.float32)   # the same, for the host's replays
-        self._host_only = np.zeros(max(1, layers), dtype=bool)
-        self._host_only_dev = dev(max(1, layers), dtype=torch.bool)
         self.hit_slots = dev(a, dtype=torch.int64, fill=-1)
         self.zc_ids = dev(a, dtype=torch.int64, fill=-1)
         self.split = torch.tensor([-1, 0], dtype=torch.int32, device=device)   # the last call's split (assignment, rows)
@@ -181,12 +179,10 @@ class Mailbox:
                                                                    "part", "part_resp")}
 
     def set_share(self, share: float) -> None:
-        """Every layer's share but the host-only ones'."""
-        self.share_host[~self._host_only] = share
-        # two kernels on the stream, no host copy: a copy from pageable memory would wait for the step in flight
-        self.share.fill_(float(share))
-        if self._host_only.any():
-            self.share.masked_fill_(self._host_only_dev, HOST_ONLY)
+        """Every layer's share but the host-only ones' (HOST_ONLY, past any share)."""
+        self.share_host[self.share_host <= 1.0] = share
+        # kernels on the stream, no host copy: a copy from pageable memory would wait for the step in flight
+        self.share.masked_fill_(self.share <= 1.0, float(share))
 
     def set_host_only(self, layer_indices) -> None:
         """These layers' experts live where the GPU cannot read them (host memory the OS would not page-lock):
@@ -195,10 +191,8 @@ class Mailbox:
         idx = list(layer_indices)
         if idx and len(self.share_host) == 1:
             raise ValueError("host-only layers need a mailbox with a share a layer (layers > 1)")
-        self._host_only[idx] = True
         self.share_host[idx] = HOST_ONLY
-        self._host_only_dev.copy_(torch.from_numpy(self._host_only))      # (once, at load)
-        self.share.masked_fill_(self._host_only_dev, HOST_ONLY)
+        self.share.copy_(torch.from_numpy(self.share_host))                 # (once, at load)
 
     def share_of(self, layer_index: int) -> float:
         """The share the handoff applies to this layer (host mirror: no device read)."""

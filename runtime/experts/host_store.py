@@ -75,12 +75,11 @@ class HostBuffer:
                     pass
         self.array = np.frombuffer(self._map, dtype=np.uint8, count=nbytes)     # [nbytes]
         self.pinned = False
-        self.pinned_nbytes = 0
 
     def pin(self, nbytes: int | None = None, *, quiet: bool = False) -> bool:
         """Page-lock the buffer (or its first `nbytes`) for direct DMA. False (and a warning, unless `quiet`)
         without CUDA or when the driver refuses (e.g. the pinnable limit): the store still works, staged through
-        transport's pinned ring. `pinned_nbytes` says how much is locked."""
+        transport's pinned ring."""
         if not torch.cuda.is_available():
             log.warning("cannot page-lock %.2f GiB of experts: CUDA is not available", self.nbytes / 2**30)
             return False
@@ -97,7 +96,6 @@ class HostBuffer:
                 log.warning("cudaHostRegister of %.2f GiB failed (error %s): experts stay pageable",
                             size / 2**30, int(err))
             return False
-        self.pinned_nbytes = size
         # unregister before the pages go back to the OS: the finaliser keeps the mapping alive until then
         done = weakref.finalize(self.array, _unregister, ptr, self._map)
         done.atexit = False          # at exit the process's pages go back anyway: no 20 GB unregister walk

@@ -373,9 +373,9 @@ class HybridExperts:
         if self._worker is not None:
             self._worker.close()
             self._worker = None
-        if getattr(self, "_box", None) is not None and self._host_only:
-            self._box.error.fill_(1)     # no request to a stopped worker (the host-only layers' misses are dropped)
         if getattr(self, "_box", None) is not None:
+            if self._host_only:
+                self._box.error.fill_(1)     # no request to a stopped worker (the host-only layers' misses: dropped)
             if self._share_control is not None and self.share_memory is not None:
                 self.share_memory.try_save(self._share_control)      # the medians of this run too
             self._box.set_share(0.0)

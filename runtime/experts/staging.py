@@ -1,8 +1,8 @@
 """Pageable expert bytes on their way to the GPU: the page-locked ring they pass through (style item 5).
 
 A store that could not be page-locked (the experts outgrow the pinnable share: Windows pins about half the RAM),
-or the layers of one pinned in part that did not fit, is read from its memory-mapped file, and a GPU's copy engine reads only page-locked memory, so every byte is
-first copied by the CPU into this ring. That host copy is the slow half of the trip (one thread copies 10-16
+or the layers of one pinned in part that did not fit, is read from its memory-mapped file, and a GPU's copy engine
+reads only page-locked memory, so every byte is first copied by the CPU into this ring. That host copy is the slow half of the trip (one thread copies 10-16
 GB/s, PCIe 4.0 x16 takes ~25 and the H200's link ~54), so for prefill streaming, a layer at a time:
 
 - a layer's blocks are copied into one slot by several threads at once, in chunks (`COPY_CHUNK_BYTES`);
@@ -17,7 +17,8 @@ Decode's few blocks at a time (fetches, promotions) go through the ring's entrie
 A promotion's host copy (~200 µs a qwen3-30b block at one thread's ~12 GB/s) then stays off the decoding thread,
 as the design wants of promotions (s25d: with them copied on the decoding thread, decode from a mapped store ran
 at 6.8 tok/s, 2.3 ms a layer call outside the CPU's and the link's work); a fetch, which the call waits for anyway,
-pays one thread hop. The ring holds `planner.STAGING_RING_LAYERS` layers of blocks: what the planner counts as
+pays one thread hop. Those blocks are copied by the ring's thread alone, not its copy threads: they overlap the
+host-driven call's CPU kernel, which wants the cores (s26b: eight copying threads measured no faster). The ring holds `planner.STAGING_RING_LAYERS` layers of blocks: what the planner counts as
 pinned host memory.
 
 On a CPU device (tests) the "DMA" is a synchronous copy and every event is None.
@@ -96,11 +97,6 @@ class StagingRing:
         self._copier = ThreadPoolExecutor(self.copy_threads, thread_name_prefix="ft-stage-copy") \
             if self.copy_threads > 1 else None
         self._stager = ThreadPoolExecutor(1, thread_name_prefix="ft-stage")    # one: DMAs enqueue in call order
-        # decode's blocks are copied by the ring's one thread, not its copy threads: they overlap the CPU kernel's
-        # misses, the host-driven call's critical path, which wants the cores (s26a: with 8 copy threads beside it
-        # the kernel took ~3x as long an expert as beside a pinned store's DMA-only promotions; s26b: one thread
-        # measured no better - the kernel's slowness there is not the copies' - and no worse)
-        self.parallel_blocks = False
         self._pending: list[Future] = []
 
     @property
@@ -175,12 +171,8 @@ class StagingRing:
                 entries.append(self._next_entry)
                 self._next_entry = (self._next_entry + 1) % len(self._events)
             self._wait_entries(entries)
-            fill = lambda j: np.copyto(self.buf[entries[j]].numpy(), part[j][0])      # noqa: E731
-            if self.parallel_blocks and self._copier is not None and len(part) > 1:
-                list(self._copier.map(fill, range(len(part))))
-            else:
-                for j in range(len(part)):
-                    fill(j)
+            for i, (src, _) in zip(entries, part):          # (this thread alone: see the module's docstring)
+                np.copyto(self.buf[i].numpy(), src)
             event = self._ship(entries, [(self.buf[i], dst) for i, (_, dst) in zip(entries, part)], stream, after,
                                inference)
         return event

@@ -48,8 +48,9 @@ class Transport:
         if not copies:
             return None
         self.bytes_copied += sum(src.nbytes for src, _ in copies)
-        staged = [c for c in copies if not self._direct(c[0])] if self.ring is not None else []
-        direct = [c for c in copies if self._direct(c[0])] if staged else copies
+        direct, staged = [], []
+        for c in copies:
+            (direct if self._direct(c[0]) else staged).append(c)
         with on_stream(self.stream, after):
             for src, dst in direct:
                 dst.copy_(torch.from_numpy(src), non_blocking=self.cuda)

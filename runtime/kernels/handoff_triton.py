@@ -245,8 +245,8 @@ def handoff(layer_index: int, ids: torch.Tensor, weights: torch.Tensor, x: torch
                           hit, zc, box.ids, box.weights, box.x, box.meta, box.req, box.error,
                           ids if log is None else log, box.split, box.split_unit, box.times, layer_index, t, t * k,
                           d, box.intermediate, RING=box.times.shape[0], TIMES=TIMES, FENCE=fence,
-                          LOG=log is not None, SHARE_PER_LAYER=int(per_layer), ABLOCK=max(16, triton.next_power_of_2(t * k)), DBLOCK=1024,
-                          num_warps=4)
+                          LOG=log is not None, SHARE_PER_LAYER=int(per_layer),
+                          ABLOCK=max(16, triton.next_power_of_2(t * k)), DBLOCK=1024, num_warps=4)
     return hit, zc
 
 
