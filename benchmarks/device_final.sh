@@ -129,6 +129,7 @@
 #                                                # (the pinned row is s25b's), then s23c's cold load
 #   (device) bash benchmarks/device_final.sh s25d # session 25: s25c's mapped row again once the ring's thread copies in
 #                                                # the caller's inference mode, beside the pinned row; qwen3.6 learned
+#   (device) bash benchmarks/device_final.sh s27a # session 27: a partial store's slow prefill, the ring's line
 #   (device) bash benchmarks/device_final.sh s26d # next: the host-driven kernel's fix on a GPU; 20 of 48 layers pinned
 #   (device) bash benchmarks/device_final.sh s26e # next: qwen3.6 with 30 of 40 layers pinned, decode and 16K prefill
 #   (device) bash benchmarks/device_final.sh s26c # session 26: qwen3-30b 8 GiB, 36 of 48 layers pinned, beside all pinned
@@ -991,6 +992,22 @@ elif [ "$1" = s25d ]; then
   done
   bench_rows 200 q36_learned --models qwen3.6-35b-a3b "${ROW_8G[@]}" --tokens 192 --warmup 48 --cpu-share auto \
     | grep -E "$ROW_LINES|right after"
+  rm -f "$OUT"/model_*.json "$OUT"/model.json
+elif [ "$1" = s27a ]; then
+  # session 27: s26e's qwen3.6 16K prefill from a store pinned in part ran at 1,559 tok/s against 15,797 fully
+  # pinned (s25d: a fully mapped qwen3-30b store streamed at 72 % of its pinned row). The ring's thread now counts
+  # its host copy, slot waits and DMA enqueue, and the decoding thread's waits: the same prefill (20 layers, fixed
+  # share, short decode first) fully mapped, pinned in part (15 of 20) and fully pinned, each with its ring line;
+  # the partial one also with a batch-8 row (host-driven calls of 8 tokens: unpinned layers' misses on the CPU)
+  warm 150 new
+  for pinned in 0 15 20; do
+    store=mapped; [ "$pinned" = 20 ] && store=pinned
+    extra=(); [ "$pinned" = 15 ] && extra=(--batch 8)
+    bench_rows 150 "q36_prefill_pin$pinned" --models qwen3.6-35b-a3b --layers 20 --dense-int8 --budgets 8 \
+      --routings uniform --modes graphs --tokens 16 --warmup 16 --cpu-share 0.6 --ttft-context 0 --store $store \
+      --pinned-layers $pinned --prefill 16384 --prefill-budgets 8 "${extra[@]}" \
+      | grep -E "^qwen|ring:|pinned|page-locked"
+  done
   rm -f "$OUT"/model_*.json "$OUT"/model.json
 elif [ "$1" = s26d ]; then
   # session 26, written for the next session (~6 device minutes): (1) the host-driven kernel now leaves the staging

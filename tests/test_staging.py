@@ -58,6 +58,10 @@ def test_a_short_layer_and_blocks_share_the_ring_in_call_order():
     assert np.array_equal(dst.numpy(), short)
     for block, out in zip(blocks, outs):
         assert np.array_equal(out.numpy(), block)
+    # the ring's own account (the bench's prefill line): one layer of 2 entries and 9 blocks, every byte counted
+    t = ring.timing
+    assert (t["layers"], t["blocks"], t["bytes"]) == (1, 9, short.nbytes + blocks.nbytes)
+    assert all(t[k] >= 0 for k in ("wait_s", "copy_s", "ship_s")) and t["copy_s"] > 0
     assert ring._next_entry == 9 % 6                    # every block took the next entry, the ring wrapped
     ring.close()
 
@@ -208,6 +212,9 @@ def test_prefill_streaming_through_the_ring_matches_the_reference():
     calls = [(layer, 9) for layer in (0, 1, 2, 0, 0, 2, 1)]
     _run_against_reference(store, hybrid, calls, torch.Generator().manual_seed(5))
     assert hybrid.counters.total.stream_calls == 7
+    staged = hybrid.stats_dict()["staging"]     # every streamed layer went through the ring, counted there
+    assert staged["layers"] >= 7 and staged["bytes"] == staged["layers"] * store.layer_buffer(0).nbytes
+    assert staged["caller_wait_s"] >= 0
     hybrid.transport.close()
 
 

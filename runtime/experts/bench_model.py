@@ -651,6 +651,7 @@ def run_model(name: str, args, hw, report: dict) -> None:
                 for n in args.prefill:
                     cache = model.new_cache(device=device, dtype=dtype)
                     hybrid.counters.end_step()
+                    ring_before = staging_times(hybrid)
                     s = prefill(model, cache, n, chunk=args.chunk, device=device)
                     c = hybrid.counters.end_step()
                     rows.append({"model": name, "budget": label, "routing": routing, "kind": f"prefill {n}",
@@ -660,6 +661,7 @@ def run_model(name: str, args, hw, report: dict) -> None:
                                  "peak_vram_gib": torch.cuda.max_memory_allocated() / GiB if device.type == "cuda" else 0,
                                  "host_rss_gib": host_rss() / GiB, "distinct_per_layer": distinct_per_layer(pre[None])})
                     print(_fmt(rows[-1]), flush=True)
+                    print_staging_line(ring_before, staging_times(hybrid), seconds=s)
                     cache.release()                 # a state slot goes back to the pool
                     del cache
                 if args.ttft_context:
@@ -789,6 +791,27 @@ def clock_map(before, after):
     from runtime.experts.mailbox_clock import ClockMap
 
     return ClockMap.fit(before, after) if before is not None and after is not None else None
+
+
+def staging_times(hybrid) -> dict | None:
+    """The staging ring's cumulative timing (staging.StagingRing.timing plus the decoding thread's waits for staged
+    layers), or None when the store needs no ring (every layer page-locked)."""
+    return hybrid.stats_dict().get("staging")
+
+
+def print_staging_line(before: dict | None, after: dict | None, *, seconds: float) -> None:
+    """Where a prefill row's pageable layers spent their time on the ring's thread: its host copy (GB/s), its
+    waits for a slot's last DMA, and the decoding thread's waits for a staged layer."""
+    if before is None or after is None:
+        return
+    d = {k: after[k] - before[k] for k in after}
+    if not d["layers"]:
+        return
+    gb = d["bytes"] / 1e9
+    print(f"    ring: {d['layers']} layers + {d['blocks']} blocks, {gb:.2f} GB; host copy {d['copy_s']:.3f} s "
+          f"({gb / max(d['copy_s'], 1e-9):.1f} GB/s), slot waits {d['wait_s']:.3f} s, DMA enqueue "
+          f"{d['ship_s']:.3f} s; the decoding thread waited {d['caller_wait_s']:.3f} s of the row's {seconds:.3f} s",
+          flush=True)
 
 
 def print_worker_line(hybrid, before: tuple, row: dict, *, steps: int, clock=None) -> None:

@@ -194,6 +194,7 @@ class HybridExperts:
         self.prefill_continues = True
         self._staged: dict[int, tuple[int, object]] = {}   # layer -> (buffer index, copy event or Staged)
         self._stage_free: list[object] = [None, None]       # event after which each buffer may be overwritten
+        self.stream_wait_s = 0.0                # the decoding thread's time waiting for staged layers (stats)
         self._promotions: list[tuple[Key, int, object]] = []
         self._promote_blocks = options.promote_bytes_per_call // max(1, store.block_nbytes)
         self._seen = np.zeros(store.num_experts, dtype=bool)   # scratch for a call's distinct experts
@@ -822,7 +823,9 @@ class HybridExperts:
         if nxt is not None and nxt not in self._staged:
             other = 1 - buf_idx
             self._staged[nxt] = (other, self._copy_layer(nxt, other))
-        self._wait(ready)
+        t0 = time.perf_counter()
+        self._wait(ready)               # (a staged layer: blocks until the ring's thread has shipped it)
+        self.stream_wait_s += time.perf_counter() - t0
         self.routing.add(layer, [int(e) for e in torch.unique(topk_ids).tolist()])
         out = pool_forward_grouped(self._stage[buf_idx], self.layout, self.spec, hidden.to(self.dtype), topk_ids,
                                    topk_weights)
@@ -1016,6 +1019,10 @@ class HybridExperts:
                               "worker_seconds": 0.0 if self._worker is None else round(self._worker.busy_seconds, 4),
                               "promote_blocks_per_step": self._promotion_budget.blocks,
                               "host_only_layers": len(self._host_only)}
+        if self.transport.ring is not None:
+            t = dict(self.transport.ring.timing)
+            d["staging"] = {**t, **{k: round(v, 4) for k, v in t.items() if k.endswith("_s")},
+                            "caller_wait_s": round(self.stream_wait_s, 4)}
         if self.prefetcher is not None:
             c = self.prefetcher.counters
             d["prefetch"] = {"predicted": c.predicted, "precision": round(c.precision, 4), "recall": round(c.recall, 4)}

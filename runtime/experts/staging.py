@@ -28,6 +28,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import time
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import numpy as np
@@ -98,6 +99,9 @@ class StagingRing:
             if self.copy_threads > 1 else None
         self._stager = ThreadPoolExecutor(1, thread_name_prefix="ft-stage")    # one: DMAs enqueue in call order
         self._pending: list[Future] = []
+        # where the ring's thread spends its time (written by that thread alone; read for stats): a layer's host
+        # copy is the slow half of the trip, and a wait for a slot's last DMA says the link or the GPU is behind
+        self.timing = {"layers": 0, "blocks": 0, "bytes": 0, "wait_s": 0.0, "copy_s": 0.0, "ship_s": 0.0}
 
     @property
     def buf(self) -> torch.Tensor:
@@ -141,10 +145,15 @@ class StagingRing:
         slot = self._next_slot           # (only the ring's thread moves _next_slot and _next_entry: no lock)
         self._next_slot = (slot + 1) % self.slots
         entries = range(slot * self.entries_per_slot, slot * self.entries_per_slot + src.shape[0])
+        t0 = time.perf_counter()
         self._wait_entries(entries)
+        t1 = time.perf_counter()
         staging = self.buf[entries.start:entries.stop]
         self.parallel_copy(staging.numpy(), src)
-        return self._ship(entries, [(staging, dst)], stream, after, inference)
+        t2 = time.perf_counter()
+        event = self._ship(entries, [(staging, dst)], stream, after, inference)
+        self._count(layers=1, nbytes=src.nbytes, wait=t1 - t0, copy=t2 - t1, ship=time.perf_counter() - t2)
+        return event
 
     def parallel_copy(self, dst: np.ndarray, src: np.ndarray) -> None:
         """dst[...] = src (same bytes, both C-contiguous) by the ring's copy threads, in chunks."""
@@ -170,12 +179,26 @@ class StagingRing:
             for _ in part:
                 entries.append(self._next_entry)
                 self._next_entry = (self._next_entry + 1) % len(self._events)
+            t0 = time.perf_counter()
             self._wait_entries(entries)
+            t1 = time.perf_counter()
             for i, (src, _) in zip(entries, part):          # (this thread alone: see the module's docstring)
                 np.copyto(self.buf[i].numpy(), src)
+            t2 = time.perf_counter()
             event = self._ship(entries, [(self.buf[i], dst) for i, (_, dst) in zip(entries, part)], stream, after,
                                inference)
+            self._count(blocks=len(part), nbytes=len(part) * self.entry_nbytes, wait=t1 - t0, copy=t2 - t1,
+                        ship=time.perf_counter() - t2)
         return event
+
+    def _count(self, *, layers: int = 0, blocks: int = 0, nbytes: int, wait: float, copy: float, ship: float):
+        t = self.timing
+        t["layers"] += layers
+        t["blocks"] += blocks
+        t["bytes"] += nbytes
+        t["wait_s"] += wait
+        t["copy_s"] += copy
+        t["ship_s"] += ship
 
     # ------------------------------------------------------------------
     def drain(self) -> None:
