@@ -129,6 +129,7 @@
 #                                                # (the pinned row is s25b's), then s23c's cold load
 #   (device) bash benchmarks/device_final.sh s25d # session 25: s25c's mapped row again once the ring's thread copies in
 #                                                # the caller's inference mode, beside the pinned row; qwen3.6 learned
+#   (device) bash benchmarks/device_final.sh s27c # session 27: qwen3-30b 16K prefill, 20 of 48 pinned vs all
 #   (device) bash benchmarks/device_final.sh s27b # session 27: qwen3.6 16K prefill, 30/40/0 layers pinned, warm
 #   (device) bash benchmarks/device_final.sh s27a # session 27: a partial store's slow prefill, the ring's line
 #   (device) bash benchmarks/device_final.sh s26d # next: the host-driven kernel's fix on a GPU; 20 of 48 layers pinned
@@ -993,6 +994,18 @@ elif [ "$1" = s25d ]; then
   done
   bench_rows 200 q36_learned --models qwen3.6-35b-a3b "${ROW_8G[@]}" --tokens 192 --warmup 48 --cpu-share auto \
     | grep -E "$ROW_LINES|right after"
+  rm -f "$OUT"/model_*.json "$OUT"/model.json
+elif [ "$1" = s27c ]; then
+  # session 27: the prefill row is qwen3-30b's (16K at 8 GiB >= 15,000 tok/s, pinned: 16,863 in s25d). The
+  # same row from a 16 GiB Windows PC's store (20 of 48 layers pinned) beside all pinned; s27b's qwen3.6 with 30 of
+  # 40 pinned gave 89 %. Predicted: ~80 % (58 % of the layers through the ring at ~28 GB/s)
+  warm 150 new
+  for pinned in 20 48; do
+    store=mapped; [ "$pinned" = 48 ] && store=pinned
+    bench_rows 150 "q3_prefill_pin$pinned" --models qwen3-30b-a3b --dense-int8 --budgets 8 \
+      --routings uniform --modes graphs --tokens 16 --warmup 16 --cpu-share 0.6 --ttft-context 0 --store $store \
+      --pinned-layers $pinned --prefill 16384 --prefill-budgets 8 | grep -E "^qwen|ring:|untimed|page-locked"
+  done
   rm -f "$OUT"/model_*.json "$OUT"/model.json
 elif [ "$1" = s27b ]; then
   # session 27: s27a found the partial store's prefill at 91 % of the pinned one (20 layers) and the slow row was
