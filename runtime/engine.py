@@ -37,7 +37,8 @@ __all__ = ["Engine", "EngineError", "SamplingParams", "TokenEvent", "GenerationR
 log = logging.getLogger(__name__)
 
 DEFAULT_PREFIX_CACHE_BYTES = 1 << 30        # prefix cache on the compute device (CPU engines)
-HOST_PREFIX_CACHE_BYTES = 4 << 30           # prefix cache of a GPU engine, kept in host RAM
+HOST_PREFIX_CACHE_BYTES = 4 << 30           # prefix cache of a GPU engine, kept in host RAM (when no planner
+                                            # sized it: the planner gives it what RAM the plan leaves, up to this)
 CPU_PREFILL_CHUNK = 512        # prompt tokens per step on a CPU device (GPU: the planner's chunk)
 ROUTING_STATS_FILE = "routing.json"     # in a load's state_dir: the expert tier's routing statistics
 MAX_KEPT_RESULTS = 1024          # finished requests whose GenerationResult waits for result()
@@ -174,6 +175,16 @@ def _decode_graphs(model: CausalLM, device: torch.device, wanted: bool | None, m
     return DecodeGraphs(model, device=device, max_batch=max_batch)
 
 
+def _planner_of(experts_plan: dict | None) -> dict:
+    """The planner's own plan inside what an expert tier reports: a hybrid tier carries it under "planner", a
+    resident tier the planner placed is that plan itself; {} when no planner ran (a CPU engine, a test's tier)."""
+    if not experts_plan:
+        return {}
+    if isinstance(experts_plan.get("planner"), dict):
+        return experts_plan["planner"]
+    return experts_plan if "expert_slots" in experts_plan and "host_bytes" in experts_plan else {}
+
+
 def default_experts_factory(device: torch.device) -> "ExpertsFactory":
     """Where experts live unless the caller says: on a GPU the planner decides (every expert resident when
     they fit, the hybrid tier — VRAM slot cache, CPU misses — when they do not); on the CPU they all are
@@ -274,6 +285,7 @@ class Engine:
         dev = _resolve_device(device)
         # a GPU's caches are kept in host RAM: VRAM is for weights, and a conversation's KV can be GBs
         prefix_dev = torch.device(prefix_cache_device or ("cpu" if dev.type == "cuda" else dev))
+        prefix_cache_given = prefix_cache_bytes is not None
         if prefix_cache_bytes is None:
             prefix_cache_bytes = HOST_PREFIX_CACHE_BYTES if prefix_dev.type == "cpu" and dev.type == "cuda" \
                 else DEFAULT_PREFIX_CACHE_BYTES
@@ -347,6 +359,11 @@ class Engine:
             chat_template = None
         experts_plan = getattr(experts, "plan", None) or getattr(experts, "planned", None)
         experts_plan = experts_plan() if callable(experts_plan) else experts_plan
+        planned_prefix = _planner_of(experts_plan).get("prefix_cache_bytes")
+        if not prefix_cache_given and planned_prefix is not None and prefix_dev.type == "cpu":
+            # host RAM: at most what the planner left beside the experts (a machine whose RAM they fill caches less
+            # or nothing, rather than push the experts' pages out)
+            prefix_cache_bytes = min(prefix_cache_bytes, int(planned_prefix))
         backend = (experts_plan or {}).get("backend") or getattr(experts, "backend", None) or "custom"
         plan = {"backend": "resident" if factory is resident_experts_factory else backend,
                 "device": str(dev), "dtype": str(dtype).replace("torch.", ""), "context_length": context_length,

@@ -86,3 +86,28 @@ def test_a_load_whose_misses_run_on_the_cpu_shows_the_kernels_compiling_as_a_sta
     Engine.load(path, device="cpu", experts_factory=functools.partial(hybrid_experts_factory, hardware=hw),
                 progress=lambda done, total, stage: seen.append((done, total, stage)))
     assert (1, 1, "experts") in seen and all(stage != KERNELS_STAGE for _, _, stage in seen)
+
+
+def test_the_prefix_cache_takes_no_more_host_ram_than_the_plan_leaves(ftw_packages):
+    """The engine's prefix cache lives in host RAM (a GPU engine's conversations, or a CPU engine's): its budget is
+    at most what the planner left beside the experts, so a machine whose RAM they fill caches less instead of
+    pushing the experts' pages out; a caller's own size wins, and without a planner the default stands."""
+    import functools
+
+    from runtime.engine import DEFAULT_PREFIX_CACHE_BYTES, Engine
+    from runtime.experts.planner import HOST_RESERVE, MiB, GiB, Hardware
+
+    path = ftw_packages("qwen3_moe", "int4")
+
+    def load(ram: int, **kw):
+        hw = Hardware(vram_free=8 * GiB, vram_total=8 * GiB, ram_total=ram, ram_available=ram, pinnable=ram // 2,
+                      h2d_gbps=20.0, cpu_gbps=10.0, has_cuda=True)
+        return Engine.load(path, device="cpu", experts_factory=functools.partial(hybrid_experts_factory, hardware=hw),
+                           **kw)
+
+    tight = load(HOST_RESERVE + 512 * MiB)
+    assert tight.plan["experts"]["planner"]["prefix_cache_bytes"] == 512 * MiB
+    assert tight.prefix_cache.max_bytes == tight.plan["prefix_cache_bytes"] == 512 * MiB
+    assert load(64 * GiB).prefix_cache.max_bytes == DEFAULT_PREFIX_CACHE_BYTES     # the device's own cap
+    assert load(HOST_RESERVE + 512 * MiB, prefix_cache_bytes=3 * MiB).prefix_cache.max_bytes == 3 * MiB
+    assert Engine.load(path, device="cpu").prefix_cache.max_bytes == DEFAULT_PREFIX_CACHE_BYTES   # no planner

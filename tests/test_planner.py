@@ -6,7 +6,8 @@ import json
 
 import pytest
 
-from runtime.experts.planner import (DECODE_SCRATCH_TOKENS, GiB, HOST_RESERVE, PINNED_RESERVE, STAGING_RING_LAYERS,
+from runtime.experts.planner import (DECODE_SCRATCH_TOKENS, GiB, HOST_RESERVE, PINNED_RESERVE,
+                                     PREFIX_CACHE_HOST_BYTES, PREFIX_CACHE_MIN_BYTES, STAGING_RING_LAYERS,
                                      Hardware, ModelShape,
                                      expert_block_bytes, plan_memory)
 
@@ -205,6 +206,29 @@ def test_short_ram_leaves_cold_tail_on_disk_and_too_little_does_not_fit():
     need = plan.dense_bytes + plan.kv_bytes + plan.workspace_bytes + shape.layer_experts_bytes
     assert plan.shortfall_bytes == need - (3 * GiB - HOST_RESERVE)
     assert "short of" in plan.summary_lines()[0]
+
+
+def test_the_prefix_cache_gets_the_host_ram_the_plan_leaves():
+    """A GPU engine keeps resent conversations' KV in host RAM: the plan gives that cache what its own host bytes
+    leave (up to 4 GiB), less on a machine the experts nearly fill, none where what is left is not worth its pages,
+    and says so; an all-in-VRAM plan leaves the RAM to it."""
+    shape = ModelShape.from_config(QWEN3_30B, codec="int4")
+    roomy = plan_memory(shape, gpu(8, ram_gib=64))
+    assert roomy.backend == "hybrid" and roomy.prefix_cache_bytes == PREFIX_CACHE_HOST_BYTES
+    assert "prefix cache (resent conversations): up to 4.00 GiB of host RAM" in roomy.summary_lines()
+    assert not any("prefix cache (of" in note for note in roomy.notes)
+    assert plan_memory(shape, gpu(80, ram_gib=16)).prefix_cache_bytes == PREFIX_CACHE_HOST_BYTES   # all in VRAM
+    # RAM that holds the plan's host bytes and 1.5 GiB more: the cache gets exactly that 1.5 GiB
+    ram = roomy.host_bytes + HOST_RESERVE + 3 * GiB // 2
+    tight = plan_memory(shape, dataclasses.replace(gpu(8, ram_gib=64), ram_total=ram, ram_available=ram))
+    assert tight.backend == "hybrid" and tight.host_bytes == roomy.host_bytes
+    assert tight.prefix_cache_bytes == 3 * GiB // 2
+    assert any("leaves 1.50 GiB for the prefix cache" in note for note in tight.notes)
+    ram = roomy.host_bytes + HOST_RESERVE + PREFIX_CACHE_MIN_BYTES - 1
+    full = plan_memory(shape, dataclasses.replace(gpu(8, ram_gib=64), ram_total=ram, ram_available=ram))
+    assert full.prefix_cache_bytes == 0 and "prefix cache: off (no host RAM left for it)" in full.summary_lines()
+    # a cold tail on disk already: nothing is left for conversations
+    assert plan_memory(shape, gpu(8, ram_gib=12)).prefix_cache_bytes == 0
 
 
 def test_bad_config_names_the_field():

@@ -27,6 +27,12 @@ PART_ALIGN = 64                      # parts inside a block start on a cache lin
 VRAM_SAFETY_FRACTION = 0.05           # allocator fragmentation and other processes' growth
 VRAM_SAFETY_MIN = 512 * MiB           # CUDA context, cuBLAS workspaces, Triton's autotune buffers
 HOST_RESERVE = 2 * GiB                # the OS, the app itself and Python's heap stay out of the plan
+# A GPU engine's prefix cache keeps resent conversations' KV in host RAM (an agent's next turn restores it instead
+# of prefilling it again): up to 4 GiB (~40K tokens of qwen3-30b), but only out of the RAM the plan leaves - on a
+# machine whose RAM the experts fill, cached conversations would push the experts' pages out and slow every step.
+# Less than the floor is not worth its pages (it would hold a few thousand tokens of one conversation)
+PREFIX_CACHE_HOST_BYTES = 4 * GiB
+PREFIX_CACHE_MIN_BYTES = 256 * MiB
 PINNED_RESERVE = 256 * MiB            # of the pinnable share, left to the tier's small page-locked buffers (mailbox,
                                       # step log, decode staging), which torch's host allocator rounds up, and to
                                       # the CUDA runtime: experts that took the whole share would fail their load
@@ -357,6 +363,9 @@ class Plan:
     # where not all of them fit the pinnable share: the first this many MoE layers' experts are copied into
     # page-locked RAM (zero-copy decode reads them; the others' misses all run on the CPU), the rest stay mapped
     experts_pinned_layers: int = 0
+    # host RAM the plan leaves to the engine's prefix cache (resent conversations' KV), at most
+    # PREFIX_CACHE_HOST_BYTES; 0: none (RAM is short)
+    prefix_cache_bytes: int = 0
     notes: list[str] = field(default_factory=list)
 
     def summary_lines(self) -> list[str]:
@@ -381,6 +390,9 @@ class Plan:
             lines.append(f"experts per layer on the CPU: {self.cpu_experts_per_layer:.1f}")
         if self.estimated_decode_tok_s:
             lines.append(f"estimated decode: {self.estimated_decode_tok_s:.0f} tok/s (uniform routing)")
+        if self.backend != "does_not_fit":
+            lines.append(f"prefix cache (resent conversations): up to {_fmt_bytes(self.prefix_cache_bytes)} of host RAM"
+                         if self.prefix_cache_bytes else "prefix cache: off (no host RAM left for it)")
         lines.extend(self.notes)
         return lines
 
@@ -434,7 +446,8 @@ def plan_memory(shape: ModelShape, hw: Hardware, *, context_length: int = 8192, 
                     stream_buffer_bytes=0, expert_slots=shape.total_experts, pool_bytes=shape.experts_bytes,
                     cpu_experts_per_layer=0.0, host_bytes=0, experts_pinned=False, staging_ring_bytes=0,
                     experts_in_ram_bytes=0, experts_on_disk_bytes=0,
-                    estimated_decode_tok_s=_decode_estimate(shape, hw, slots=shape.total_experts), notes=notes, **base)
+                    estimated_decode_tok_s=_decode_estimate(shape, hw, slots=shape.total_experts),
+                    prefix_cache_bytes=_prefix_cache_budget(hw, host_bytes=0, notes=notes), notes=notes, **base)
 
     # 2. Hybrid: dense, KV, states and a slot pool on the GPU; every expert in host memory.
     scratch = DECODE_SCRATCH_TOKENS * shape.top_k * shape.expert_block_bytes
@@ -486,7 +499,23 @@ def plan_memory(shape: ModelShape, hw: Hardware, *, context_length: int = 8192, 
         plan.backend, plan.short_of = "does_not_fit", "ram"
         plan.shortfall_bytes = host["shortfall_bytes"]
         plan.notes.append(f"host RAM is {_fmt_bytes(plan.shortfall_bytes)} short of what must stay resident")
+    else:
+        plan.prefix_cache_bytes = _prefix_cache_budget(hw, host_bytes=plan.host_bytes, notes=plan.notes)
     return plan
+
+
+def _prefix_cache_budget(hw: Hardware, *, host_bytes: int, notes: list[str]) -> int:
+    """Host RAM for the engine's prefix cache: what the plan leaves (after its own host bytes and HOST_RESERVE), at
+    most PREFIX_CACHE_HOST_BYTES, none under PREFIX_CACHE_MIN_BYTES; a note when it is less than the most."""
+    left = max(0, hw.ram_available - HOST_RESERVE - host_bytes)
+    budget = min(PREFIX_CACHE_HOST_BYTES, left)
+    if budget < PREFIX_CACHE_MIN_BYTES:
+        budget = 0
+    if budget < PREFIX_CACHE_HOST_BYTES:
+        notes.append(f"host RAM leaves {_fmt_bytes(budget)} for the prefix cache (of {_fmt_bytes(PREFIX_CACHE_HOST_BYTES)}"
+                     "): a resent long conversation may be prefilled again" if budget else
+                     "host RAM leaves no room for the prefix cache: a resent conversation is prefilled again")
+    return int(budget)
 
 
 def _place_host(shape: ModelShape, hw: Hardware, *, gpu_used: bool, cpu_side: int, notes: list[str]) -> dict:
