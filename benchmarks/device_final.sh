@@ -202,6 +202,18 @@ pinned_pair() {   # SECONDS NAME MODEL PART ALL PATTERN [ARGS...]: MODEL's 8 GiB
   done
   rm -f "$OUT"/model_*.json "$OUT"/model.json
 }
+prefill_stores() {   # SECONDS NAME MODEL ALL PINNED...: MODEL's 16K prefill at 8 GiB after a short decode (fixed
+  # share 0.6) with PINNED of its ALL layers pinned (ALL: the pinned store; 0: none), one process each; the rows, the
+  # ring's line and the untimed first prefill's printed
+  local seconds=$1 name=$2 model=$3 all=$4 pinned store; shift 4
+  for pinned in "$@"; do
+    store=mapped; [ "$pinned" = "$all" ] && store=pinned
+    bench_rows "$seconds" "${name}_prefill_pin$pinned" --models "$model" --dense-int8 --budgets 8 --routings uniform \
+      --modes graphs --tokens 16 --warmup 16 --cpu-share 0.6 --ttft-context 0 --store $store --pinned-layers "$pinned" \
+      --prefill 16384 --prefill-budgets 8 | grep -E "^qwen|ring:|untimed|page-locked"
+  done
+  rm -f "$OUT"/model_*.json "$OUT"/model.json
+}
 mailbox() {       # SECONDS [ARGS...]: benchmarks/bench_mailbox_latency.py to $OUT/mailbox.{txt,json}, its table printed
   local seconds=$1; shift
   timeout "$seconds" python3 benchmarks/bench_mailbox_latency.py --json "$OUT/mailbox.json" "$@" > "$OUT/mailbox.txt" 2>&1
@@ -1000,26 +1012,14 @@ elif [ "$1" = s27c ]; then
   # same row from a 16 GiB Windows PC's store (20 of 48 layers pinned) beside all pinned; s27b's qwen3.6 with 30 of
   # 40 pinned gave 89 %. Predicted: ~80 % (58 % of the layers through the ring at ~28 GB/s)
   warm 150 new
-  for pinned in 20 48; do
-    store=mapped; [ "$pinned" = 48 ] && store=pinned
-    bench_rows 150 "q3_prefill_pin$pinned" --models qwen3-30b-a3b --dense-int8 --budgets 8 \
-      --routings uniform --modes graphs --tokens 16 --warmup 16 --cpu-share 0.6 --ttft-context 0 --store $store \
-      --pinned-layers $pinned --prefill 16384 --prefill-budgets 8 | grep -E "^qwen|ring:|untimed|page-locked"
-  done
-  rm -f "$OUT"/model_*.json "$OUT"/model.json
+  prefill_stores 150 q3 qwen3-30b-a3b 48 20 48
 elif [ "$1" = s27b ]; then
   # session 27: s27a found the partial store's prefill at 91 % of the pinned one (20 layers) and the slow row was
   # whichever ran first on a fresh machine (Triton's compiles; the ring's thread idle, the decoding thread never
   # waiting for it). The bench now prefills once untimed first and prints that time. s26e's configuration again
   # (qwen3.6, 40 layers: 30 pinned, all 40, none), fixed share, each row's untimed first prefill shown
   warm 150 new
-  for pinned in 30 40 0; do
-    store=mapped; [ "$pinned" = 40 ] && store=pinned
-    bench_rows 150 "q36_prefill_pin$pinned" --models qwen3.6-35b-a3b --dense-int8 --budgets 8 \
-      --routings uniform --modes graphs --tokens 16 --warmup 16 --cpu-share 0.6 --ttft-context 0 --store $store \
-      --pinned-layers $pinned --prefill 16384 --prefill-budgets 8 | grep -E "^qwen|ring:|untimed|page-locked"
-  done
-  rm -f "$OUT"/model_*.json "$OUT"/model.json
+  prefill_stores 150 q36 qwen3.6-35b-a3b 40 30 40 0
 elif [ "$1" = s27a ]; then
   # session 27: s26e's qwen3.6 16K prefill from a store pinned in part ran at 1,559 tok/s against 15,797 fully
   # pinned (s25d: a fully mapped qwen3-30b store streamed at 72 % of its pinned row). The ring's thread now counts
