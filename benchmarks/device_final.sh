@@ -129,6 +129,7 @@
 #                                                # (the pinned row is s25b's), then s23c's cold load
 #   (device) bash benchmarks/device_final.sh s25d # session 25: s25c's mapped row again once the ring's thread copies in
 #                                                # the caller's inference mode, beside the pinned row; qwen3.6 learned
+#   (device) bash benchmarks/device_final.sh s28a # next: the prefill rows' streaming ceiling, qwen3-30b 1K-32K
 #   (device) bash benchmarks/device_final.sh s27c # session 27: qwen3-30b 16K prefill, 20 of 48 pinned vs all
 #   (device) bash benchmarks/device_final.sh s27b # session 27: qwen3.6 16K prefill, 30/40/0 layers pinned, warm
 #   (device) bash benchmarks/device_final.sh s27a # session 27: a partial store's slow prefill, the ring's line
@@ -1007,6 +1008,16 @@ elif [ "$1" = s25d ]; then
   bench_rows 200 q36_learned --models qwen3.6-35b-a3b "${ROW_8G[@]}" --tokens 192 --warmup 48 --cpu-share auto \
     | grep -E "$ROW_LINES|right after"
   rm -f "$OUT"/model_*.json "$OUT"/model.json
+elif [ "$1" = s28a ]; then
+  # written in session 27 for the next session (~4 device minutes): `bench model`'s prefill rows now print the
+  # issue's streaming ceiling (the slower of moving the row's expert bytes over PCIe and its compute: the dense
+  # forward with free experts plus the experts' matmuls at the GEMM rate). qwen3-30b at 8 GiB, all pinned, 1K-32K.
+  # Predicted: 16K link-bound (2 x 15.4 GB at ~55 GB/s = 0.56 s) at ~55-65 % of it (s27c: 17,607 tok/s); 1K far
+  # under (a whole model streamed for 1,024 tokens), 32K near 16K's
+  warm 150 new
+  bench_rows 200 q3_prefill_ceiling --models qwen3-30b-a3b --dense-int8 --budgets 8 --routings uniform --modes graphs \
+    --tokens 16 --warmup 16 --cpu-share 0.6 --ttft-context 0 --prefill 1024 8192 16384 32768 --prefill-budgets 8 \
+    | grep -E "^qwen|ceiling|untimed|matmul"
 elif [ "$1" = s27c ]; then
   # session 27: the issue's prefill row is qwen3-30b's (16K at 8 GiB >= 15,000 tok/s, pinned: 16,863 in s25d). The
   # same row from a 16 GiB Windows PC's store (20 of 48 layers pinned) beside all pinned; s27b's qwen3.6 with 30 of

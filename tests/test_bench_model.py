@@ -88,3 +88,24 @@ def test_a_partial_stores_ceiling_gives_its_unpinned_layers_misses_to_the_cpu_al
     half = partial_ceiling_tok_s(20.0, 2_500_000, pinned=0.5, **args)
     assert 1 / half == pytest.approx((1 / both + 1 / cpu_only) / 2)      # (the dense step counted once each side)
     assert cpu_only < partial_ceiling_tok_s(20.0, 2_500_000, pinned=0.75, **args) < both
+
+
+def test_a_prefill_rows_streaming_ceiling_is_the_slower_of_its_link_and_its_compute():
+    """Issue 10's streaming ceiling: moving the row's expert bytes over PCIe against the chunk's compute (the dense
+    forward measured apart plus the experts' matmuls at the GEMM rate); whichever is slower bounds the row, and a
+    side that is not known (no GPU: no link, no GEMM rate) drops out."""
+    import pytest
+
+    from runtime.experts.bench_model import expert_flops, prefill_ceiling_s
+
+    flops = expert_flops(16384, top_k=8, hidden=2048, intermediate=768, layers=48)
+    assert flops == pytest.approx(2 * 3 * 16384 * 8 * 2048 * 768 * 48)
+    # qwen3-30b's 16K prompt in two 8K chunks at 8 GiB: 2 x 15.4 GB streamed at 55 GB/s (0.56 s) against a 0.25 s
+    # dense forward and 0.1 s of matmuls: the link bounds it
+    link = prefill_ceiling_s(moved_bytes=30.8e9, h2d_gbps=55.0, dense_s=0.25, expert_flops=flops, matmul_tflops=593.0)
+    assert link == pytest.approx(30.8e9 / 55e9)
+    # every expert resident (nothing moved): the compute bounds it
+    compute = prefill_ceiling_s(moved_bytes=0, h2d_gbps=55.0, dense_s=0.25, expert_flops=flops, matmul_tflops=593.0)
+    assert compute == pytest.approx(0.25 + flops / 593e12)
+    assert prefill_ceiling_s(moved_bytes=30.8e9, h2d_gbps=0.0, dense_s=0.0, expert_flops=flops,
+                             matmul_tflops=0.0) == 0.0

@@ -449,14 +449,8 @@ def cmd_hybrid(args) -> dict:
               "cpu_gbps_used_for_ceiling": cpu, "routings": {r: ROUTINGS[r] for r in args.routings},
               "torch": torch.__version__, "args": {k: v for k, v in vars(args).items() if isinstance(v, (str, int, float, list, type(None)))}}
     if hw.has_cuda:
-        a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
-        (a @ a).sum().item()
-        t0 = time.perf_counter()
-        for _ in range(10):
-            a @ a
-        torch.cuda.synchronize()
-        report["matmul_tflops"] = 10 * 2 * 8192 ** 3 / (time.perf_counter() - t0) / 1e12
-        del a
+        from runtime.experts.bench_model import measure_matmul_tflops
+        report["matmul_tflops"] = measure_matmul_tflops(torch.device("cuda"))
     print(json.dumps({k: v for k, v in report.items() if k != "routings"}), flush=True)
     for name in args.models:
         run_model_shape(name, args, hw, report)

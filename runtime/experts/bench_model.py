@@ -355,6 +355,35 @@ def partial_ceiling_tok_s(misses_per_step: float, block_nbytes: int, *, h2d_gbps
     return sequences / (seconds + dense_s)
 
 
+def prefill_ceiling_s(*, moved_bytes: float, h2d_gbps: float, dense_s: float, expert_flops: float,
+                      matmul_tflops: float) -> float:
+    """Issue 10's streaming ceiling of a prefill row, in seconds: the slower of moving its experts' bytes over PCIe
+    (every expert once a chunk) and the chunk's compute - the dense forward (measured with experts that cost
+    nothing) plus the experts' matmuls at the GPU's bf16 GEMM rate. 0 when neither side is known."""
+    move = moved_bytes / (h2d_gbps * 1e9) if h2d_gbps else 0.0
+    compute = dense_s + (expert_flops / (matmul_tflops * 1e12) if matmul_tflops else 0.0)
+    return max(move, compute)
+
+
+def expert_flops(tokens: int, *, top_k: int, hidden: int, intermediate: int, layers: int) -> float:
+    """The routed experts' multiply-adds of `tokens` tokens, counted as 2 flops each: gate, up and down."""
+    return 2.0 * 3 * tokens * top_k * hidden * intermediate * layers
+
+
+def measure_matmul_tflops(device) -> float:
+    """bf16 GEMM throughput of this GPU (8192^3, best of ten after a warm one); 0 on a CPU device."""
+    if device.type != "cuda":
+        return 0.0
+    a = torch.randn(8192, 8192, device=device, dtype=torch.bfloat16)
+    (a @ a).sum().item()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(10):
+        a @ a
+    torch.cuda.synchronize()
+    return 10 * 2 * 8192 ** 3 / (time.perf_counter() - t0) / 1e12
+
+
 def probe_after_row(row: dict, store, *, top_k: int, threads: int, h2d_gbps: float, dense_s: float) -> None:
     """The ceiling's CPU-kernel probe run again right after a decode row (its tier idle: the worker's spin over),
     and the row held to the ceiling it gives, beside the one from the probe at the process's start: the probe read
@@ -466,6 +495,20 @@ def run_model(name: str, args, hw, report: dict) -> None:
                       "dense_gib": shape.dense_bytes / GiB}), flush=True)
     cache.release()
     del cache
+    # the prefill rows' streaming ceiling: each prompt's dense forward with free experts (once untimed first: its
+    # kernels compile), and the GPU's GEMM rate for the experts' matmuls
+    dense_prefill_s, tflops = {}, 0.0
+    if device.type == "cuda" and any(b in args.prefill_budgets for b in args.budgets):
+        tflops = measure_matmul_tflops(device)
+        for n in args.prefill:
+            for _ in range(2):
+                cache = model.new_cache(device=device, dtype=dtype)
+                dense_prefill_s[n] = prefill(model, cache, n, chunk=args.chunk, device=device)
+                cache.release()
+                del cache
+        print(json.dumps({"model": name, "matmul_tflops": tflops,
+                          "dense_prefill_s": {str(n): t for n, t in dense_prefill_s.items()}}), flush=True)
+    report.setdefault("matmul_tflops", {})[name] = tflops
     rows = []
     for budget_gib in args.budgets:
         budget = None if budget_gib == 0 else int(budget_gib * GiB)
@@ -662,8 +705,14 @@ def run_model(name: str, args, hw, report: dict) -> None:
                     ring_before = staging_times(hybrid)
                     s = prefill(model, cache, n, chunk=args.chunk, device=device)
                     c = hybrid.counters.end_step()
+                    flops = expert_flops(n, top_k=k, hidden=d, intermediate=i, layers=len(moe_layers))
+                    # (a GPU's: on a CPU device the experts' time is the CPU kernel's, which this does not model)
+                    ceiling_s = prefill_ceiling_s(moved_bytes=c["bytes_h2d"], h2d_gbps=hw.h2d_gbps,
+                                                  dense_s=dense_prefill_s.get(n, 0.0), expert_flops=flops,
+                                                  matmul_tflops=tflops) if device.type == "cuda" else 0.0
                     rows.append({"model": name, "budget": label, "routing": routing, "kind": f"prefill {n}",
-                                 "slots": slots, "tok_s": n / s, "ceiling_tok_s": 0, "of_ceiling": 0,
+                                 "slots": slots, "tok_s": n / s, "ceiling_tok_s": n / ceiling_s if ceiling_s else 0,
+                                 "of_ceiling": ceiling_s / s if ceiling_s else 0,
                                  "hit_rate": c["hit_rate"], "cpu_share": c["cpu_share"],
                                  "split": "stream" if c["stream_calls"] else hybrid.split.mode,
                                  "peak_vram_gib": torch.cuda.max_memory_allocated() / GiB if device.type == "cuda" else 0,
@@ -672,6 +721,11 @@ def run_model(name: str, args, hw, report: dict) -> None:
                     print(_fmt(rows[-1]), flush=True)
                     print(f"    the same prefill untimed just before: {first:.3f} s ({n / first:,.0f} tok/s; a "
                           "process's first includes its kernels' compiles)", flush=True)
+                    if ceiling_s:
+                        print(f"    streaming ceiling {ceiling_s:.3f} s: the slower of moving {c['bytes_h2d'] / 1e9:.2f} GB "
+                              f"at {hw.h2d_gbps:.1f} GB/s ({c['bytes_h2d'] / (hw.h2d_gbps * 1e9) if hw.h2d_gbps else 0:.3f} "
+                              f"s) and the compute: dense {dense_prefill_s.get(n, 0.0):.3f} s + experts "
+                              f"{flops / (tflops * 1e12) if tflops else 0:.3f} s ({tflops:.0f} TFLOPS bf16)", flush=True)
                     print_staging_line(ring_before, staging_times(hybrid), seconds=s)
                     cache.release()                 # a state slot goes back to the pool
                     del cache
