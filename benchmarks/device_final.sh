@@ -1013,11 +1013,17 @@ elif [ "$1" = s28a ]; then
   # issue's streaming ceiling (the slower of moving the row's expert bytes over PCIe and its compute: the dense
   # forward with free experts plus the experts' matmuls at the GEMM rate). qwen3-30b at 8 GiB, all pinned, 1K-32K.
   # Predicted: 16K link-bound (2 x 15.4 GB at ~55 GB/s = 0.56 s) at ~55-65 % of it (s27c: 17,607 tok/s); 1K far
-  # under (a whole model streamed for 1,024 tokens), 32K near 16K's
+  # under (a whole model streamed for 1,024 tokens), 32K near 16K's (~6 device minutes with the 16K-chunk rows)
   warm 150 new
   bench_rows 200 q3_prefill_ceiling --models qwen3-30b-a3b --dense-int8 --budgets 8 --routings uniform --modes graphs \
     --tokens 16 --warmup 16 --cpu-share 0.6 --ttft-context 0 --prefill 1024 8192 16384 32768 --prefill-budgets 8 \
     | grep -E "^qwen|ceiling|untimed|matmul"
+  # the same 16K and 32K prompts in 16K chunks (each expert byte then serves twice the tokens; the planner's 8K
+  # chunk reserves half the workspace: ~400 MB, ~160 slots of qwen3-30b at 8 GiB). Predicted: 16K from ~0.9 s to
+  # ~0.6-0.7 (one stream instead of two); what it buys decides whether the planner should pick 16K on a slow link
+  bench_rows 150 q3_prefill_chunk16k --models qwen3-30b-a3b --dense-int8 --budgets 8 --routings uniform \
+    --modes graphs --tokens 16 --warmup 16 --cpu-share 0.6 --ttft-context 0 --prefill 16384 32768 --chunk 16384 \
+    --prefill-budgets 8 | grep -E "prefill|ceiling|untimed"
 elif [ "$1" = s27c ]; then
   # session 27: the issue's prefill row is qwen3-30b's (16K at 8 GiB >= 15,000 tok/s, pinned: 16,863 in s25d). The
   # same row from a 16 GiB Windows PC's store (20 of 48 layers pinned) beside all pinned; s27b's qwen3.6 with 30 of
