@@ -129,6 +129,7 @@
 #                                                # (the pinned row is s25b's), then s23c's cold load
 #   (device) bash benchmarks/device_final.sh s25d # session 25: s25c's mapped row again once the ring's thread copies in
 #                                                # the caller's inference mode, beside the pinned row; qwen3.6 learned
+#   (device) bash benchmarks/device_final.sh s28b # next, first on a fresh machine: a first prompt with the warm-up
 #   (device) bash benchmarks/device_final.sh s28a # next: the prefill rows' streaming ceiling, qwen3-30b 1K-32K
 #   (device) bash benchmarks/device_final.sh s27c # session 27: qwen3-30b 16K prefill, 20 of 48 pinned vs all
 #   (device) bash benchmarks/device_final.sh s27b # session 27: qwen3.6 16K prefill, 30/40/0 layers pinned, warm
@@ -1008,6 +1009,13 @@ elif [ "$1" = s25d ]; then
   bench_rows 200 q36_learned --models qwen3.6-35b-a3b "${ROW_8G[@]}" --tokens 192 --warmup 48 --cpu-share auto \
     | grep -E "$ROW_LINES|right after"
   rm -f "$OUT"/model_*.json "$OUT"/model.json
+elif [ "$1" = s28b ]; then
+  # written in session 27 for the next session (~2 device minutes; no CPU kernels needed: run it first on a fresh
+  # machine, before anything fills Triton's cache): Engine.load now warms fla-core's prefill kernels on a GPU. A
+  # machine's first prompts to the qwen3.6 shape (8 layers, free experts) cold, with the warm-up on a cold cache, and
+  # the warm-up on a warm cache. Predicted: cold first 16K prompt ~10 s; with the warm-up ~10 s of warm-up and a
+  # first prompt under 0.5 s; the warm-up on a warm cache well under 1 s
+  timeout 300 python3 benchmarks/bench_first_prompt.py --out "$OUT" 2>&1 | grep -v Warning
 elif [ "$1" = s28a ]; then
   # written in session 27 for the next session (~4 device minutes): `bench model`'s prefill rows now print the
   # issue's streaming ceiling (the slower of moving the row's expert bytes over PCIe and its compute: the dense

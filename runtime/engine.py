@@ -175,6 +175,34 @@ def _decode_graphs(model: CausalLM, device: torch.device, wanted: bool | None, m
     return DecodeGraphs(model, device=device, max_batch=max_batch)
 
 
+# the load-progress stage of a GPU's prefill kernels (compiled at a machine's first load of such a model: seconds)
+GPU_KERNELS_STAGE = "GPU kernels (compiled on a machine's first load)"
+
+
+def _warm_up_gpu_kernels(model, progress=None) -> None:
+    """Compile the prefill kernels a model's first prompt would otherwise wait for (fla-core's linear attention:
+    ~10 s on a fresh machine, s27b), as a stage of the load. A failure here is logged, not raised: the first prompt
+    then meets it and reports it as a request's error."""
+    from runtime.models.gated_deltanet import GatedDeltaNet, warm_up_prefill_kernels
+
+    if not any(isinstance(m, GatedDeltaNet) for m in model.modules()):
+        return
+    if progress:
+        progress(0, 1)
+    t0 = time.perf_counter()
+    try:
+        warmed = warm_up_prefill_kernels(model)
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()         # (its compiles are host work; the launches' errors show here)
+    except Exception as exc:  # noqa: BLE001  (a warm-up; the real call raises where the user sees it)
+        log.warning("warming the linear-attention kernels failed (%s): the first prompt compiles them", exc)
+        warmed = 0
+    if warmed:
+        log.info("linear-attention prefill kernels warmed in %.2f s", time.perf_counter() - t0)
+    if progress:
+        progress(1, 1)
+
+
 def _planner_of(experts_plan: dict | None) -> dict:
     """The planner's own plan inside what an expert tier reports: a hybrid tier carries it under "planner", a
     resident tier the planner placed is that plan itself; {} when no planner ran (a CPU engine, a test's tier)."""
@@ -351,6 +379,8 @@ class Engine:
         if callable(getattr(model, "attach_state_pool", None)):
             # linear-attention models: one recurrent-state slot per sequence that may run at once
             state_bytes = model.attach_state_pool(max_batch, device=dev, dtype=dtype).nbytes
+        if dev.type == "cuda":
+            _warm_up_gpu_kernels(model, stage(GPU_KERNELS_STAGE))
         tokenizer = Tokenizer.from_dir(package.tokenizer_dir)
         try:
             chat_template = ChatTemplate.from_dir(package.tokenizer_dir)

@@ -245,3 +245,41 @@ def test_state_pool_slots_snapshot_and_restore():
         pool.free(c) or pool.free(c)
     with pytest.raises(ValueError, match="shape"):
         fresh.states["conv"] = torch.zeros(3, 3)
+
+
+def test_the_loads_warm_up_runs_each_distinct_layer_on_fla_once_per_length(monkeypatch, caplog):
+    """A GPU load warms fla-core's prefill kernels (runtime/engine.py `_warm_up_gpu_kernels`): one run of each
+    warm-up length through the chunked kernel per distinct layer, none where fla would not run, weights untouched;
+    a warm-up that fails is a warning and a finished stage, never a failed load. fla needs CUDA: a stand-in with its
+    keyword API records the calls and computes with the torch reference."""
+    import logging
+
+    from runtime.engine import _warm_up_gpu_kernels
+
+    _, ours = perturbed_pair("qwen3_next")
+    auto = GatedDeltaNet(ours.cfg, packed=ours.packed, backend="auto")
+    auto.load_state_dict(ours.state_dict())
+    model = torch.nn.ModuleList([auto, copy.deepcopy(auto), ours])   # two alike, and one kept on the torch path
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    calls = []
+
+    def fake_kernel(*, q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel):
+        calls.append(q.shape[1])
+        return recurrent_gated_delta_rule(q, k, v, g, beta, initial_state=initial_state)
+
+    monkeypatch.setattr(gdn_mod, "fla_kernels", lambda: (fake_kernel, fake_kernel))
+    assert gdn_mod.warm_up_prefill_kernels(model) == 0 and calls == []       # on a CPU fla never runs
+    monkeypatch.setattr(gdn_mod, "fla_usable", lambda x: True)
+    stages = []
+    _warm_up_gpu_kernels(model, lambda done, total: stages.append((done, total)))
+    assert calls == list(gdn_mod.WARM_UP_TOKENS) and stages == [(0, 1), (1, 1)]
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
+
+    def broken(**_):
+        raise RuntimeError("out of resources: shared memory")
+
+    monkeypatch.setattr(gdn_mod, "fla_kernels", lambda: (broken, broken))
+    stages.clear()
+    with caplog.at_level(logging.WARNING, logger="runtime.engine"):
+        _warm_up_gpu_kernels(model, lambda done, total: stages.append((done, total)))
+    assert stages == [(0, 1), (1, 1)] and "the first prompt compiles them" in caplog.text

@@ -418,3 +418,35 @@ class GatedDeltaNet(torch.nn.Module):
                       *errors, tol)
             return False
         return True
+
+
+# ---------------------------------------------------------------------------------------------
+# A machine's first prompt
+# ---------------------------------------------------------------------------------------------
+
+# Prompt lengths the warm-up runs: a whole number of chunks and one token more. Triton specialises a kernel's integer
+# arguments on divisibility by 16, so a prompt of either kind compiles its own variant; fla-core's autotuned configs
+# are keyed on the head sizes, not the length, so these short prompts choose what every later prompt uses
+WARM_UP_TOKENS = (CHUNK_SIZE, CHUNK_SIZE + 1)
+
+
+def warm_up_prefill_kernels(model: torch.nn.Module, *, fla_only: bool = True) -> int:
+    """Run each distinct Gated DeltaNet layer of `model` once on short throwaway prompts, so fla-core's prefill
+    kernels compile (and autotune) while the model loads rather than inside the first prompt: s27b measured a fresh
+    machine's first 16K prompt of qwen3.6 at 11 s against 1 s warm. Triton keeps what it compiled on disk, so later
+    loads pay milliseconds. The layers are stateless: nothing the engine holds changes. Only layers fla would run
+    (CUDA, 16-bit) are warmed, unless `fla_only` is off (tests: the torch path); returns how many."""
+    seen = set()
+    for layer in model.modules():
+        if not isinstance(layer, GatedDeltaNet):
+            continue
+        like = layer.conv1d.weight
+        key = (layer.cfg, layer.packed, like.dtype, like.device)
+        if key in seen or (fla_only and not layer._use_fla(like)):
+            continue
+        seen.add(key)
+        gen = torch.Generator(device=like.device).manual_seed(0)
+        for tokens in WARM_UP_TOKENS:
+            x = torch.randn(1, tokens, layer.cfg.hidden_size, generator=gen, device=like.device, dtype=like.dtype)
+            layer(x, *layer.new_states(1))
+    return len(seen)
