@@ -1016,6 +1016,9 @@ elif [ "$1" = s28b ]; then
   # the warm-up on a warm cache. Predicted: cold first 16K prompt ~10 s; with the warm-up ~10 s of warm-up and a
   # first prompt under 0.5 s; the warm-up on a warm cache well under 1 s
   timeout 300 python3 benchmarks/bench_first_prompt.py --out "$OUT" 2>&1 | grep -v Warning
+  # then the engine's load on the GPU: the warm-up as a stage, and an answer after it
+  timeout 200 python3 -m pytest -q -p no:cacheprovider --device cuda tests/test_engine_default_tier.py \
+    tests/test_gated_deltanet.py --tb=short 2>&1 | tail -5
 elif [ "$1" = s28a ]; then
   # written in session 27 for the next session (~4 device minutes): `bench model`'s prefill rows now print the
   # issue's streaming ceiling (the slower of moving the row's expert bytes over PCIe and its compute: the dense

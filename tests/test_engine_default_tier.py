@@ -111,3 +111,21 @@ def test_the_prefix_cache_takes_no_more_host_ram_than_the_plan_leaves(ftw_packag
     assert load(64 * GiB).prefix_cache.max_bytes == DEFAULT_PREFIX_CACHE_BYTES     # the device's own cap
     assert load(HOST_RESERVE + 512 * MiB, prefix_cache_bytes=3 * MiB).prefix_cache.max_bytes == 3 * MiB
     assert Engine.load(path, device="cpu").prefix_cache.max_bytes == DEFAULT_PREFIX_CACHE_BYTES   # no planner
+
+
+def test_a_gpu_load_of_a_linear_attention_model_warms_its_prefill_kernels_as_a_stage(ftw_packages, device):
+    """On a GPU the load compiles the linear-attention prefill kernels as a progress stage of its own (a fresh
+    machine's first prompt no longer waits for them), and the engine then answers; a CPU load has no such stage
+    (nothing compiles there). `--device cuda` runs the GPU side on the GPU machine."""
+    from runtime.engine import GPU_KERNELS_STAGE, Engine, SamplingParams
+
+    cuda = torch.device(device).type == "cuda"
+    seen: list[tuple[int, int, str]] = []
+    eng = Engine.load(ftw_packages("qwen3_next", "f32"), device=device,
+                      dtype=torch.bfloat16 if cuda else torch.float32,
+                      progress=lambda done, total, stage: seen.append((done, total, stage)))
+    stages = [(done, total) for done, total, stage in seen if stage == GPU_KERNELS_STAGE]
+    assert stages == ([(0, 1), (1, 1)] if cuda else [])
+    out = eng.generate([3, 17, 42, 5, 99, 7, 64, 12] * 9, SamplingParams(temperature=0.0, max_tokens=3,
+                                                                         stop_token_ids=[]))
+    assert len(out.tokens) == 3
