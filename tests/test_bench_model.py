@@ -104,6 +104,10 @@ def test_a_prefill_rows_streaming_ceiling_is_the_slower_of_its_link_and_its_comp
     # dense forward and 0.1 s of matmuls: the link bounds it
     link = prefill_ceiling_s(moved_bytes=30.8e9, h2d_gbps=55.0, dense_s=0.25, expert_flops=flops, matmul_tflops=593.0)
     assert link == pytest.approx(30.8e9 / 55e9)
+    # issue 10's laptop projection: the same row over a laptop's PCIe 4.0 x8 (same GPU): the link bounds it harder
+    from runtime.experts.bench_model import LAPTOP_PCIE_GBPS
+    assert prefill_ceiling_s(moved_bytes=30.8e9, h2d_gbps=LAPTOP_PCIE_GBPS, dense_s=0.25, expert_flops=flops,
+                             matmul_tflops=593.0) == pytest.approx(30.8e9 / 12e9)
     # every expert resident (nothing moved): the compute bounds it
     compute = prefill_ceiling_s(moved_bytes=0, h2d_gbps=55.0, dense_s=0.25, expert_flops=flops, matmul_tflops=593.0)
     assert compute == pytest.approx(0.25 + flops / 593e12)

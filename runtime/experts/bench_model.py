@@ -707,9 +707,12 @@ def run_model(name: str, args, hw, report: dict) -> None:
                     c = hybrid.counters.end_step()
                     flops = expert_flops(n, top_k=k, hidden=d, intermediate=i, layers=len(moe_layers))
                     # (a GPU's: on a CPU device the experts' time is the CPU kernel's, which this does not model)
-                    ceiling_s = prefill_ceiling_s(moved_bytes=c["bytes_h2d"], h2d_gbps=hw.h2d_gbps,
-                                                  dense_s=dense_prefill_s.get(n, 0.0), expert_flops=flops,
-                                                  matmul_tflops=tflops) if device.type == "cuda" else 0.0
+                    streaming = dict(moved_bytes=c["bytes_h2d"], dense_s=dense_prefill_s.get(n, 0.0),
+                                     expert_flops=flops, matmul_tflops=tflops)
+                    ceiling_s = prefill_ceiling_s(h2d_gbps=hw.h2d_gbps, **streaming) \
+                        if device.type == "cuda" else 0.0
+                    # issue 10's laptop projection: the same share of the ceiling a laptop's link sets (same GPU)
+                    laptop_s = prefill_ceiling_s(h2d_gbps=LAPTOP_PCIE_GBPS, **streaming) if ceiling_s else 0.0
                     rows.append({"model": name, "budget": label, "routing": routing, "kind": f"prefill {n}",
                                  "slots": slots, "tok_s": n / s, "ceiling_tok_s": n / ceiling_s if ceiling_s else 0,
                                  "of_ceiling": ceiling_s / s if ceiling_s else 0,
@@ -717,7 +720,8 @@ def run_model(name: str, args, hw, report: dict) -> None:
                                  "split": "stream" if c["stream_calls"] else hybrid.split.mode,
                                  "peak_vram_gib": torch.cuda.max_memory_allocated() / GiB if device.type == "cuda" else 0,
                                  "host_rss_gib": host_rss() / GiB, "distinct_per_layer": distinct_per_layer(pre[None]),
-                                 "first_s": first})
+                                 "first_s": first,
+                                 "laptop_tok_s": n / laptop_s * (ceiling_s / s) if laptop_s else 0.0})
                     print(_fmt(rows[-1]), flush=True)
                     print(f"    the same prefill untimed just before: {first:.3f} s ({n / first:,.0f} tok/s; a "
                           "process's first includes its kernels' compiles)", flush=True)
@@ -1009,7 +1013,8 @@ def ttft_rows(model, graphs, experts, hybrid, args, *, name, label, slots, devic
     return rows
 
 
-LAPTOP_LINKS_GBPS = 12.0 + 60.0     # a laptop's PCIe 4.0 x8 beside DDR5 (issue 10's projection), same dense step
+LAPTOP_PCIE_GBPS = 12.0             # a laptop's PCIe 4.0 x8 (issue 10's projection)...
+LAPTOP_LINKS_GBPS = LAPTOP_PCIE_GBPS + 60.0     # ...beside DDR5, same dense step
 
 
 def distinct_per_layer(ids) -> float:
