@@ -129,6 +129,7 @@
 #                                                # (the pinned row is s25b's), then s23c's cold load
 #   (device) bash benchmarks/device_final.sh s25d # session 25: s25c's mapped row again once the ring's thread copies in
 #                                                # the caller's inference mode, beside the pinned row; qwen3.6 learned
+#   (device) bash benchmarks/device_final.sh s28c # next: a partial store's pool pinned to its unpinned layers, A/B
 #   (device) bash benchmarks/device_final.sh s28b # next, first on a fresh machine: a first prompt with the warm-up
 #   (device) bash benchmarks/device_final.sh s28a # next: the prefill rows' streaming ceiling, qwen3-30b 1K-32K
 #   (device) bash benchmarks/device_final.sh s27c # session 27: qwen3-30b 16K prefill, 20 of 48 pinned vs all
@@ -1008,6 +1009,21 @@ elif [ "$1" = s25d ]; then
   done
   bench_rows 200 q36_learned --models qwen3.6-35b-a3b "${ROW_8G[@]}" --tokens 192 --warmup 48 --cpu-share auto \
     | grep -E "$ROW_LINES|right after"
+  rm -f "$OUT"/model_*.json "$OUT"/model.json
+elif [ "$1" = s28c ]; then
+  # written in session 27 for the next session (~7 device minutes): a store pinned in part now pins 3/4 of its VRAM
+  # pool to the unpinned layers' experts (their misses run on the CPU alone; hybrid.costly_hot_set). qwen3-30b at
+  # 8 GiB, learned share, 36 and then 20 of 48 layers pinned, the pool pinned so (on) and spread evenly (off, s26c/
+  # s26d's rows), one process each. Predicted from uniform routing's arithmetic: 36 of 48 ~+10 % (to about the
+  # fully pinned row: s26d 110.9), 20 of 48 ~+3-6 % (s26d: 98.7)
+  warm 150 new
+  for pinned in 36 20; do
+    for hot in on off; do
+      bench_rows 170 "q3_pin${pinned}_hot_$hot" --models qwen3-30b-a3b --dense-int8 --budgets 8 --routings uniform \
+        --modes graphs --tokens 64 --warmup 96 --ttft-context 0 --store mapped --pinned-layers $pinned \
+        --costly-hot $hot --prefill-budgets 99 | grep -E "^qwen|slots pinned|learned CPU share:"
+    done
+  done
   rm -f "$OUT"/model_*.json "$OUT"/model.json
 elif [ "$1" = s28b ]; then
   # written in session 27 for the next session (~2 device minutes; no CPU kernels needed: run it first on a fresh

@@ -129,3 +129,29 @@ def test_a_gpu_load_of_a_linear_attention_model_warms_its_prefill_kernels_as_a_s
     out = eng.generate([3, 17, 42, 5, 99, 7, 64, 12] * 9, SamplingParams(temperature=0.0, max_tokens=3,
                                                                          stop_token_ids=[]))
     assert len(out.tokens) == 3
+
+
+def test_a_plan_pinned_in_part_pins_most_of_the_pool_to_the_layers_the_gpu_cannot_read(ftw_packages, monkeypatch):
+    """A store pinned in part: every miss of an unpinned layer runs on the CPU alone, so the factory pins 3/4 of
+    the pool to those layers' experts (whole layers, in order, without routing statistics) instead of half of it to
+    the statistics' hottest; a fully pinned plan keeps the old rule. Greedy answers do not depend on it."""
+    import dataclasses
+    import functools
+
+    from runtime.engine import Engine, SamplingParams
+    from runtime.experts import planner
+    from runtime.experts.hybrid import COSTLY_HOT_SHARE
+
+    path = ftw_packages("qwen3_moe", "int4")
+    real = planner.plan_memory
+    prompt, greedy = [3, 17, 42, 5, 99, 7, 64, 12], SamplingParams(temperature=0.0, max_tokens=4, stop_token_ids=[])
+    whole = Engine.load(path, device="cpu", experts_factory=functools.partial(hybrid_experts_factory, slots=6))
+    experts = whole.model.experts
+    layers, per_layer = experts.store.layers, experts.store.num_experts
+    assert len(layers) >= 2 and experts.cache.directory.pinned == set()    # no statistics: nothing pinned
+    monkeypatch.setattr(planner, "plan_memory", lambda *a, **k: dataclasses.replace(
+        real(*a, **k), experts_pinned=False, experts_pinned_layers=1))
+    part = Engine.load(path, device="cpu", experts_factory=functools.partial(hybrid_experts_factory, slots=6))
+    costly = [(layer, e) for layer in layers[1:] for e in range(per_layer)]
+    assert part.model.experts.cache.directory.pinned == set(costly[:int(6 * COSTLY_HOT_SHARE)])
+    assert part.generate(prompt, greedy).tokens == whole.generate(prompt, greedy).tokens

@@ -323,7 +323,7 @@ def test_host_only_layers_give_every_miss_to_the_cpu_worker_whatever_the_share(s
     assert tier._box.share_host.tolist() == [0.25, 2.0, 0.25] and float(tier._box.share[1]) == 2.0
     tier._box.set_share(share)
     gen = torch.Generator().manual_seed(5)
-    want_cpu = want_misses = 0
+    want_cpu = want_misses = want_host_only = 0
     for step in range(8):
         t = 3 if step % 2 else 1                       # (several tokens a call too: a few sequences decoding)
         for layer in range(3):
@@ -336,6 +336,7 @@ def test_host_only_layers_give_every_miss_to_the_cpu_worker_whatever_the_share(s
                 table = tier._snapshot.copy()
             uniq = np.unique(ids.numpy())             # (the books count distinct experts; the rule, assignments)
             want_misses += int((table[layer, uniq] < 0).sum())
+            want_host_only += int((table[layer, uniq] < 0).sum()) if layer == 1 else 0
             missed = int((table[layer, ids.numpy().reshape(-1)] < 0).sum())
             want_cpu += len(uniq[table[layer, uniq] < 0]) if layer == 1 else \
                 min(int((table[layer, uniq] < 0).sum()), int(missed * share + 0.5))
@@ -343,6 +344,7 @@ def test_host_only_layers_give_every_miss_to_the_cpu_worker_whatever_the_share(s
     tier.flush_step_log()
     c = tier.counters.total
     assert c.misses == want_misses and (c.cpu_experts, c.fetched_experts) == (want_cpu, want_misses - want_cpu)
+    assert 0 < c.host_only_misses == want_host_only < c.misses     # (the bench's partial ceiling reads it)
     assert tier._worker.served > 0 and tier._worker.error is None
     assert tier.stats_dict()["zero_copy"]["host_only_layers"] == 1 and tier.plan()["layers"] == 3
 

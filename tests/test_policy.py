@@ -63,6 +63,28 @@ def test_pinned_and_protected_are_never_evicted():
     assert d.release((0, 1)) == slot and (0, 1) not in d
 
 
+def test_a_weighted_hot_set_fills_the_costly_layers_first_unless_routing_says_otherwise():
+    """A store pinned in part: a miss in a layer the GPU cannot read costs the CPU's time alone, elsewhere both
+    links' together. Without statistics the set takes the costly layers whole, lower layers first; with them, each
+    key's share of its layer's routing times its layer's cost ranks it - a hot expert of a cheap layer beats a cold
+    one of a costly layer, never a share-for-share tie."""
+    fresh = RoutingStats()
+    weight = {2: 1.7, 3: 1.7}                                            # layers 2 and 3: host-only
+    assert fresh.weighted_hot_set(6, layers=[0, 1, 2, 3], num_experts=4, weight=weight) == \
+        [(2, 0), (2, 1), (2, 2), (2, 3), (3, 0), (3, 1)]
+    assert fresh.weighted_hot_set(0, layers=[0, 1], num_experts=4, weight=weight) == []
+    skewed = RoutingStats()
+    for _ in range(96):
+        skewed.add(0, [1])            # layer 0 (cheap) routes almost everything to expert 1: share 97/100
+    for e in range(4):
+        skewed.add(3, [e] * 10)       # layer 3 (costly) spreads evenly: 11/44 each
+    got = skewed.weighted_hot_set(3, layers=[0, 1, 2, 3], num_experts=4, weight=weight)
+    assert got[0] == (0, 1)                                              # 0.97 x 1 beats 0.25 x 1.7
+    assert got[1:] == [(2, 0), (2, 1)]                                   # unseen layer 2: 0.25 x 1.7 ties layer 3's,
+    #                                                                      and the lower layer goes first
+    assert all(k not in got for k in [(0, 0), (0, 2), (1, 0)])           # 1/100 and 0.25 x 1: worth least
+
+
 def test_routing_stats_roundtrip_and_hot_set(tmp_path):
     stats = RoutingStats()
     rng = random.Random(0)

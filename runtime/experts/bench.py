@@ -582,6 +582,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     m.add_argument("--pinned-layers", dest="pinned_layers", type=int, default=0,
                    help="with --store mapped: page-lock this many first layers (a plan pinned in part: the GPU "
                         "reads those layers' misses in place, the CPU computes all the others')")
+    m.add_argument("--costly-hot", dest="costly_hot", choices=["on", "off"], default="on",
+                   help="with --pinned-layers: pin 3/4 of the pool to the unpinned layers' experts, whose misses run "
+                        "on the CPU alone (on: what the factory does, hybrid.costly_hot_set), or spread the pool "
+                        "evenly (off: before session 27)")
     m.add_argument("--out", type=Path, default=None)
 
 

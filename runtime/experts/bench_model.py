@@ -403,9 +403,10 @@ def probe_after_row(row: dict, store, *, top_k: int, threads: int, h2d_gbps: flo
 def run_model(name: str, args, hw, report: dict) -> None:
     from runtime.experts.cpu_share import default_worker_threads
     from runtime.experts.host_store import HostExpertStore
-    from runtime.experts.hybrid import HybridExperts, HybridOptions
+    from runtime.experts.hybrid import HybridExperts, HybridOptions, costly_hot_set
     from runtime.experts.interface import ExpertSpec
     from runtime.experts.planner import ModelShape, plan_memory
+    from runtime.experts.policy import RoutingStats
     from runtime.experts.stats import host_rss
 
     layers, e, k, d, i, codec, group = SHAPES[name]
@@ -518,6 +519,12 @@ def run_model(name: str, args, hw, report: dict) -> None:
         if plan.backend == "gpu":
             slots = layers * e
         label = "unlimited" if budget is None else f"{budget_gib:g} GiB"
+        costly = ()           # a store pinned in part: the pool pinned as the factory pins it (`--costly-hot`)
+        if part and getattr(args, "costly_hot", "on") == "on" and device.type == "cuda":
+            costly = costly_hot_set(RoutingStats(), slots, layers=moe_layers, num_experts=e,
+                                    costly=[lay for lay in moe_layers if lay not in store.pinned_layers],
+                                    cpu_gbps=kernel_gbps or hw.cpu_gbps, h2d_gbps=hw.h2d_gbps)
+            print(f"{name} {label}: {len(costly)} of {slots} slots pinned to the unpinned layers' experts", flush=True)
         splits = args.split if slots < layers * e else args.split[:1]     # a split needs misses
         shares = list(args.cpu_share)
         gathers, thread_counts = getattr(args, "gather", ["on"]), getattr(args, "cpu_threads", [0])
@@ -546,7 +553,7 @@ def run_model(name: str, args, hw, report: dict) -> None:
                 adaptive_promotions=promotion == "adaptive", split_gather=parts == "two", expert_split=esplit == "on",
                 collect_warps=cwarps, cpu_early_x=early_x == "on",
                 share_start=None if start == "balance" else float(start),
-                hot_set=tuple((lay, x) for lay in moe_layers for x in range(e)) if slots >= layers * e else ()))
+                hot_set=tuple((lay, x) for lay in moe_layers for x in range(e)) if slots >= layers * e else costly))
             router = Router(routing, layers=layers, experts=e, k=k, seed=1)
             dec = np.stack([np.stack([router.route(lay, 1) for lay in range(layers)]) for _ in range(steps)])
             pre = np.stack([router.route(lay, args.chunk) for lay in range(layers)])
@@ -569,8 +576,10 @@ def run_model(name: str, args, hw, report: dict) -> None:
                 joint = over(joint_gbps) if joint_gbps else 0.0
                 # a store pinned in part: its unpinned layers' misses can only be the CPU's
                 cpu_rate = kernel_at.get(threads or worker_threads, 0.0) or hw.cpu_gbps
+                # (the share of misses in pinned layers as counted: the costly hot set keeps unpinned layers' low)
+                pinned_share = 1.0 - c["host_only_misses"] / max(1, c["misses"])
                 partial = partial_ceiling_tok_s(misses, store.block_nbytes, h2d_gbps=hw.h2d_gbps, cpu_gbps=cpu_rate,
-                                                pinned=part / layers, dense_s=dense_s, sequences=sequences) \
+                                                pinned=pinned_share, dense_s=dense_s, sequences=sequences) \
                     if part and cpu_rate else 0.0
                 return {"model": name, "budget": label, "routing": routing, "kind": kind, "slots": slots, "dense": dense,
                         "tok_s": tok_s, "ceiling_tok_s": ceiling, "of_ceiling": tok_s / ceiling,

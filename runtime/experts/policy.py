@@ -273,6 +273,29 @@ class RoutingStats:
         """The n most used keys, most used first (ties: lower layer, lower expert)."""
         return [k for k, _ in sorted(self.counts.items(), key=lambda kv: (-kv[1], kv[0]))[:max(0, n)]]
 
+    def weighted_hot_set(self, n: int, *, layers: Iterable[int], num_experts: int,
+                         weight: dict[int, float]) -> list[Key]:
+        """The n keys most worth a pinned slot when a miss costs more in some layers than in others (`weight`: a
+        layer's miss cost against the others' 1): each key's share of its layer's routing in these statistics
+        (one use added to every expert, so a layer never seen is uniform) times its layer's weight, highest first;
+        ties go to the lower layer, then the lower expert - so under uniform routing the costliest layers' experts
+        fill the set a whole layer at a time (a layer all in VRAM never asks the CPU anything)."""
+        self._fold()
+        keys, values = [], []
+        for layer in layers:
+            row = np.ones(num_experts)
+            seen = self._rows.get(layer)
+            if seen is not None:
+                m = min(len(seen), num_experts)
+                row[:m] += seen[:m]
+            keys.append(np.stack([np.full(num_experts, layer), np.arange(num_experts)], axis=1))
+            values.append(row / row.sum() * weight.get(layer, 1.0))
+        if not keys:
+            return []
+        keys_, values_ = np.concatenate(keys), np.concatenate(values)
+        order = np.lexsort((keys_[:, 1], keys_[:, 0], -values_))[:max(0, n)]
+        return [(int(keys_[i, 0]), int(keys_[i, 1])) for i in order]
+
     def save(self, path: Path) -> None:
         """Atomic write: a crash never leaves a half-written file that would read as good."""
         path.parent.mkdir(parents=True, exist_ok=True)

@@ -21,6 +21,7 @@ class ExpertCounters:
     bytes_cpu_read: int = 0          # expert bytes the CPU kernel read
     cpu_seconds: float = 0.0         # wall time inside the CPU kernel
     gpu_experts: int = 0             # distinct experts per layer call computed on the device
+    host_only_misses: int = 0        # of the misses, those of layers the GPU cannot read (a store pinned in part)
     # where a decode call's host time goes (wall seconds, summed over calls): waiting for the ids to arrive,
     # classifying and splitting, submitting fetches, uploading the CPU's result, starting promotions, the whole call
     host_wait_seconds: float = 0.0
