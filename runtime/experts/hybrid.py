@@ -1114,9 +1114,14 @@ def hybrid_experts_factory(package, spec: ExpertSpec, *, device, dtype, vram_bud
         except ValueError as exc:        # learned statistics, not the user's data: start cold, overwrite later
             log.warning("%s; the expert cache starts cold", exc)
     hot = tuple(stats.hot_set(min(n_slots, len(stats.counts)) // 2))     # half the pool warm, half adaptive
-    # a plan pinned in part: the GPU reads only the pinned layers in place (as far as the OS locked them)
-    readable = store.pinned_layers if device.type == "cuda" else frozenset(store.layers[:part])
-    costly = [layer for layer in store.layers if layer not in readable] if part else []
+    # the layers the GPU reads in place: those the OS locked where a copy was pinned (all, or a plan's part - the OS
+    # may lock fewer), a plan's part on a CPU device (tests); a store no layer of which could be locked decodes
+    # host-driven (below: no layer is costlier than another there)
+    if (plan.experts_pinned or part) and device.type == "cuda" and not hot_all:
+        readable = store.pinned_layers
+    else:
+        readable = frozenset(store.layers[:part] if part else store.layers)
+    costly = [layer for layer in store.layers if layer not in readable]
     if costly and len(costly) < len(store.layers):
         hot = costly_hot_set(stats, n_slots, layers=store.layers, costly=costly, num_experts=store.num_experts,
                              cpu_gbps=hw.cpu_gbps or 20.0, h2d_gbps=hw.h2d_gbps or 20.0)
