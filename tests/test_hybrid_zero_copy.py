@@ -545,6 +545,9 @@ def test_a_plan_pinned_in_part_loads_and_decodes_zero_copy_on_cuda(device, ftw_p
     assert experts.store.pinned_layers == frozenset({first}) and experts._host_only == list(range(1, 1 + len(rest)))
     assert experts.plan()["pinned_layers"] == 1 and experts.plan()["layers"] == 1 + len(rest)
     assert experts.zero_copy and experts._worker is not None and experts.transport.ring is not None
+    # most of the pool is pinned to the unpinned layers' experts (hybrid.costly_hot_set), loaded through the ring
+    pinned = experts.cache.directory.pinned
+    assert pinned and {layer for layer, _ in pinned} <= set(rest)
     assert eng.generate(prompt, sampling).tokens == want
     experts.begin_step()
     experts.flush_step_log()
