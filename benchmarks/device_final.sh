@@ -1015,8 +1015,10 @@ elif [ "$1" = s28c ]; then
   # pool to the unpinned layers' experts (their misses run on the CPU alone; hybrid.costly_hot_set). qwen3-30b at
   # 8 GiB, learned share, 36 and then 20 of 48 layers pinned, the pool pinned so (on) and spread evenly (off, s26c/
   # s26d's rows), one process each. Predicted from uniform routing's arithmetic: 36 of 48 ~+10 % (to about the
-  # fully pinned row: s26d 110.9), 20 of 48 ~+3-6 % (s26d: 98.7)
+  # fully pinned row: s26d 110.9), 20 of 48 ~+3-6 % (s26d: 98.7). First the CUDA tests of stores pinned in part
   warm 150 new
+  timeout 150 python3 -m pytest -q -p no:cacheprovider --device cuda tests/test_hybrid_zero_copy.py -k "part" \
+    --tb=short 2>&1 | tail -3
   for pinned in 36 20; do
     for hot in on off; do
       bench_rows 170 "q3_pin${pinned}_hot_$hot" --models qwen3-30b-a3b --dense-int8 --budgets 8 --routings uniform \
