@@ -154,4 +154,7 @@ def test_a_plan_pinned_in_part_pins_most_of_the_pool_to_the_layers_the_gpu_canno
     part = Engine.load(path, device="cpu", experts_factory=functools.partial(hybrid_experts_factory, slots=6))
     costly = [(layer, e) for layer in layers[1:] for e in range(per_layer)]
     assert part.model.experts.cache.directory.pinned == set(costly[:int(6 * COSTLY_HOT_SHARE)])
+    # the console says so, beside the planner's own lines
+    assert f"expert slots: {int(6 * COSTLY_HOT_SHARE)} of 6 hold the experts of the {len(layers) - 1} layers not in " \
+        "pinned RAM (their misses would run on the CPU alone)" in part.plan["experts"]["planner"]["summary_lines"]
     assert part.generate(prompt, greedy).tokens == whole.generate(prompt, greedy).tokens

@@ -1122,9 +1122,15 @@ def hybrid_experts_factory(package, spec: ExpertSpec, *, device, dtype, vram_bud
     else:
         readable = frozenset(store.layers[:part] if part else store.layers)
     costly = [layer for layer in store.layers if layer not in readable]
+    pool_lines = []
     if costly and len(costly) < len(store.layers):
         hot = costly_hot_set(stats, n_slots, layers=store.layers, costly=costly, num_experts=store.num_experts,
                              cpu_gbps=hw.cpu_gbps or 20.0, h2d_gbps=hw.h2d_gbps or 20.0)
+        unread = frozenset(costly)
+        in_costly = sum(1 for layer, _ in hot if layer in unread)
+        pool_lines.append(f"expert slots: {in_costly:,} of {n_slots:,} hold the experts of the {len(costly)} layers "
+                          "not in pinned RAM (their misses would run on the CPU alone)")
+        log.info("plan: %s", pool_lines[-1])
     if hot_all:
         hot = hot_all
     options = HybridOptions(slots=n_slots, policy=policy, hot_set=hot, cpu_gbps=hw.cpu_gbps or 20.0,
@@ -1154,7 +1160,7 @@ def hybrid_experts_factory(package, spec: ExpertSpec, *, device, dtype, vram_bud
                             prefetcher=prefetcher, share_memory=memory)
     if kernels:
         kernels(1, 1)
-    experts.planned = {**plan.to_dict(), "summary_lines": plan.summary_lines()}   # (the app shows the lines)
+    experts.planned = {**plan.to_dict(), "summary_lines": plan.summary_lines() + pool_lines}   # (the app shows them)
     if progress:
         progress(1, 1)
     return experts
