@@ -1113,26 +1113,16 @@ def hybrid_experts_factory(package, spec: ExpertSpec, *, device, dtype, vram_bud
             stats = RoutingStats.load(Path(routing_stats_path))
         except ValueError as exc:        # learned statistics, not the user's data: start cold, overwrite later
             log.warning("%s; the expert cache starts cold", exc)
-    hot = tuple(stats.hot_set(min(n_slots, len(stats.counts)) // 2))     # half the pool warm, half adaptive
     # the layers the GPU reads in place: those the OS locked where a copy was pinned (all, or a plan's part - the OS
     # may lock fewer), a plan's part on a CPU device (tests); a store no layer of which could be locked decodes
-    # host-driven (below: no layer is costlier than another there)
+    # host-driven (no layer is costlier than another there)
     if (plan.experts_pinned or part) and device.type == "cuda" and not hot_all:
         readable = store.pinned_layers
     else:
         readable = frozenset(store.layers[:part] if part else store.layers)
-    costly = [layer for layer in store.layers if layer not in readable]
-    pool_lines = []
-    if costly and len(costly) < len(store.layers):
-        hot = costly_hot_set(stats, n_slots, layers=store.layers, costly=costly, num_experts=store.num_experts,
-                             cpu_gbps=hw.cpu_gbps or 20.0, h2d_gbps=hw.h2d_gbps or 20.0)
-        unread = frozenset(costly)
-        in_costly = sum(1 for layer, _ in hot if layer in unread)
-        pool_lines.append(f"expert slots: {in_costly:,} of {n_slots:,} hold the experts of the {len(costly)} layers "
-                          "not in pinned RAM (their misses would run on the CPU alone)")
-        log.info("plan: %s", pool_lines[-1])
+    hot, pool_lines = _pool_hot_set(store, stats, n_slots, readable=readable, hw=hw)
     if hot_all:
-        hot = hot_all
+        hot, pool_lines = hot_all, []
     options = HybridOptions(slots=n_slots, policy=policy, hot_set=hot, cpu_gbps=hw.cpu_gbps or 20.0,
                             h2d_gbps=hw.h2d_gbps or 20.0, top_k=shape.top_k, zero_copy=zero_copy,
                             cpu_share=cpu_share,
@@ -1165,6 +1155,21 @@ def hybrid_experts_factory(package, spec: ExpertSpec, *, device, dtype, vram_bud
         progress(1, 1)
     return experts
 
+
+def _pool_hot_set(store, stats: RoutingStats, slots: int, *, readable, hw) -> tuple[tuple[Key, ...], list[str]]:
+    """The VRAM pool's pinned hot set, and what the console should say of it. A store whose every layer the GPU
+    reads in place (or none of them): half the pool from earlier runs' statistics, half adaptive. A store pinned in
+    part: `costly_hot_set`, said in a line."""
+    costly = [layer for layer in store.layers if layer not in readable]
+    if not costly or len(costly) == len(store.layers):
+        return tuple(stats.hot_set(min(slots, len(stats.counts)) // 2)), []
+    hot = costly_hot_set(stats, slots, layers=store.layers, costly=costly, num_experts=store.num_experts,
+                         cpu_gbps=hw.cpu_gbps or 20.0, h2d_gbps=hw.h2d_gbps or 20.0)
+    unread = frozenset(costly)
+    line = (f"expert slots: {sum(1 for layer, _ in hot if layer in unread):,} of {slots:,} hold the experts of the "
+            f"{len(costly)} layers not in pinned RAM (their misses would run on the CPU alone)")
+    log.info("plan: %s", line)
+    return hot, [line]
 
 
 COSTLY_HOT_SHARE = 0.75     # of a partly pinned store's pool: pinned to what its misses would cost most; the rest adapts
