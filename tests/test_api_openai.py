@@ -220,7 +220,8 @@ def test_responses_stream_events_in_order(client):
 
 
 def test_responses_accepts_a_codex_history(client):
-    r = client.responses.create(model="m", max_output_tokens=4, input=[
+    # (greedy: a sampled answer from the random-weight model ended within 4 tokens once in CI and read "completed")
+    r = client.responses.create(model="m", max_output_tokens=4, temperature=0, input=[
         {"type": "message", "role": "developer", "content": [{"type": "input_text", "text": "Be careful."}]},
         {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "Add a file"}]},
         {"type": "reasoning", "id": "rs_1", "summary": [{"type": "summary_text", "text": "patching"}]},
