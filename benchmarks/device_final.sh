@@ -1048,8 +1048,9 @@ elif [ "$1" = s28a ]; then
     --tokens 16 --warmup 16 --cpu-share 0.6 --ttft-context 0 --prefill 1024 8192 16384 32768 --prefill-budgets 8 \
     | grep -E "^qwen|ceiling|untimed|matmul"
   # the same 16K and 32K prompts in 16K chunks (each expert byte then serves twice the tokens; the planner's 8K
-  # chunk reserves half the workspace: ~400 MB, ~160 slots of qwen3-30b at 8 GiB). Predicted: 16K from ~0.9 s to
-  # ~0.6-0.7 (one stream instead of two); what it buys decides whether the planner should pick 16K on a slow link
+  # chunk reserves half the workspace: ~400 MB, ~160 slots of qwen3-30b at 8 GiB). Predicted: at most ~10 % faster
+  # (s25b's 8K prompt: 0.39 s against 0.28 s of link - our compute already dominates); what it buys decides whether
+  # the planner should pick 16K on a slow link
   bench_rows 150 q3_prefill_chunk16k --models qwen3-30b-a3b --dense-int8 --budgets 8 --routings uniform \
     --modes graphs --tokens 16 --warmup 16 --cpu-share 0.6 --ttft-context 0 --prefill 16384 32768 --chunk 16384 \
     --prefill-budgets 8 | grep -E "prefill|ceiling|untimed"
