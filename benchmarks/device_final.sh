@@ -130,7 +130,7 @@
 #   (device) bash benchmarks/device_final.sh s25d # session 25: s25c's mapped row again once the ring's thread copies in
 #                                                # the caller's inference mode, beside the pinned row; qwen3.6 learned
 #   (device) bash benchmarks/device_final.sh s28c # next: a partial store's pool pinned to its unpinned layers, A/B
-#   (device) bash benchmarks/device_final.sh s28b # next, first on a fresh machine: a first prompt with the warm-up
+#   (device) bash benchmarks/device_final.sh s28b # next: a first prompt with and without the warm-up
 #   (device) bash benchmarks/device_final.sh s28a # next: the prefill rows' streaming ceiling, qwen3-30b 1K-32K
 #   (device) bash benchmarks/device_final.sh s27c # session 27: qwen3-30b 16K prefill, 20 of 48 pinned vs all
 #   (device) bash benchmarks/device_final.sh s27b # session 27: qwen3.6 16K prefill, 30/40/0 layers pinned, warm
@@ -1028,8 +1028,8 @@ elif [ "$1" = s28c ]; then
   done
   rm -f "$OUT"/model_*.json "$OUT"/model.json
 elif [ "$1" = s28b ]; then
-  # written in session 27 for the next session (~2 device minutes; no CPU kernels needed: run it first on a fresh
-  # machine, before anything fills Triton's cache): Engine.load now warms fla-core's prefill kernels on a GPU. A
+  # written in session 27 for the next session (~2 device minutes; no CPU kernels needed; the script gives each run
+  # an empty Triton cache of its own, so any machine will do): Engine.load now warms fla-core's prefill kernels. A
   # machine's first prompts to the qwen3.6 shape (8 layers, free experts) cold, with the warm-up on a cold cache, and
   # the warm-up on a warm cache. Predicted: cold first 16K prompt ~10 s; with the warm-up ~10 s of warm-up and a
   # first prompt under 0.5 s; the warm-up on a warm cache well under 1 s
