@@ -197,6 +197,16 @@ def prefill(model, cache, n: int, *, chunk: int, device) -> float:
     return time.perf_counter() - t0
 
 
+def fresh_prefill(model, n: int, *, chunk: int, device, dtype) -> float:
+    """`prefill` of n tokens into a cache of its own, released after: seconds (an untimed warm run's, or the
+    dense floor's)."""
+    cache = model.new_cache(device=device, dtype=dtype)
+    try:
+        return prefill(model, cache, n, chunk=chunk, device=device)
+    finally:
+        cache.release()
+
+
 def time_requests(worker, box, store, *, experts: int, calls: int, gap_s: float, hot: bool,
                   seed: int = 0) -> tuple[list[float], float]:
     """The real CPU-share worker (compiled serving loop) answering `calls` requests of one token and `experts`
@@ -502,11 +512,8 @@ def run_model(name: str, args, hw, report: dict) -> None:
     if device.type == "cuda" and any(b in args.prefill_budgets for b in args.budgets):
         tflops = measure_matmul_tflops(device)
         for n in args.prefill:
-            for _ in range(2):
-                cache = model.new_cache(device=device, dtype=dtype)
-                dense_prefill_s[n] = prefill(model, cache, n, chunk=args.chunk, device=device)
-                cache.release()
-                del cache
+            fresh_prefill(model, n, chunk=args.chunk, device=device, dtype=dtype)
+            dense_prefill_s[n] = fresh_prefill(model, n, chunk=args.chunk, device=device, dtype=dtype)
         print(json.dumps({"model": name, "matmul_tflops": tflops,
                           "dense_prefill_s": {str(n): t for n, t in dense_prefill_s.items()}}), flush=True)
     report.setdefault("matmul_tflops", {})[name] = tflops
@@ -705,10 +712,7 @@ def run_model(name: str, args, hw, report: dict) -> None:
                     # expert pool's, fla-core's linear attention with its autotuning) - seconds that s26e's
                     # partial-store row counted as prefill (1,559 tok/s; 27,770 once warm, s27a); Triton keeps them
                     # on disk, so only a machine's first prompt pays them
-                    cache = model.new_cache(device=device, dtype=dtype)
-                    first = prefill(model, cache, n, chunk=args.chunk, device=device)
-                    cache.release()
-                    del cache
+                    first_s = fresh_prefill(model, n, chunk=args.chunk, device=device, dtype=dtype)
                     cache = model.new_cache(device=device, dtype=dtype)
                     hybrid.counters.end_step()
                     ring_before = staging_times(hybrid)
@@ -729,10 +733,10 @@ def run_model(name: str, args, hw, report: dict) -> None:
                                  "split": "stream" if c["stream_calls"] else hybrid.split.mode,
                                  "peak_vram_gib": torch.cuda.max_memory_allocated() / GiB if device.type == "cuda" else 0,
                                  "host_rss_gib": host_rss() / GiB, "distinct_per_layer": distinct_per_layer(pre[None]),
-                                 "first_s": first,
+                                 "first_s": first_s,
                                  "laptop_tok_s": n / laptop_s * (ceiling_s / s) if laptop_s else 0.0})
                     print(_fmt(rows[-1]), flush=True)
-                    print(f"    the same prefill untimed just before: {first:.3f} s ({n / first:,.0f} tok/s; a "
+                    print(f"    the same prefill untimed just before: {first_s:.3f} s ({n / first_s:,.0f} tok/s; a "
                           "process's first includes its kernels' compiles)", flush=True)
                     if ceiling_s:
                         print(f"    streaming ceiling {ceiling_s:.3f} s: the slower of moving {c['bytes_h2d'] / 1e9:.2f} GB "

@@ -1095,7 +1095,8 @@ def hybrid_experts_factory(package, spec: ExpertSpec, *, device, dtype, vram_bud
         slots = store.n_blocks
         hot_all = tuple((layer, e) for layer in store.layers for e in range(store.num_experts))
     part = plan.experts_pinned_layers if not plan.experts_pinned else 0
-    if (plan.experts_pinned or part) and device.type == "cuda" and not hot_all:   # all in VRAM: no host copy
+    pin_copy = bool(plan.experts_pinned or part) and device.type == "cuda" and not hot_all   # all in VRAM: no copy
+    if pin_copy:
         # (in part: the first layers, as many as fit the pinnable share; the rest stay mapped from the file)
         store = store.pinned_copy(layers=store.layers[:part] if part else None)
         ls = store.load_seconds
@@ -1116,10 +1117,7 @@ def hybrid_experts_factory(package, spec: ExpertSpec, *, device, dtype, vram_bud
     # the layers the GPU reads in place: those the OS locked where a copy was pinned (all, or a plan's part - the OS
     # may lock fewer), a plan's part on a CPU device (tests); a store no layer of which could be locked decodes
     # host-driven (no layer is costlier than another there)
-    if (plan.experts_pinned or part) and device.type == "cuda" and not hot_all:
-        readable = store.pinned_layers
-    else:
-        readable = frozenset(store.layers[:part] if part else store.layers)
+    readable = store.pinned_layers if pin_copy else frozenset(store.layers[:part] if part else store.layers)
     hot, pool_lines = _pool_hot_set(store, stats, n_slots, readable=readable, hw=hw)
     if hot_all:
         hot, pool_lines = hot_all, []

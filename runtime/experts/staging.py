@@ -2,8 +2,9 @@
 
 A store that could not be page-locked (the experts outgrow the pinnable share: Windows pins about half the RAM),
 or the layers of one pinned in part that did not fit, is read from its memory-mapped file, and a GPU's copy engine
-reads only page-locked memory, so every byte is first copied by the CPU into this ring. That host copy is the slow half of the trip (one thread copies 10-16
-GB/s, PCIe 4.0 x16 takes ~25 and the H200's link ~54), so for prefill streaming, a layer at a time:
+reads only page-locked memory, so every byte is first copied by the CPU into this ring. That host copy is the slow
+half of the trip (one thread copies 10-16 GB/s, PCIe 4.0 x16 takes ~25 and the H200's link ~54), so for prefill
+streaming, a layer at a time:
 
 - a layer's blocks are copied into one slot by several threads at once, in chunks (`COPY_CHUNK_BYTES`);
 - the copy runs on the ring's own thread, not the caller's: `stage_layer` returns a `Staged` at once, so the
@@ -18,8 +19,8 @@ A promotion's host copy (~200 µs a qwen3-30b block at one thread's ~12 GB/s) th
 as the design wants of promotions (s25d: with them copied on the decoding thread, decode from a mapped store ran
 at 6.8 tok/s, 2.3 ms a layer call outside the CPU's and the link's work); a fetch, which the call waits for anyway,
 pays one thread hop. Those blocks are copied by the ring's thread alone, not its copy threads: they overlap the
-host-driven call's CPU kernel, which wants the cores (s26b: eight copying threads measured no faster). The ring holds `planner.STAGING_RING_LAYERS` layers of blocks: what the planner counts as
-pinned host memory.
+host-driven call's CPU kernel, which wants the cores (s26b: eight copying threads measured no faster). The ring
+holds `planner.STAGING_RING_LAYERS` layers of blocks: what the planner counts as pinned host memory.
 
 On a CPU device (tests) the "DMA" is a synchronous copy and every event is None.
 """

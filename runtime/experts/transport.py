@@ -51,10 +51,12 @@ class Transport:
         direct, staged = [], []
         for c in copies:
             (direct if self._direct(c[0]) else staged).append(c)
-        with on_stream(self.stream, after):
-            for src, dst in direct:
-                dst.copy_(torch.from_numpy(src), non_blocking=self.cuda)
-            event = self._record()
+        event = None
+        if direct:
+            with on_stream(self.stream, after):
+                for src, dst in direct:
+                    dst.copy_(torch.from_numpy(src), non_blocking=self.cuda)
+                event = self._record()
         # (the ring's DMAs go on the same stream, after these: its event covers both)
         return self.ring.stage_blocks(staged, stream=self.stream, after=after) if staged else event
 
