@@ -195,7 +195,8 @@ def _warm_up_gpu_kernels(model, progress=None) -> None:
         if torch.cuda.is_available():
             torch.cuda.synchronize()         # (its compiles are host work; the launches' errors show here)
     except Exception as exc:  # noqa: BLE001  (a warm-up; the real call raises where the user sees it)
-        log.warning("warming the linear-attention kernels failed (%s): the first prompt compiles them", exc)
+        log.warning("could not prepare this model's linear-attention GPU kernels while loading (%s): the first "
+                    "prompt compiles them, so its answer may start up to ~10 s later", exc)
         warmed = 0
     if warmed:
         log.info("linear-attention prefill kernels warmed in %.2f s", time.perf_counter() - t0)
