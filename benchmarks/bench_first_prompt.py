@@ -62,6 +62,7 @@ def main() -> None:
     ap.add_argument("--prompts", type=int, nargs="+", default=[16384, 1000, 777], help="prompt lengths, in turn")
     ap.add_argument("--chunk", type=int, default=8192, help="prefill chunk (the engine's on a GPU)")
     ap.add_argument("--device", default="cuda")
+    ap.add_argument("--skip-cold", action="store_true", help="only the rows with the warm-up (what a load does)")
     ap.add_argument("--out", help="folder for first_prompt.json")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--warm", action="store_true", help=argparse.SUPPRESS)
@@ -72,7 +73,7 @@ def main() -> None:
     rows = []
     caches = [tempfile.mkdtemp(prefix="triton-cold-"), tempfile.mkdtemp(prefix="triton-warm-")]
     for label, cache_dir, warm in [("cold", caches[0], False), ("cold + warm-up", caches[1], True),
-                                   ("warm cache + warm-up", caches[1], True)]:
+                                   ("warm cache + warm-up", caches[1], True)][int(args.skip_cold):]:
         cmd = [sys.executable, __file__, "--child", "--layers", str(args.layers), "--chunk", str(args.chunk),
                "--device", args.device, "--prompts", *map(str, args.prompts)] + (["--warm"] if warm else [])
         env = {**os.environ, "TRITON_CACHE_DIR": cache_dir}     # (fla-core's autotune results are kept there too)

@@ -129,7 +129,10 @@
 #                                                # (the pinned row is s25b's), then s23c's cold load
 #   (device) bash benchmarks/device_final.sh s25d # session 25: s25c's mapped row again once the ring's thread copies in
 #                                                # the caller's inference mode, beside the pinned row; qwen3.6 learned
-#   (device) bash benchmarks/device_final.sh s28c # next: a partial store's pool pinned to its unpinned layers, A/B
+#   (device) bash benchmarks/device_final.sh s29a # session 28: the warm-up into each l2norm bucket; failed CUDA tests
+#   (device) bash benchmarks/device_final.sh s29c # session 28: q/k normalised in torch (no fla l2norm); that test
+#   (device) bash benchmarks/device_final.sh s29b # session 28: that test teacher-forced; s28a's ceiling rows
+#   (device) bash benchmarks/device_final.sh s28c # session 28: a partial store's pool pinned to its unpinned layers, A/B
 #   (device) bash benchmarks/device_final.sh s28b # next: a first prompt with and without the warm-up
 #   (device) bash benchmarks/device_final.sh s28a # next: the prefill rows' streaming ceiling, qwen3-30b 1K-32K
 #   (device) bash benchmarks/device_final.sh s27c # session 27: qwen3-30b 16K prefill, 20 of 48 pinned vs all
@@ -1010,6 +1013,39 @@ elif [ "$1" = s25d ]; then
   bench_rows 200 q36_learned --models qwen3.6-35b-a3b "${ROW_8G[@]}" --tokens 192 --warmup 48 --cpu-share auto \
     | grep -E "$ROW_LINES|right after"
   rm -f "$OUT"/model_*.json "$OUT"/model.json
+elif [ "$1" = s29a ]; then
+  # session 28: s28b showed the warm-up's 64/65-token prompts leave fla-core's l2norm variant of an 8K chunk
+  # uncompiled (its first 16K prompt still 14 s); the warm-up now runs a prompt into each l2norm bucket up to the
+  # engine's chunk (gated_deltanet.warm_up_lengths). Predicted: the first 16K prompt after the warm-up ~0.3 s (the
+  # warm row's), the cold warm-up ~15 s longer. Then the CUDA tests that failed in s28b/s28c, with their tracebacks
+  timeout 300 python3 benchmarks/bench_first_prompt.py --out "$OUT" 2>&1 | grep -v Warning
+  warm 120 new
+  timeout 120 python3 -m pytest -q -p no:cacheprovider --device cuda tests/test_hybrid_zero_copy.py \
+    -k "plan_pinned_in_part" --tb=long > "$OUT/zero_copy_part.log" 2>&1; tail -3 "$OUT/zero_copy_part.log"
+  grep -E "^E |assert" "$OUT/zero_copy_part.log" | head -20
+  cuda_tests 150 tests/test_gated_deltanet.py tests/test_engine_default_tier.py --tb=short
+elif [ "$1" = s29b ]; then
+  # session 28's last device minutes: the engine-level test of a plan pinned in part, now teacher-forced with its
+  # logits compared (s29a: a greedy token flipped between placements), then s28a's streaming-ceiling rows
+  warm 120 new
+  timeout 100 python3 -m pytest -q -p no:cacheprovider --device cuda tests/test_hybrid_zero_copy.py \
+    -k "plan_pinned_in_part" --tb=short > "$OUT/zero_copy_part.log" 2>&1; tail -3 "$OUT/zero_copy_part.log"
+  grep -E "^E " "$OUT/zero_copy_part.log" | head -10
+  bench_rows 200 q3_prefill_ceiling --models qwen3-30b-a3b --dense-int8 --budgets 8 --routings uniform --modes graphs \
+    --tokens 16 --warmup 16 --cpu-share 0.6 --ttft-context 0 --prefill 1024 8192 16384 32768 --prefill-budgets 8 \
+    | grep -E "^qwen|ceiling|untimed|matmul"
+elif [ "$1" = s29c ]; then
+  # session 28, after s29a: fla_gated_delta_rule normalises q and k itself, so fla's l2norm (a compiled and
+  # autotuned variant per 65,536-row bucket, ~10 s each) never runs in a prefill; the warm-up is back to 64/65
+  # tokens. Predicted: the first 16K prompt after the warm-up ~0.3-2.5 s (s29a: 2.5 s with every bucket warmed), a
+  # cold warm-up ~40 s (s28b: 61 s with one bucket's variant). Then the CUDA tests of the layer and of a plan pinned
+  # in part (teacher-forced now)
+  timeout 200 python3 benchmarks/bench_first_prompt.py --skip-cold --out "$OUT" 2>&1 | grep -v Warning
+  cuda_tests 100 tests/test_gated_deltanet.py --tb=short
+  warm 100 new
+  timeout 100 python3 -m pytest -q -p no:cacheprovider --device cuda tests/test_hybrid_zero_copy.py \
+    -k "plan_pinned_in_part" --tb=short > "$OUT/zero_copy_part.log" 2>&1; tail -3 "$OUT/zero_copy_part.log"
+  grep -E "^E " "$OUT/zero_copy_part.log" | head -10
 elif [ "$1" = s28c ]; then
   # written in session 27 for the next session (~7 device minutes): a store pinned in part now pins 3/4 of its VRAM
   # pool to the unpinned layers' experts (their misses run on the CPU alone; hybrid.costly_hot_set). qwen3-30b at

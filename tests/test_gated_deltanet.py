@@ -130,7 +130,10 @@ def test_rule_forms_agree_from_a_nonzero_state(chunk_size, device):
     g = -torch.rand(B, T, Hv, generator=gen) * 3                                # log decay in [-3, 0]
     beta = torch.rand(B, T, Hv, generator=gen)
     s0 = torch.randn(B, Hv, dk, dv, generator=gen)
-    o_hf, s_hf = hfnext.torch_recurrent_gated_delta_rule(q, k, v, g=g, beta=beta, initial_state=s0,
+    # transformers' reference gets the key heads expanded to value heads, as its layer does before calling it
+    # (transformers 5.25 also expands them inside; older versions' reference assumes equal counts)
+    qe, ke = (t.repeat_interleave(Hv // Hk, dim=2) for t in (q, k))
+    o_hf, s_hf = hfnext.torch_recurrent_gated_delta_rule(qe, ke, v, g=g, beta=beta, initial_state=s0,
                                                          output_final_state=True, use_qk_l2norm_in_kernel=True)
     q, k, v, g, beta, s0, o_hf, s_hf = (t.to(device) for t in (q, k, v, g, beta, s0, o_hf, s_hf))
     s0_before = s0.clone()
@@ -202,6 +205,10 @@ def test_fla_glue_passes_what_fla_expects(monkeypatch):
         seen.update(heads=(q.shape[2], k.shape[2], v.shape[2]), scale=scale, l2=use_qk_l2norm_in_kernel,
                     final=output_final_state, state_dtype=initial_state.dtype)
         assert scale == q.shape[-1] ** -0.5        # fla's default; our rule applies the same factor itself
+        if not use_qk_l2norm_in_kernel:            # then fla takes q and k as given: they must come normalised
+            for t in (q, k):
+                torch.testing.assert_close(t.norm(dim=-1), torch.ones(t.shape[:-1]), rtol=0, atol=1e-5)
+        # (the reference normalises q and k itself; normalising a unit vector again moves it by ~eps/2)
         return recurrent_gated_delta_rule(q, k, v, g, beta, initial_state=initial_state)
 
     monkeypatch.setattr(gdn_mod, "fla_kernels", lambda: (fake_kernel, fake_kernel))
@@ -209,10 +216,13 @@ def test_fla_glue_passes_what_fla_expects(monkeypatch):
     q, k = torch.randn(1, 5, 2, 8, generator=gen), torch.randn(1, 5, 2, 8, generator=gen)
     v, g = torch.randn(1, 5, 4, 8, generator=gen), -torch.rand(1, 5, 4, generator=gen)
     beta, s0 = torch.rand(1, 5, 4, generator=gen), torch.randn(1, 4, 8, 8, generator=gen)
-    o, s = fla_gated_delta_rule(q, k, v, g, beta, initial_state=s0, recurrent=False)
     o_ref, s_ref = recurrent_gated_delta_rule(q, k, v, g, beta, initial_state=s0)
-    assert seen == dict(heads=(4, 4, 4), scale=8 ** -0.5, l2=True, final=True, state_dtype=torch.float32)
-    assert max_err(o, o_ref) == 0.0 and max_err(s, s_ref) == 0.0
+    # the chunked kernel gets q and k normalised by us (fla's own l2norm compiles a variant per size bucket); the
+    # one-token kernel normalises them itself
+    for recurrent in (False, True):
+        o, s = fla_gated_delta_rule(q, k, v, g, beta, initial_state=s0, recurrent=recurrent)
+        assert seen == dict(heads=(4, 4, 4), scale=8 ** -0.5, l2=recurrent, final=True, state_dtype=torch.float32)
+        assert max_err(o, o_ref) <= 1e-6 and max_err(s, s_ref) <= 1e-6
 
 
 def test_state_pool_slots_snapshot_and_restore():
@@ -283,3 +293,4 @@ def test_the_loads_warm_up_runs_each_distinct_layer_on_fla_once_per_length(monke
     with caplog.at_level(logging.WARNING, logger="runtime.engine"):
         _warm_up_gpu_kernels(model, lambda done, total: stages.append((done, total)))
     assert stages == [(0, 1), (1, 1)] and "the first prompt compiles them" in caplog.text
+

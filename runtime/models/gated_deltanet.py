@@ -256,6 +256,12 @@ def fla_gated_delta_rule(q, k, v, g, beta, *, initial_state: torch.Tensor | None
     fla releases (gk/gv were inserted before beta).
     """
     chunk, fused_recurrent = fla_kernels()
+    if not recurrent:
+        # q and k normalised here (fp32, as fla does) rather than in fla's chunked kernel: fla-core 0.6's l2norm
+        # compiles and autotunes a variant for each 65,536-row bucket a call fills (rows: tokens x heads), ~10 s each
+        # at a machine's first prompts - one for an 8K chunk, others for shorter last chunks, none of which a short
+        # warm-up prompt meets (s28b/s29a). Two elementwise ops here cost ~0.1 ms an 8K chunk
+        q, k = (l2_normalize(t.float()).to(t.dtype) for t in (q, k))
     ratio = v.shape[2] // k.shape[2]
     if ratio > 1:
         q, k = q.repeat_interleave(ratio, dim=2), k.repeat_interleave(ratio, dim=2)
@@ -263,7 +269,7 @@ def fla_gated_delta_rule(q, k, v, g, beta, *, initial_state: torch.Tensor | None
     kernel = fused_recurrent if recurrent else chunk
     o, final = kernel(q=q.contiguous(), k=k.contiguous(), v=v.contiguous(), g=g.float().contiguous(),
                       beta=beta.contiguous(), scale=q.shape[-1] ** -0.5, initial_state=state,
-                      output_final_state=True, use_qk_l2norm_in_kernel=True)
+                      output_final_state=True, use_qk_l2norm_in_kernel=recurrent)
     return o, final.float()
 
 
@@ -425,8 +431,9 @@ class GatedDeltaNet(torch.nn.Module):
 # ---------------------------------------------------------------------------------------------
 
 # Prompt lengths the warm-up runs: a whole number of chunks and one token more. Triton specialises a kernel's integer
-# arguments on divisibility by 16, so a prompt of either kind compiles its own variant; fla-core's autotuned configs
-# are keyed on the head sizes, not the length, so these short prompts choose what every later prompt uses
+# arguments on divisibility by 16, so a prompt of either kind compiles its own variant; the autotuned configs of the
+# fla-core kernels we call are keyed on the head sizes, not the length (its l2norm's were: fla_gated_delta_rule), so
+# these short prompts choose what every later prompt uses
 WARM_UP_TOKENS = (CHUNK_SIZE, CHUNK_SIZE + 1)
 
 
