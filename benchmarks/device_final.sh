@@ -130,6 +130,7 @@
 #   (device) bash benchmarks/device_final.sh s25d # session 25: s25c's mapped row again once the ring's thread copies in
 #                                                # the caller's inference mode, beside the pinned row; qwen3.6 learned
 #   (device) bash benchmarks/device_final.sh s29a # session 28: the warm-up into each l2norm bucket; failed CUDA tests
+#   (device) bash benchmarks/device_final.sh s29d # session 28: s29c cut to the layer's tests and the first prompt
 #   (device) bash benchmarks/device_final.sh s29c # session 28: q/k normalised in torch (no fla l2norm); that test
 #   (device) bash benchmarks/device_final.sh s29b # session 28: that test teacher-forced; s28a's ceiling rows
 #   (device) bash benchmarks/device_final.sh s28c # session 28: a partial store's pool pinned to its unpinned layers, A/B
@@ -1046,6 +1047,11 @@ elif [ "$1" = s29c ]; then
   timeout 100 python3 -m pytest -q -p no:cacheprovider --device cuda tests/test_hybrid_zero_copy.py \
     -k "plan_pinned_in_part" --tb=short > "$OUT/zero_copy_part.log" 2>&1; tail -3 "$OUT/zero_copy_part.log"
   grep -E "^E " "$OUT/zero_copy_part.log" | head -10
+elif [ "$1" = s29d ]; then
+  # session 28's last ~5 device minutes (s29c cut down): the layer's CUDA tests with q/k normalised in torch, then
+  # the first prompt after the load's warm-up (s29c's prediction)
+  cuda_tests 80 tests/test_gated_deltanet.py --tb=short
+  timeout 140 python3 benchmarks/bench_first_prompt.py --skip-cold --out "$OUT" 2>&1 | grep -v Warning
 elif [ "$1" = s28c ]; then
   # written in session 27 for the next session (~7 device minutes): a store pinned in part now pins 3/4 of its VRAM
   # pool to the unpinned layers' experts (their misses run on the CPU alone; hybrid.costly_hot_set). qwen3-30b at
