@@ -1,7 +1,7 @@
 """A machine's first prompt to a linear-attention model, with and without the load's kernel warm-up (issue 10).
 
-s27b measured qwen3.6's first 16K prefill on a fresh GPU host at 11 s against 1 s once Triton had compiled (and
-fla-core autotuned) its kernels; since session 27 `Engine.load` warms them on a GPU (`_warm_up_gpu_kernels`). This
+A fresh GPU host's first 16K prefill of qwen3.6 took 58 s against 0.3 s once Triton had compiled (and fla-core
+autotuned) its kernels (s28b; docs/benchmarks.md, twenty-eighth pass); since session 27 `Engine.load` warms them on a GPU (`_warm_up_gpu_kernels`). This
 times what a user sees, in three fresh processes, each building the qwen3.6 shape cut to `--layers` layers (3
 Gated DeltaNet + 1 attention per 4; experts that cost nothing: the experts' path compiles little, s27c) with random
 weights:
@@ -13,7 +13,7 @@ weights:
 Each row: the warm-up's seconds, then the seconds of prompts of `--prompts` tokens in turn (a whole number of 64-token
 chunks and an odd length both, since Triton compiles a variant for each). Prints a table, writes JSON to `--out`.
 
-    python benchmarks/bench_first_prompt.py --out /tmp/out        # GPU machine (fla-core on PYTHONPATH), ~1 min
+    python benchmarks/bench_first_prompt.py --out /tmp/out        # GPU machine (fla-core on PYTHONPATH), ~3 min
     python benchmarks/bench_first_prompt.py --layers 4 --prompts 70 65 --device cpu   # dev VM: the script's path
 """
 from __future__ import annotations

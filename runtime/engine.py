@@ -181,7 +181,7 @@ GPU_KERNELS_STAGE = "GPU kernels (compiled on a machine's first load)"
 
 def _warm_up_gpu_kernels(model, progress=None) -> None:
     """Compile the prefill kernels a model's first prompt would otherwise wait for (fla-core's linear attention:
-    ~10 s on a fresh machine, s27b), as a stage of the load. A failure here is logged, not raised: the first prompt
+    ~30 s on a fresh machine, 4 s on later loads, s29d), as a stage of the load. A failure here is logged, not raised: the first prompt
     then meets it and reports it as a request's error."""
     from runtime.models.gated_deltanet import GatedDeltaNet, warm_up_prefill_kernels
 
@@ -196,7 +196,7 @@ def _warm_up_gpu_kernels(model, progress=None) -> None:
             torch.cuda.synchronize()         # (its compiles are host work; the launches' errors show here)
     except Exception as exc:  # noqa: BLE001  (a warm-up; the real call raises where the user sees it)
         log.warning("could not prepare this model's linear-attention GPU kernels while loading (%s): the first "
-                    "prompt compiles them, so its answer may start up to ~10 s later", exc)
+                    "prompt compiles them, so its answer may start later (up to a minute on a machine's first load)", exc)
         warmed = 0
     if warmed:
         log.info("linear-attention prefill kernels warmed in %.2f s", time.perf_counter() - t0)

@@ -439,9 +439,9 @@ WARM_UP_TOKENS = (CHUNK_SIZE, CHUNK_SIZE + 1)
 
 def warm_up_prefill_kernels(model: torch.nn.Module, *, fla_only: bool = True) -> int:
     """Run each distinct Gated DeltaNet layer of `model` once on short throwaway prompts, so fla-core's prefill
-    kernels compile (and autotune) while the model loads rather than inside the first prompt: s27b measured a fresh
-    machine's first 16K prompt of qwen3.6 at 11 s against 1 s warm. Triton keeps what it compiled on disk, so later
-    loads pay milliseconds. The layers are stateless: nothing the engine holds changes. Only layers fla would run
+    kernels compile (and autotune) while the model loads rather than inside the first prompt: a fresh machine's
+    first 16K prompt of qwen3.6 took 58 s without it (s28b); with it the load spends 29 s and that prompt 2.5 s
+    (s29d). Triton keeps what it compiled (and fla what it autotuned) on disk, so later loads pay ~4 s. The layers are stateless: nothing the engine holds changes. Only layers fla would run
     (CUDA, 16-bit) are warmed, unless `fla_only` is off (tests: the torch path); returns how many."""
     seen = set()
     for layer in model.modules():
