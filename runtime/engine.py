@@ -181,8 +181,8 @@ GPU_KERNELS_STAGE = "GPU kernels (compiled on a machine's first load)"
 
 def _warm_up_gpu_kernels(model, progress=None) -> None:
     """Compile the prefill kernels a model's first prompt would otherwise wait for (fla-core's linear attention:
-    ~30 s on a fresh machine, 4 s on later loads, s29d), as a stage of the load. A failure here is logged, not raised: the first prompt
-    then meets it and reports it as a request's error."""
+    ~30 s on a fresh machine, ~4 s on later loads, s29d), as a stage of the load. A failure here is logged, not
+    raised: the first prompt then meets it and reports it as a request's error."""
     from runtime.models.gated_deltanet import GatedDeltaNet, warm_up_prefill_kernels
 
     if not any(isinstance(m, GatedDeltaNet) for m in model.modules()):
