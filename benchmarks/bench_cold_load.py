@@ -14,8 +14,10 @@ This dev VM (2 cores, no GPU; a reduced size, same code paths but the CPU tier):
     python benchmarks/bench_cold_load.py --layers 2 --experts 16 --vocab 4096 --vram-budget 0 --out /tmp/cold.json
 
 What it does:
-1. Writes a synthetic FTW package of the qwen3-30b-a3b shape (48 layers, hidden 2048, 32/4 heads x 128, 128 experts
-   top-8, expert FFN 768, vocab 151,936; experts int4 group 128, dense bf16: ~18.6 GB) through the FTW writer
+1. Writes a synthetic FTW package of the qwen3-30b-a3b shape (48 layers, hidden 2048, 32/4 heads x 128, 128
+   experts top-8, expert FFN 768, vocab 151,936; experts int4 group 128, dense bf16: ~18.6 GB; or with `--shape
+   qwen3.6-35b-a3b` Qwen3.6-35B-A3B's: 40 layers, 30 of them Gated DeltaNet, 256 fp4 experts top-8 of width 512 and
+   a shared expert, vocab 248,320 - whose GPU load warms fla-core's kernels, a phase of its own) through the FTW writer
    (`PackageWriter`: `.partial` folder, per-unit journal, fsync, manifest last, atomic rename), with the
    converter's layout and manifest (checksums included: `freetoken verify` accepts it). Weights are random but
    sane (std 0.02, norms 1): a 64 MiB pool of bf16 normals is tiled over the dense tensors and a few hundred MB of
@@ -49,7 +51,7 @@ import subprocess  # noqa: E402
 import sys  # noqa: E402
 import tempfile  # noqa: E402
 from concurrent.futures import ThreadPoolExecutor  # noqa: E402
-from dataclasses import asdict, dataclass  # noqa: E402
+from dataclasses import asdict, dataclass, replace  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -69,7 +71,11 @@ CHAT = [{"role": "system", "content": "You are a helpful assistant."},
 
 @dataclass(frozen=True)
 class PackageShape:
-    """A Qwen3-MoE package; the defaults are Qwen3-30B-A3B's."""
+    """A Qwen3-MoE package; the defaults are Qwen3-30B-A3B's. `family` "qwen3_5_moe_text" is Qwen3.5/3.6-MoE's
+    text model (Gated DeltaNet in 3 layers of 4, a shared expert): `QWEN36` below."""
+    family: str = "qwen3_moe"
+    codec: str = "int4"                   # of the experts
+    linear_head_dim: int = 128            # Gated DeltaNet's key and value heads (qwen3_5_moe_text only)
     layers: int = 48
     hidden: int = 2048
     heads: int = 32
@@ -80,12 +86,26 @@ class PackageShape:
     expert_width: int = 768
     dense_width: int = 6144               # only for mlp_only layers (none here); config.json carries it
     vocab: int = 151_936
-    group: int = 128                      # int4 group size of the experts
+    group: int = 128                      # int4 group size of the experts (fp4: its format's block, 32 for mxfp4)
     max_position: int = 40_960
     seed: int = 0
     expert_pool_mib: int = 256            # distinct random expert blocks, tiled over the expert file
 
     def config(self, *, bos: int | None, eos: int) -> dict:
+        if self.family == "qwen3_5_moe_text":
+            # Qwen3.6-35B-A3B's text config (runtime/experts/bench.py CONFIGS), at this shape's sizes
+            return {"model_type": "qwen3_5_moe_text", "vocab_size": self.vocab, "hidden_size": self.hidden,
+                    "num_hidden_layers": self.layers, "num_attention_heads": self.heads,
+                    "num_key_value_heads": self.kv_heads, "head_dim": self.head_dim, "full_attention_interval": 4,
+                    "linear_num_key_heads": self.heads, "linear_num_value_heads": 2 * self.heads,
+                    "linear_key_head_dim": self.linear_head_dim, "linear_value_head_dim": self.linear_head_dim,
+                    "linear_conv_kernel_dim": 4,
+                    "num_experts": self.experts, "num_experts_per_tok": self.top_k,
+                    "moe_intermediate_size": self.expert_width,
+                    "shared_expert_intermediate_size": self.expert_width,
+                    "max_position_embeddings": self.max_position, "rms_norm_eps": 1e-6,
+                    "tie_word_embeddings": False, "hidden_act": "silu", "torch_dtype": "bfloat16",
+                    "bos_token_id": bos, "eos_token_id": eos}
         return {"architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "vocab_size": self.vocab,
                 "hidden_size": self.hidden, "num_hidden_layers": self.layers, "num_attention_heads": self.heads,
                 "num_key_value_heads": self.kv_heads, "head_dim": self.head_dim,
@@ -95,6 +115,11 @@ class PackageShape:
                 "rms_norm_eps": 1e-6, "rope_theta": 1_000_000.0, "rope_scaling": None, "attention_bias": False,
                 "tie_word_embeddings": False, "use_sliding_window": False, "sliding_window": None,
                 "hidden_act": "silu", "torch_dtype": "bfloat16", "bos_token_id": bos, "eos_token_id": eos}
+
+
+QWEN36 = PackageShape(family="qwen3_5_moe_text", codec="fp4", layers=40, heads=16, kv_heads=2, head_dim=256,
+                      experts=256, expert_width=512, vocab=248_320, group=32, max_position=262_144)
+SHAPES = {"qwen3-30b-a3b": PackageShape(), "qwen3.6-35b-a3b": QWEN36}
 
 
 def dense_entries(config: dict) -> list[tuple[str, str, tuple[int, ...]]]:
@@ -131,6 +156,7 @@ def write_package(folder: Path, shape: PackageShape, *, say=print) -> dict:
     import torch
 
     from runtime.experts.host_store import HostExpertStore
+    from runtime.ftw.codecs import FP4_FORMATS
     from runtime.ftw.writer import (CHECKSUM, DENSE_FILE, EXPERTS_FILE, FORMAT_VERSION, PART_ALIGN, PackageWriter,
                                     align, block_digest, combine_digests, expert_block_parts)
 
@@ -157,20 +183,25 @@ def write_package(folder: Path, shape: PackageShape, *, say=print) -> dict:
         dense.append((unit, name, tshape, offset, nbytes))
         offset = align(offset + nbytes, PART_ALIGN)
     dense_nbytes = offset
-    parts, block = expert_block_parts(codec="int4", hidden=shape.hidden, intermediate=shape.expert_width,
-                                      group_size=shape.group)
+    fp4_format = "mxfp4" if shape.codec == "fp4" else ""          # (Qwen3.6's published fp4: blocks of 32)
+    parts, block = expert_block_parts(codec=shape.codec, hidden=shape.hidden, intermediate=shape.expert_width,
+                                      group_size=shape.group, fp4_format=fp4_format)
     layer_bytes = shape.experts * block
     experts_nbytes = shape.layers * layer_bytes
     experts_meta = {
-        "file": EXPERTS_FILE, "nbytes": experts_nbytes, "codec": "int4", "group_size": shape.group,
+        "file": EXPERTS_FILE, "nbytes": experts_nbytes, "codec": shape.codec,
+        **({"group_size": shape.group} if shape.codec == "int4" else {}),
         "layers": list(range(shape.layers)), "num_experts": shape.experts, "hidden_size": shape.hidden,
         "intermediate_size": shape.expert_width, "activation": "silu", "has_bias": False, "block_nbytes": block,
+        # (fp4: the converter's fields; mxfp4 has no per-matrix scale)
+        **({"fp4_format": fp4_format, "block_size": FP4_FORMATS[fp4_format][0],
+            "scale_format": FP4_FORMATS[fp4_format][1], "global_scale_op": None} if fp4_format else {}),
         "parts": [p.to_json() for p in parts],
         "layer_offsets": {str(i): i * layer_bytes for i in range(shape.layers)}}
     skeleton = {
-        "format": "ftw", "format_version": FORMAT_VERSION, "checksum_algorithm": CHECKSUM, "model_type": "qwen3_moe",
+        "format": "ftw", "format_version": FORMAT_VERSION, "checksum_algorithm": CHECKSUM, "model_type": shape.family,
         "config": config,
-        "source": {"repo_id": None, "revision": None, "folder": "synthetic-qwen3-moe", "quantization": "none",
+        "source": {"repo_id": None, "revision": None, "folder": f"synthetic-{shape.family}", "quantization": "none",
                    "quantization_spelling": None, "synthetic": asdict(shape)},
         "dense": {"file": DENSE_FILE, "nbytes": dense_nbytes,
                   "tensors": {name: {"dtype": "bfloat16", "shape": list(tshape), "offset": off, "nbytes": n,
@@ -190,7 +221,8 @@ def write_package(folder: Path, shape: PackageShape, *, say=print) -> dict:
                       dtype=torch.bfloat16).view(torch.uint8).numpy()
     pool_blocks = max(1, min(shape.layers * shape.experts, (shape.expert_pool_mib * MiB) // block))
     pool = HostExpertStore.synthetic(layers=1, num_experts=pool_blocks, hidden=shape.hidden,
-                                     intermediate=shape.expert_width, codec="int4", group=shape.group,
+                                     intermediate=shape.expert_width, codec=shape.codec, group=shape.group,
+                                     fp4_format=fp4_format or "mxfp4",
                                      seed=shape.seed, weight_std=0.02).layer_buffer(0)        # [P, block]
     with ThreadPoolExecutor(max(1, min(16, os.cpu_count() or 1))) as hashers:
         pool_digests = list(hashers.map(block_digest, pool))
@@ -392,6 +424,7 @@ def instrument(timer: PhaseTimer) -> None:
     timer.wrap("VRAM pool's free slots filled", hybrid.HybridExperts, "_fill_free_slots")
     timer.wrap("tokenizer", Tokenizer, "from_dir")
     timer.wrap("chat template", ChatTemplate, "from_dir")
+    timer.wrap("linear-attention GPU kernels warmed (fla-core)", engine, "_warm_up_gpu_kernels")
     timer.wrap("decode-graph runner set up", engine, "_decode_graphs")
     timer.wrap("CUDA graph recording", DecodeGraphs, "_record")
 
@@ -558,9 +591,11 @@ def parse_args(argv):
     ap.add_argument("--decode-steps", type=int, default=3, help="decode steps timed after the first token")
     ap.add_argument("--repeat", type=int, default=1,
                     help="fresh processes per budget (the first may compile numba/Triton kernels into their caches)")
-    ap.add_argument("--layers", type=int, default=d.layers)
-    ap.add_argument("--experts", type=int, default=d.experts)
-    ap.add_argument("--vocab", type=int, default=d.vocab)
+    ap.add_argument("--shape", default="qwen3-30b-a3b", choices=sorted(SHAPES),
+                    help="the package's model (qwen3.6: fp4 experts, linear attention; ~21 GB)")
+    ap.add_argument("--layers", type=int, help=f"fewer layers than the shape's (default: {d.layers} for qwen3-30b)")
+    ap.add_argument("--experts", type=int, help=f"experts a layer (default: the shape's, {d.experts} for qwen3-30b)")
+    ap.add_argument("--vocab", type=int, help=f"vocabulary (default: the shape's, {d.vocab} for qwen3-30b)")
     ap.add_argument("--no-warm", action="store_true", help="skip the page-cache read (then the load is not 'warm')")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--package", help=argparse.SUPPRESS)
@@ -608,7 +643,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.child:
         return run_child(args)
     args.out = report_path(args.out)
-    shape = PackageShape(layers=args.layers, experts=args.experts, vocab=args.vocab)
+    shape = SHAPES[args.shape]
+    shape = replace(shape, **{k: v for k, v in (("layers", args.layers), ("experts", args.experts),
+                                                ("vocab", args.vocab)) if v is not None})
     written = write_package(args.folder, shape)
     warm = None
     if not args.no_warm:

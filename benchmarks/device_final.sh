@@ -130,6 +130,7 @@
 #   (device) bash benchmarks/device_final.sh s25d # session 25: s25c's mapped row again once the ring's thread copies in
 #                                                # the caller's inference mode, beside the pinned row; qwen3.6 learned
 #   (device) bash benchmarks/device_final.sh s29a # session 28: the warm-up into each l2norm bucket; failed CUDA tests
+#   (device) bash benchmarks/device_final.sh s30a # next: s28a's ceiling rows, qwen3.6's cold load (fla warm-up)
 #   (device) bash benchmarks/device_final.sh s29d # session 28: s29c cut to the layer's tests and the first prompt
 #   (device) bash benchmarks/device_final.sh s29c # session 28: q/k normalised in torch (no fla l2norm); that test
 #   (device) bash benchmarks/device_final.sh s29b # session 28: that test teacher-forced; s28a's ceiling rows
@@ -1047,6 +1048,21 @@ elif [ "$1" = s29c ]; then
   timeout 100 python3 -m pytest -q -p no:cacheprovider --device cuda tests/test_hybrid_zero_copy.py \
     -k "plan_pinned_in_part" --tb=short > "$OUT/zero_copy_part.log" 2>&1; tail -3 "$OUT/zero_copy_part.log"
   grep -E "^E " "$OUT/zero_copy_part.log" | head -10
+elif [ "$1" = s30a ]; then
+  # written in session 28 for the next session (~8 device minutes): s28a's first half (the prefill rows' streaming
+  # ceiling, qwen3-30b 1K-32K at 8 GiB), then qwen3.6's cold load to first token (bench_cold_load --shape, ~21 GB),
+  # twice: a fresh machine's (fla's compile in the "GPU kernels" phase, s29d: ~29 s) and a warm cache's. Predicted:
+  # the 16K row ~55-65 % of a link-bound ceiling; qwen3.6's load to first token ~12 s warm (qwen3-30b's 8.08 s,
+  # s25c, plus the warm-up's ~3.8 s), under the issue's 15 s; ~40 s on the fresh machine
+  warm 150 new
+  bench_rows 200 q3_prefill_ceiling --models qwen3-30b-a3b --dense-int8 --budgets 8 --routings uniform --modes graphs \
+    --tokens 16 --warmup 16 --cpu-share 0.6 --ttft-context 0 --prefill 1024 8192 16384 32768 --prefill-budgets 8 \
+    | grep -E "^qwen|ceiling|untimed|matmul"
+  rm -f "$OUT"/model_*.json "$OUT"/model.json
+  timeout 300 python3 benchmarks/bench_cold_load.py --shape qwen3.6-35b-a3b --folder /tmp/ftw-cold36 \
+    --vram-budget 8 --repeat 2 --out "$OUT/cold_load_qwen36.json" > "$OUT/cold_load_qwen36.txt" 2>&1
+  echo "cold load rc=$?"; grep -v Warning "$OUT/cold_load_qwen36.txt" | tail -40
+  rm -rf /tmp/ftw-cold36
 elif [ "$1" = s29d ]; then
   # session 28's last ~5 device minutes (s29c cut down): the layer's CUDA tests with q/k normalised in torch, then
   # the first prompt after the load's warm-up (s29c's prediction)

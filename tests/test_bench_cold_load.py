@@ -55,6 +55,30 @@ def test_written_package_verifies_loads_and_answers(tmp_path):
     assert len(result.tokens) == 3 and all(0 <= t < TINY.vocab for t in result.tokens)
 
 
+def test_the_qwen36_shape_writes_a_linear_attention_package_that_answers(tmp_path):
+    """`--shape qwen3.6-35b-a3b` at a tiny size: Qwen3.5/3.6-MoE's text model (Gated DeltaNet layers, a shared
+    expert, fp4 experts) written through the same writer, verified, loaded by the strict loader, answering."""
+    from runtime.engine import Engine, SamplingParams
+    from runtime.ftw.verify import verify
+    from runtime.models.gated_deltanet import GatedDeltaNet
+
+    tiny = replace(bench.QWEN36, layers=4, hidden=128, heads=4, kv_heads=2, head_dim=32, linear_head_dim=32,
+                   experts=8, top_k=2, expert_width=64, vocab=512, max_position=2048, expert_pool_mib=1)
+    out = tmp_path / "pkg"
+    info = bench.write_package(out, tiny, say=lambda *_: None)
+    assert verify(out).ok and not info["reused"]
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["model_type"] == "qwen3_5_moe_text" and manifest["experts"]["codec"] == "fp4"
+    assert manifest["experts"]["block_size"] == 32 and "group_size" not in manifest["experts"]   # as converted
+    engine = Engine.load(out, device="cpu", context_length=256, max_batch=1)
+    assert sum(isinstance(m, GatedDeltaNet) for m in engine.model.modules()) == 3      # 3 layers of 4
+    assert any("shared_expert" in name for name, _ in engine.model.named_parameters())
+    prompt = engine.tokenizer.encode(engine.chat_template.render(bench.CHAT, add_generation_prompt=True))
+    result = engine.generate(prompt, SamplingParams(temperature=0.0, max_tokens=3, stop_token_ids=()))
+    assert len(result.tokens) == 3 and all(0 <= t < tiny.vocab for t in result.tokens)
+    assert bench.SHAPES["qwen3.6-35b-a3b"] == bench.QWEN36 and bench.SHAPES["qwen3-30b-a3b"] == bench.PackageShape()
+
+
 def test_complete_package_is_reused_and_another_shape_is_rewritten(tmp_path):
     out = tmp_path / "pkg"
     bench.write_package(out, TINY, say=lambda *_: None)
