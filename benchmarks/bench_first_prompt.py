@@ -1,10 +1,10 @@
 """A machine's first prompt to a linear-attention model, with and without the load's kernel warm-up (issue 10).
 
 A fresh GPU host's first 16K prefill of qwen3.6 took 58 s against 0.3 s once Triton had compiled (and fla-core
-autotuned) its kernels (s28b; docs/benchmarks.md, twenty-eighth pass); since session 27 `Engine.load` warms them on a GPU (`_warm_up_gpu_kernels`). This
-times what a user sees, in three fresh processes, each building the qwen3.6 shape cut to `--layers` layers (3
-Gated DeltaNet + 1 attention per 4; experts that cost nothing: the experts' path compiles little, s27c) with random
-weights:
+autotuned) its kernels (s28b; docs/benchmarks.md, twenty-eighth pass); since session 27 `Engine.load` warms them on
+a GPU (`_warm_up_gpu_kernels`). This times what a user sees, in three fresh processes (two with `--skip-cold`), each
+building the qwen3.6 shape cut to `--layers` layers (3 Gated DeltaNet + 1 attention per 4; experts that cost
+nothing: the experts' path compiles little, s27c) with random weights:
 
 1. "cold": an empty Triton cache, no warm-up - the first prompts as before;
 2. "cold + warm-up": another empty cache - the warm-up timed, then the same prompts;

@@ -196,7 +196,8 @@ def _warm_up_gpu_kernels(model, progress=None) -> None:
             torch.cuda.synchronize()         # (its compiles are host work; the launches' errors show here)
     except Exception as exc:  # noqa: BLE001  (a warm-up; the real call raises where the user sees it)
         log.warning("could not prepare this model's linear-attention GPU kernels while loading (%s): the first "
-                    "prompt compiles them, so its answer may start later (up to a minute on a machine's first load)", exc)
+                    "prompt compiles them, so its answer may start later (up to a minute on a machine's first "
+                    "load)", exc)
         warmed = 0
     if warmed:
         log.info("linear-attention prefill kernels warmed in %.2f s", time.perf_counter() - t0)
