@@ -93,19 +93,16 @@ class PackageShape:
 
     def config(self, *, bos: int | None, eos: int) -> dict:
         if self.family == "qwen3_5_moe_text":
-            # Qwen3.6-35B-A3B's text config (runtime/experts/bench.py CONFIGS), at this shape's sizes
-            return {"model_type": "qwen3_5_moe_text", "vocab_size": self.vocab, "hidden_size": self.hidden,
+            from runtime.experts.bench import CONFIGS     # Qwen3.6-35B-A3B's text config, at this shape's sizes
+            return {**CONFIGS["qwen3.6-35b-a3b"], "vocab_size": self.vocab, "hidden_size": self.hidden,
                     "num_hidden_layers": self.layers, "num_attention_heads": self.heads,
-                    "num_key_value_heads": self.kv_heads, "head_dim": self.head_dim, "full_attention_interval": 4,
+                    "num_key_value_heads": self.kv_heads, "head_dim": self.head_dim,
                     "linear_num_key_heads": self.heads, "linear_num_value_heads": 2 * self.heads,
                     "linear_key_head_dim": self.linear_head_dim, "linear_value_head_dim": self.linear_head_dim,
-                    "linear_conv_kernel_dim": 4,
                     "num_experts": self.experts, "num_experts_per_tok": self.top_k,
-                    "moe_intermediate_size": self.expert_width,
-                    "shared_expert_intermediate_size": self.expert_width,
-                    "max_position_embeddings": self.max_position, "rms_norm_eps": 1e-6,
-                    "tie_word_embeddings": False, "hidden_act": "silu", "torch_dtype": "bfloat16",
-                    "bos_token_id": bos, "eos_token_id": eos}
+                    "moe_intermediate_size": self.expert_width, "shared_expert_intermediate_size": self.expert_width,
+                    "max_position_embeddings": self.max_position, "rms_norm_eps": 1e-6, "hidden_act": "silu",
+                    "torch_dtype": "bfloat16", "bos_token_id": bos, "eos_token_id": eos}
         return {"architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "vocab_size": self.vocab,
                 "hidden_size": self.hidden, "num_hidden_layers": self.layers, "num_attention_heads": self.heads,
                 "num_key_value_heads": self.kv_heads, "head_dim": self.head_dim,

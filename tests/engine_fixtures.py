@@ -122,3 +122,21 @@ def reference_greedy(ref, prompt: list[int], n: int) -> list[int]:
     out = ref.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=n,
                        min_new_tokens=n, pad_token_id=ref.generation_config.pad_token_id)
     return out[0, len(prompt):].tolist()
+
+
+def teacher_forced_sampling(monkeypatch) -> tuple[list, list]:
+    """Record every engine sampling call's logits and chosen tokens in `steps` ([(rows fp32 on the CPU, chosen)]);
+    once `forced` holds a first run's chosen tensors, a second run takes those instead of sampling (teacher
+    forcing), so two runs that place or round things differently can be compared logit by logit, step by step -
+    a greedy token near a tie may flip between them where the logits still agree. Returns (steps, forced)."""
+    import runtime.engine as engine_mod
+
+    sample, steps, forced = engine_mod.sample_batch, [], []
+
+    def recording(rows, samplers, **kw):
+        chosen = forced[len(steps)].clone() if forced else sample(rows, samplers, **kw)
+        steps.append((rows.float().cpu().clone(), chosen.clone()))
+        return chosen
+
+    monkeypatch.setattr(engine_mod, "sample_batch", recording)
+    return steps, forced

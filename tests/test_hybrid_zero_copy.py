@@ -16,7 +16,7 @@ from runtime.experts.hybrid import HybridExperts, HybridOptions
 from runtime.experts.interface import ExpertSpec, expert_forward
 from runtime.experts.slot_cache import SlotCache
 from runtime.experts.policy import LRUPolicy, SlotDirectory
-from tests.engine_fixtures import ftw_packages, random_prompt  # noqa: F401  (session fixture)
+from tests.engine_fixtures import ftw_packages, random_prompt, teacher_forced_sampling  # noqa: F401  (fixture)
 
 
 def _reference(store, layer, x, ids, w):
@@ -536,20 +536,10 @@ def test_a_plan_pinned_in_part_loads_and_decodes_zero_copy_on_cuda(device, ftw_p
     # experts differently (here more of the unpinned layer's in VRAM, the rest on the CPU alone), and the CPU
     # kernel rounds activations to int8 where the GPU keeps bf16: a near-tie between two random-weight logits may
     # then flip a greedy token, so logits are compared, within a bound
-    import runtime.engine as engine_mod
-    steps, forced, sample = [], [], engine_mod.sample_batch
-
-    def recording(rows, samplers, **kw):
-        steps.append(rows[0].float().cpu())
-        chosen = sample(rows, samplers, **kw)
-        if forced:
-            chosen[0] = forced[len(steps) - 1]
-        return chosen
-
-    monkeypatch.setattr(engine_mod, "sample_batch", recording)
+    steps, forced = teacher_forced_sampling(monkeypatch)
     whole = load()
     want = whole.generate(prompt, sampling).tokens
-    want_logits, steps[:] = list(steps), []
+    reference, steps[:] = list(steps), []
     assert whole.model.experts.store.pinned_layers == frozenset(whole.model.experts.store.layers)
     whole.model.experts.close()
     real = planner.plan_memory
@@ -564,10 +554,10 @@ def test_a_plan_pinned_in_part_loads_and_decodes_zero_copy_on_cuda(device, ftw_p
     # most of the pool is pinned to the unpinned layers' experts (hybrid.costly_hot_set), loaded through the ring
     pinned = experts.cache.directory.pinned
     assert pinned and {layer for layer, _ in pinned} <= set(rest)
-    forced.extend(want)
-    assert len(eng.generate(prompt, sampling).tokens) == len(want) == len(steps) == len(want_logits)
-    scale = max(ref.abs().max().item() for ref in want_logits)
-    for got, ref in zip(steps, want_logits):
+    forced.extend(chosen for _, chosen in reference)
+    assert len(eng.generate(prompt, sampling).tokens) == len(want) == len(steps) == len(reference)
+    scale = max(ref.abs().max().item() for ref, _ in reference)
+    for (got, _), (ref, _) in zip(steps, reference):
         assert (got - ref).abs().max().item() <= 0.05 * scale        # a wrong expert or layer moves them by ~scale
     experts.begin_step()
     experts.flush_step_log()

@@ -13,7 +13,7 @@ from runtime.loading import build_empty_model, load_dense_weights
 from runtime.models.base import Batch
 from runtime.models.gated_deltanet import chunked_gated_delta_rule, recurrent_gated_delta_rule
 from runtime.models.linear_state import SlotStateCache, StatePoolFull
-from tests.engine_fixtures import SafetensorsSource
+from tests.engine_fixtures import SafetensorsSource, teacher_forced_sampling
 from tests.fixtures.checkpoints import load_reference
 
 FAMILIES = ["qwen3_next", "qwen3_5_moe"]
@@ -437,24 +437,17 @@ def test_fla_path_through_the_engine(tiny_checkpoints, tmp_path_factory, monkeyp
     torch forms: the glue must hand fla what it expects, and the engine's logits must stay those of the torch path.
     The glue rounds the normalised q and k to bf16 before the chunked kernel (as fla's own l2norm does), which the
     torch path keeps in fp32, so logits are compared within bf16's bound, the fla run fed the torch run's tokens."""
-    import runtime.engine as engine_mod
     from runtime.models import gated_deltanet as gdn_mod
 
     path = package(tiny_checkpoints, tmp_path_factory, "qwen3_next")
     prompts = [prompt(37, 50), prompt(5, 51), prompt(20, 52)]
-    sample, steps, forced = engine_mod.sample_batch, [], []
-
-    def recording(rows, samplers, **kw):       # each sampling call's logits; a second run takes the first's tokens
-        chosen = forced[len(steps)].clone() if forced else sample(rows, samplers, **kw)
-        steps.append((rows.float().clone(), chosen.clone()))
-        return chosen
+    steps, forced = teacher_forced_sampling(monkeypatch)
 
     def batched(eng):
         rids = [eng.add_request(p, greedy_params(6)) for p in prompts]
         drain(eng)
         return [eng.result(r).tokens for r in rids]
 
-    monkeypatch.setattr(engine_mod, "sample_batch", recording)
     expected = batched(engine(path, "cpu", dtype=torch.bfloat16, prefix_cache_bytes=0, max_batch=3))
     reference, steps[:] = list(steps), []
     forced.extend(chosen for _, chosen in reference)

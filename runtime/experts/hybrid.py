@@ -1118,11 +1118,12 @@ def hybrid_experts_factory(package, spec: ExpertSpec, *, device, dtype, vram_bud
     # may lock fewer), a plan's part on a CPU device (tests); a store no layer of which could be locked decodes
     # host-driven (no layer is costlier than another there)
     readable = store.pinned_layers if pin_copy else frozenset(store.layers[:part] if part else store.layers)
-    hot, pool_lines = _pool_hot_set(store, stats, n_slots, readable=readable, hw=hw)
+    cpu_gbps, h2d_gbps = hw.cpu_gbps or 20.0, hw.h2d_gbps or 20.0      # (unprobed: a guess that splits evenly)
+    hot, pool_lines = _pool_hot_set(store, stats, n_slots, readable=readable, cpu_gbps=cpu_gbps, h2d_gbps=h2d_gbps)
     if hot_all:
         hot, pool_lines = hot_all, []
-    options = HybridOptions(slots=n_slots, policy=policy, hot_set=hot, cpu_gbps=hw.cpu_gbps or 20.0,
-                            h2d_gbps=hw.h2d_gbps or 20.0, top_k=shape.top_k, zero_copy=zero_copy,
+    options = HybridOptions(slots=n_slots, policy=policy, hot_set=hot, cpu_gbps=cpu_gbps,
+                            h2d_gbps=h2d_gbps, top_k=shape.top_k, zero_copy=zero_copy,
                             cpu_share=cpu_share,
                             # no room was planned for the stream buffers: prompts' experts stay on the CPU
                             stream_threshold=None if plan.prefill_streaming else NEVER_STREAM)
@@ -1154,7 +1155,8 @@ def hybrid_experts_factory(package, spec: ExpertSpec, *, device, dtype, vram_bud
     return experts
 
 
-def _pool_hot_set(store, stats: RoutingStats, slots: int, *, readable, hw) -> tuple[tuple[Key, ...], list[str]]:
+def _pool_hot_set(store, stats: RoutingStats, slots: int, *, readable, cpu_gbps: float,
+                  h2d_gbps: float) -> tuple[tuple[Key, ...], list[str]]:
     """The VRAM pool's pinned hot set, and what the console should say of it. A store whose every layer the GPU
     reads in place (or none of them): half the pool from earlier runs' statistics, half adaptive. A store pinned in
     part: `costly_hot_set`, said in a line."""
@@ -1162,7 +1164,7 @@ def _pool_hot_set(store, stats: RoutingStats, slots: int, *, readable, hw) -> tu
     if not costly or len(costly) == len(store.layers):
         return tuple(stats.hot_set(min(slots, len(stats.counts)) // 2)), []
     hot = costly_hot_set(stats, slots, layers=store.layers, costly=costly, num_experts=store.num_experts,
-                         cpu_gbps=hw.cpu_gbps or 20.0, h2d_gbps=hw.h2d_gbps or 20.0)
+                         cpu_gbps=cpu_gbps, h2d_gbps=h2d_gbps)
     unread = frozenset(costly)
     line = (f"expert slots: {sum(1 for layer, _ in hot if layer in unread):,} of {slots:,} hold the experts of the "
             f"{len(costly)} layers not in pinned RAM (their misses would run on the CPU alone)")
