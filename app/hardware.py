@@ -146,7 +146,8 @@ class HardwareReport:
         return Hardware(vram_free=(gpu.vram_free or 0) if gpu else 0, vram_total=(gpu.vram_total or 0) if gpu else 0,
                         ram_total=self.memory.total or 0, ram_available=self.memory.available or 0,
                         pinnable=self.memory.pinnable or 0, h2d_gbps=(gpu.pcie_gbps or 0.0) if gpu else 0.0,
-                        cpu_gbps=cpu_gbps, has_cuda=gpu is not None, gpu_name=gpu.name if gpu else "",
+                        cpu_gbps=cpu_gbps, vram_gbps=(gpu.memory_gbps or 0.0) if gpu else 0.0,
+                        has_cuda=gpu is not None, gpu_name=gpu.name if gpu else "",
                         os_name=self.os.split()[0] if self.os else "")
 
 

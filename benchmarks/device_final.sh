@@ -130,7 +130,10 @@
 #   (device) bash benchmarks/device_final.sh s25d # session 25: s25c's mapped row again once the ring's thread copies in
 #                                                # the caller's inference mode, beside the pinned row; qwen3.6 learned
 #   (device) bash benchmarks/device_final.sh s29a # session 28: the warm-up into each l2norm bucket; failed CUDA tests
-#   (device) bash benchmarks/device_final.sh s30a # next: s28a's ceiling rows, qwen3.6's cold load (fla warm-up)
+#   (device) bash benchmarks/device_final.sh s31b # session 29: 16K and 32K prompts in 16K chunks (s28a's second half)
+#   (device) bash benchmarks/device_final.sh s31a # session 29: the plan's decode estimate beside each model's 8 GiB row
+#   (device) bash benchmarks/device_final.sh s30b # session 29: qwen3.6's cold load (fla warm-up), twice
+#   (device) bash benchmarks/device_final.sh s30a # session 29: s28a's ceiling rows; the CUDA test of a plan pinned in part
 #   (device) bash benchmarks/device_final.sh s29d # session 28: s29c cut to the layer's tests and the first prompt
 #   (device) bash benchmarks/device_final.sh s29c # session 28: q/k normalised in torch (no fla l2norm); that test
 #   (device) bash benchmarks/device_final.sh s29b # session 28: that test teacher-forced; s28a's ceiling rows
@@ -1055,10 +1058,33 @@ elif [ "$1" = s30a ]; then
   # the 16K row ~55-65 % of a link-bound ceiling; qwen3.6's load to first token ~12 s warm (qwen3-30b's 8.08 s,
   # s25c, plus the warm-up's ~3.8 s), under the issue's 15 s; ~40 s on the fresh machine
   warm 150 new
+  timeout 100 python3 -m pytest -q -p no:cacheprovider --device cuda tests/test_hybrid_zero_copy.py \
+    -k plan_pinned_in_part --tb=short 2>&1 | tail -3   # session 28's shared teacher-forcing helper, on a GPU
   bench_rows 200 q3_prefill_ceiling --models qwen3-30b-a3b --dense-int8 --budgets 8 --routings uniform --modes graphs \
     --tokens 16 --warmup 16 --cpu-share 0.6 --ttft-context 0 --prefill 1024 8192 16384 32768 --prefill-budgets 8 \
     | grep -E "^qwen|ceiling|untimed|matmul"
   rm -f "$OUT"/model_*.json "$OUT"/model.json
+elif [ "$1" = s31a ]; then
+  # session 29: the plan's decode estimate is now the library's calibrated range (experts/estimate.py; the bare
+  # links' figure printed 393 tok/s at load for qwen3.6 at 8 GiB). Each model's 8 GiB decode row, learned share,
+  # prints the planner's estimate beside it, with the VRAM peak read from NVML. Predicted: qwen3.6 ~91-134 against
+  # ~106 measured, qwen3-30b ~85-117 against ~109
+  warm 150 new
+  for model in qwen3.6-35b-a3b qwen3-30b-a3b; do
+    bench_rows 240 "${model%%-*}_estimate" --models $model "${ROW_8G[@]}" --warmup 96 \
+      | grep -E "^qwen|planner's|learned CPU share:"
+  done
+  rm -f "$OUT"/model_*.json "$OUT"/model.json
+elif [ "$1" = s31b ]; then
+  # session 29: s28a's second half on its own (s30a ran the first: 16K in 8K chunks 17,250 tok/s, 58.8 % of its
+  # link-bound ceiling). Predicted: 16K chunks at most ~10 % faster (the compute already takes ~0.45 of 0.56 s)
+  warm 150 new
+  bench_rows 200 q3_prefill_chunk16k --models qwen3-30b-a3b --dense-int8 --budgets 8 --routings uniform \
+    --modes graphs --tokens 16 --warmup 16 --cpu-share 0.6 --ttft-context 0 --prefill 16384 32768 --chunk 16384 \
+    --prefill-budgets 8 | grep -E "prefill|ceiling|untimed"
+  rm -f "$OUT"/model_*.json "$OUT"/model.json
+elif [ "$1" = s30b ]; then
+  # s30a's second half, its own call (both together pass the 600 s limit on a call): qwen3.6's cold load, twice
   timeout 300 python3 benchmarks/bench_cold_load.py --shape qwen3.6-35b-a3b --folder /tmp/ftw-cold36 \
     --vram-budget 8 --repeat 2 --out "$OUT/cold_load_qwen36.json" > "$OUT/cold_load_qwen36.txt" 2>&1
   echo "cold load rc=$?"; grep -v Warning "$OUT/cold_load_qwen36.txt" | tail -40

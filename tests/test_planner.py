@@ -6,6 +6,7 @@ import json
 
 import pytest
 
+from runtime.experts.estimate import LINKS_ONLY, decode_range
 from runtime.experts.planner import (DECODE_SCRATCH_TOKENS, GiB, HOST_RESERVE, PINNED_RESERVE,
                                      PREFIX_CACHE_HOST_BYTES, PREFIX_CACHE_MIN_BYTES, STAGING_RING_LAYERS,
                                      Hardware, ModelShape,
@@ -150,8 +151,14 @@ def test_cpu_only_without_gpu():
     assert plan.expert_slots == 0 and not plan.experts_pinned and plan.staging_ring_bytes == 0
     assert plan.host_bytes == shape.experts_bytes + plan.dense_bytes + plan.kv_bytes + plan.workspace_bytes
     assert any("CPU only" in note for note in plan.notes)
-    # uniform routing, every active expert read from RAM at 50 GB/s
-    assert plan.estimated_decode_tok_s == pytest.approx(50e9 / (48 * 8 * shape.expert_block_bytes))
+    # the plan carries the calibrated estimate; over the bare links it is every active expert and the dense weights a
+    # token reads (all but the input embedding table) from RAM at 50 GB/s
+    assert plan.estimated_decode_tok_s == decode_range(shape, plan, hw)
+    slow, fast = plan.estimated_decode_tok_s
+    links = decode_range(shape, plan, hw, cost=LINKS_ONLY)
+    assert 0 < slow < fast < links[0] == pytest.approx(links[1])
+    assert links[0] == pytest.approx(50e9 / (48 * 8 * shape.expert_block_bytes + shape.dense_read_bytes))
+    assert shape.dense_read_bytes == (shape.dense_params - QWEN3_30B["vocab_size"] * QWEN3_30B["hidden_size"]) * 2
 
 
 def test_gpu_too_small_for_dense_falls_back_to_cpu():
@@ -179,8 +186,11 @@ def test_windows_pinnable_rule():
     assert win.expert_slots == lin.expert_slots
     miss = (1 - lin.expert_slots / shape.total_experts) * shape.top_k * shape.expert_block_bytes
     both, cpu = 25.0 + 60.0, 60.0
-    assert lin.estimated_decode_tok_s == pytest.approx(1e9 / (48 * miss / both))
-    assert win.estimated_decode_tok_s == pytest.approx(1e9 / (fit * miss / both + (48 - fit) * miss / cpu))
+    bare = lambda plan, os_name: decode_range(shape, plan, gpu(8, ram_gib=24, os_name=os_name), gpu_gbps=1e9,  # noqa: E731
+                                              cost=LINKS_ONLY)[1]      # the links alone (VRAM reads taken as free)
+    assert bare(lin, "Linux") == pytest.approx(1e9 / (48 * miss / both), rel=1e-4)
+    assert bare(win, "Windows") == pytest.approx(1e9 / (fit * miss / both + (48 - fit) * miss / cpu), rel=1e-4)
+    assert win.estimated_decode_tok_s[1] < lin.estimated_decode_tok_s[1]
     # never the page cache and a pinned copy together
     assert lin.host_bytes == shape.experts_bytes
     assert win.host_bytes == shape.experts_bytes + win.staging_ring_bytes
@@ -313,3 +323,46 @@ def test_a_tight_budget_prefills_in_shorter_chunks_before_it_gives_up_streaming(
     assert roomy.prefill_chunk == 8192 and roomy.prefill_streaming
     tight = plan_memory(shape, gpu(80), context_length=8192, vram_budget=4 * GiB)
     assert tight.backend == "hybrid" and not tight.prefill_streaming and tight.prefill_chunk < 8192
+
+
+def test_the_plan_prints_its_decode_estimate_as_the_calibrated_range():
+    """The load's plan shows a range a real step reaches (experts/estimate.py), not the bare links' bound that read
+    393 tok/s for a qwen3.6 plan decoding at ~106 (session 29)."""
+    shape = ModelShape.from_config(QWEN36, codec="fp4", dense_int8=True)
+    hw = dataclasses.replace(gpu(8), vram_gbps=1000.0)
+    plan = plan_memory(shape, hw, context_length=8192)
+    slow, fast = plan.estimated_decode_tok_s
+    assert f"estimated decode: {slow:.0f}–{fast:.0f} tok/s at batch 1 (uniform routing)" in plan.summary_lines()
+    bound = decode_range(shape, plan, hw, gpu_gbps=1e9, cost=LINKS_ONLY)[1]
+    assert 0 < slow < fast < 0.8 * bound
+    # the VRAM bandwidth counts: the same plan on a slower card is estimated slower at its slow end
+    assert decode_range(shape, plan, dataclasses.replace(hw, vram_gbps=200.0))[0] < slow
+    # no CPU bandwidth measured (a quick estimate): no figure, no line
+    quick = plan_memory(shape, dataclasses.replace(hw, cpu_gbps=0.0), context_length=8192)
+    assert quick.estimated_decode_tok_s == (0.0, 0.0)
+    assert not any(line.startswith("estimated decode") for line in quick.summary_lines())
+
+
+def test_vram_peak_bandwidth_comes_from_nvml_by_pci_address(monkeypatch):
+    """NVML is found by the CUDA device's PCI address (CUDA_VISIBLE_DEVICES renumbers devices, NVML does not); its
+    bus width x memory clock x 2 is the peak. This machine has no NVIDIA driver: a stand-in module answers here, the
+    GPU machine's load prints the real figure in its plan."""
+    import sys
+    import types
+
+    from runtime.experts.planner import vram_peak_gbps
+
+    calls = []
+    fake = types.SimpleNamespace(
+        NVML_CLOCK_MEM=2, nvmlInit=lambda: calls.append("init"), nvmlShutdown=lambda: calls.append("shutdown"),
+        nvmlDeviceGetHandleByPciBusId=lambda bus: calls.append(bus) or "handle",
+        nvmlDeviceGetMemoryBusWidth=lambda h: 5120, nvmlDeviceGetMaxClockInfo=lambda h, kind: 2619 if kind == 2 else 0)
+    monkeypatch.setitem(sys.modules, "pynvml", fake)
+    props = types.SimpleNamespace(pci_domain_id=0, pci_bus_id=0x1b, pci_device_id=0)
+    assert vram_peak_gbps(props) == pytest.approx(5120 / 8 * 2619e6 * 2 / 1e9)       # an H100 SXM: ~3,352 GB/s
+    assert calls == ["init", "00000000:1b:00.0", "shutdown"]
+
+    def no_driver():
+        raise RuntimeError("NVML Shared Library Not Found")
+    monkeypatch.setattr(fake, "nvmlInit", no_driver)
+    assert vram_peak_gbps(props) == 0.0

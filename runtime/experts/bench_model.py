@@ -526,6 +526,10 @@ def run_model(name: str, args, hw, report: dict) -> None:
         if plan.backend == "gpu":
             slots = layers * e
         label = "unlimited" if budget is None else f"{budget_gib:g} GiB"
+        # what the load's plan (and the library's badge) would have promised, to read beside the measured rows
+        slow, fast = plan.estimated_decode_tok_s
+        print(f"{name} {label}: planner's decode estimate {slow:.1f}-{fast:.1f} tok/s b1 ({plan.expert_slots} slots; "
+              f"read probe {hw.cpu_gbps:.1f}, PCIe {hw.h2d_gbps:.1f}, VRAM peak {hw.vram_gbps:.0f} GB/s)", flush=True)
         costly = ()           # a store pinned in part: the pool pinned as the factory pins it (`--costly-hot`)
         if part and getattr(args, "costly_hot", "on") == "on" and device.type == "cuda":
             costly = costly_hot_set(RoutingStats(), slots, layers=moe_layers, num_experts=e,

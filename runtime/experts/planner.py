@@ -18,6 +18,8 @@ import platform
 import sys
 from dataclasses import asdict, dataclass, field
 
+from runtime.experts.estimate import decode_range
+
 GiB = 1024 ** 3
 MiB = 1024 ** 2
 BLOCK_ALIGN = 4096                   # every (layer, expert) block in an FTW expert file is 4 KiB-aligned
@@ -84,6 +86,13 @@ class ModelShape:
     dense_bytes_per_param: int = 2    # dense weights run in bf16...
     dense_nbytes: int = 0             # ...unless measured as loaded (int8 projections: models/quantized.py)
     dense_int8: bool = False          # the projections and LM head in int8 (what a decode step reads: 1 byte each)
+    input_embed_params: int = 0       # an untied input embedding table: a token reads one row of it, not all
+
+    @property
+    def dense_read_bytes(self) -> int:
+        """Dense bytes one decode step reads: every dense weight but the input embedding table (kept in bf16 when
+        the projections are int8; `dense_nbytes`, when the engine measured it, counts it so too)."""
+        return max(0, self.dense_bytes - self.input_embed_params * self.dense_bytes_per_param)
 
     @property
     def dense_read_bytes_per_param(self) -> int:
@@ -184,7 +193,7 @@ class ModelShape:
         return cls(model_type=model_type, num_layers=layers, moe_layers=len(moe_ids), num_experts=experts,
                    top_k=top_k, hidden_size=d, expert_intermediate=i_exp, codec=codec,
                    expert_block_bytes=int(block_nbytes), dense_params=dense_params, dense_nbytes=dense_nbytes,
-                   dense_int8=bool(dense_int8),
+                   dense_int8=bool(dense_int8), input_embed_params=0 if cfg.get("tie_word_embeddings") else vocab * d,
                    full_attention_layers=n_full, sliding_attention_layers=n_sliding, sliding_window=window,
                    kv_bytes_per_token_per_layer=2 * kv_heads * head_dim * 2,
                    linear_attention_layers=n_linear, linear_state_bytes=state)
@@ -223,6 +232,7 @@ class Hardware:
     pinnable: int = 0                 # host memory that may be page-locked (about half the RAM on Windows)
     h2d_gbps: float = 0.0             # pinned host -> device copy bandwidth
     cpu_gbps: float = 0.0             # the CPU expert kernel's weight-read bandwidth
+    vram_gbps: float = 0.0            # the GPU's peak memory bandwidth (NVML: bus width x memory clock); 0 unknown
     has_cuda: bool = False
     gpu_name: str = ""
     os_name: str = ""                 # "Windows" | "Linux" | "Darwin"
@@ -247,7 +257,7 @@ class Hardware:
         vm = psutil.virtual_memory()
         os_name = platform.system()
         vram_free = vram_total = 0
-        has_cuda, name = False, ""
+        has_cuda, name, vram_gbps = False, "", 0.0
         if device != "cpu":
             try:
                 import torch
@@ -255,6 +265,7 @@ class Hardware:
                 if has_cuda:
                     vram_free, vram_total = (int(x) for x in torch.cuda.mem_get_info())
                     name = torch.cuda.get_device_name()
+                    vram_gbps = vram_peak_gbps()
                     if counted_in_plan:
                         cached = int(torch.cuda.memory_reserved()) - int(torch.cuda.memory_allocated())
                         vram_free = min(vram_total, vram_free + int(counted_in_plan) + max(0, cached))
@@ -265,7 +276,31 @@ class Hardware:
         cpu = measure_cpu_gbps() if measure else 0.0
         return cls(vram_free=vram_free, vram_total=vram_total, ram_total=int(vm.total),
                    ram_available=int(vm.available), pinnable=cls.pinnable_for(os_name, int(vm.total)),
-                   h2d_gbps=h2d, cpu_gbps=cpu, has_cuda=has_cuda, gpu_name=name, os_name=os_name)
+                   h2d_gbps=h2d, cpu_gbps=cpu, vram_gbps=vram_gbps, has_cuda=has_cuda, gpu_name=name,
+                   os_name=os_name)
+
+
+def vram_peak_gbps(props=None) -> float:
+    """Peak memory bandwidth of the CUDA device with torch properties `props` (None: the current device), from NVML (bus width x memory clock
+    x 2: NVML's memory clock is half the data rate), the device found by its PCI address (CUDA_VISIBLE_DEVICES
+    renumbers devices, NVML does not). 0 when NVML cannot tell: the decode estimate then assumes a default."""
+    try:
+        import pynvml as nvml   # nvidia-ml-py
+
+        if props is None:
+            import torch
+            props = torch.cuda.get_device_properties(torch.cuda.current_device())
+        nvml.nvmlInit()
+        try:
+            bus_id = f"{props.pci_domain_id:08x}:{props.pci_bus_id:02x}:{props.pci_device_id:02x}.0"
+            handle = nvml.nvmlDeviceGetHandleByPciBusId(bus_id)
+            bits = nvml.nvmlDeviceGetMemoryBusWidth(handle)
+            mhz = nvml.nvmlDeviceGetMaxClockInfo(handle, nvml.NVML_CLOCK_MEM)
+        finally:
+            nvml.nvmlShutdown()
+    except Exception:  # noqa: BLE001  (no NVML library, an old driver, a device NVML does not list; only an estimate)
+        return 0.0
+    return bits / 8 * mhz * 1e6 * 2 / 1e9 if bits and mhz else 0.0
 
 
 def measure_h2d_gbps(*, nbytes: int = 256 * MiB, repeats: int = 5) -> float:
@@ -356,7 +391,9 @@ class Plan:
     experts_on_disk_bytes: int            # the cold tail left to the page cache over the mapped file
     shortfall_bytes: int = 0              # does_not_fit: what is missing
     short_of: str = ""                    # "vram" | "ram" | ""
-    estimated_decode_tok_s: float = 0.0   # uniform routing, bandwidth-bound; 0 when unknown
+    # batch 1, uniform routing: (slow end, fast end) of the calibrated estimate (experts/estimate.py, the library's
+    # fit badge's own); (0, 0) when the CPU's bandwidth is unknown
+    estimated_decode_tok_s: tuple[float, float] = (0.0, 0.0)
     prefill_streaming: bool = True        # hybrid: prompt chunks stream layers of experts to the GPU (False: no
                                           # room for the buffers; their experts run on the CPU instead)
     prefill_chunk: int = 8192             # prompt tokens a step: the workspace above is sized for it
@@ -388,8 +425,9 @@ class Plan:
                          + (f", {_fmt_bytes(self.experts_on_disk_bytes)} left on disk" if self.experts_on_disk_bytes else ""))
         if self.backend == "hybrid":
             lines.append(f"experts per layer on the CPU: {self.cpu_experts_per_layer:.1f}")
-        if self.estimated_decode_tok_s:
-            lines.append(f"estimated decode: {self.estimated_decode_tok_s:.0f} tok/s (uniform routing)")
+        slow, fast = self.estimated_decode_tok_s
+        if fast:
+            lines.append(f"estimated decode: {slow:.0f}–{fast:.0f} tok/s at batch 1 (uniform routing)")
         if self.backend != "does_not_fit":
             lines.append(f"prefix cache (resent conversations): up to {_fmt_bytes(self.prefix_cache_bytes)} of host RAM"
                          if self.prefix_cache_bytes else "prefix cache: off (no host RAM left for it)")
@@ -442,12 +480,13 @@ def plan_memory(shape: ModelShape, hw: Hardware, *, context_length: int = 8192, 
 
     # 1. Everything on the GPU.
     if hw.has_cuda and cpu_experts_per_layer in (None, 0) and fixed_gpu + shape.experts_bytes <= budget:
-        return Plan(backend="gpu", vram_planned=fixed_gpu + shape.experts_bytes, dense_on="cuda",
+        plan = Plan(backend="gpu", vram_planned=fixed_gpu + shape.experts_bytes, dense_on="cuda",
                     stream_buffer_bytes=0, expert_slots=shape.total_experts, pool_bytes=shape.experts_bytes,
                     cpu_experts_per_layer=0.0, host_bytes=0, experts_pinned=False, staging_ring_bytes=0,
                     experts_in_ram_bytes=0, experts_on_disk_bytes=0,
-                    estimated_decode_tok_s=_decode_estimate(shape, hw, slots=shape.total_experts),
                     prefix_cache_bytes=_prefix_cache_budget(hw, host_bytes=0, notes=notes), notes=notes, **base)
+        plan.estimated_decode_tok_s = decode_range(shape, plan, hw)
+        return plan
 
     # 2. Hybrid: dense, KV, states and a slot pool on the GPU; every expert in host memory.
     scratch = DECODE_SCRATCH_TOKENS * shape.top_k * shape.expert_block_bytes
@@ -488,19 +527,17 @@ def plan_memory(shape: ModelShape, hw: Hardware, *, context_length: int = 8192, 
                     stream_buffer_bytes=stream, expert_slots=int(slots), pool_bytes=int(pool),
                     prefill_streaming=streaming,
                     cpu_experts_per_layer=(shape.total_experts - slots) / shape.moe_layers,
-                    estimated_decode_tok_s=_decode_estimate(shape, hw, slots=int(slots),
-                                                            pinned_layers=host["experts_pinned_layers"]),
                     notes=notes, **host, **base)
     else:
         plan = Plan(backend="cpu", vram_planned=0, dense_on="cpu", stream_buffer_bytes=0, expert_slots=0,
-                    pool_bytes=0, cpu_experts_per_layer=float(shape.num_experts),
-                    estimated_decode_tok_s=_decode_estimate(shape, hw, slots=0), notes=notes, **host, **base)
+                    pool_bytes=0, cpu_experts_per_layer=float(shape.num_experts), notes=notes, **host, **base)
     if host["shortfall_bytes"]:
         plan.backend, plan.short_of = "does_not_fit", "ram"
         plan.shortfall_bytes = host["shortfall_bytes"]
         plan.notes.append(f"host RAM is {_fmt_bytes(plan.shortfall_bytes)} short of what must stay resident")
     else:
         plan.prefix_cache_bytes = _prefix_cache_budget(hw, host_bytes=plan.host_bytes, notes=plan.notes)
+    plan.estimated_decode_tok_s = decode_range(shape, plan, hw)
     return plan
 
 
@@ -555,21 +592,3 @@ def _place_host(shape: ModelShape, hw: Hardware, *, gpu_used: bool, cpu_side: in
     return dict(host_bytes=in_ram + must_stay, experts_pinned=pinned, staging_ring_bytes=ring,
                 experts_pinned_layers=shape.moe_layers if pinned else pinned_layers,
                 experts_in_ram_bytes=in_ram, experts_on_disk_bytes=on_disk, shortfall_bytes=shortfall)
-
-
-def _decode_estimate(shape: ModelShape, hw: Hardware, *, slots: int, pinned_layers: int | None = None) -> float:
-    """Bandwidth-bound decode rate at batch 1 under uniform routing: per token, the missed experts are read by
-    the CPU kernel and the hits and dense weights by the GPU (the GPU part is taken as free next to the
-    CPU's, which dominates whenever the pool is short). `pinned_layers`: the layers whose misses the GPU may read
-    over PCIe (None: all); the others' misses are the CPU's alone. 0 when the CPU bandwidth is unknown."""
-    miss_share = 1.0 - slots / shape.total_experts
-    layer_miss_bytes = shape.top_k * miss_share * shape.expert_block_bytes
-    if layer_miss_bytes == 0 or shape.moe_layers == 0:
-        return 0.0
-    if hw.cpu_gbps <= 0:
-        return 0.0
-    shared = shape.moe_layers if pinned_layers is None or not hw.has_cuda else pinned_layers
-    # A pinned layer's misses may be split between the CPU kernel and PCIe: their bandwidths add
-    both = hw.cpu_gbps + (hw.h2d_gbps if hw.has_cuda else 0.0)
-    seconds = layer_miss_bytes * (shared / both + (shape.moe_layers - shared) / hw.cpu_gbps) / 1e9
-    return 1.0 / seconds
