@@ -186,8 +186,8 @@ def test_windows_pinnable_rule():
     assert win.expert_slots == lin.expert_slots
     miss = (1 - lin.expert_slots / shape.total_experts) * shape.top_k * shape.expert_block_bytes
     both, cpu = 25.0 + 60.0, 60.0
-    bare = lambda plan, os_name: decode_range(shape, plan, gpu(8, ram_gib=24, os_name=os_name), gpu_gbps=1e9,  # noqa: E731
-                                              cost=LINKS_ONLY)[1]      # the links alone (VRAM reads taken as free)
+    def bare(plan, os_name):            # the links alone (VRAM reads taken as free)
+        return decode_range(shape, plan, gpu(8, ram_gib=24, os_name=os_name), gpu_gbps=1e9, cost=LINKS_ONLY)[1]
     assert bare(lin, "Linux") == pytest.approx(1e9 / (48 * miss / both), rel=1e-4)
     assert bare(win, "Windows") == pytest.approx(1e9 / (fit * miss / both + (48 - fit) * miss / cpu), rel=1e-4)
     assert win.estimated_decode_tok_s[1] < lin.estimated_decode_tok_s[1]

@@ -281,9 +281,10 @@ class Hardware:
 
 
 def vram_peak_gbps(props=None) -> float:
-    """Peak memory bandwidth of the CUDA device with torch properties `props` (None: the current device), from NVML (bus width x memory clock
-    x 2: NVML's memory clock is half the data rate), the device found by its PCI address (CUDA_VISIBLE_DEVICES
-    renumbers devices, NVML does not). 0 when NVML cannot tell: the decode estimate then assumes a default."""
+    """Peak memory bandwidth of the CUDA device with torch properties `props` (None: the current device), from
+    NVML (bus width x memory clock x 2: NVML's memory clock is half the data rate), the device found by its PCI
+    address (CUDA_VISIBLE_DEVICES renumbers devices, NVML does not). 0 when NVML cannot tell: the decode estimate
+    then assumes a default."""
     try:
         import pynvml as nvml   # nvidia-ml-py
 
