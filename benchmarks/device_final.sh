@@ -130,6 +130,7 @@
 #   (device) bash benchmarks/device_final.sh s25d # session 25: s25c's mapped row again once the ring's thread copies in
 #                                                # the caller's inference mode, beside the pinned row; qwen3.6 learned
 #   (device) bash benchmarks/device_final.sh s29a # session 28: the warm-up into each l2norm bucket; failed CUDA tests
+#   (device) bash benchmarks/device_final.sh s31c # session 29: prefill's grouped GEMM in rounds of 8K rows: VRAM, speed
 #   (device) bash benchmarks/device_final.sh s31b # session 29: 16K and 32K prompts in 16K chunks (s28a's second half)
 #   (device) bash benchmarks/device_final.sh s31a # session 29: the plan's decode estimate beside each model's 8 GiB row
 #   (device) bash benchmarks/device_final.sh s30b # session 29: qwen3.6's cold load (fla warm-up), twice
@@ -1074,6 +1075,18 @@ elif [ "$1" = s31a ]; then
     bench_rows 240 "${model%%-*}_estimate" --models $model "${ROW_8G[@]}" --warmup 96 \
       | grep -E "^qwen|planner's|learned CPU share:"
   done
+  rm -f "$OUT"/model_*.json "$OUT"/model.json
+elif [ "$1" = s31c ]; then
+  # session 29: the prefill grouped GEMM gathers x's rows a round at a time and caps a round at 8,192 assignments
+  # (it gathered T x K x D for the whole chunk: 512 MiB at 16K). The prefill kernels' CUDA check, then qwen3-30b at
+  # 8 GiB, 16K and 32K prompts in 8K and 16K chunks, each row's own peak VRAM. Predicted: peak VRAM (s30a/s31b: 9.50 /
+  # 11.01 GiB in 8K chunks, 10.28 / 11.78 in 16K) ~0.3-0.5 GiB lower in 8K chunks, ~0.7-0.9 in 16K; speed within 3 %
+  warm 150 new
+  timeout 120 python3 -m pytest -q -p no:cacheprovider --device cuda tests/test_kernels_fused.py -k dequant \
+    --tb=short 2>&1 | tail -3
+  bench_rows 300 q3_prefill_rounds --models qwen3-30b-a3b --dense-int8 --budgets 8 --routings uniform --modes graphs \
+    --tokens 16 --warmup 16 --cpu-share 0.6 --ttft-context 0 --prefill 16384 32768 --prefill-chunks 8192 16384 \
+    --prefill-budgets 8 | grep -E "^qwen|ceiling|untimed"
   rm -f "$OUT"/model_*.json "$OUT"/model.json
 elif [ "$1" = s31b ]; then
   # session 29: s28a's second half on its own (s30a ran the first: 16K in 8K chunks 17,250 tok/s, 58.8 % of its

@@ -515,6 +515,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     m.add_argument("--warmup", type=int, default=16)
     m.add_argument("--context", type=int, default=512, help="tokens in the KV cache before decode is timed")
     m.add_argument("--chunk", type=int, default=8192, help="prefill chunk (tokens)")
+    m.add_argument("--prefill-chunks", nargs="+", type=int, default=None,
+                   help="the prefill rows again at each of these chunks (default: --chunk's alone)")
     m.add_argument("--prefill", nargs="+", type=int, default=[1024, 8192, 16384])
     m.add_argument("--prefill-budgets", nargs="+", type=float, default=[8, 0])
     m.add_argument("--ttft-context", type=int, default=20000, help="the agent turn's conversation (0: skip)")

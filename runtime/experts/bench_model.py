@@ -509,13 +509,16 @@ def run_model(name: str, args, hw, report: dict) -> None:
     # the prefill rows' streaming ceiling: each prompt's dense forward with free experts (once untimed first: its
     # kernels compile), and the GPU's GEMM rate for the experts' matmuls
     dense_prefill_s, tflops = {}, 0.0
+    chunks = getattr(args, "prefill_chunks", None) or [args.chunk]
     if device.type == "cuda" and any(b in args.prefill_budgets for b in args.budgets):
         tflops = measure_matmul_tflops(device)
-        for n in args.prefill:
-            fresh_prefill(model, n, chunk=args.chunk, device=device, dtype=dtype)
-            dense_prefill_s[n] = fresh_prefill(model, n, chunk=args.chunk, device=device, dtype=dtype)
+        for chunk in chunks:
+            for n in args.prefill:
+                fresh_prefill(model, n, chunk=chunk, device=device, dtype=dtype)
+                dense_prefill_s[chunk, n] = fresh_prefill(model, n, chunk=chunk, device=device, dtype=dtype)
         print(json.dumps({"model": name, "matmul_tflops": tflops,
-                          "dense_prefill_s": {str(n): t for n, t in dense_prefill_s.items()}}), flush=True)
+                          "dense_prefill_s": {f"{n} (chunk {c})": t for (c, n), t in dense_prefill_s.items()}}),
+              flush=True)
     report.setdefault("matmul_tflops", {})[name] = tflops
     rows = []
     for budget_gib in args.budgets:
@@ -711,26 +714,29 @@ def run_model(name: str, args, hw, report: dict) -> None:
             first = (routing, split, share, gather, threads) == (args.routings[0], splits[0], shares[0], gathers[0],
                                                                   thread_counts[0])
             if first and budget_gib in args.prefill_budgets:
-                for n in args.prefill:
+                for chunk, n in [(c, n) for c in chunks for n in args.prefill]:
                     # once untimed first: a process's first prefill of a shape compiles its Triton kernels (the
                     # expert pool's, fla-core's linear attention with its autotuning) - seconds that s26e's
                     # partial-store row counted as prefill (1,559 tok/s; 27,770 once warm, s27a); Triton keeps them
                     # on disk, so only a machine's first prompt pays them
-                    first_s = fresh_prefill(model, n, chunk=args.chunk, device=device, dtype=dtype)
+                    if device.type == "cuda":     # each row's own peak (the pool and dense weights stay in it)
+                        torch.cuda.reset_peak_memory_stats()
+                    first_s = fresh_prefill(model, n, chunk=chunk, device=device, dtype=dtype)
                     cache = model.new_cache(device=device, dtype=dtype)
                     hybrid.counters.end_step()
                     ring_before = staging_times(hybrid)
-                    s = prefill(model, cache, n, chunk=args.chunk, device=device)
+                    s = prefill(model, cache, n, chunk=chunk, device=device)
                     c = hybrid.counters.end_step()
                     flops = expert_flops(n, top_k=k, hidden=d, intermediate=i, layers=len(moe_layers))
                     # (a GPU's: on a CPU device the experts' time is the CPU kernel's, which this does not model)
-                    streaming = dict(moved_bytes=c["bytes_h2d"], dense_s=dense_prefill_s.get(n, 0.0),
+                    streaming = dict(moved_bytes=c["bytes_h2d"], dense_s=dense_prefill_s.get((chunk, n), 0.0),
                                      expert_flops=flops, matmul_tflops=tflops)
                     ceiling_s = prefill_ceiling_s(h2d_gbps=hw.h2d_gbps, **streaming) \
                         if device.type == "cuda" else 0.0
                     # issue 10's laptop projection: the same share of the ceiling a laptop's link sets (same GPU)
                     laptop_s = prefill_ceiling_s(h2d_gbps=LAPTOP_PCIE_GBPS, **streaming) if ceiling_s else 0.0
-                    rows.append({"model": name, "budget": label, "routing": routing, "kind": f"prefill {n}",
+                    kind = f"prefill {n}" + ("" if chunk == args.chunk else f" c{chunk // 1024}K" if chunk >= 1024 else f" c{chunk}")
+                    rows.append({"model": name, "budget": label, "routing": routing, "kind": kind, "chunk": chunk,
                                  "slots": slots, "tok_s": n / s, "ceiling_tok_s": n / ceiling_s if ceiling_s else 0,
                                  "of_ceiling": ceiling_s / s if ceiling_s else 0,
                                  "hit_rate": c["hit_rate"], "cpu_share": c["cpu_share"],
@@ -745,7 +751,7 @@ def run_model(name: str, args, hw, report: dict) -> None:
                     if ceiling_s:
                         print(f"    streaming ceiling {ceiling_s:.3f} s: the slower of moving {c['bytes_h2d'] / 1e9:.2f} GB "
                               f"at {hw.h2d_gbps:.1f} GB/s ({c['bytes_h2d'] / (hw.h2d_gbps * 1e9) if hw.h2d_gbps else 0:.3f} "
-                              f"s) and the compute: dense {dense_prefill_s.get(n, 0.0):.3f} s + experts "
+                              f"s) and the compute: dense {dense_prefill_s.get((chunk, n), 0.0):.3f} s + experts "
                               f"{flops / (tflops * 1e12) if tflops else 0:.3f} s ({tflops:.0f} TFLOPS bf16)", flush=True)
                     print_staging_line(ring_before, staging_times(hybrid), seconds=s)
                     cache.release()                 # a state slot goes back to the pool

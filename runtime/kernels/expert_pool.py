@@ -169,10 +169,18 @@ def pool_forward_grouped(pool: torch.Tensor, layout, spec: ExpertSpec, x: torch.
     return out
 
 
+# assignments (token, expert) one grouped-GEMM round takes at most: its gathered rows, both GEMMs' outputs and the
+# weighted fp32 rows come to ~20 KB a row at hidden 2048 (~160 MB), whatever the chunk's length
+GROUPED_BATCH_ROWS = 8192
+
+
 def _grouped_mm_forward(pool: torch.Tensor, layout, spec: ExpertSpec, x: torch.Tensor, slots: torch.Tensor,
                         weights: torch.Tensor, *, workspace_bytes: int) -> torch.Tensor:
     """Assignments sorted by slot; used slots dequantized a batch at a time (Triton, one pass) into the layout
-    `F.grouped_mm` takes; gate+up as one grouped GEMM, the activation, down as another; weighted scatter-add."""
+    `F.grouped_mm` takes; gate+up as one grouped GEMM, the activation, down as another; weighted scatter-add.
+    A batch also ends at GROUPED_BATCH_ROWS assignments and gathers its own rows of x: a prefill chunk's VRAM then
+    does not grow with its tokens here beyond the fp32 output (gathered for the whole call at once, x's rows took
+    T x K x D - 512 MiB for a 16K-token chunk of qwen3-30b, top-8 - and a batch's intermediates ~20 KB a row)."""
     from runtime.kernels.dequant_triton import dequantize_experts
 
     t, k = slots.shape
@@ -182,25 +190,29 @@ def _grouped_mm_forward(pool: torch.Tensor, layout, spec: ExpertSpec, x: torch.T
     uniq, counts = torch.unique_consecutive(sorted_slots, return_counts=True)    # [U]
     uniq_h, counts_h = uniq.tolist(), counts.tolist()                             # host: one sync per call
     token_of = order // k                                                         # [A]
-    xs = x.index_select(0, token_of)                                              # [A, D] in slot order
     ws = weights.reshape(-1).index_select(0, order).to(torch.float32)             # [A]
     out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)              # fp32 accumulation
     i = layout.intermediate
     per_expert = 3 * layout.hidden * i * x.element_size()
-    batch = max(1, workspace_bytes // per_expert)
+    batch, batch_rows = max(1, workspace_bytes // per_expert), GROUPED_BATCH_ROWS
     starts = [0]
     for c in counts_h:
         starts.append(starts[-1] + c)
     first = next((j for j, sl in enumerate(uniq_h) if sl >= 0), len(uniq_h))     # -1 slots sort first: skipped
-    for j0 in range(first, len(uniq_h), batch):
-        j1 = min(j0 + batch, len(uniq_h))
+    j0 = first
+    while j0 < len(uniq_h):
+        j1 = j0 + 1                     # at least one slot a batch, however many rows it has
+        while j1 < min(j0 + batch, len(uniq_h)) and starts[j1 + 1] - starts[j0] <= batch_rows:
+            j1 += 1
         a0, a1 = starts[j0], starts[j1]
         gate_up, down = dequantize_experts(pool, layout, uniq[j0:j1], dtype=x.dtype)  # [B, 2I, D], [B, D, I]
         offs = torch.cumsum(counts[j0:j1], 0).to(torch.int32)                     # [B] end row of each slot
-        gu = torch.nn.functional.grouped_mm(xs[a0:a1], gate_up.transpose(1, 2), offs=offs)   # [n, 2I]
+        xs = x.index_select(0, token_of[a0:a1])                                   # [n, D] this batch's rows
+        gu = torch.nn.functional.grouped_mm(xs, gate_up.transpose(1, 2), offs=offs)          # [n, 2I]
         h = activate(spec, gu[:, :i], gu[:, i:])                                  # [n, I]
         y = torch.nn.functional.grouped_mm(h, down.transpose(1, 2), offs=offs)    # [n, D]
-        out.index_add_(0, token_of[a0:a1], y.float() * ws[a0:a1, None])
+        out.index_add_(0, token_of[a0:a1], y * ws[a0:a1, None])              # bf16 x fp32: one fp32 product
+        j0 = j1
     return out.to(x.dtype)
 
 
