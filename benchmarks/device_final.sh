@@ -130,6 +130,7 @@
 #   (device) bash benchmarks/device_final.sh s25d # session 25: s25c's mapped row again once the ring's thread copies in
 #                                                # the caller's inference mode, beside the pinned row; qwen3.6 learned
 #   (device) bash benchmarks/device_final.sh s29a # session 28: the warm-up into each l2norm bucket; failed CUDA tests
+#   (device) bash benchmarks/device_final.sh s31d # session 29: decode with a 16K-chunk plan's pool beside the 8K one's
 #   (device) bash benchmarks/device_final.sh s31c # session 29: prefill's grouped GEMM in rounds of 8K rows: VRAM, speed
 #   (device) bash benchmarks/device_final.sh s31b # session 29: 16K and 32K prompts in 16K chunks (s28a's second half)
 #   (device) bash benchmarks/device_final.sh s31a # session 29: the plan's decode estimate beside each model's 8 GiB row
@@ -1075,6 +1076,14 @@ elif [ "$1" = s31a ]; then
     bench_rows 240 "${model%%-*}_estimate" --models $model "${ROW_8G[@]}" --warmup 96 \
       | grep -E "^qwen|planner's|learned CPU share:"
   done
+  rm -f "$OUT"/model_*.json "$OUT"/model.json
+elif [ "$1" = s31d ]; then
+  # session 29's last device minutes: what a 16K prefill chunk costs decode - qwen3-30b at 8 GiB, a 32K-context plan
+  # (the app's default context) with 8K chunks (885 slots) and with 16K (733), learned share, one process. Predicted
+  # by the calibrated estimate: -1.4 to -2.3 % under uniform routing
+  warm 150 new
+  bench_rows 200 q3_plan_chunks --models qwen3-30b-a3b "${ROW_8G[@]}" --warmup 96 --plan-context 32768 \
+    --plan-chunks 8192 16384 | grep -E "^qwen|planner's|learned CPU share:"
   rm -f "$OUT"/model_*.json "$OUT"/model.json
 elif [ "$1" = s31c ]; then
   # session 29: the prefill grouped GEMM gathers x's rows a round at a time and caps a round at 8,192 assignments

@@ -517,6 +517,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     m.add_argument("--chunk", type=int, default=8192, help="prefill chunk (tokens)")
     m.add_argument("--prefill-chunks", nargs="+", type=int, default=None,
                    help="the prefill rows again at each of these chunks (default: --chunk's alone)")
+    m.add_argument("--plan-context", type=int, default=0,
+                   help="context the rows' plan is made for (0: 8K, or the TTFT conversation's if longer)")
+    m.add_argument("--plan-chunks", nargs="+", type=int, default=None,
+                   help="the rows again with a plan for each of these prefill chunks (its workspace: fewer slots)")
     m.add_argument("--prefill", nargs="+", type=int, default=[1024, 8192, 16384])
     m.add_argument("--prefill-budgets", nargs="+", type=float, default=[8, 0])
     m.add_argument("--ttft-context", type=int, default=20000, help="the agent turn's conversation (0: skip)")

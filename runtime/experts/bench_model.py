@@ -415,7 +415,7 @@ def run_model(name: str, args, hw, report: dict) -> None:
     from runtime.experts.host_store import HostExpertStore
     from runtime.experts.hybrid import HybridExperts, HybridOptions, costly_hot_set
     from runtime.experts.interface import ExpertSpec
-    from runtime.experts.planner import ModelShape, plan_memory
+    from runtime.experts.planner import PREFILL_CHUNK_TOKENS, ModelShape, plan_memory
     from runtime.experts.policy import RoutingStats
     from runtime.experts.stats import host_rss
 
@@ -521,14 +521,17 @@ def run_model(name: str, args, hw, report: dict) -> None:
               flush=True)
     report.setdefault("matmul_tflops", {})[name] = tflops
     rows = []
-    for budget_gib in args.budgets:
+    plan_chunks = getattr(args, "plan_chunks", None) or [PREFILL_CHUNK_TOKENS]
+    for budget_gib, plan_chunk in [(b, c) for b in args.budgets for c in plan_chunks]:
         budget = None if budget_gib == 0 else int(budget_gib * GiB)
-        plan = plan_memory(shape, hw, context_length=max(8192, args.ttft_context + 1024), max_sequences=1,
-                           vram_budget=budget)
+        context = getattr(args, "plan_context", 0) or max(8192, args.ttft_context + 1024)
+        plan = plan_memory(shape, hw, context_length=context, max_sequences=1, vram_budget=budget,
+                           prefill_chunk=plan_chunk)
         slots = plan.expert_slots if plan.backend != "cpu" else 0
         if plan.backend == "gpu":
             slots = layers * e
-        label = "unlimited" if budget is None else f"{budget_gib:g} GiB"
+        label = ("unlimited" if budget is None else f"{budget_gib:g} GiB") + \
+            (f" c{plan.prefill_chunk // 1024}K" if len(plan_chunks) > 1 else "")
         # what the load's plan (and the library's badge) would have promised, to read beside the measured rows
         slow, fast = plan.estimated_decode_tok_s
         print(f"{name} {label}: planner's decode estimate {slow:.1f}-{fast:.1f} tok/s b1 ({plan.expert_slots} slots; "
