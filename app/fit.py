@@ -161,7 +161,7 @@ def _prefill_range(shape, plan, machine: Machine, cost: CostModel, active_params
             rates.append(1.0 / max(t_compute, 2.0 * expert_params * (1 - plan.expert_slots / plan.expert_total)
                                    / cpu_flops))
             continue
-        chunk = min(PREFILL_CHUNK_TOKENS, plan.kv_tokens)      # the planner's streaming unit
+        chunk = plan.prefill_chunk or min(PREFILL_CHUNK_TOKENS, plan.kv_tokens)   # the planner's streaming unit
         streamed = max(0, plan.experts_bytes - plan.pool_bytes)
         t_stream = (streamed / (hw.h2d_gbps * cost.prefill_stream_efficiency[i] * GB) / chunk
                     if streamed and hw.h2d_gbps else 0.0)

@@ -57,10 +57,12 @@ def child(args) -> dict:
 
 
 def main() -> None:
+    from runtime.experts.planner import PREFILL_CHUNK_TOKENS   # torch-free
+
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--layers", type=int, default=8, help="layers of the qwen3.6 shape (a multiple of 4)")
     ap.add_argument("--prompts", type=int, nargs="+", default=[16384, 1000, 777], help="prompt lengths, in turn")
-    ap.add_argument("--chunk", type=int, default=8192, help="prefill chunk (the engine's on a GPU)")
+    ap.add_argument("--chunk", type=int, default=PREFILL_CHUNK_TOKENS, help="prefill chunk (the engine's on a GPU)")
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--skip-cold", action="store_true", help="only the rows with the warm-up (what a load does)")
     ap.add_argument("--out", help="folder for first_prompt.json")

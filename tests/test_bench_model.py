@@ -113,3 +113,18 @@ def test_a_prefill_rows_streaming_ceiling_is_the_slower_of_its_link_and_its_comp
     assert compute == pytest.approx(0.25 + flops / 593e12)
     assert prefill_ceiling_s(moved_bytes=30.8e9, h2d_gbps=0.0, dense_s=0.0, expert_flops=flops,
                              matmul_tflops=0.0) == 0.0
+
+
+def test_bench_models_prefill_rows_run_in_the_engines_chunk_by_default():
+    """`bench model`'s prefill rows measure what the engine does on a GPU: its default chunk is the planner's
+    (16K since session 29), so a change to one cannot leave the bench timing the other."""
+    import argparse
+
+    from runtime.experts.bench import add_arguments
+    from runtime.experts.planner import PREFILL_CHUNK_TOKENS
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    args = parser.parse_args(["model"])
+    assert args.chunk == PREFILL_CHUNK_TOKENS
+    assert args.prefill_chunks is None and args.plan_chunks is None and args.plan_context == 0

@@ -153,9 +153,10 @@ def test_prefill_on_a_narrow_pcie_link_is_bound_by_streaming_experts():
     assert fast.verdict == slow.verdict == HYBRID
     assert slow.prefill_tok_s[1] < fast.prefill_tok_s[1]
     # the stream of uncached experts per prefill chunk over 3.2 GB/s x streaming efficiency is the bound
-    from runtime.experts.planner import PREFILL_CHUNK_TOKENS
     streamed = slow.plan["experts_bytes"] - slow.plan["pool_bytes"]
-    chunk = min(PREFILL_CHUNK_TOKENS, slow.context_length)
+    chunk = slow.plan["prefill_chunk"]                                  # the planner's streaming unit
+    from runtime.experts.planner import PREFILL_CHUNK_TOKENS
+    assert chunk == min(PREFILL_CHUNK_TOKENS, slow.context_length)
     assert slow.prefill_tok_s[1] == pytest.approx(chunk / (streamed / (3.2e9 * CostModel().prefill_stream_efficiency[1])))
 
 
@@ -239,3 +240,23 @@ def test_the_decode_estimate_brackets_what_the_gpu_machine_measured(host, entry_
     assert fast < 1.5 * measured[1]                     # and the range says something
     # one estimate: the plan the load prints carries the badge's range
     assert tuple(result.plan["estimated_decode_tok_s"]) == pytest.approx(result.decode_tok_s)
+
+
+# Measured prefill rows (a 16K prompt, tok/s) on the H100 hosts, qwen3-30b-a3b at 8 GiB: in the 8K chunks an 8K-context
+# plan streams in (s25b, s25d, s27c, s30a, s31c: 16,653-18,366), and in the 16K chunks of a 32K-context one (s31c:
+# 30,397; docs/benchmarks.md "twenty-ninth pass").
+MEASURED_PREFILL = [(8192, (16653.0, 18366.0)), (32768, (30397.0, 30397.0))]
+
+
+@pytest.mark.parametrize("context, measured", MEASURED_PREFILL)
+def test_the_prefill_estimate_brackets_what_the_gpu_machine_measured(context, measured):
+    h = HOSTS["h100"]
+    hw = Hardware(vram_free=(h["vram_gib"] - 2) * GiB, vram_total=h["vram_gib"] * GiB, ram_total=128 * GiB,
+                  ram_available=120 * GiB, pinnable=Hardware.pinnable_for("Linux", 128 * GiB), h2d_gbps=h["h2d_gbps"],
+                  cpu_gbps=h["cpu_gbps"], vram_gbps=h["vram_gbps"], has_cuda=True, os_name="Linux")
+    gpu = Machine(hardware=hw, gpu_gbps=h["vram_gbps"], gpu_tflops=989.0, cpu_cores=16, cpu_read_gbps=h["cpu_gbps"])
+    result = fit("qwen3-30b-a3b-instruct-2507", gpu, context=context, vram_budget=8 * GiB)
+    assert result.plan["prefill_chunk"] == min(context, 16384)
+    slow, fast = result.prefill_tok_s
+    assert slow <= measured[0] and measured[1] <= fast, (result.prefill_tok_s, measured)
+    assert fast < 1.5 * measured[1]

@@ -514,7 +514,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     m.add_argument("--tokens", type=int, default=32, help="measured decode steps per row")
     m.add_argument("--warmup", type=int, default=16)
     m.add_argument("--context", type=int, default=512, help="tokens in the KV cache before decode is timed")
-    m.add_argument("--chunk", type=int, default=8192, help="prefill chunk (tokens)")
+    m.add_argument("--chunk", type=int, default=16384,
+                   help="prefill chunk (tokens; the engine's on a GPU, planner.PREFILL_CHUNK_TOKENS, since session 29)")
     m.add_argument("--prefill-chunks", nargs="+", type=int, default=None,
                    help="the prefill rows again at each of these chunks (default: --chunk's alone)")
     m.add_argument("--plan-context", type=int, default=0,

@@ -44,8 +44,11 @@ class CostModel:
     # kernels. qwen3.6-35b-a3b's recorded dense step (experts costing nothing) took 3.9 ms for 40 layers against
     # qwen3-30b-a3b's 2.2 ms for 48 (session 14's ceilings): ~70 µs a GDN layer more.
     linear_layer_overhead_s: tuple[float, float] = (0.080e-3, 0.060e-3)
-    # Share of the PCIe link that layer-by-layer expert streaming reaches in prefill (per uncached byte).
-    prefill_stream_efficiency: tuple[float, float] = (0.55, 0.65)
+    # Share of the PCIe link that layer-by-layer expert streaming reaches in prefill (per uncached byte), the chunk's
+    # compute that does not overlap the stream included. Session 29 widened the slow end from 0.55 to 0.42: 16K chunks
+    # (the default since) are closer to compute-bound - qwen3-30b at 8 GiB, a 16K prompt 30,397 tok/s in one 16K
+    # chunk against ~0.28 s of link (0.52 of it); in 8K chunks 16,653-18,366 (0.55-0.61)
+    prefill_stream_efficiency: tuple[float, float] = (0.42, 0.65)
     # Dense bf16 tensor throughput for prefill when NVML cannot tell (TFLOP/s), and the share reached.
     gpu_tflops_default: float = 40.0
     gpu_flops_efficiency: tuple[float, float] = (0.30, 0.60)
