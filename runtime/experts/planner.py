@@ -97,11 +97,6 @@ class ModelShape:
         return max(0, self.dense_bytes - self.input_embed_params * self.dense_bytes_per_param)
 
     @property
-    def dense_read_bytes_per_param(self) -> int:
-        """Bytes a decode step reads per dense weight it uses (the projections, the LM head)."""
-        return 1 if self.dense_int8 else self.dense_bytes_per_param
-
-    @property
     def total_experts(self) -> int:
         return self.moe_layers * self.num_experts
 
