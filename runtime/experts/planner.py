@@ -394,7 +394,7 @@ class Plan:
     estimated_decode_tok_s: tuple[float, float] = (0.0, 0.0)
     prefill_streaming: bool = True        # hybrid: prompt chunks stream layers of experts to the GPU (False: no
                                           # room for the buffers; their experts run on the CPU instead)
-    prefill_chunk: int = 8192             # prompt tokens a step: the workspace above is sized for it
+    prefill_chunk: int = PREFILL_CHUNK_TOKENS   # prompt tokens a step: the workspace above is sized for it
     # where not all of them fit the pinnable share: the first this many MoE layers' experts are copied into
     # page-locked RAM (zero-copy decode reads them; the others' misses all run on the CPU), the rest stay mapped
     experts_pinned_layers: int = 0
