@@ -145,8 +145,6 @@ def _prefill_range(shape, plan, machine: Machine, cost: CostModel, active_params
     """tokens/s over a long prompt. GPU paths: compute, or the PCIe stream of uncached experts per chunk,
     whichever is slower; a hybrid plan without room for the stream buffers computes its experts on the cores.
     CPU only: compute on the cores."""
-    from runtime.experts.planner import PREFILL_CHUNK_TOKENS
-
     hw = machine.hardware
     flops_per_token = 2.0 * active_params
     rates = []
@@ -161,7 +159,7 @@ def _prefill_range(shape, plan, machine: Machine, cost: CostModel, active_params
             rates.append(1.0 / max(t_compute, 2.0 * expert_params * (1 - plan.expert_slots / plan.expert_total)
                                    / cpu_flops))
             continue
-        chunk = plan.prefill_chunk or min(PREFILL_CHUNK_TOKENS, plan.kv_tokens)   # the planner's streaming unit
+        chunk = plan.prefill_chunk                                # the planner's streaming unit
         streamed = max(0, plan.experts_bytes - plan.pool_bytes)
         t_stream = (streamed / (hw.h2d_gbps * cost.prefill_stream_efficiency[i] * GB) / chunk
                     if streamed and hw.h2d_gbps else 0.0)

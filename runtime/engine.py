@@ -410,7 +410,7 @@ class Engine:
                 "load_seconds": round(time.perf_counter() - t0, 3)}
         if experts_plan:
             plan["experts"] = experts_plan
-        planned_chunk = ((experts_plan or {}).get("planner") or {}).get("prefill_chunk")
+        planned_chunk = _planner_of(experts_plan).get("prefill_chunk")
         if not chunk_given and planned_chunk and planned_chunk < prefill_chunk:
             prefill_chunk = int(planned_chunk)        # a tight VRAM budget: the workspace the planner could fit
         plan["prefill_chunk"] = prefill_chunk

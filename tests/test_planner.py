@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from runtime.experts.estimate import LINKS_ONLY, decode_range
+from runtime.experts.estimate import CostModel, decode_range
 from runtime.experts.planner import (DECODE_SCRATCH_TOKENS, GiB, HOST_RESERVE, PINNED_RESERVE,
                                      PREFIX_CACHE_HOST_BYTES, PREFIX_CACHE_MIN_BYTES, STAGING_RING_LAYERS,
                                      Hardware, ModelShape,
@@ -35,6 +35,13 @@ def gpu(vram_gib: float, *, ram_gib: float = 64, os_name: str = "Linux", h2d: fl
     return Hardware(vram_free=int(vram_gib * GiB), vram_total=int(vram_gib * GiB), ram_total=ram, ram_available=ram,
                     pinnable=Hardware.pinnable_for(os_name, ram), h2d_gbps=h2d, cpu_gbps=cpu, has_cuda=True,
                     os_name=os_name)
+
+
+# The bare links: every efficiency 1, no per-layer cost - the plan's figure before session 29; the byte accounting of
+# the calibrated estimate checked against the formula written out
+LINKS_ONLY = dataclasses.replace(CostModel(), cpu_kernel_efficiency=(1.0, 1.0), cpu_share_efficiency=(1.0, 1.0),
+                                 h2d_efficiency=(1.0, 1.0), gpu_bandwidth_efficiency=(1.0, 1.0),
+                                 decode_layer_overhead_s=(0.0, 0.0), linear_layer_overhead_s=(0.0, 0.0))
 
 
 def test_shape_of_real_configs():

@@ -522,9 +522,9 @@ def run_model(name: str, args, hw, report: dict) -> None:
     report.setdefault("matmul_tflops", {})[name] = tflops
     rows = []
     plan_chunks = getattr(args, "plan_chunks", None) or [PREFILL_CHUNK_TOKENS]
+    context = getattr(args, "plan_context", 0) or max(8192, args.ttft_context + 1024)
     for budget_gib, plan_chunk in [(b, c) for b in args.budgets for c in plan_chunks]:
         budget = None if budget_gib == 0 else int(budget_gib * GiB)
-        context = getattr(args, "plan_context", 0) or max(8192, args.ttft_context + 1024)
         plan = plan_memory(shape, hw, context_length=context, max_sequences=1, vram_budget=budget,
                            prefill_chunk=plan_chunk)
         slots = plan.expert_slots if plan.backend != "cpu" else 0
@@ -738,7 +738,8 @@ def run_model(name: str, args, hw, report: dict) -> None:
                         if device.type == "cuda" else 0.0
                     # issue 10's laptop projection: the same share of the ceiling a laptop's link sets (same GPU)
                     laptop_s = prefill_ceiling_s(h2d_gbps=LAPTOP_PCIE_GBPS, **streaming) if ceiling_s else 0.0
-                    kind = f"prefill {n}" + ("" if chunk == args.chunk else f" c{chunk // 1024}K" if chunk >= 1024 else f" c{chunk}")
+                    kind = f"prefill {n}" + ("" if chunk == args.chunk else f" c{chunk // 1024}K" if chunk >= 1024
+                                             else f" c{chunk}")
                     rows.append({"model": name, "budget": label, "routing": routing, "kind": kind, "chunk": chunk,
                                  "slots": slots, "tok_s": n / s, "ceiling_tok_s": n / ceiling_s if ceiling_s else 0,
                                  "of_ceiling": ceiling_s / s if ceiling_s else 0,

@@ -10,7 +10,7 @@ decodes at ~106: one estimate now, in one place.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 GB = 1e9
 
@@ -59,13 +59,6 @@ class CostModel:
     # Page-cache misses over the mapped expert file when RAM cannot hold every expert (GB/s): a SATA SSD
     # to a good NVMe drive, reading whole 4 KiB-aligned expert blocks.
     disk_gbps: tuple[float, float] = (0.5, 3.0)
-
-
-# The bare links: every efficiency 1, no per-layer cost - what the plan's old figure was (tests use it to check
-# the byte accounting against the formula written out).
-LINKS_ONLY = replace(CostModel(), cpu_kernel_efficiency=(1.0, 1.0), cpu_share_efficiency=(1.0, 1.0),
-                     h2d_efficiency=(1.0, 1.0), gpu_bandwidth_efficiency=(1.0, 1.0),
-                     decode_layer_overhead_s=(0.0, 0.0), linear_layer_overhead_s=(0.0, 0.0))
 
 
 def decode_range(shape, plan, hw, *, gpu_gbps: float = 0.0, cost: CostModel = CostModel()) -> tuple[float, float]:
