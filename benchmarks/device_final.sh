@@ -130,7 +130,8 @@
 #   (device) bash benchmarks/device_final.sh s25d # session 25: s25c's mapped row again once the ring's thread copies in
 #                                                # the caller's inference mode, beside the pinned row; qwen3.6 learned
 #   (device) bash benchmarks/device_final.sh s29a # session 28: the warm-up into each l2norm bucket; failed CUDA tests
-#   (device) bash benchmarks/device_final.sh s32a # next: qwen3.6 with 16K prefill chunks - first prompt, decode, prefill
+#   (device) bash benchmarks/device_final.sh s32a # session 30: qwen3.6 with 16K prefill chunks - first prompt, decode
+#   (device) bash benchmarks/device_final.sh s32b # session 30: qwen3.6's prefill in 8K/16K chunks; resident prefill peak
 #   (device) bash benchmarks/device_final.sh s31d # session 29: decode with a 16K-chunk plan's pool beside the 8K one's
 #   (device) bash benchmarks/device_final.sh s31c # session 29: prefill's grouped GEMM in rounds of 8K rows: VRAM, speed
 #   (device) bash benchmarks/device_final.sh s31b # session 29: 16K and 32K prompts in 16K chunks (s28a's second half)
@@ -1082,15 +1083,26 @@ elif [ "$1" = s32a ]; then
   # written in session 29 for the next session (~9 device minutes): the GPU's prefill chunk is 16K since session 29
   # (qwen3-30b measured, s31c/s31d); qwen3.6 with it. First a fresh machine's first prompts (fla keys its autotuning
   # on no length: predicted no new compile against s29d's 28.8 s warm-up + 2.5 s first 16K prompt), then qwen3.6 at
-  # 8 GiB: decode with a 32K-context plan's pool at 8K and 16K chunks (predicted -1.2 to -1.6 %, within spread), and
-  # its 16K prefill in both chunks (predicted 16K chunks +50-80 %: s27b measured 16,418 tok/s in 8K)
+  # 8 GiB: decode with a 32K-context plan's pool at 8K and 16K chunks (predicted -1.2 to -1.6 %, within spread).
+  # Its prefill in both chunks is s32b (session 30 split the call: together they pass 600 s)
   timeout 160 python3 benchmarks/bench_first_prompt.py --skip-cold --out "$OUT" 2>&1 | grep -v Warning
   warm 150 new
   bench_rows 300 q36_plan_chunks --models qwen3.6-35b-a3b "${ROW_8G[@]}" --warmup 96 --plan-context 32768 \
     --plan-chunks 8192 16384 | grep -E "^qwen|planner's|learned CPU share:"
+  rm -f "$OUT"/model_*.json "$OUT"/model.json
+elif [ "$1" = s32b ]; then
+  # session 30: s32a's prefill half (both together pass a call's 600 s): qwen3.6's 16K/32K prefill at 8 GiB in 8K
+  # and 16K chunks (predicted 16K chunks +50-80 %: s27b measured 16,418 tok/s in 8K); then qwen3-30b with every
+  # expert in VRAM (unlimited budget), a 16K prompt in 8K and 16K chunks, each row's peak VRAM: the resident path
+  # frees each grouped-GEMM intermediate early since 8eda36c (predicted ~0.9 GB of intermediates at a 16K chunk
+  # where the old code held ~1.9), and skewed routing's decode with the 32K-context plans' pools (8K vs 16K chunks)
+  warm 150 new
   bench_rows 200 q36_prefill_chunks --models qwen3.6-35b-a3b --dense-int8 --budgets 8 --routings uniform \
     --modes graphs --tokens 16 --warmup 16 --cpu-share 0.6 --ttft-context 0 --prefill 16384 32768 \
     --prefill-chunks 8192 16384 --prefill-budgets 8 | grep -E "prefill|ceiling|untimed"
+  bench_rows 150 q3_resident_prefill --models qwen3-30b-a3b --dense-int8 --budgets 0 --routings uniform \
+    --modes graphs --tokens 16 --warmup 16 --ttft-context 0 --prefill 16384 --prefill-chunks 8192 16384 \
+    --prefill-budgets 0 | grep -E "^qwen|prefill|untimed"
   rm -f "$OUT"/model_*.json "$OUT"/model.json
 elif [ "$1" = s31d ]; then
   # session 29's last device minutes: what a 16K prefill chunk costs decode - qwen3-30b at 8 GiB, a 32K-context plan
