@@ -519,8 +519,39 @@ def run_child(args) -> int:
         result["vram_peak_allocated_first_token"] = torch.cuda.max_memory_allocated()
         result["vram_peak_reserved"] = max(result["vram_peak_reserved_load"], torch.cuda.max_memory_reserved())
         result["vram_used_after_first_token"] = _device_used()
+    result["long_prompts"] = [long_prompt(engine, n, cuda) for n in args.long_prompts]
     Path(args.child_out).write_text(json.dumps(result, indent=1, default=str))
     return 0
+
+
+def long_prompt(engine, tokens: int, cuda: bool) -> dict:
+    """A prompt of `tokens` tokens to the loaded engine, to its first token: the seconds, and the VRAM it took at
+    its peak - the question an 8 GB card asks of the plan (the planner reserves a prefill chunk's activations by a
+    rule of thumb; the bench's own prefill rows plan a shorter context than their prompts)."""
+    import torch
+
+    from runtime.engine import SamplingParams
+
+    vocab = engine.tokenizer.vocab_size if hasattr(engine.tokenizer, "vocab_size") else 256
+    ids = [(7919 * i + 13) % max(2, min(vocab, 4096) - 2) + 1 for i in range(tokens)]   # distinct from any cached prefix
+    if cuda:
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+    t0 = time.perf_counter()
+    rid = engine.add_request(ids, SamplingParams(temperature=0.0, max_tokens=1, stop_token_ids=()))
+    done = False
+    while not done:
+        done = any(e.finished or e.token_id is not None for e in engine.step() if e.request_id == rid)
+    if cuda:
+        torch.cuda.synchronize()
+    seconds = time.perf_counter() - t0
+    engine.cancel(rid)
+    result = engine.result(rid)
+    row = {"tokens": tokens, "seconds": seconds, "tok_s": tokens / seconds, "error": result and result.error}
+    if cuda:
+        row.update(vram_peak_allocated=torch.cuda.max_memory_allocated(),
+                   vram_peak_reserved=torch.cuda.max_memory_reserved(), vram_used=_device_used())
+    return row
 
 
 def _device_used() -> int:
@@ -567,6 +598,17 @@ def print_report(rows: list[dict]) -> None:
               f"| {_gib(r['rss_peak'])} | {_gib(r['package_bytes'])} | {over / GiB:+.2f} "
               f"{'ok' if over <= TARGET_RSS_OVER_PACKAGE else 'MISSED'} | {_gib(r['rss_after_load'])} "
               f"| {_gib(r.get('vram_peak_reserved'))} | {_gib(r.get('vram_used_after_load'))} |")
+    long_rows = [(r, p) for r in rows for p in r.get("long_prompts", [])]
+    if long_rows:
+        print("\n| VRAM budget | run | plan's VRAM GiB | prefill chunk | prompt tokens | s to first token | tok/s "
+              "| peak allocated GiB | peak reserved GiB | device used GiB | error |")
+        print("|" + "---|" * 11)
+        for r, p in long_rows:
+            planner = (r.get("experts_plan") or {}).get("planner") or r.get("experts_plan") or {}
+            print(f"| {r['budget_gib']:g} | {r.get('run', 1)} | {_gib(planner.get('vram_planned'))} "
+                  f"| {r['plan'].get('prefill_chunk', '-')} | {p['tokens']:,} | {p['seconds']:.2f} | {p['tok_s']:,.0f} "
+                  f"| {_gib(p.get('vram_peak_allocated'))} | {_gib(p.get('vram_peak_reserved'))} "
+                  f"| {_gib(p.get('vram_used'))} | {p['error'] or '-'} |")
 
 
 # ---------------------------------------------------------------------------------------------- main
@@ -586,6 +628,8 @@ def parse_args(argv):
     ap.add_argument("--tier", default="default", choices=["default", "hybrid", "resident"],
                     help="expert tier: the engine's default for the device (what serve does), or forced")
     ap.add_argument("--decode-steps", type=int, default=3, help="decode steps timed after the first token")
+    ap.add_argument("--long-prompts", type=int, nargs="*", default=[], metavar="TOKENS",
+                    help="then prompts of these lengths to their first token, each with its VRAM peak")
     ap.add_argument("--repeat", type=int, default=1,
                     help="fresh processes per budget (the first may compile numba/Triton kernels into their caches)")
     ap.add_argument("--shape", default="qwen3-30b-a3b", choices=sorted(SHAPES),
@@ -608,7 +652,8 @@ def measure_in_subprocess(args, package: Path, budget_gib: float) -> dict:
         cmd = [sys.executable, str(Path(__file__).resolve()), "--child", "--package", str(package),
                "--budget-gib", str(budget_gib), "--child-out", str(out), "--device", args.device,
                "--context", str(args.context), "--max-batch", str(args.max_batch), "--tier", args.tier,
-               "--decode-steps", str(args.decode_steps)]
+               "--decode-steps", str(args.decode_steps),
+               "--long-prompts", *map(str, args.long_prompts)]
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
         proc = subprocess.run(cmd, env=env, cwd=str(ROOT))
         if proc.returncode != 0 or not out.is_file():

@@ -132,6 +132,7 @@
 #   (device) bash benchmarks/device_final.sh s29a # session 28: the warm-up into each l2norm bucket; failed CUDA tests
 #   (device) bash benchmarks/device_final.sh s32a # session 30: qwen3.6 with 16K prefill chunks - first prompt, decode
 #   (device) bash benchmarks/device_final.sh s32b # session 30: qwen3.6's prefill in 8K/16K chunks; resident prefill peak
+#   (device) bash benchmarks/device_final.sh s32c # session 30: the engine's long prompts at 8 GiB, each with its VRAM peak
 #   (device) bash benchmarks/device_final.sh s31d # session 29: decode with a 16K-chunk plan's pool beside the 8K one's
 #   (device) bash benchmarks/device_final.sh s31c # session 29: prefill's grouped GEMM in rounds of 8K rows: VRAM, speed
 #   (device) bash benchmarks/device_final.sh s31b # session 29: 16K and 32K prompts in 16K chunks (s28a's second half)
@@ -1079,6 +1080,19 @@ elif [ "$1" = s31a ]; then
       | grep -E "^qwen|planner's|learned CPU share:"
   done
   rm -f "$OUT"/model_*.json "$OUT"/model.json
+elif [ "$1" = s32c ]; then
+  # session 30: does the real engine keep a long prompt inside the user's VRAM budget? (`bench model`'s prefill rows
+  # plan an 8K context and passed 8 GiB by 1-2.5 GiB: qwen3.6 10.25 GiB at a 16K chunk, s32b.) Engine.load as serve
+  # does it (context 32K, 8 sequences, 8 GiB), the first token, then a 16K and a 30K prompt, each with its own peak.
+  # Predicted: qwen3-30b peak reserved 7.3-7.9 GiB (inside); qwen3.6 8.5-9.5 GiB (outside: the planner reserves
+  # 24 B x hidden a token of a chunk, 0.75 GiB at 16K, and fla's chunked Gated DeltaNet keeps more than that)
+  for shape in qwen3.6-35b-a3b qwen3-30b-a3b; do
+    timeout 280 python3 benchmarks/bench_cold_load.py --shape $shape --folder /tmp/ftw-long --vram-budget 8 \
+      --long-prompts 16384 30000 --out "$OUT/long_prompts_${shape%%-*}.json" > "$OUT/long_prompts_${shape%%-*}.txt" 2>&1
+    echo "$shape rc=$?"; grep -E "^\|" "$OUT/long_prompts_${shape%%-*}.txt" | tail -6
+    grep -E "planner|plan:|VRAM|slots" "$OUT/long_prompts_${shape%%-*}.txt" | head -8
+    rm -rf /tmp/ftw-long
+  done
 elif [ "$1" = s32a ]; then
   # written in session 29 for the next session (~9 device minutes): the GPU's prefill chunk is 16K since session 29
   # (qwen3-30b measured, s31c/s31d); qwen3.6 with it. First a fresh machine's first prompts (fla keys its autotuning
