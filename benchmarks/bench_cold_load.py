@@ -437,6 +437,9 @@ def run_child(args) -> int:
 
     t_imported = time.perf_counter()
     cuda = torch.cuda.is_available() and args.device in ("auto", "cuda")
+    from runtime.models import gated_deltanet
+    if args.gdn_piece is not None:
+        gated_deltanet.PREFILL_PIECE_TOKENS = args.gdn_piece
     sync = torch.cuda.synchronize if cuda else None
     timer = PhaseTimer(sync=(lambda: torch.cuda.synchronize() if torch.cuda.is_initialized() else None)
                        if cuda else None)
@@ -454,6 +457,7 @@ def run_child(args) -> int:
     budget = int(args.budget_gib * GiB) if args.budget_gib > 0 else None
     rss_start = host_rss()
     result: dict = {"budget_gib": args.budget_gib, "package_bytes": package_bytes, "rss_start": rss_start,
+                    "gdn_piece": gated_deltanet.PREFILL_PIECE_TOKENS,
                     "imports_s": t_imported - _T_PROCESS}
     factory = None
     if args.tier != "default":
@@ -600,13 +604,13 @@ def print_report(rows: list[dict]) -> None:
               f"| {_gib(r.get('vram_peak_reserved'))} | {_gib(r.get('vram_used_after_load'))} |")
     long_rows = [(r, p) for r in rows for p in r.get("long_prompts", [])]
     if long_rows:
-        print("\n| VRAM budget | run | plan's VRAM GiB | prefill chunk | prompt tokens | s to first token | tok/s "
+        print("\n| VRAM budget | run | plan's VRAM GiB | prefill chunk | linear-attention piece | prompt tokens | s to first token | tok/s "
               "| peak allocated GiB | peak reserved GiB | device used GiB | error |")
-        print("|" + "---|" * 11)
+        print("|" + "---|" * 12)
         for r, p in long_rows:
             planner = (r.get("experts_plan") or {}).get("planner") or r.get("experts_plan") or {}
             print(f"| {r['budget_gib']:g} | {r.get('run', 1)} | {_gib(planner.get('vram_planned'))} "
-                  f"| {r['plan'].get('prefill_chunk', '-')} | {p['tokens']:,} | {p['seconds']:.2f} | {p['tok_s']:,.0f} "
+                  f"| {r['plan'].get('prefill_chunk', '-')} | {r.get('gdn_piece') or 'whole chunk'} | {p['tokens']:,} | {p['seconds']:.2f} | {p['tok_s']:,.0f} "
                   f"| {_gib(p.get('vram_peak_allocated'))} | {_gib(p.get('vram_peak_reserved'))} "
                   f"| {_gib(p.get('vram_used'))} | {p['error'] or '-'} |")
 
@@ -630,6 +634,9 @@ def parse_args(argv):
     ap.add_argument("--decode-steps", type=int, default=3, help="decode steps timed after the first token")
     ap.add_argument("--long-prompts", type=int, nargs="*", default=[], metavar="TOKENS",
                     help="then prompts of these lengths to their first token, each with its VRAM peak")
+    ap.add_argument("--gdn-piece", type=int, default=None, metavar="TOKENS",
+                    help="linear-attention layers prefill in pieces of this many tokens (0: the whole chunk; an A/B "
+                         "of models/gated_deltanet.py's PREFILL_PIECE_TOKENS)")
     ap.add_argument("--repeat", type=int, default=1,
                     help="fresh processes per budget (the first may compile numba/Triton kernels into their caches)")
     ap.add_argument("--shape", default="qwen3-30b-a3b", choices=sorted(SHAPES),
@@ -654,6 +661,8 @@ def measure_in_subprocess(args, package: Path, budget_gib: float) -> dict:
                "--context", str(args.context), "--max-batch", str(args.max_batch), "--tier", args.tier,
                "--decode-steps", str(args.decode_steps),
                "--long-prompts", *map(str, args.long_prompts)]
+        if args.gdn_piece is not None:
+            cmd += ["--gdn-piece", str(args.gdn_piece)]
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
         proc = subprocess.run(cmd, env=env, cwd=str(ROOT))
         if proc.returncode != 0 or not out.is_file():

@@ -94,6 +94,28 @@ def test_prefill_in_two_chunks_carries_the_state(family, split, device):
     assert max_err(rec, rec_full) <= TOL and max_err(conv, conv_full) == 0.0
 
 
+@pytest.mark.parametrize("family", sorted(SPELLINGS))
+def test_a_long_prefill_runs_in_pieces_with_the_same_result(family, device, monkeypatch):
+    """A chunk past PREFILL_PIECE_TOKENS runs through the layer a piece at a time (what bounds its transients in
+    VRAM), with the output and states of one whole pass - and of transformers' layer."""
+    ref, ours = perturbed_pair(family, seed=5)
+    ours.to(device)
+    x = torch.randn(2, 150, ours.cfg.hidden_size, generator=torch.Generator().manual_seed(6))
+    pieces = []
+    whole_forward = ours._forward
+    monkeypatch.setattr(ours, "_forward", lambda x, c, r: pieces.append(x.shape[1]) or whole_forward(x, c, r))
+    with torch.no_grad():
+        expected = ref(x).to(device)
+        x = x.to(device)
+        monkeypatch.setattr(gdn_mod, "PREFILL_PIECE_TOKENS", 0)            # 0: the chunk in one pass
+        y_whole, conv_whole, rec_whole = ours(x, *ours.new_states(2))
+        monkeypatch.setattr(gdn_mod, "PREFILL_PIECE_TOKENS", 64)
+        y, conv, rec = ours(x, *ours.new_states(2))
+    assert pieces == [150, 64, 64, 22]
+    assert max_err(y, expected) <= TOL and max_err(y, y_whole) <= TOL
+    assert max_err(rec, rec_whole) <= TOL and max_err(conv, conv_whole) == 0.0
+
+
 def test_packed_projection_is_regrouped_per_key_head():
     """Qwen3-Next's in_proj_qkvz/in_proj_ba rows are grouped per key head; rebuilding them from the
     separate Qwen3.5 tensors in that grouping must give the same layer (checked without transformers)."""

@@ -332,6 +332,28 @@ def test_a_tight_budget_prefills_in_shorter_chunks_before_it_gives_up_streaming(
     assert tight.backend == "hybrid" and not tight.prefill_streaming and tight.prefill_chunk < 8192
 
 
+def test_a_linear_attention_models_workspace_covers_one_piece_of_its_mixer():
+    """Gated DeltaNet layers prefill a chunk in pieces (models/gated_deltanet.py); their transients per token are
+    twice the rest of a layer's, so a short chunk reserves the piece's transients beside what stays alive, a long
+    chunk the larger of that and the attention/MoE rule. A model without linear attention keeps the rule."""
+    from runtime.experts.planner import (ACTIVATION_BYTES_PER_TOKEN_PER_D, LINEAR_PREFILL_PIECE_TOKENS,
+                                         LIVE_BYTES_PER_TOKEN_PER_D)
+
+    q36, q3 = ModelShape.from_config(QWEN36, codec="fp4"), ModelShape.from_config(QWEN3_30B, codec="int4")
+    d = q36.hidden_size
+    conv, value = 2 * 16 * 128 + 32 * 128, 32 * 128                   # QWEN36's key/value heads x head dims
+    assert q36.linear_prefill_bytes_per_token == max(12 * conv + 2 * value, 2 * conv + 22 * value) > 40 * d
+    assert q3.linear_prefill_bytes_per_token == 0
+    piece = LINEAR_PREFILL_PIECE_TOKENS
+    assert q36.prefill_workspace_bytes(piece) == piece * (d * LIVE_BYTES_PER_TOKEN_PER_D
+                                                          + q36.linear_prefill_bytes_per_token)
+    assert q36.prefill_workspace_bytes(piece) > piece * d * ACTIVATION_BYTES_PER_TOKEN_PER_D
+    assert q36.prefill_workspace_bytes(16384) == 16384 * d * ACTIVATION_BYTES_PER_TOKEN_PER_D   # the rule wins
+    assert q3.prefill_workspace_bytes(piece) == piece * q3.hidden_size * ACTIVATION_BYTES_PER_TOKEN_PER_D
+    plan = plan_memory(q36, gpu(80), context_length=piece, vram_budget=8 * GiB)
+    assert plan.prefill_chunk == piece and plan.workspace_bytes == q36.prefill_workspace_bytes(piece)
+
+
 def test_the_plan_prints_its_decode_estimate_as_the_calibrated_range():
     """The load's plan shows a range a real step reaches (experts/estimate.py), not the bare links' bound that read
     393 tok/s for a qwen3.6 plan decoding at ~106 (session 29)."""

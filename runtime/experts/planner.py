@@ -43,6 +43,12 @@ PREFILL_CHUNK_TOKENS = 16384          # prefill runs in chunks this long on a GP
                                       # 16K since session 29: a 16K prompt 1.83x faster than in 8K chunks (s31c),
                                       # decode with the smaller pool within run-to-run spread (s31d)
 ACTIVATION_BYTES_PER_TOKEN_PER_D = 24  # a chunk's hidden, residual, norm, attention and MoE buffers (bf16)
+LIVE_BYTES_PER_TOKEN_PER_D = 6        # what stays alive across a layer's mixer: the residual, its norm, the output
+# A linear-attention (Gated DeltaNet) layer runs a prefill chunk in pieces of this many tokens (a multiple of its 64-
+# token blocks; models/gated_deltanet.py): its transients - the conv's input, transposed history and two fp32 sums,
+# then fla's intermediates - are ~50 x hidden bytes a token for qwen3.6, twice the rest of a layer's, and in one
+# piece a 16K chunk of them took ~1.2 GiB more than an 8K one (s32b). In pieces they are bounded by the piece
+LINEAR_PREFILL_PIECE_TOKENS = 2048
 MIN_PREFILL_CHUNK = 1024              # the shortest chunk a tight VRAM budget prefills in before giving up streaming
 STAGING_RING_LAYERS = 2               # layers of blocks in prefill's double buffers - the device's stream
                                       # buffers and a mapped store's pinned staging ring (staging.py): one layer
@@ -85,6 +91,7 @@ class ModelShape:
     kv_bytes_per_token_per_layer: int  # K and V of one token in one attention layer (bf16)
     linear_attention_layers: int
     linear_state_bytes: int           # one sequence's recurrent + conv state over all linear layers
+    linear_prefill_bytes_per_token: int = 0   # a linear-attention layer's prefill transients a token (its peak stage)
     dense_bytes_per_param: int = 2    # dense weights run in bf16...
     dense_nbytes: int = 0             # ...unless measured as loaded (int8 projections: models/quantized.py)
     dense_int8: bool = False          # the projections and LM head in int8 (what a decode step reads: 1 byte each)
@@ -111,6 +118,15 @@ class ModelShape:
     @property
     def layer_experts_bytes(self) -> int:
         return self.num_experts * self.expert_block_bytes
+
+    def prefill_workspace_bytes(self, chunk: int) -> int:
+        """Activations for a prefill chunk of `chunk` tokens: a layer's hidden, residual, norm, attention and MoE
+        buffers, or, in a linear-attention layer, what stays alive beside the mixer plus one piece's transients -
+        whichever is larger (the two never coexist)."""
+        d = self.hidden_size
+        linear = chunk * d * LIVE_BYTES_PER_TOKEN_PER_D \
+            + min(chunk, LINEAR_PREFILL_PIECE_TOKENS) * self.linear_prefill_bytes_per_token
+        return max(chunk * d * ACTIVATION_BYTES_PER_TOKEN_PER_D, linear if self.linear_attention_layers else 0)
 
     def kv_bytes(self, tokens: int, sequences: int) -> int:
         """KV cache for a pool of `tokens` positions shared by up to `sequences` sequences.
@@ -166,7 +182,7 @@ class ModelShape:
         gated_q = model_type.startswith(("qwen3_next", "qwen3_5"))   # q_proj also yields the output gate
         attn = d * heads * head_dim * (2 if gated_q else 1) + 2 * d * kv_heads * head_dim + heads * head_dim * d
 
-        linear_params, state = 0, 0
+        linear_params, state, linear_prefill = 0, 0, 0
         if n_linear:
             nk, nv = int(cfg["linear_num_key_heads"]), int(cfg["linear_num_value_heads"])
             dk, dv = int(cfg["linear_key_head_dim"]), int(cfg["linear_value_head_dim"])
@@ -175,6 +191,11 @@ class ModelShape:
             linear_params = d * (conv_dim + nv * dv + 2 * nv) + conv_dim * kernel + nv * dv * d
             # recurrent state [n_v, d_k, d_v] in fp32, conv state [C, kernel - 1] in bf16, per layer
             state = n_linear * (nv * dk * dv * 4 + conv_dim * (kernel - 1) * 2)
+            # GatedDeltaNet.forward's two peaks a token: the conv (its input and transposed history in bf16, two
+            # fp32 sums: 12 C) beside z (2 V); the rule (the conv's output 2 C, z, q and k expanded to the value
+            # heads, v, fla's w, u, chunk states, new v and output: ~22 V at d_k = d_v)
+            value = nv * dv
+            linear_prefill = max(12 * conv_dim + 2 * value, 2 * conv_dim + 22 * value)
 
         shared_i = int(cfg.get("shared_expert_intermediate_size") or 0)
         per_moe_layer = experts * d + (3 * d * shared_i + d if shared_i else 0)
@@ -193,7 +214,8 @@ class ModelShape:
                    dense_int8=bool(dense_int8), input_embed_params=0 if cfg.get("tie_word_embeddings") else vocab * d,
                    full_attention_layers=n_full, sliding_attention_layers=n_sliding, sliding_window=window,
                    kv_bytes_per_token_per_layer=2 * kv_heads * head_dim * 2,
-                   linear_attention_layers=n_linear, linear_state_bytes=state)
+                   linear_attention_layers=n_linear, linear_state_bytes=state,
+                   linear_prefill_bytes_per_token=linear_prefill)
 
 
 def expert_block_bytes(codec: str, d: int, i: int, *, group_size: int = 64, block_size: int = 32,
@@ -455,8 +477,7 @@ def plan_memory(shape: ModelShape, hw: Hardware, *, context_length: int = 8192, 
     kv = shape.kv_bytes(context_length, max_sequences)
     states = state_slots * shape.linear_state_bytes
     chunk = min(prefill_chunk, context_length)
-    per_token = shape.hidden_size * ACTIVATION_BYTES_PER_TOKEN_PER_D     # a prefill chunk's workspace per token
-    workspace = chunk * per_token
+    workspace = shape.prefill_workspace_bytes(chunk)
     fixed_gpu = shape.dense_bytes + kv + states + workspace
 
     budget = 0
@@ -497,15 +518,15 @@ def plan_memory(shape: ModelShape, hw: Hardware, *, context_length: int = 8192, 
         # over PCIe from a GPU holding the dense weights - far faster than the CPU-only plan)
         shorter = [c for c in (chunk >> i for i in range(8)) if c >= min(chunk, MIN_PREFILL_CHUNK)]
         for streams, c in [(True, c) for c in shorter] + [(False, c) for c in shorter]:
-            need = fixed_gpu + (c - chunk) * per_token \
+            need = fixed_gpu + shape.prefill_workspace_bytes(c) - workspace \
                 + (ring + scratch + shape.expert_block_bytes * shape.top_k if streams else scratch)
             if need <= budget:
                 gpu_ok, streaming = True, streams
                 break
         if gpu_ok and c != chunk:
             notes.append(f"prompts prefill in chunks of {c:,} tokens (not {chunk:,}) to fit the VRAM budget")
-            fixed_gpu += (c - chunk) * per_token
-            chunk, workspace = c, c * per_token
+            fixed_gpu += shape.prefill_workspace_bytes(c) - workspace
+            chunk, workspace = c, shape.prefill_workspace_bytes(c)
             base["workspace_bytes"] = workspace
         if gpu_ok and not streaming:
             notes.append(f"no room for the prefill stream buffers ({_fmt_bytes(ring)}): prompts' experts run on the "

@@ -34,12 +34,16 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
+from runtime.experts.planner import LINEAR_PREFILL_PIECE_TOKENS
 from runtime.kernels import gdn_decode_triton
 
 log = logging.getLogger(__name__)
 
 CHUNK_SIZE = 64           # tokens per block of the chunked form (what fla and transformers use)
 L2NORM_EPS = 1e-6         # inside the kernel's q/k normalisation (fla's constant)
+# A prefill chunk longer than LINEAR_PREFILL_PIECE_TOKENS runs through the layer in pieces (the planner's constant:
+# it reserves their transients), the states carried from piece to piece exactly as between the engine's chunks
+PREFILL_PIECE_TOKENS = LINEAR_PREFILL_PIECE_TOKENS
 # the fused decode step (runtime/kernels/gdn_decode_triton.py) on GPUs; FREETOKEN_GDN_DECODE=0 keeps the torch form
 FUSED_DECODE = os.environ.get("FREETOKEN_GDN_DECODE", "1") != "0"
 FUSED_CHECK_TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 2e-2, torch.float16: 1e-2}   # relative, first use
@@ -352,6 +356,17 @@ class GatedDeltaNet(torch.nn.Module):
 
     def forward(self, x: torch.Tensor, conv_state: torch.Tensor, recurrent_state: torch.Tensor
                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        T, piece = x.shape[1], PREFILL_PIECE_TOKENS
+        if not piece or T <= piece:
+            return self._forward(x, conv_state, recurrent_state)
+        y = x.new_empty(x.shape)
+        for start in range(0, T, piece):
+            y[:, start:start + piece], conv_state, recurrent_state = self._forward(
+                x[:, start:start + piece], conv_state, recurrent_state)
+        return y, conv_state, recurrent_state
+
+    def _forward(self, x: torch.Tensor, conv_state: torch.Tensor, recurrent_state: torch.Tensor
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         cfg = self.cfg
         B, T, _ = x.shape
         mixed, z, b, a = self.project(x)
