@@ -523,12 +523,12 @@ def run_child(args) -> int:
         result["vram_peak_allocated_first_token"] = torch.cuda.max_memory_allocated()
         result["vram_peak_reserved"] = max(result["vram_peak_reserved_load"], torch.cuda.max_memory_reserved())
         result["vram_used_after_first_token"] = _device_used()
-    result["long_prompts"] = [long_prompt(engine, n, cuda) for n in args.long_prompts]
+    result["long_prompts"] = [long_prompt(engine, n, cuda, salt=i) for i, n in enumerate(args.long_prompts)]
     Path(args.child_out).write_text(json.dumps(result, indent=1, default=str))
     return 0
 
 
-def long_prompt(engine, tokens: int, cuda: bool) -> dict:
+def long_prompt(engine, tokens: int, cuda: bool, *, salt: int = 0) -> dict:
     """A prompt of `tokens` tokens to the loaded engine, to its first token: the seconds, and the VRAM it took at
     its peak - the question an 8 GB card asks of the plan (the planner reserves a prefill chunk's activations by a
     rule of thumb; the bench's own prefill rows plan a shorter context than their prompts)."""
@@ -537,7 +537,8 @@ def long_prompt(engine, tokens: int, cuda: bool) -> dict:
     from runtime.engine import SamplingParams
 
     vocab = engine.tokenizer.vocab_size if hasattr(engine.tokenizer, "vocab_size") else 256
-    ids = [(7919 * i + 13) % max(2, min(vocab, 4096) - 2) + 1 for i in range(tokens)]   # distinct from any cached prefix
+    # each prompt its own first token: no prompt is a prefix of another or of the chat's (no prefix-cache hit)
+    ids = [(7919 * i + 13 + 101 * salt) % max(2, min(vocab, 4096) - 2) + 1 for i in range(tokens)]
     if cuda:
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
@@ -551,7 +552,8 @@ def long_prompt(engine, tokens: int, cuda: bool) -> dict:
     seconds = time.perf_counter() - t0
     engine.cancel(rid)
     result = engine.result(rid)
-    row = {"tokens": tokens, "seconds": seconds, "tok_s": tokens / seconds, "error": result and result.error}
+    row = {"tokens": tokens, "seconds": seconds, "tok_s": tokens / seconds, "error": result and result.error,
+           "cached_tokens": result.cached_tokens if result else None}
     if cuda:
         row.update(vram_peak_allocated=torch.cuda.max_memory_allocated(),
                    vram_peak_reserved=torch.cuda.max_memory_reserved(), vram_used=_device_used())
@@ -605,14 +607,14 @@ def print_report(rows: list[dict]) -> None:
     long_rows = [(r, p) for r in rows for p in r.get("long_prompts", [])]
     if long_rows:
         print("\n| VRAM budget | run | plan's VRAM GiB | prefill chunk | linear-attention piece | prompt tokens | s to first token | tok/s "
-              "| peak allocated GiB | peak reserved GiB | device used GiB | error |")
-        print("|" + "---|" * 12)
+              "| peak allocated GiB | peak reserved GiB | device used GiB | from the prefix cache | error |")
+        print("|" + "---|" * 13)
         for r, p in long_rows:
             planner = (r.get("experts_plan") or {}).get("planner") or r.get("experts_plan") or {}
             print(f"| {r['budget_gib']:g} | {r.get('run', 1)} | {_gib(planner.get('vram_planned'))} "
                   f"| {r['plan'].get('prefill_chunk', '-')} | {r.get('gdn_piece') or 'whole chunk'} | {p['tokens']:,} | {p['seconds']:.2f} | {p['tok_s']:,.0f} "
                   f"| {_gib(p.get('vram_peak_allocated'))} | {_gib(p.get('vram_peak_reserved'))} "
-                  f"| {_gib(p.get('vram_used'))} | {p['error'] or '-'} |")
+                  f"| {_gib(p.get('vram_used'))} | {p.get('cached_tokens') or 0:,} | {p['error'] or '-'} |")
 
 
 # ---------------------------------------------------------------------------------------------- main

@@ -133,6 +133,7 @@
 #   (device) bash benchmarks/device_final.sh s32a # session 30: qwen3.6 with 16K prefill chunks - first prompt, decode
 #   (device) bash benchmarks/device_final.sh s32b # session 30: qwen3.6's prefill in 8K/16K chunks; resident prefill peak
 #   (device) bash benchmarks/device_final.sh s32c # session 30: the engine's long prompts at 8 GiB, each with its VRAM peak
+#   (device) bash benchmarks/device_final.sh s32d # session 30: s32c again with K/V copied a group at a time; pieces A/B
 #   (device) bash benchmarks/device_final.sh s31d # session 29: decode with a 16K-chunk plan's pool beside the 8K one's
 #   (device) bash benchmarks/device_final.sh s31c # session 29: prefill's grouped GEMM in rounds of 8K rows: VRAM, speed
 #   (device) bash benchmarks/device_final.sh s31b # session 29: 16K and 32K prompts in 16K chunks (s28a's second half)
@@ -1080,6 +1081,26 @@ elif [ "$1" = s31a ]; then
       | grep -E "^qwen|planner's|learned CPU share:"
   done
   rm -f "$OUT"/model_*.json "$OUT"/model.json
+elif [ "$1" = s32d ]; then
+  # session 30, after s32c: qwen3-30b's 30K prompt peaked at 8.30 GiB allocated (9.93 reserved) in an 8 GiB plan -
+  # the lower-right flash call's copy of K and V to all 32 query heads (2 x 240 MB a layer at 30K). Now a group at a
+  # time under 64 MiB (blocks._attend_expanded); and the long prompts no longer share a prefix (s32c's 30K prompt
+  # restored the 16K one's first 16,383 tokens from the prefix cache). Predicted: qwen3-30b's 30K prompt <= 8.0 GiB
+  # allocated, its speed within 3 % of the whole copy's; qwen3.6's pieces against the whole chunk: ~1.2-1.6 GiB less
+  # peak, speed within 3 % (the second 16K prompt: the first pays one-time costs)
+  timeout 60 python3 -m pytest -q -p no:cacheprovider --device cuda tests/test_engine_units.py -k "attend or gqa" \
+    --tb=short 2>&1 | tail -2
+  timeout 150 python3 benchmarks/bench_cold_load.py --shape qwen3-30b-a3b --folder /tmp/ftw-long --vram-budget 8 \
+    --long-prompts 16384 16384 30000 --out "$OUT/long_prompts_qwen3.json" > "$OUT/long_prompts_qwen3.txt" 2>&1
+  echo "qwen3-30b rc=$?"; grep -E "^\|" "$OUT/long_prompts_qwen3.txt" | tail -5
+  rm -rf /tmp/ftw-long
+  for piece in 2048 0; do
+    timeout 200 python3 benchmarks/bench_cold_load.py --shape qwen3.6-35b-a3b --folder /tmp/ftw-long --vram-budget 8 \
+      --long-prompts 16384 16384 30000 --gdn-piece $piece --out "$OUT/long_prompts_qwen3.6_$piece.json" \
+      > "$OUT/long_prompts_qwen3.6_$piece.txt" 2>&1
+    echo "qwen3.6 piece $piece rc=$?"; grep -E "^\|" "$OUT/long_prompts_qwen3.6_$piece.txt" | tail -5
+  done
+  rm -rf /tmp/ftw-long
 elif [ "$1" = s32c ]; then
   # session 30: does the real engine keep a long prompt inside the user's VRAM budget? (`bench model`'s prefill rows
   # plan an 8K context and passed 8 GiB by 1-2.5 GiB: qwen3.6 10.25 GiB at a 16K chunk, s32b.) Engine.load as serve

@@ -210,6 +210,34 @@ def test_attend_on_the_device_matches_fp32(device, t, s):
     got = attend(*(x.to(device, dtype) for x in (q, k, v)), scale=64 ** -0.5).float().cpu()
     assert torch.allclose(got, want, atol=3e-2 if device == "cuda" else 1e-5)
 
+@pytest.mark.parametrize("budget_heads,calls", [(8, 2), (2, 8), (1, 16), (0, 16)])
+def test_gqa_through_a_one_kv_head_call_copies_a_bounded_group_at_a_time(monkeypatch, budget_heads, calls):
+    """A later chunk on a GPU: torch's lower-right flash call takes one kv head per query head, so K and V are copied
+    to the query heads a group at a time under a byte budget (the largest divisor of the group that fits; one head
+    when none does) - the same attention as GQA, with at most `budget` bytes of copies alive."""
+    from torch.nn.attention.bias import causal_lower_right
+
+    from runtime.models import blocks
+
+    gen = torch.Generator().manual_seed(7)
+    t, s, hd = 5, 40, 8
+    q, k, v = (torch.randn(*shape, generator=gen) for shape in ((16, t, hd), (2, s, hd), (2, s, hd)))
+    per_head = 2 * s * hd * k.element_size()
+    seen = []
+
+    class F:       # blocks' view of torch.nn.functional, spied (torch's own stays as it is: CausalBias checks it)
+        @staticmethod
+        def scaled_dot_product_attention(q_, k_, v_, **kw):
+            assert k_.shape[1] == q_.shape[1]                 # one kv head per query head
+            seen.append(k_.shape[1])
+            return torch.nn.functional.scaled_dot_product_attention(q_, k_, v_, **kw)
+
+    monkeypatch.setattr(blocks, "F", F)
+    got = blocks._attend_expanded(q, k, v, causal_lower_right(t, s), scale=hd ** -0.5, budget=budget_heads * per_head)
+    assert len(seen) == calls and all(m * per_head <= max(budget_heads, 1) * per_head for m in seen)
+    assert torch.allclose(got, naive_attention(q, k, v), atol=1e-5)
+
+
 # ------------------------------------------------------------------------------------------- config, loading
 
 

@@ -158,6 +158,10 @@ def rope_frequencies(dim: int, theta: float, scaling: dict | None,
 
 # The sinks path materialises scores [H, T, S] in fp32; longer prefill chunks are split to stay under this.
 SCORE_BUDGET_BYTES = 256 << 20
+# A later prefill chunk on a GPU attends through torch's lower-right flash call, which takes one kv head per query
+# head: K and V are copied to the query heads a group at a time, at most this many bytes (a copy of all of them at
+# a 30K-token prefix was 2 x 240 MB a layer for qwen3-30b - VRAM the planner never reserved, s32c)
+KV_EXPAND_BUDGET_BYTES = 64 << 20
 
 
 def causal_window_mask(first_pos: int, t: int, s: int, sliding_window: int | None, *,
@@ -225,16 +229,33 @@ def _attend_lower_right(q: torch.Tensor, keys: torch.Tensor, values: torch.Tenso
     """q [H, T, hd] over keys/values [Hkv, S, hd], S >= T, query i at position S - T + i: [H, T, hd]."""
     from torch.nn.attention.bias import causal_lower_right    # here: importing it pulls in torch._dynamo (~1.5 s)
 
-    h, t, _ = q.shape
+    h, t, hd = q.shape
     hkv, s, _ = keys.shape
     bias = causal_lower_right(t, s)
-    if q.is_cuda and h != hkv:
-        # torch's lower-right flash call takes no GQA flag: give it one kv head per query head (a copy of this
-        # layer's K and V, small beside the attention itself)
-        keys, values = keys.repeat_interleave(h // hkv, dim=0), values.repeat_interleave(h // hkv, dim=0)
-        hkv = h
-    return F.scaled_dot_product_attention(q[None], keys[None], values[None], attn_mask=bias, scale=scale,
-                                          enable_gqa=h != hkv)[0]
+    if not (q.is_cuda and h != hkv):
+        return F.scaled_dot_product_attention(q[None], keys[None], values[None], attn_mask=bias, scale=scale,
+                                              enable_gqa=h != hkv)[0]
+    return _attend_expanded(q, keys, values, bias, scale=scale)
+
+
+def _attend_expanded(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, bias, *, scale: float,
+                     budget: int = KV_EXPAND_BUDGET_BYTES) -> torch.Tensor:
+    """Grouped-query attention through a call that takes one kv head per query head (torch's lower-right flash):
+    the query heads in groups of m sharing a kv head (m the largest divisor of the group size whose copy of K and
+    V fits `budget`), each group's kv head copied m times. q [H, T, hd], keys/values [Hkv, S, hd] -> [H, T, hd]."""
+    h, t, hd = q.shape
+    hkv, s, _ = keys.shape
+    g = h // hkv
+    per_head = 2 * s * hd * keys.element_size()
+    m = max([d for d in range(1, g + 1) if g % d == 0 and d * per_head <= budget], default=1)
+    out = q.new_empty(q.shape)
+    for first in range(0, h, m):
+        kv = first // g
+        k = keys[kv:kv + 1].expand(m, s, hd).contiguous()
+        v = values[kv:kv + 1].expand(m, s, hd).contiguous()
+        out[first:first + m] = F.scaled_dot_product_attention(q[None, first:first + m], k[None], v[None],
+                                                              attn_mask=bias, scale=scale)[0]
+    return out
 
 
 def attend_batch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: Batch, layer: int, *,
