@@ -1106,7 +1106,7 @@ elif [ "$1" = s32c ]; then
   # plan an 8K context and passed 8 GiB by 1-2.5 GiB: qwen3.6 10.25 GiB at a 16K chunk, s32b.) Engine.load as serve
   # does it (context 32K, 8 sequences, 8 GiB), the first token, then a 16K and a 30K prompt, each with its own peak;
   # qwen3.6 with its Gated DeltaNet layers prefilling the whole chunk at once (piece 0, the code before this
-  # session) and in 2,048-token pieces (the new default). Predicted: qwen3.6 whole chunk 8.5-9.5 GiB peak reserved
+  # session) and in 2,048-token pieces (the first default; 4,096 after s32d). Predicted: qwen3.6 whole chunk 8.5-9.5 GiB peak reserved
   # (outside the budget: fla's and the conv's transients ~100 KB a token against the plan's 48), in pieces ~1.2-1.6
   # GiB less and inside 8 GiB, within 3 % of its speed; qwen3-30b 7.3-7.9 GiB (inside)
   for piece in 0 2048; do

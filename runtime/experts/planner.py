@@ -47,8 +47,9 @@ LIVE_BYTES_PER_TOKEN_PER_D = 6        # what stays alive across a layer's mixer:
 # A linear-attention (Gated DeltaNet) layer runs a prefill chunk in pieces of this many tokens (a multiple of its 64-
 # token blocks; models/gated_deltanet.py): its transients - the conv's input, transposed history and two fp32 sums,
 # then fla's intermediates - are ~50 x hidden bytes a token for qwen3.6, twice the rest of a layer's: run whole, a
-# 16K chunk took ~1.2 GiB more peak VRAM than an 8K one (s32b). In pieces they are bounded by the piece
-LINEAR_PREFILL_PIECE_TOKENS = 2048
+# 16K chunk took ~1.2 GiB more peak VRAM than an 8K one (s32b) and a real 8 GiB load peaked at 8.45 GiB. In 4K
+# pieces it peaked at 7.08 GiB for +2.3 % prefill time; 2K pieces, the same peak for +5.5 % (s32d)
+LINEAR_PREFILL_PIECE_TOKENS = 4096
 MIN_PREFILL_CHUNK = 1024              # the shortest chunk a tight VRAM budget prefills in before giving up streaming
 STAGING_RING_LAYERS = 2               # layers of blocks in prefill's double buffers - the device's stream
                                       # buffers and a mapped store's pinned staging ring (staging.py): one layer
