@@ -134,7 +134,7 @@
 #   (device) bash benchmarks/device_final.sh s32b # session 30: qwen3.6's prefill in 8K/16K chunks; resident prefill peak
 #   (device) bash benchmarks/device_final.sh s32c # session 30: the engine's long prompts at 8 GiB, each with its VRAM peak
 #   (device) bash benchmarks/device_final.sh s32d # session 30: s32c again with K/V copied a group at a time; pieces A/B
-#   (device) bash benchmarks/device_final.sh s32e # next: qwen3-30b's long prompts at 8 GiB with the group copy
+#   (device) bash benchmarks/device_final.sh s32e # next: both shapes' long prompts at 8 GiB, each step timed
 #   (device) bash benchmarks/device_final.sh s31d # session 29: decode with a 16K-chunk plan's pool beside the 8K one's
 #   (device) bash benchmarks/device_final.sh s31c # session 29: prefill's grouped GEMM in rounds of 8K rows: VRAM, speed
 #   (device) bash benchmarks/device_final.sh s31b # session 29: 16K and 32K prompts in 16K chunks (s28a's second half)
@@ -1083,13 +1083,20 @@ elif [ "$1" = s31a ]; then
   done
   rm -f "$OUT"/model_*.json "$OUT"/model.json
 elif [ "$1" = s32e ]; then
-  # written in session 30 for the next session (~5 device minutes): s32d's qwen3-30b half, which ran out of its
+  # written in session 30 for the next session (~9 device minutes): s32d's qwen3-30b half, which ran out of its
   # 150 s. qwen3-30b at 8 GiB (context 32K): 16K, 16K and 30K prompts sharing no prefix, each with its own peak,
   # now that a later chunk copies K and V a group of query heads at a time (3d657dc). Predicted: the 30K prompt
   # <= 8.0 GiB allocated (s32c, whole copy, a 16K prefix restored: 8.30), its time within 3 % of the whole copy's
   timeout 300 python3 benchmarks/bench_cold_load.py --shape qwen3-30b-a3b --folder /tmp/ftw-long --vram-budget 8 \
     --long-prompts 16384 16384 30000 --out "$OUT/long_prompts_qwen3.json" > "$OUT/long_prompts_qwen3.txt" 2>&1
   echo "qwen3-30b rc=$?"; grep -E "^\|" "$OUT/long_prompts_qwen3.txt" | tail -5
+  rm -rf /tmp/ftw-long
+  # then qwen3.6 with 4K pieces (the default), each prompt's engine steps timed: s32d's warm 16K prompt took 1.31 s
+  # in the engine against 0.84 s in `bench model`'s row (s32b) - which steps hold the difference (the chunk's
+  # forward, the last token's step after the prompt's snapshot, the prefix cache's copies at the end)?
+  timeout 250 python3 benchmarks/bench_cold_load.py --shape qwen3.6-35b-a3b --folder /tmp/ftw-long --vram-budget 8 \
+    --long-prompts 16384 16384 30000 --out "$OUT/long_prompts_qwen3.6.json" > "$OUT/long_prompts_qwen3.6.txt" 2>&1
+  echo "qwen3.6 rc=$?"; grep -E "^\|" "$OUT/long_prompts_qwen3.6.txt" | tail -5
   rm -rf /tmp/ftw-long
 elif [ "$1" = s32d ]; then
   # session 30, after s32c: qwen3-30b's 30K prompt peaked at 8.30 GiB allocated (9.93 reserved) in an 8 GiB plan -
