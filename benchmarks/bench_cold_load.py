@@ -542,6 +542,7 @@ def long_prompt(engine, tokens: int, cuda: bool, *, salt: int = 0) -> dict:
     if cuda:
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
+    stored_before = engine.stats()["prefix_cache"]["store_seconds"]
     t0 = time.perf_counter()
     rid = engine.add_request(ids, SamplingParams(temperature=0.0, max_tokens=1, stop_token_ids=()))
     done, steps = False, []
@@ -558,7 +559,10 @@ def long_prompt(engine, tokens: int, cuda: bool, *, salt: int = 0) -> dict:
     engine.cancel(rid)
     result = engine.result(rid)
     row = {"tokens": tokens, "seconds": seconds, "tok_s": tokens / seconds, "error": result and result.error,
-           "cached_tokens": result.cached_tokens if result else None, "step_seconds": steps}
+           "cached_tokens": result.cached_tokens if result else None, "step_seconds": steps,
+           # copies into the prefix cache's host memory inside those steps: a linear-attention prompt's snapshot
+           # one token before its end (inside its TTFT), and - max_tokens being 1 here - the finished request's
+           "prefix_store_seconds": engine.stats()["prefix_cache"]["store_seconds"] - stored_before}
     if cuda:
         row.update(vram_peak_allocated=torch.cuda.max_memory_allocated(),
                    vram_peak_reserved=torch.cuda.max_memory_reserved(), vram_used=_device_used())
@@ -612,15 +616,17 @@ def print_report(rows: list[dict]) -> None:
     long_rows = [(r, p) for r in rows for p in r.get("long_prompts", [])]
     if long_rows:
         print("\n| VRAM budget | run | plan's VRAM GiB | prefill chunk | linear-attention piece | prompt tokens | s to first token | tok/s "
-              "| peak allocated GiB | peak reserved GiB | device used GiB | from the prefix cache | error | engine steps s |")
-        print("|" + "---|" * 14)
+              "| peak allocated GiB | peak reserved GiB | device used GiB | from the prefix cache | error | engine steps s "
+              "| of which copies to the prefix cache s |")
+        print("|" + "---|" * 15)
         for r, p in long_rows:
             planner = (r.get("experts_plan") or {}).get("planner") or r.get("experts_plan") or {}
             print(f"| {r['budget_gib']:g} | {r.get('run', 1)} | {_gib(planner.get('vram_planned'))} "
                   f"| {r['plan'].get('prefill_chunk', '-')} | {r.get('gdn_piece') or 'whole chunk'} | {p['tokens']:,} | {p['seconds']:.2f} | {p['tok_s']:,.0f} "
                   f"| {_gib(p.get('vram_peak_allocated'))} | {_gib(p.get('vram_peak_reserved'))} "
                   f"| {_gib(p.get('vram_used'))} | {p.get('cached_tokens') or 0:,} | {p['error'] or '-'} "
-                  f"| {' + '.join(f'{x:.3f}' for x in p.get('step_seconds', []))} |")
+                  f"| {' + '.join(f'{x:.3f}' for x in p.get('step_seconds', []))} "
+                  f"| {p.get('prefix_store_seconds', 0.0):.3f} |")
 
 
 # ---------------------------------------------------------------------------------------------- main

@@ -1093,7 +1093,8 @@ elif [ "$1" = s32e ]; then
   rm -rf /tmp/ftw-long
   # then qwen3.6 with 4K pieces (the default), each prompt's engine steps timed: s32d's warm 16K prompt took 1.31 s
   # in the engine against 0.84 s in `bench model`'s row (s32b) - which steps hold the difference (the chunk's
-  # forward, the last token's step after the prompt's snapshot, the prefix cache's copies at the end)?
+  # forward, the last token's step after the prompt's snapshot, the prefix cache's copies - now timed by the engine,
+  # "store_seconds": predicted 0.1-0.4 s of the 0.47, mostly page-locking fresh host memory for each copy)?
   timeout 250 python3 benchmarks/bench_cold_load.py --shape qwen3.6-35b-a3b --folder /tmp/ftw-long --vram-budget 8 \
     --long-prompts 16384 16384 30000 --out "$OUT/long_prompts_qwen3.6.json" > "$OUT/long_prompts_qwen3.6.txt" 2>&1
   echo "qwen3.6 rc=$?"; grep -E "^\|" "$OUT/long_prompts_qwen3.6.txt" | tail -5

@@ -258,7 +258,8 @@ class Engine:
         self._pending_events: list[TokenEvent] = []
         self._results: dict[str, GenerationResult] = {}
         self._counters = dict(requests=0, finished=0, cancelled=0, failed=0, prefill_tokens=0, decode_tokens=0,
-                              prefill_step_seconds=0.0, decode_step_seconds=0.0, steps=0)
+                              prefill_step_seconds=0.0, decode_step_seconds=0.0, steps=0,
+                              prefix_store_seconds=0.0)
 
     # ------------------------------------------------------------------------------------------ load
 
@@ -606,7 +607,11 @@ class Engine:
     def _for_prefix_cache(self, cache: SequenceCache) -> SequenceCache:
         if self.prefix_cache_device == self.device:
             return cache
-        return cache.to(self.prefix_cache_device)
+        # timed: the copy to host memory runs inside a step (a linear-attention prompt's snapshot inside its TTFT)
+        t0 = time.perf_counter()
+        moved = cache.to(self.prefix_cache_device)
+        self._counters["prefix_store_seconds"] += time.perf_counter() - t0
+        return moved
 
     def _accept(self, seq: Sequence, token: int, now: float) -> TokenEvent:
         """Record a sampled token: stream its text, check stops and limits."""
@@ -695,7 +700,7 @@ class Engine:
             "prefill_tokens_per_s": (c["prefill_tokens"] / c["prefill_step_seconds"]) if c["prefill_step_seconds"] else 0.0,
             "decode_tokens_per_s": (c["decode_tokens"] / c["decode_step_seconds"]) if c["decode_step_seconds"] else 0.0,
             "kv_bytes": sum(s.payload.cache.nbytes for s in running if s.payload.cache is not None),
-            "prefix_cache": self.prefix_cache.stats(),
+            "prefix_cache": {**self.prefix_cache.stats(), "store_seconds": c["prefix_store_seconds"]},
             "experts": self.model.experts.stats() if hasattr(self.model.experts, "stats") else {},
             "decode_graphs": self.graphs.stats() if self.graphs is not None else None,
         }

@@ -86,6 +86,20 @@ def test_prefix_cache_resent_conversation_prefills_only_new_tokens(family, ftw_p
     assert eng.stats()["prefix_cache"]["hits"] >= 1
 
 
+def test_copies_into_a_prefix_cache_on_another_device_are_timed(ftw_packages):
+    """A GPU engine keeps its prefix cache in host RAM and copies each finished request's cache there inside a step
+    (a linear-attention prompt's snapshot inside its TTFT): the stats say how long those copies took. Here the
+    "other device" is cpu:0 beside the engine's cpu, which takes the same path; a same-device cache copies nothing."""
+    import torch
+
+    eng = load(ftw_packages, STATE_FAMILY, "cpu")
+    eng.generate(random_prompt(21, seed=30), SamplingParams(max_tokens=3, **GREEDY))
+    assert eng.stats()["prefix_cache"]["store_seconds"] == 0.0 and eng.stats()["prefix_cache"]["entries"] >= 1
+    eng.prefix_cache_device = torch.device("cpu", 0)
+    eng.generate(random_prompt(21, seed=31), SamplingParams(max_tokens=3, **GREEDY))
+    assert eng.stats()["prefix_cache"]["store_seconds"] > 0.0
+
+
 @pytest.mark.parametrize("family", ["qwen3_moe", STATE_FAMILY])
 def test_an_identical_resend_reuses_all_but_the_last_prompt_token(family, ftw_packages, device):
     """A retry or regenerate sends the very same prompt again. KV caches are cut to all but the last token;
