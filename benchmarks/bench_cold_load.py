@@ -545,16 +545,14 @@ def long_prompt(engine, tokens: int, cuda: bool, *, salt: int = 0) -> dict:
     stored_before = engine.stats()["prefix_cache"]["store_seconds"]
     t0 = time.perf_counter()
     rid = engine.add_request(ids, SamplingParams(temperature=0.0, max_tokens=1, stop_token_ids=()))
-    done, steps = False, []
+    done, steps = False, []        # each step's seconds: where a prompt's time goes (its chunks, its last token)
     while not done:
         t = time.perf_counter()
         events = engine.step()
         if cuda:
             torch.cuda.synchronize()
-        steps.append(round(time.perf_counter() - t, 4))    # where a prompt's time goes: its chunks' steps, then
-        done = any(e.finished or e.token_id is not None for e in events if e.request_id == rid)   # the last token's
-    if cuda:
-        torch.cuda.synchronize()
+        steps.append(round(time.perf_counter() - t, 4))
+        done = any(e.finished or e.token_id is not None for e in events if e.request_id == rid)
     seconds = time.perf_counter() - t0
     engine.cancel(rid)
     result = engine.result(rid)

@@ -367,6 +367,7 @@ class GatedDeltaNet(torch.nn.Module):
 
     def _forward(self, x: torch.Tensor, conv_state: torch.Tensor, recurrent_state: torch.Tensor
                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """One pass over all of x (forward's contract)."""
         cfg = self.cfg
         B, T, _ = x.shape
         mixed, z, b, a = self.project(x)
