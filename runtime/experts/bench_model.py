@@ -752,6 +752,11 @@ def run_model(name: str, args, hw, report: dict) -> None:
                     print(_fmt(rows[-1]), flush=True)
                     print(f"    the same prefill untimed just before: {first_s:.3f} s ({n / first_s:,.0f} tok/s; a "
                           "process's first includes its kernels' compiles)", flush=True)
+                    past = max(0, shape.kv_bytes(n, 1) - shape.kv_bytes(context, 1))
+                    rows[-1]["kv_past_plan_gib"] = past / GiB
+                    if past and device.type == "cuda":   # the engine's plan holds the context its prompts fill
+                        print(f"    its peak VRAM holds {past / GiB:.2f} GiB of KV past the plan's {context:,}-token "
+                              "context (bench_cold_load.py --long-prompts measures the engine's own plan)", flush=True)
                     if ceiling_s:
                         print(f"    streaming ceiling {ceiling_s:.3f} s: the slower of moving {c['bytes_h2d'] / 1e9:.2f} GB "
                               f"at {hw.h2d_gbps:.1f} GB/s ({c['bytes_h2d'] / (hw.h2d_gbps * 1e9) if hw.h2d_gbps else 0:.3f} "
