@@ -135,6 +135,7 @@
 #   (device) bash benchmarks/device_final.sh s32c # session 30: the engine's long prompts at 8 GiB, each with its VRAM peak
 #   (device) bash benchmarks/device_final.sh s32d # session 30: s32c again with K/V copied a group at a time; pieces A/B
 #   (device) bash benchmarks/device_final.sh s32e # next: both shapes' long prompts at 8 GiB, each step timed
+#   (device) bash benchmarks/device_final.sh s32f # then: warm TTFT under the group copy; expandable segments
 #   (device) bash benchmarks/device_final.sh s31d # session 29: decode with a 16K-chunk plan's pool beside the 8K one's
 #   (device) bash benchmarks/device_final.sh s31c # session 29: prefill's grouped GEMM in rounds of 8K rows: VRAM, speed
 #   (device) bash benchmarks/device_final.sh s31b # session 29: 16K and 32K prompts in 16K chunks (s28a's second half)
@@ -1082,6 +1083,23 @@ elif [ "$1" = s31a ]; then
       | grep -E "^qwen|planner's|learned CPU share:"
   done
   rm -f "$OUT"/model_*.json "$OUT"/model.json
+elif [ "$1" = s32f ]; then
+  # written in session 30 (~7 device minutes): (1) the warm TTFT row (an agent's 200 new tokens over a resent 20K
+  # conversation, 8 GiB, share 0.6) under the group copy of K and V (3d657dc: 8 attention calls a layer at 20K where
+  # there was 1; predicted +3-7 ms on s25b's 0.344 s); (2) PyTorch's expandable segments against the caching
+  # allocator's fragmentation (s32c: reserved 1.6 GiB over allocated on a 30K prompt) - qwen3-30b's long prompts at
+  # 8 GiB with PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True (its first decode steps record CUDA graphs: the load
+  # fails or a step errs if they do not go together). Predicted: reserved within ~0.1 GiB of allocated, same speed
+  warm 150 new
+  bench_rows 240 q3_ttft --models qwen3-30b-a3b --dense-int8 --budgets 8 --routings uniform --modes graphs \
+    --cpu-share 0.6 --tokens 16 --warmup 16 --prefill-budgets 8 --prefill 1024 --ttft-context 20000 \
+    | grep -E "TTFT|ttft|prefill|decode"
+  rm -f "$OUT"/model_*.json "$OUT"/model.json
+  PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True timeout 240 python3 benchmarks/bench_cold_load.py \
+    --shape qwen3-30b-a3b --folder /tmp/ftw-long --vram-budget 8 --long-prompts 16384 16384 30000 \
+    --out "$OUT/long_prompts_qwen3_expandable.json" > "$OUT/long_prompts_qwen3_expandable.txt" 2>&1
+  echo "qwen3-30b expandable segments rc=$?"; grep -E "^\|" "$OUT/long_prompts_qwen3_expandable.txt" | tail -5
+  rm -rf /tmp/ftw-long
 elif [ "$1" = s32e ]; then
   # written in session 30 for the next session (~9 device minutes): s32d's qwen3-30b half, which ran out of its
   # 150 s. qwen3-30b at 8 GiB (context 32K): 16K, 16K and 30K prompts sharing no prefix, each with its own peak,
