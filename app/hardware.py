@@ -52,10 +52,10 @@ class GpuInfo:
 
     @property
     def memory_gbps(self) -> float | None:
-        """Peak VRAM bandwidth: bus width x memory clock x 2 (NVML's memory clock is half the data rate)."""
-        if not self.memory_bus_bits or not self.memory_clock_mhz:
-            return None
-        return self.memory_bus_bits / 8 * self.memory_clock_mhz * 1e6 * 2 / 1e9
+        """Peak VRAM bandwidth (the planner's formula over NVML's readings); None when one is missing."""
+        from runtime.experts.planner import memory_bus_gbps
+
+        return memory_bus_gbps(self.memory_bus_bits, self.memory_clock_mhz) or None
 
     @property
     def pcie_gbps(self) -> float | None:

@@ -536,7 +536,7 @@ def long_prompt(engine, tokens: int, cuda: bool, *, salt: int = 0) -> dict:
 
     from runtime.engine import SamplingParams
 
-    vocab = engine.tokenizer.vocab_size if hasattr(engine.tokenizer, "vocab_size") else 256
+    vocab = engine.tokenizer.vocab_size
     # each prompt its own first token: no prompt is a prefix of another or of the chat's (no prefix-cache hit)
     ids = [(7919 * i + 13 + 101 * salt) % max(2, min(vocab, 4096) - 2) + 1 for i in range(tokens)]
     if cuda:
@@ -554,8 +554,7 @@ def long_prompt(engine, tokens: int, cuda: bool, *, salt: int = 0) -> dict:
         steps.append(round(time.perf_counter() - t, 4))
         done = any(e.finished or e.token_id is not None for e in events if e.request_id == rid)
     seconds = time.perf_counter() - t0
-    engine.cancel(rid)
-    result = engine.result(rid)
+    result = engine.result(rid)                 # max_tokens=1: finished with its first token
     row = {"tokens": tokens, "seconds": seconds, "tok_s": tokens / seconds, "error": result and result.error,
            "cached_tokens": result.cached_tokens if result else None, "step_seconds": steps,
            # copies into the prefix cache's host memory inside those steps: a linear-attention prompt's snapshot

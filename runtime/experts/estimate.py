@@ -71,7 +71,7 @@ def decode_range(shape, plan, hw, *, gpu_gbps: float = 0.0, cost: CostModel = Co
     at best (fast end) or add up (slow end). A hybrid plan is never faster than the same model all in VRAM."""
     if hw.cpu_gbps <= 0 or plan.backend == "does_not_fit":
         return 0.0, 0.0
-    gpu_gbps = gpu_gbps or getattr(hw, "vram_gbps", 0.0) or cost.gpu_gbps_default
+    gpu_gbps = gpu_gbps or hw.vram_gbps or cost.gpu_gbps_default
     total = shape.total_experts or 1
     per_token_blocks = shape.moe_layers * shape.top_k
     miss_share = 1.0 - plan.expert_slots / total

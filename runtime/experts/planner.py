@@ -125,9 +125,10 @@ class ModelShape:
         buffers, or, in a linear-attention layer, what stays alive beside the mixer plus one piece's transients -
         whichever is larger (the two never coexist)."""
         d = self.hidden_size
+        # (a model without linear layers has no piece transients: the rule alone is the larger)
         linear = chunk * d * LIVE_BYTES_PER_TOKEN_PER_D \
             + min(chunk, LINEAR_PREFILL_PIECE_TOKENS) * self.linear_prefill_bytes_per_token
-        return max(chunk * d * ACTIVATION_BYTES_PER_TOKEN_PER_D, linear if self.linear_attention_layers else 0)
+        return max(chunk * d * ACTIVATION_BYTES_PER_TOKEN_PER_D, linear)
 
     def kv_bytes(self, tokens: int, sequences: int) -> int:
         """KV cache for a pool of `tokens` positions shared by up to `sequences` sequences.
@@ -300,9 +301,15 @@ class Hardware:
                    os_name=os_name)
 
 
+def memory_bus_gbps(bus_bits: int | None, memory_clock_mhz: int | None) -> float:
+    """Peak memory bandwidth from NVML's readings: bus width x memory clock x 2 (NVML's memory clock is half the
+    data rate); 0 when either is unknown."""
+    return bus_bits / 8 * memory_clock_mhz * 1e6 * 2 / 1e9 if bus_bits and memory_clock_mhz else 0.0
+
+
 def vram_peak_gbps(props=None) -> float:
     """Peak memory bandwidth of the CUDA device with torch properties `props` (None: the current device), from
-    NVML (bus width x memory clock x 2: NVML's memory clock is half the data rate), the device found by its PCI
+    NVML (`memory_bus_gbps`), the device found by its PCI
     address (CUDA_VISIBLE_DEVICES renumbers devices, NVML does not). 0 when NVML cannot tell: the decode estimate
     then assumes a default."""
     try:
@@ -321,7 +328,7 @@ def vram_peak_gbps(props=None) -> float:
             nvml.nvmlShutdown()
     except Exception:  # noqa: BLE001  (no NVML library, an old driver, a device NVML does not list; only an estimate)
         return 0.0
-    return bits / 8 * mhz * 1e6 * 2 / 1e9 if bits and mhz else 0.0
+    return memory_bus_gbps(bits, mhz)
 
 
 def measure_h2d_gbps(*, nbytes: int = 256 * MiB, repeats: int = 5) -> float:
