@@ -523,22 +523,30 @@ def run_child(args) -> int:
         result["vram_peak_allocated_first_token"] = torch.cuda.max_memory_allocated()
         result["vram_peak_reserved"] = max(result["vram_peak_reserved_load"], torch.cuda.max_memory_reserved())
         result["vram_used_after_first_token"] = _device_used()
-    result["long_prompts"] = [long_prompt(engine, n, cuda, salt=i) for i, n in enumerate(args.long_prompts)]
+    prompts = [salted_prompt(engine, n, salt=i) for i, n in enumerate(args.long_prompts)]
+    for _ in range(args.resend if prompts else 0):
+        # an agent's next turn: the last conversation resent with `--resend-tokens` new tokens at its end
+        prompts.append(prompts[-1] + salted_prompt(engine, args.resend_tokens, salt=len(prompts)))
+    result["long_prompts"] = [long_prompt(engine, ids, cuda) for ids in prompts]
     Path(args.child_out).write_text(json.dumps(result, indent=1, default=str))
     return 0
 
 
-def long_prompt(engine, tokens: int, cuda: bool, *, salt: int = 0) -> dict:
-    """A prompt of `tokens` tokens to the loaded engine, to its first token: the seconds, and the VRAM it took at
-    its peak - the question an 8 GB card asks of the plan (the planner reserves a prefill chunk's activations by a
-    rule of thumb; the bench's own prefill rows plan a shorter context than their prompts)."""
+def salted_prompt(engine, tokens: int, *, salt: int) -> list[int]:
+    """`tokens` token ids; each salt its own first token, so no prompt is a prefix of another or of the chat's."""
+    vocab = engine.tokenizer.vocab_size
+    return [(7919 * i + 13 + 101 * salt) % max(2, min(vocab, 4096) - 2) + 1 for i in range(tokens)]
+
+
+def long_prompt(engine, ids: list[int], cuda: bool) -> dict:
+    """A prompt to the loaded engine, to its first token: the seconds, and the VRAM it took at its peak - the
+    question an 8 GB card asks of the plan (the planner reserves a prefill chunk's activations by a rule of thumb;
+    the bench's own prefill rows plan a shorter context than their prompts)."""
     import torch
 
     from runtime.engine import SamplingParams
 
-    vocab = engine.tokenizer.vocab_size
-    # each prompt its own first token: no prompt is a prefix of another or of the chat's (no prefix-cache hit)
-    ids = [(7919 * i + 13 + 101 * salt) % max(2, min(vocab, 4096) - 2) + 1 for i in range(tokens)]
+    tokens = len(ids)
     if cuda:
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
@@ -559,7 +567,8 @@ def long_prompt(engine, tokens: int, cuda: bool, *, salt: int = 0) -> dict:
            "cached_tokens": result.cached_tokens if result else None, "step_seconds": steps,
            # copies into the prefix cache's host memory inside those steps: a linear-attention prompt's snapshot
            # one token before its end (inside its TTFT), and - max_tokens being 1 here - the finished request's
-           "prefix_store_seconds": engine.stats()["prefix_cache"]["store_seconds"] - stored_before}
+           "prefix_store_seconds": engine.stats()["prefix_cache"]["store_seconds"] - stored_before,
+           "host_arena": engine.stats()["prefix_cache"].get("host_arena")}
     if cuda:
         row.update(vram_peak_allocated=torch.cuda.max_memory_allocated(),
                    vram_peak_reserved=torch.cuda.max_memory_reserved(), vram_used=_device_used())
@@ -614,8 +623,8 @@ def print_report(rows: list[dict]) -> None:
     if long_rows:
         print("\n| VRAM budget | run | plan's VRAM GiB | prefill chunk | linear-attention piece | prompt tokens | s to first token | tok/s "
               "| peak allocated GiB | peak reserved GiB | device used GiB | from the prefix cache | error | engine steps s "
-              "| of which copies to the prefix cache s |")
-        print("|" + "---|" * 15)
+              "| of which copies to the prefix cache s | prefix cache's page-locked GiB (arena) |")
+        print("|" + "---|" * 16)
         for r, p in long_rows:
             planner = (r.get("experts_plan") or {}).get("planner") or r.get("experts_plan") or {}
             print(f"| {r['budget_gib']:g} | {r.get('run', 1)} | {_gib(planner.get('vram_planned'))} "
@@ -623,7 +632,7 @@ def print_report(rows: list[dict]) -> None:
                   f"| {_gib(p.get('vram_peak_allocated'))} | {_gib(p.get('vram_peak_reserved'))} "
                   f"| {_gib(p.get('vram_used'))} | {p.get('cached_tokens') or 0:,} | {p['error'] or '-'} "
                   f"| {' + '.join(f'{x:.3f}' for x in p.get('step_seconds', []))} "
-                  f"| {p.get('prefix_store_seconds', 0.0):.3f} |")
+                  f"| {p.get('prefix_store_seconds', 0.0):.3f} | {_gib((p.get('host_arena') or {}).get('pinned_bytes'))} |")
 
 
 # ---------------------------------------------------------------------------------------------- main
@@ -645,6 +654,9 @@ def parse_args(argv):
     ap.add_argument("--decode-steps", type=int, default=3, help="decode steps timed after the first token")
     ap.add_argument("--long-prompts", type=int, nargs="*", default=[], metavar="TOKENS",
                     help="then prompts of these lengths to their first token, each with its VRAM peak")
+    ap.add_argument("--resend", type=int, default=0, metavar="N",
+                    help="then N agent turns: the last long prompt resent with --resend-tokens new tokens, each time")
+    ap.add_argument("--resend-tokens", type=int, default=200, metavar="TOKENS")
     ap.add_argument("--gdn-piece", type=int, default=None, metavar="TOKENS",
                     help="linear-attention layers prefill in pieces of this many tokens (0: the whole chunk; an A/B "
                          "of models/gated_deltanet.py's PREFILL_PIECE_TOKENS)")
@@ -671,7 +683,8 @@ def measure_in_subprocess(args, package: Path, budget_gib: float) -> dict:
                "--budget-gib", str(budget_gib), "--child-out", str(out), "--device", args.device,
                "--context", str(args.context), "--max-batch", str(args.max_batch), "--tier", args.tier,
                "--decode-steps", str(args.decode_steps),
-               "--long-prompts", *map(str, args.long_prompts)]
+               "--long-prompts", *map(str, args.long_prompts), "--resend", str(args.resend),
+               "--resend-tokens", str(args.resend_tokens)]
         if args.gdn_piece is not None:
             cmd += ["--gdn-piece", str(args.gdn_piece)]
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}

@@ -134,7 +134,9 @@
 #   (device) bash benchmarks/device_final.sh s32b # session 30: qwen3.6's prefill in 8K/16K chunks; resident prefill peak
 #   (device) bash benchmarks/device_final.sh s32c # session 30: the engine's long prompts at 8 GiB, each with its VRAM peak
 #   (device) bash benchmarks/device_final.sh s32d # session 30: s32c again with K/V copied a group at a time; pieces A/B
-#   (device) bash benchmarks/device_final.sh s32e # next: both shapes' long prompts at 8 GiB, each step timed
+#   (device) bash benchmarks/device_final.sh s33b # session 31: resends restored into the sequence's buffers; both shapes
+#   (device) bash benchmarks/device_final.sh s33a # session 31: the prefix cache's host copies by memory kind; expandable
+#   (device) bash benchmarks/device_final.sh s32e # session 31 ran it: both shapes' long prompts at 8 GiB, each step timed
 #   (device) bash benchmarks/device_final.sh s32f # then: warm TTFT under the group copy; expandable segments
 #   (device) bash benchmarks/device_final.sh s31d # session 29: decode with a 16K-chunk plan's pool beside the 8K one's
 #   (device) bash benchmarks/device_final.sh s31c # session 29: prefill's grouped GEMM in rounds of 8K rows: VRAM, speed
@@ -1083,6 +1085,34 @@ elif [ "$1" = s31a ]; then
       | grep -E "^qwen|planner's|learned CPU share:"
   done
   rm -f "$OUT"/model_*.json "$OUT"/model.json
+elif [ "$1" = s33b ]; then
+  # session 31, after s33a: a resent conversation's restore peaked 9.79-9.93 GiB allocated in the 8 GiB plan (the
+  # stored entry copied whole to the GPU, then into the sequence's KV: twice its bytes). Now host -> the sequence's
+  # buffers directly, head by head; the engine turns on expandable segments itself; the prefix cache's arena.
+  # Predicted: the resends <= 8.0 GiB allocated, their store ~0.06 s; qwen3.6's 16K prompt's store 0.40-0.56 ->
+  # ~0.2 s fresh (half the bytes locked), its resends' ~0.02 s
+  timeout 90 python3 -m pytest -q -p no:cacheprovider --device cuda tests/test_engine_generation.py \
+    tests/test_host_arena.py -k "prefix or resend or store or arena or snapshot" --tb=short 2>&1 | tail -2
+  for shape in qwen3-30b-a3b qwen3.6-35b-a3b; do
+    timeout 250 python3 benchmarks/bench_cold_load.py --shape $shape --folder /tmp/ftw-long --vram-budget 8 \
+      --long-prompts 16384 16384 30000 --resend 2 --out "$OUT/long_prompts_$shape.json" > "$OUT/long_prompts_$shape.txt" 2>&1
+    echo "$shape rc=$?"; grep -E "^\|" "$OUT/long_prompts_$shape.txt" | tail -5
+    rm -rf /tmp/ftw-long
+  done
+elif [ "$1" = s33a ]; then
+  # session 31, after s32e: copies to the prefix cache took 0.76 s of a 16K qwen3-30b prompt's 1.42 s (1.5 GB at
+  # ~2 GB/s: page-locking fresh memory, not the link) and 1.9 s of a 30K one's; the 30K prompt peaked at 8.02 GiB
+  # allocated, 9.32 reserved. (1) Where the host copy's time goes, by the kind of host memory it lands in (predicted:
+  # fresh cudaHostAlloc ~2 GB/s, host-register with 8 threads 6-10 GB/s, reused pinned ~20+ GB/s); (2) qwen3-30b's
+  # long prompts (then two agent turns: the 30K one resent with 200 new tokens) with expandable segments and the
+  # prefix cache's page-locked arena (predicted: reserved within 0.1 GiB of allocated; fresh copies ~2x faster, as
+  # half the bytes are page-locked; a resend's copy into the arena's reused memory ~10x faster)
+  timeout 90 python3 benchmarks/bench_host_copy.py --mib 1536 --tensors 96 --out "$OUT/host_copy.json"
+  PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True timeout 240 python3 benchmarks/bench_cold_load.py \
+    --shape qwen3-30b-a3b --folder /tmp/ftw-long --vram-budget 8 --long-prompts 16384 16384 30000 --resend 2 \
+    --out "$OUT/long_prompts_qwen3_expandable.json" > "$OUT/long_prompts_qwen3_expandable.txt" 2>&1
+  echo "qwen3-30b expandable segments, host register rc=$?"; grep -E "^\|" "$OUT/long_prompts_qwen3_expandable.txt" | tail -5
+  rm -rf /tmp/ftw-long
 elif [ "$1" = s32f ]; then
   # written in session 30 (~7 device minutes): (1) the warm TTFT row (an agent's 200 new tokens over a resent 20K
   # conversation, 8 GiB, share 0.6) under the group copy of K and V (3d657dc: 8 attention calls a layer at 20K where

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -25,6 +26,7 @@ from typing import Any, Callable
 import torch
 
 from runtime.experts.interface import Experts, ExpertSpec
+from runtime.host_arena import HostArena, pinned_slab, plain_slab
 from runtime.kv_cache import SequenceCache
 from runtime.loading import build_empty_model, load_dense_weights
 from runtime.models.base import Batch, CausalLM, UnsupportedModelError
@@ -137,6 +139,19 @@ def _resolve_device(device: str) -> torch.device:
         raise EngineError("device 'cuda' was asked for but this machine has no usable CUDA GPU "
                           "(or torch was installed without CUDA)")
     return dev
+
+
+def _use_expandable_segments() -> None:
+    """Let torch's CUDA allocator grow segments in place instead of keeping blocks of many sizes: long prompts'
+    transients of changing size left 0.6-1.3 GiB reserved beyond what was allocated, which on a real 8 GB card is
+    VRAM the plan counted on (s32e -> s33a: a 30K prompt at 8 GiB reserved 9.32 -> 8.59 GiB; decode graphs
+    unchanged). A user's own PYTORCH_CUDA_ALLOC_CONF wins."""
+    if os.environ.get("PYTORCH_CUDA_ALLOC_CONF") or os.environ.get("PYTORCH_ALLOC_CONF"):
+        return
+    try:
+        torch.cuda.memory._set_allocator_settings("expandable_segments:True")
+    except (AttributeError, RuntimeError) as exc:       # an older or newer torch without it: only fragmentation
+        log.info("could not turn on expandable CUDA segments: %s", exc)
 
 
 def _eos_ids(package) -> tuple[int, ...]:
@@ -254,6 +269,7 @@ class Engine:
                                                    step_token_budget=max(prefill_chunk, 2 * max_batch)))
         self.prefix_cache = PrefixCache(prefix_cache_bytes)
         self.prefix_cache_device = prefix_cache_device or device
+        self.host_arena: HostArena | None = None     # the prefix cache's host memory when it is not `device`'s
         self._ids = itertools.count(1)
         self._pending_events: list[TokenEvent] = []
         self._results: dict[str, GenerationResult] = {}
@@ -314,6 +330,8 @@ class Engine:
         from runtime.text.tokenizer import Tokenizer
 
         dev = _resolve_device(device)
+        if dev.type == "cuda":
+            _use_expandable_segments()
         # a GPU's caches are kept in host RAM: VRAM is for weights, and a conversation's KV can be GBs
         prefix_dev = torch.device(prefix_cache_device or ("cpu" if dev.type == "cuda" else dev))
         prefix_cache_given = prefix_cache_bytes is not None
@@ -585,13 +603,15 @@ class Engine:
         """A newly admitted sequence gets its cache, from the prefix cache when one covers its prompt."""
         state: _Request = seq.payload
         state.cache = self.model.new_cache(device=self.device, dtype=self.dtype)
+        state.cache.limit_growth(self.context_length)
         # recurrent state cannot be cut back: keep it one token before the prompt's end (the engine always
         # computes at least the last prompt token), so that an identical resend reuses all the rest
         seq.pause_before_last = not state.cache.trimmable and self.prefix_cache.max_bytes > 0
         hit = self.prefix_cache.lookup(seq.tokens[:seq.prompt_len])
         if hit is not None:
-            stored = hit.cache if self.prefix_cache_device == self.device else hit.cache.to(self.device)
-            state.cache.load(stored, hit.length)
+            # straight from host memory into the sequence's own buffers: a GPU copy of the whole entry first held
+            # its KV twice (a resent 30K conversation peaked 9.9 GiB in an 8 GiB plan, s33a)
+            state.cache.load(hit.cache, hit.length)
             seq.computed = state.cached_tokens = hit.length
         if state.params.max_tokens == 0:
             self._finish(seq, "length", final_text="")
@@ -602,14 +622,21 @@ class Engine:
         later; a resend of the same prompt, or a longer one starting with it, restores it)."""
         cache = seq.payload.cache
         if not cache.trimmable and self.prefix_cache.max_bytes:
-            self.prefix_cache.insert(seq.tokens[:seq.computed], self._for_prefix_cache(cache.copy()))
+            # a copy to host memory is a copy already: no second one on the GPU (its VRAM was never planned)
+            kept = cache.copy() if self.prefix_cache_device == self.device else cache.detach()
+            self.prefix_cache.insert(seq.tokens[:seq.computed], self._for_prefix_cache(kept))
 
     def _for_prefix_cache(self, cache: SequenceCache) -> SequenceCache:
         if self.prefix_cache_device == self.device:
             return cache
+        if self.host_arena is None:
+            # page-locked on a GPU engine (brought back at the link's rate); made on first use, so an engine that
+            # never stores a conversation locks no host memory
+            self.host_arena = HostArena(self.prefix_cache.max_bytes, allocate=pinned_slab if
+                                        self.device.type == "cuda" else plain_slab)
         # timed: the copy to host memory runs inside a step (a linear-attention prompt's snapshot inside its TTFT)
         t0 = time.perf_counter()
-        moved = cache.to(self.prefix_cache_device)
+        moved = cache.to(self.prefix_cache_device, arena=self.host_arena)
         self._counters["prefix_store_seconds"] += time.perf_counter() - t0
         return moved
 
@@ -650,7 +677,10 @@ class Engine:
         if state.cache is not None:
             if keep_cache and self.prefix_cache.max_bytes and state.cache.offset > 0:
                 # the cache holds every token fed so far: exactly tokens[:offset]
-                self.prefix_cache.insert(seq.tokens[:state.cache.offset], self._for_prefix_cache(state.cache.detach()))
+                tokens = seq.tokens[:state.cache.offset]
+                if state.cache.trimmable and state.cache.stored_nbytes <= self.prefix_cache.max_bytes:
+                    self.prefix_cache.drop_covered(tokens)      # first, so that the copy may reuse their memory
+                self.prefix_cache.insert(tokens, self._for_prefix_cache(state.cache.detach()))
             state.cache.release()
             state.cache = None
         self._counters[{"cancelled": "cancelled", "error": "failed"}.get(reason, "finished")] += 1
@@ -700,7 +730,8 @@ class Engine:
             "prefill_tokens_per_s": (c["prefill_tokens"] / c["prefill_step_seconds"]) if c["prefill_step_seconds"] else 0.0,
             "decode_tokens_per_s": (c["decode_tokens"] / c["decode_step_seconds"]) if c["decode_step_seconds"] else 0.0,
             "kv_bytes": sum(s.payload.cache.nbytes for s in running if s.payload.cache is not None),
-            "prefix_cache": {**self.prefix_cache.stats(), "store_seconds": c["prefix_store_seconds"]},
+            "prefix_cache": {**self.prefix_cache.stats(), "store_seconds": c["prefix_store_seconds"],
+                             "host_arena": self.host_arena.stats() if self.host_arena is not None else None},
             "experts": self.model.experts.stats() if hasattr(self.model.experts, "stats") else {},
             "decode_graphs": self.graphs.stats() if self.graphs is not None else None,
         }

@@ -12,6 +12,8 @@ import logging
 
 import torch
 
+from runtime.host_arena import HostArena
+
 log = logging.getLogger(__name__)
 
 # Buffers grow in steps of this many tokens (then by doubling), so decode reallocates rarely.
@@ -32,6 +34,7 @@ class KVCache:
         self.num_kv_heads, self.head_dim = num_kv_heads, head_dim
         self.device, self.dtype = torch.device(device), dtype
         self.window = window
+        self.max_tokens: int | None = None   # growth stops doubling here (the engine's context: what the plan holds)
         self.offset = 0          # tokens seen
         self.start = 0           # absolute position of buffer row 0 (> 0 once a windowed cache dropped tokens)
         self.keys = torch.zeros(num_kv_heads, capacity, head_dim, device=self.device, dtype=dtype)    # [Hkv, cap, hd]
@@ -59,6 +62,9 @@ class KVCache:
             return
         new_cap = max(needed, 2 * self.capacity, GROWTH_STEP)
         new_cap = -(-new_cap // GROWTH_STEP) * GROWTH_STEP
+        if self.max_tokens is not None:
+            # doubling past the context would hold VRAM no plan counted (a resent 30K conversation grew to 60K)
+            new_cap = max(needed, min(new_cap, self.max_tokens))
         for name in ("keys", "values"):
             old = getattr(self, name)
             # zeros, not empty: the static decode path attends over a masked tail of the buffer, and a NaN
@@ -107,20 +113,23 @@ class KVCache:
         keep = n - other.start
         self.start, self.offset = other.start, other.start
         self._reserve(keep)
-        self.keys[:, :keep] = other.keys[:, :keep]
-        self.values[:, :keep] = other.values[:, :keep]
+        # head by head: each piece is contiguous on both sides, so a host copy goes to the GPU in one DMA (a cut
+        # [Hkv, keep, hd] view of host memory would first be gathered into ordinary memory)
+        for h in range(self.num_kv_heads):
+            self.keys[h, :keep].copy_(other.keys[h, :keep])
+            self.values[h, :keep].copy_(other.values[h, :keep])
         self.offset = n
 
     def copy(self) -> "KVCache":
         """A compact independent copy holding exactly what is stored."""
         return self.to(self.device)
 
-    def to(self, device: torch.device | str) -> "KVCache":
-        """A compact copy on `device` (the prefix cache may keep GPU caches in host RAM)."""
+    def to(self, device: torch.device | str, *, arena: HostArena | None = None) -> "KVCache":
+        """A compact copy on `device` (the prefix cache may keep GPU caches in host RAM, from `arena`)."""
         out = KVCache(self.num_kv_heads, self.head_dim, device=device, dtype=self.dtype, capacity=0,
                       window=self.window)
-        out.keys = _moved(self.keys[:, :self.stored], out.device)
-        out.values = _moved(self.values[:, :self.stored], out.device)
+        out.keys = _moved(self.keys[:, :self.stored], out.device, arena)
+        out.values = _moved(self.values[:, :self.stored], out.device, arena)
         out.offset, out.start = self.offset, self.start
         return out
 
@@ -128,13 +137,18 @@ class KVCache:
     def nbytes(self) -> int:
         return (self.keys.numel() + self.values.numel()) * self.keys.element_size()
 
+    @property
+    def stored_nbytes(self) -> int:
+        """Bytes of what is stored: a compact copy's size (nbytes also counts the buffers' spare room)."""
+        return 2 * self.num_kv_heads * self.stored * self.head_dim * self.keys.element_size()
 
-def _moved(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+
+def _moved(t: torch.Tensor, device: torch.device, arena: HostArena | None = None) -> torch.Tensor:
     """A copy on `device`. GPU -> host copies land in page-locked memory: the prefix cache keeps a GPU engine's
     caches in host RAM, and bringing a 20K-token conversation back (~2 GB) then runs at the pinned rate
     (~50 GB/s on the H200's link) instead of the pageable one (~8 GB/s), which is most of a warm agent turn."""
-    if device.type == "cpu" and t.is_cuda:
-        out = host_buffer(t.shape, t.dtype)
+    if device.type == "cpu" and (t.is_cuda or arena is not None):
+        out = host_buffer(t.shape, t.dtype, arena, pinned=t.is_cuda)
         out.copy_(t)
         return out
     return t.to(device, copy=True)
@@ -143,12 +157,15 @@ def _moved(t: torch.Tensor, device: torch.device) -> torch.Tensor:
 _pin_refused = False
 
 
-def host_buffer(shape, dtype: torch.dtype) -> torch.Tensor:
-    """Host memory for a GPU cache's copy: page-locked, or - where the OS's page-locked memory is used up (Windows
-    locks about half the RAM, and the planner may have given all of it to the experts) - ordinary memory, slower to
-    bring back but no failed request; said once."""
+def host_buffer(shape, dtype: torch.dtype, arena: HostArena | None = None, *, pinned: bool = True) -> torch.Tensor:
+    """Host memory for a GPU cache's copy: from `arena` when it has room, else page-locked by torch's allocator, or -
+    where the OS's page-locked memory is used up (Windows locks about half the RAM, and the planner may have given
+    all of it to the experts) - ordinary memory, slower to bring back but no failed request; said once."""
     global _pin_refused
-    if not _pin_refused:
+    out = arena.empty(shape, dtype) if arena is not None else None
+    if out is not None:
+        return out
+    if pinned and not _pin_refused:
         try:
             return torch.empty(shape, dtype=dtype, pin_memory=True)
         except RuntimeError as exc:
@@ -166,9 +183,11 @@ class StateCache:
     """
     trimmable = False
 
-    def __init__(self, states: dict[str, torch.Tensor] | None = None, offset: int = 0):
+    def __init__(self, states: dict[str, torch.Tensor] | None = None, offset: int = 0, *,
+                 device: torch.device | str | None = None):
         self.states: dict[str, torch.Tensor] = dict(states or {})
         self.offset = offset
+        self.device = torch.device(device) if device is not None else None   # where load() puts a stored state
 
     def advance(self, n: int) -> None:
         self.offset += n
@@ -177,16 +196,18 @@ class StateCache:
         return 0
 
     def copy(self) -> "StateCache":
-        return StateCache({k: v.clone() for k, v in self.states.items()}, self.offset)
+        return StateCache({k: v.clone() for k, v in self.states.items()}, self.offset, device=self.device)
 
-    def to(self, device: torch.device | str) -> "StateCache":
-        return StateCache({k: _moved(v, torch.device(device)) for k, v in self.states.items()}, self.offset)
+    def to(self, device: torch.device | str, *, arena: HostArena | None = None) -> "StateCache":
+        return StateCache({k: _moved(v, torch.device(device), arena) for k, v in self.states.items()}, self.offset,
+                          device=device)
 
     def load(self, other: "StateCache", length: int | None = None) -> None:
         """Take another state's tensors (a prefix-cache hit); a recurrent state restores only whole."""
         if length is not None and length != other.offset:
             raise ValueError(f"a recurrent state of {other.offset} tokens cannot be cut to {length}")
-        self.states = {k: v.clone() for k, v in other.states.items()}
+        self.states = {k: v.clone() if self.device is None else v.to(self.device, copy=True)
+                       for k, v in other.states.items()}
         self.offset = other.offset
 
     @property
@@ -218,9 +239,20 @@ class SequenceCache:
     def copy(self) -> "SequenceCache":
         return SequenceCache([layer.copy() for layer in self.layers])
 
-    def to(self, device: torch.device | str) -> "SequenceCache":
-        """A copy on `device` of a detached cache (plain KV and state layers)."""
-        return SequenceCache([layer.to(device) for layer in self.layers])
+    def limit_growth(self, tokens: int) -> None:
+        """KV buffers grow by doubling, but never past `tokens` (the engine's context) unless asked for more."""
+        for layer in self.layers:
+            if isinstance(layer, KVCache):
+                layer.max_tokens = tokens
+
+    @property
+    def stored_nbytes(self) -> int:
+        """What a compact copy of this cache (the prefix cache's) takes."""
+        return sum(getattr(layer, "stored_nbytes", layer.nbytes) for layer in self.layers)
+
+    def to(self, device: torch.device | str, *, arena: HostArena | None = None) -> "SequenceCache":
+        """A copy on `device` of a detached cache (plain KV and state layers); host copies from `arena` if given."""
+        return SequenceCache([layer.to(device, arena=arena) for layer in self.layers])
 
     def load(self, other: "SequenceCache", length: int | None = None) -> None:
         """Fill this (fresh) cache from a stored one, keeping its first `length` tokens (default all)."""

@@ -75,10 +75,7 @@ class PrefixCache:
         if key in self.entries:
             self._drop(key)
         if cache.trimmable:
-            # a trimmable entry serves every prefix of itself: shorter trimmable entries are redundant
-            for other in [k for k, c in self.entries.items() if c.trimmable and len(k) < len(key)
-                          and key[:len(k)] == k]:
-                self._drop(other)
+            self.drop_covered(tokens)
         self.entries[key] = cache
         self.nbytes += size
         while self.nbytes > self.max_bytes:
@@ -86,6 +83,15 @@ class PrefixCache:
             self._drop(oldest)
             self.evictions += 1
         return True
+
+    def drop_covered(self, tokens: list[int]) -> None:
+        """Drop the trimmable entries holding a shorter prefix of `tokens`: a trimmable cache of `tokens` serves
+        every prefix of itself. (The engine calls it before copying such a cache, so the copy can take their host
+        memory - an agent's resent conversation, a little longer each turn.)"""
+        key = tuple(tokens)
+        for other in [k for k, c in self.entries.items() if c.trimmable and len(k) < len(key)
+                      and key[:len(k)] == k]:
+            self._drop(other)
 
     def _drop(self, key: tuple[int, ...]) -> None:
         cache = self.entries.pop(key)

@@ -343,3 +343,46 @@ def test_experts_factory_seam_gets_the_plan_inputs_and_a_misfit_is_an_engine_err
 
     with pytest.raises(EngineError, match="does not fit.*60 GiB"):
         load(ftw_packages, "gpt_oss", device, experts_factory=too_big)
+
+
+@pytest.mark.parametrize("family, budget", [("qwen3_moe", 112 << 10), (STATE_FAMILY, None)])
+def test_agent_turns_through_a_host_prefix_cache_reuse_its_arena_and_stay_exact(family, budget, ftw_packages):
+    """An agent resends its conversation each turn, a little longer. With the prefix cache on another device (a GPU
+    engine's host RAM; here cpu:0 beside the engine's cpu, the same path) each turn restores the last one's cache
+    straight into its own buffers, prefills only what is new, and its copy lands in the arena. A trimmable model's
+    new entry takes the memory of the entry it replaces: here the arena is one 64 KiB slab and an entry 48 KiB, so
+    a copy made beside the old entry would not fit (torch's allocator would take it: a fallback)."""
+    eng = load(ftw_packages, family, "cpu", prefix_cache_bytes=budget)
+    eng.prefix_cache_device = torch.device("cpu", 0)
+    plain = load(ftw_packages, family, "cpu", prefix_cache_bytes=0)
+    conversation = random_prompt(30, seed=90)
+    for turn in range(3):
+        got = eng.generate(conversation, SamplingParams(max_tokens=4, **GREEDY))
+        assert got.tokens == plain.generate(conversation, SamplingParams(max_tokens=4, **GREEDY)).tokens
+        if turn:
+            assert got.cached_tokens >= len(conversation) - 12     # all but this turn's new tokens (and its answer)
+        arena = eng.stats()["prefix_cache"]["host_arena"]
+        assert arena["fallbacks"] == 0 and arena["used_bytes"] > 0
+        conversation = conversation + got.tokens + random_prompt(8, seed=91 + turn)
+    if budget:
+        assert arena["slabs"] == 1 and arena["pinned_bytes"] == 64 << 10
+
+
+def test_kv_growth_stops_doubling_at_the_engines_context(ftw_packages):
+    """A restored 30K conversation plus 200 tokens doubled its KV buffers to 60K tokens, VRAM no plan held (s33a):
+    the engine caps the growth at its context; a single step may still ask for more than the cap."""
+    from runtime.kv_cache import KVCache
+
+    kv = KVCache(2, 4, device="cpu", dtype=torch.float32)
+    kv.max_tokens = 1000
+    kv.update_and_fetch(torch.zeros(2, 700, 4), torch.zeros(2, 700, 4))
+    assert kv.capacity == 768                                         # 700 in steps of 256
+    kv.update_and_fetch(torch.zeros(2, 100, 4), torch.zeros(2, 100, 4))
+    assert kv.capacity == 1000                                        # not 1,536 (2 x 768)
+    kv.update_and_fetch(torch.zeros(2, 400, 4), torch.zeros(2, 400, 4))
+    assert kv.capacity == 1200                                        # past the cap only what is needed
+    eng = load(ftw_packages, "qwen3_moe", "cpu", context_length=64)
+    eng.add_request(random_prompt(10, seed=95), SamplingParams(max_tokens=2, **GREEDY))
+    eng.step()
+    (seq,) = eng.scheduler.running
+    assert {layer.max_tokens for layer in seq.payload.cache.layers} == {64}

@@ -273,7 +273,7 @@ class CausalLM(nn.Module, abc.ABC):
                 layers.append(KVCache(self.config.num_key_value_heads, self.config.head_dim,
                                       device=device, dtype=dtype, window=self.kv_window(i)))
             elif kind == "linear_attention":
-                layers.append(StateCache())
+                layers.append(StateCache(device=device))
             else:
                 raise ValueError(f"unknown layer kind {kind!r}")
         return SequenceCache(layers)

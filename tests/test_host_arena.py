@@ -1,0 +1,104 @@
+"""The prefix cache's host arena: exact-size tensors carved from slabs locked once, their memory back for the next
+entry when the last tensor or view sharing it dies (runtime/host_arena.py). Plain-memory slabs here: the carving
+and reuse are the same code a GPU engine runs over page-locked ones."""
+import gc
+
+import pytest
+import torch
+
+from runtime.host_arena import ALIGN, HostArena, plain_slab
+from runtime.kv_cache import KVCache, SequenceCache, StateCache
+
+SLAB = 1 << 20
+
+
+def arena(slabs: int = 4) -> HostArena:
+    return HostArena(slabs * SLAB, slab_bytes=SLAB, allocate=plain_slab)
+
+
+def test_carved_tensors_are_exact_writable_and_do_not_overlap():
+    a = arena()
+    x = a.empty((3, 100, 8), torch.bfloat16)
+    y = a.empty((5,), torch.float32)
+    assert x.shape == (3, 100, 8) and x.dtype == torch.bfloat16 and y.shape == (5,)
+    x.fill_(1.5)
+    y.fill_(-2.0)
+    assert torch.all(x == 1.5) and torch.all(y == -2.0)            # neither write reached the other
+    assert a.used_bytes == 3 * ALIGN and a.stats()["slabs"] == 1    # 4,800 B on 2 pages, 20 B on 1
+    assert y.data_ptr() - x.data_ptr() >= x.numel() * x.element_size()
+
+
+def test_memory_comes_back_only_when_the_last_view_is_gone_and_is_reused():
+    a = arena()
+    x = a.empty((256, 1024), torch.float16)                        # 512 KiB
+    where, used = x.data_ptr(), a.used_bytes
+    head = x[:10]                                                    # a view outliving its tensor (as load() makes)
+    del x
+    gc.collect()
+    assert a.used_bytes == used                                      # still in use through the view
+    del head
+    assert a.used_bytes == 0
+    again = a.empty((256, 1024), torch.float16)
+    assert again.data_ptr() == where and a.stats()["slabs"] == 1    # the same bytes, no new slab
+
+
+def test_neighbouring_free_ranges_merge_to_serve_a_larger_request():
+    a = arena(slabs=1)
+    parts = [a.empty((SLAB // 4,), torch.uint8) for _ in range(4)]   # the whole slab
+    assert a.empty((16,), torch.uint8) is None and a.fallbacks == 1  # full: the caller's allocator serves it
+    first = parts[0].data_ptr()
+    del parts[1], parts[0]                                           # two adjacent quarters back
+    half = a.empty((SLAB // 2,), torch.uint8)
+    assert half is not None and half.data_ptr() == first
+
+
+def test_it_refuses_what_it_cannot_hold_rather_than_grow_past_its_budget():
+    a = arena(slabs=2)
+    assert a.empty((SLAB + 1,), torch.uint8) is None                 # larger than a slab
+    keep = [a.empty((SLAB,), torch.uint8) for _ in range(2)]
+    assert all(k is not None for k in keep)
+    assert a.empty((1,), torch.uint8) is None and a.nbytes == 2 * SLAB
+
+
+def test_a_slab_that_cannot_be_locked_stops_its_growth_without_failing(caplog):
+    calls = []
+
+    def refuse_the_second(n):
+        calls.append(n)
+        if len(calls) > 1:
+            raise RuntimeError("CUDA error: out of memory (page-locked)")
+        return plain_slab(n)
+
+    a = HostArena(4 * SLAB, slab_bytes=SLAB, allocate=refuse_the_second)
+    keep = a.empty((SLAB,), torch.uint8)
+    assert a.empty((SLAB,), torch.uint8) is None and "stops at 1 MiB" in caplog.text
+    assert a.empty((SLAB,), torch.uint8) is None and len(calls) == 2   # not asked again
+    assert keep is not None
+
+
+def test_a_small_budget_gets_smaller_slabs_not_none():
+    a = HostArena(300 << 10, allocate=plain_slab)                    # 300 KiB: 256 KiB slabs
+    assert a.slab_bytes == 256 << 10 and a.empty((1000,), torch.float32) is not None
+
+
+def test_caches_moved_into_an_arena_keep_their_values_and_free_it_when_dropped():
+    a = arena()
+    kv = KVCache(2, 16, device="cpu", dtype=torch.float32)
+    kv.update_and_fetch(torch.randn(2, 37, 16), torch.randn(2, 37, 16))
+    state = StateCache({"recurrent": torch.randn(4, 8, 8)}, offset=37)
+    moved = SequenceCache([kv, state]).to("cpu", arena=a)
+    assert torch.equal(moved.layers[0].keys, kv.keys[:, :37]) and torch.equal(moved.layers[1].states["recurrent"],
+                                                                               state.states["recurrent"])
+    assert a.used_bytes >= moved.nbytes > 0
+    back = KVCache(2, 16, device="cpu", dtype=torch.float32)
+    back.load(moved.layers[0], 20)                                   # a prefix-cache hit cut to 20 tokens
+    assert torch.equal(back.keys[:, :20], kv.keys[:, :20])
+    del moved
+    assert a.used_bytes == 0
+
+
+@pytest.mark.parametrize("shape", [(0,), (4, 0, 8)])
+def test_empty_shapes_take_no_memory(shape):
+    a = arena()
+    t = a.empty(shape, torch.float16)
+    assert t.shape == shape and a.used_bytes <= ALIGN
