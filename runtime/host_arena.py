@@ -59,7 +59,9 @@ class HostArena:
         numel = 1
         for n in shape:
             numel *= int(n)
-        size = max(ALIGN, -(-numel * dtype.itemsize // ALIGN) * ALIGN)
+        if numel == 0:
+            return torch.empty(shape, dtype=dtype)
+        size = -(-numel * dtype.itemsize // ALIGN) * ALIGN
         with self._lock:
             place = self._take(size)
             if place is None:
@@ -71,8 +73,7 @@ class HostArena:
         view = (ctypes.c_char * size).from_address(base)
         # the ctypes view is the storage's owner: it dies with the last tensor sharing that storage
         weakref.finalize(view, self._give_back, slab, start, size)
-        return torch.frombuffer(view, dtype=dtype, count=numel).view(*shape) if numel else \
-            torch.empty(shape, dtype=dtype)
+        return torch.frombuffer(view, dtype=dtype, count=numel).view(*shape)
 
     def _take(self, size: int) -> tuple[int, int] | None:
         if size > self.slab_bytes:
