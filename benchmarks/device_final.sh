@@ -134,6 +134,7 @@
 #   (device) bash benchmarks/device_final.sh s32b # session 30: qwen3.6's prefill in 8K/16K chunks; resident prefill peak
 #   (device) bash benchmarks/device_final.sh s32c # session 30: the engine's long prompts at 8 GiB, each with its VRAM peak
 #   (device) bash benchmarks/device_final.sh s32d # session 30: s32c again with K/V copied a group at a time; pieces A/B
+#   (device) bash benchmarks/device_final.sh s33d # session 31: the same resends with every expert in VRAM (no compile)
 #   (device) bash benchmarks/device_final.sh s33c # session 31: qwen3-30b's resends with their fixes (s33b cut down)
 #   (device) bash benchmarks/device_final.sh s33b # session 31: resends restored into the sequence's buffers; both shapes
 #   (device) bash benchmarks/device_final.sh s33a # session 31: the prefix cache's host copies by memory kind; expandable
@@ -1086,6 +1087,16 @@ elif [ "$1" = s31a ]; then
       | grep -E "^qwen|planner's|learned CPU share:"
   done
   rm -f "$OUT"/model_*.json "$OUT"/model.json
+elif [ "$1" = s33d ]; then
+  # session 31's last ~5 device minutes: s33c without the hybrid tier's CPU-kernel compile (a fresh machine's ~60 s):
+  # qwen3-30b with every expert in VRAM (no budget), a 30K prompt, then two agent turns resending it with 200 new
+  # tokens. The fixes are the engine's, not the tier's: predicted each resend's peak allocated <= the 30K prompt's
+  # (s33a's resends: +1.78 and +1.92 GiB over it - the entry twice, then KV doubled to 60K), its store ~0.06 s
+  timeout 200 python3 benchmarks/bench_cold_load.py --shape qwen3-30b-a3b --folder /tmp/ftw-long --vram-budget 0 \
+    --tier resident --long-prompts 30000 --resend 2 --out "$OUT/long_prompts_resend.json" \
+    > "$OUT/long_prompts_resend.txt" 2>&1
+  echo "qwen3-30b rc=$?"; grep -E "^\|" "$OUT/long_prompts_resend.txt" | tail -4
+  rm -rf /tmp/ftw-long
 elif [ "$1" = s33c ]; then
   # session 31's last ~7 device minutes (s33b cut to its question): qwen3-30b at 8 GiB, a 30K prompt, then two agent
   # turns resending it with 200 new tokens. Predicted: each resend <= 8.0 GiB allocated (s33a: 9.79-9.93), its
