@@ -624,7 +624,20 @@ class Engine:
         if not cache.trimmable and self.prefix_cache.max_bytes:
             # a copy to host memory is a copy already: no second one on the GPU (its VRAM was never planned)
             kept = cache.copy() if self.prefix_cache_device == self.device else cache.detach()
+            self._make_room(seq.tokens[:seq.computed], cache)
             self.prefix_cache.insert(seq.tokens[:seq.computed], self._for_prefix_cache(kept))
+
+    def _make_room(self, tokens: list[int], cache: SequenceCache) -> None:
+        """Before a cache is copied into the prefix cache, drop what its insertion would drop - the entries it makes
+        redundant, then the least recently used beyond the budget - so that the copy can take their host memory (an
+        agent's next turn lands where the last one was; s33a: a copy made first spilled 64 of 96 tensors to torch's
+        allocator). Nothing is dropped for a cache too large to be kept at all."""
+        size = cache.stored_nbytes
+        if size > self.prefix_cache.max_bytes:
+            return
+        if cache.trimmable:
+            self.prefix_cache.drop_covered(tokens)
+        self.prefix_cache.make_room(size)
 
     def _for_prefix_cache(self, cache: SequenceCache) -> SequenceCache:
         if self.prefix_cache_device == self.device:
@@ -678,8 +691,7 @@ class Engine:
             if keep_cache and self.prefix_cache.max_bytes and state.cache.offset > 0:
                 # the cache holds every token fed so far: exactly tokens[:offset]
                 tokens = seq.tokens[:state.cache.offset]
-                if state.cache.trimmable and state.cache.stored_nbytes <= self.prefix_cache.max_bytes:
-                    self.prefix_cache.drop_covered(tokens)      # first, so that the copy may reuse their memory
+                self._make_room(tokens, state.cache)
                 self.prefix_cache.insert(tokens, self._for_prefix_cache(state.cache.detach()))
             state.cache.release()
             state.cache = None

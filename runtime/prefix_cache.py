@@ -76,13 +76,17 @@ class PrefixCache:
             self._drop(key)
         if cache.trimmable:
             self.drop_covered(tokens)
+        self.make_room(size)
         self.entries[key] = cache
         self.nbytes += size
-        while self.nbytes > self.max_bytes:
-            oldest = next(iter(self.entries))
-            self._drop(oldest)
-            self.evictions += 1
         return True
+
+    def make_room(self, size: int) -> None:
+        """Evict the least recently used entries until `size` more bytes fit. The engine calls it before copying
+        a cache here, so that the copy can take the evicted entries' host memory; insert() evicts the same ones."""
+        while self.entries and self.nbytes + size > self.max_bytes:
+            self._drop(next(iter(self.entries)))
+            self.evictions += 1
 
     def drop_covered(self, tokens: list[int]) -> None:
         """Drop the trimmable entries holding a shorter prefix of `tokens`: a trimmable cache of `tokens` serves

@@ -350,8 +350,8 @@ def test_agent_turns_through_a_host_prefix_cache_reuse_its_arena_and_stay_exact(
     """An agent resends its conversation each turn, a little longer. With the prefix cache on another device (a GPU
     engine's host RAM; here cpu:0 beside the engine's cpu, the same path) each turn restores the last one's cache
     straight into its own buffers, prefills only what is new, and its copy lands in the arena. A trimmable model's
-    new entry takes the memory of the entry it replaces: here the arena is one 64 KiB slab and an entry 48 KiB, so
-    a copy made beside the old entry would not fit (torch's allocator would take it: a fallback)."""
+    new entry takes the memory of the entry it replaces: here the arena is one 64 KiB slab and the entries grow from 27
+    to 46 KiB, so a copy made beside the old entry would not fit (torch's allocator would take it: a fallback)."""
     eng = load(ftw_packages, family, "cpu", prefix_cache_bytes=budget)
     eng.prefix_cache_device = torch.device("cpu", 0)
     plain = load(ftw_packages, family, "cpu", prefix_cache_bytes=0)
@@ -366,6 +366,21 @@ def test_agent_turns_through_a_host_prefix_cache_reuse_its_arena_and_stay_exact(
         conversation = conversation + got.tokens + random_prompt(8, seed=91 + turn)
     if budget:
         assert arena["slabs"] == 1 and arena["pinned_bytes"] == 64 << 10
+
+
+def test_a_full_prefix_cache_evicts_before_copying_so_the_copy_reuses_the_memory(ftw_packages):
+    """Budget for one entry (48 KiB: one 32 KiB slab; an entry ~25 KiB), conversations sharing nothing: each new entry evicts the last, and
+    since the engine evicts before it copies, the copy takes the evicted entry's memory instead of spilling to
+    torch's allocator (s33a: 64 of a 30K entry's 96 tensors). The evicted conversation is then prefilled again."""
+    eng = load(ftw_packages, "qwen3_moe", "cpu", prefix_cache_bytes=48 << 10)
+    eng.prefix_cache_device = torch.device("cpu", 0)
+    for seed in (100, 101, 102):
+        eng.generate(random_prompt(30, seed=seed), SamplingParams(max_tokens=4, **GREEDY))
+        arena = eng.stats()["prefix_cache"]["host_arena"]
+        assert arena["fallbacks"] == 0 and arena["slabs"] == 1 and len(eng.prefix_cache) == 1
+    assert eng.stats()["prefix_cache"]["evictions"] == 2
+    again = eng.generate(random_prompt(30, seed=100), SamplingParams(max_tokens=4, **GREEDY))
+    assert again.cached_tokens == 0
 
 
 def test_kv_growth_stops_doubling_at_the_engines_context(ftw_packages):
