@@ -114,7 +114,8 @@ def test_an_interrupted_write_is_not_taken_for_a_package(tmp_path):
 def test_benchmark_runs_end_to_end(tmp_path, capsys):
     out = tmp_path / "cold.json"
     assert bench.main(["--folder", str(tmp_path / "pkg"), "--layers", "1", "--experts", "8", "--vocab", "1024",
-                       "--vram-budget", "0", "--device", "cpu", "--decode-steps", "2", "--out", str(out)]) == 0
+                       "--vram-budget", "0", "--device", "cpu", "--decode-steps", "2", "--out", str(out),
+                       "--long-prompts", "40", "--resend", "2", "--resend-tokens", "5"]) == 0
     report = json.loads(out.read_text())
     (row,) = report["rows"]
     phases = {p["phase"]: p for p in row["phases"]}
@@ -126,8 +127,14 @@ def test_benchmark_runs_end_to_end(tmp_path, capsys):
     assert row["rss_peak"] >= row["rss_after_load"] > 0
     assert row["package_bytes"] == report["package"]["nbytes"]
     assert report["warm_read"]["bytes"] == row["package_bytes"]
+    # the long prompt, then two agent turns: each resends the last conversation with 5 new tokens, and the prefix
+    # cache serves all of it but the new tokens
+    assert [p["tokens"] for p in row["long_prompts"]] == [40, 45, 50]
+    assert [p["cached_tokens"] for p in row["long_prompts"]] == [0, 40, 45]
+    assert all(p["error"] is None and len(p["step_seconds"]) >= 1 for p in row["long_prompts"])
     printed = capsys.readouterr().out
     assert "| VRAM budget |" in printed and "dense weights to the device" in printed
+    assert "| from the prefix cache |" in printed and "| 45 |" in printed
 
 
 # ---------------------------------------------------------------------------------- the load path's memory
