@@ -346,3 +346,29 @@ def test_the_prefix_cache_keeps_going_in_ordinary_memory_when_page_locking_is_re
     assert a.shape == (2, 3) and a.dtype == torch.float16 and b.shape == (4,) and not a.is_pinned()
     assert tries == [True, False, False]                # refused once, then not tried again
     assert caplog.text.count("could not page-lock host memory for the prefix cache") == 1
+
+
+def test_a_gpu_engine_turns_on_expandable_segments_unless_the_user_configured_the_allocator(monkeypatch, caplog):
+    """Long prompts' transients left 0.6-1.3 GiB reserved past what was allocated (s32e); expandable segments took it
+    to 0.3-0.6 (s33a, on an H100 host). The engine asks for them itself - but a user's own allocator settings win, and
+    a torch without the setting only logs. (This machine has no CUDA: the setter is recorded, not run.)"""
+    import runtime.engine as engine_module
+
+    calls = []
+    monkeypatch.setattr(torch.cuda.memory, "_set_allocator_settings", calls.append)
+    for name in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF"):
+        monkeypatch.delenv(name, raising=False)
+    engine_module._use_expandable_segments()
+    assert calls == ["expandable_segments:True"]
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "max_split_size_mb:512")
+    engine_module._use_expandable_segments()
+    assert calls == ["expandable_segments:True"]                     # the user's setting stands
+
+    def refuse(_):
+        raise RuntimeError("unknown allocator option")
+
+    monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF")
+    monkeypatch.setattr(torch.cuda.memory, "_set_allocator_settings", refuse)
+    with caplog.at_level("INFO"):
+        engine_module._use_expandable_segments()
+    assert "could not turn on expandable CUDA segments" in caplog.text
