@@ -563,12 +563,12 @@ def long_prompt(engine, ids: list[int], cuda: bool) -> dict:
         done = any(e.finished or e.token_id is not None for e in events if e.request_id == rid)
     seconds = time.perf_counter() - t0
     result = engine.result(rid)                 # max_tokens=1: finished with its first token
+    prefix = engine.stats()["prefix_cache"]
     row = {"tokens": tokens, "seconds": seconds, "tok_s": tokens / seconds, "error": result and result.error,
            "cached_tokens": result.cached_tokens if result else None, "step_seconds": steps,
            # copies into the prefix cache's host memory inside those steps: a linear-attention prompt's snapshot
            # one token before its end (inside its TTFT), and - max_tokens being 1 here - the finished request's
-           "prefix_store_seconds": engine.stats()["prefix_cache"]["store_seconds"] - stored_before,
-           "host_arena": engine.stats()["prefix_cache"].get("host_arena")}
+           "prefix_store_seconds": prefix["store_seconds"] - stored_before, "host_arena": prefix.get("host_arena")}
     if cuda:
         row.update(vram_peak_allocated=torch.cuda.max_memory_allocated(),
                    vram_peak_reserved=torch.cuda.max_memory_reserved(), vram_used=_device_used())

@@ -622,26 +622,28 @@ class Engine:
         later; a resend of the same prompt, or a longer one starting with it, restores it)."""
         cache = seq.payload.cache
         if not cache.trimmable and self.prefix_cache.max_bytes:
-            # a copy to host memory is a copy already: no second one on the GPU (its VRAM was never planned)
-            kept = cache.copy() if self.prefix_cache_device == self.device else cache.detach()
-            self._make_room(seq.tokens[:seq.computed], cache)
-            self.prefix_cache.insert(seq.tokens[:seq.computed], self._for_prefix_cache(kept))
+            self._keep(seq.tokens[:seq.computed], cache, live=True)
 
-    def _make_room(self, tokens: list[int], cache: SequenceCache) -> None:
-        """Before a cache is copied into the prefix cache, drop what its insertion would drop - the entries it makes
-        redundant, then the least recently used beyond the budget - so that the copy can take their host memory (an
-        agent's next turn lands where the last one was; s33a: a copy made first spilled 64 of 96 tensors to torch's
-        allocator). Nothing is dropped for a cache too large to be kept at all."""
+    def _keep(self, tokens: list[int], cache: SequenceCache, *, live: bool) -> None:
+        """Put a copy of `cache` (holding exactly `tokens`) in the prefix cache; `live`: the sequence goes on using it.
+
+        First drop what the insertion would drop - the entries it makes redundant, then the least recently used past
+        the budget - so that the copy can take their host memory (an agent's next turn lands where the last one
+        was; s33a: a copy made first spilled 64 of 96 tensors to torch's allocator); nothing for a cache too large to
+        be kept at all."""
         size = cache.stored_nbytes
-        if size > self.prefix_cache.max_bytes:
-            return
-        if cache.trimmable:
-            self.prefix_cache.drop_covered(tokens)
-        self.prefix_cache.make_room(size)
-
-    def _for_prefix_cache(self, cache: SequenceCache) -> SequenceCache:
+        if size <= self.prefix_cache.max_bytes:
+            if cache.trimmable:
+                self.prefix_cache.drop_covered(tokens)
+            self.prefix_cache.make_room(size)
         if self.prefix_cache_device == self.device:
-            return cache
+            kept = cache.copy() if live else cache.detach()
+        else:
+            # a copy to host memory is a copy already: no second one on the GPU (its VRAM was never planned)
+            kept = self._to_host(cache.detach())
+        self.prefix_cache.insert(tokens, kept)
+
+    def _to_host(self, cache: SequenceCache) -> SequenceCache:
         if self.host_arena is None:
             # page-locked on a GPU engine (brought back at the link's rate); made on first use, so an engine that
             # never stores a conversation locks no host memory
@@ -690,9 +692,7 @@ class Engine:
         if state.cache is not None:
             if keep_cache and self.prefix_cache.max_bytes and state.cache.offset > 0:
                 # the cache holds every token fed so far: exactly tokens[:offset]
-                tokens = seq.tokens[:state.cache.offset]
-                self._make_room(tokens, state.cache)
-                self.prefix_cache.insert(tokens, self._for_prefix_cache(state.cache.detach()))
+                self._keep(seq.tokens[:state.cache.offset], state.cache, live=False)
             state.cache.release()
             state.cache = None
         self._counters[{"cancelled": "cancelled", "error": "failed"}.get(reason, "finished")] += 1

@@ -229,7 +229,7 @@ def _attend_lower_right(q: torch.Tensor, keys: torch.Tensor, values: torch.Tenso
     """q [H, T, hd] over keys/values [Hkv, S, hd], S >= T, query i at position S - T + i: [H, T, hd]."""
     from torch.nn.attention.bias import causal_lower_right    # here: importing it pulls in torch._dynamo (~1.5 s)
 
-    h, t, hd = q.shape
+    h, t, _ = q.shape
     hkv, s, _ = keys.shape
     bias = causal_lower_right(t, s)
     if not (q.is_cuda and h != hkv):
@@ -243,7 +243,7 @@ def _attend_expanded(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, 
     """Grouped-query attention through a call that takes one kv head per query head (torch's lower-right flash):
     the query heads in groups of m sharing a kv head (m the largest divisor of the group size whose copy of K and
     V fits `budget`), each group's kv head copied m times. q [H, T, hd], keys/values [Hkv, S, hd] -> [H, T, hd]."""
-    h, t, hd = q.shape
+    h, _, hd = q.shape
     hkv, s, _ = keys.shape
     g = h // hkv
     per_head = 2 * s * hd * keys.element_size()
