@@ -88,7 +88,9 @@ class HostArena:
         try:
             slab = self._allocate(self.slab_bytes)
         except RuntimeError as exc:     # the OS's page-lock limit (Windows: about half the RAM): stop growing
-            log.warning("the prefix cache's page-locked host memory stops at %d MiB (%s)", self.nbytes >> 20, exc)
+            log.warning("the prefix cache's page-locked host memory stops at %d MiB: the OS refused to lock more (%s); "
+                        "further conversations are kept in memory that is slower to bring back to the GPU",
+                        self.nbytes >> 20, exc)
             self.max_slabs = len(self._slabs)
             return None
         self._slabs.append(slab)
