@@ -1113,7 +1113,7 @@ elif [ "$1" = s33b ]; then
   # ~0.2 s fresh (half the bytes locked), its resends' ~0.02 s
   # (the last ~9 device minutes: no CUDA test pass; the engine below takes the same paths on the GPU)
   for shape in qwen3-30b-a3b qwen3.6-35b-a3b; do
-    timeout 230 python3 benchmarks/bench_cold_load.py --shape $shape --folder /tmp/ftw-long --vram-budget 8 \
+    timeout 280 python3 benchmarks/bench_cold_load.py --shape $shape --folder /tmp/ftw-long --vram-budget 8 \
       --long-prompts 16384 30000 --resend 2 --out "$OUT/long_prompts_$shape.json" > "$OUT/long_prompts_$shape.txt" 2>&1
     echo "$shape rc=$?"; grep -E "^\|" "$OUT/long_prompts_$shape.txt" | tail -5
     rm -rf /tmp/ftw-long
