@@ -134,6 +134,7 @@
 #   (device) bash benchmarks/device_final.sh s32b # session 30: qwen3.6's prefill in 8K/16K chunks; resident prefill peak
 #   (device) bash benchmarks/device_final.sh s32c # session 30: the engine's long prompts at 8 GiB, each with its VRAM peak
 #   (device) bash benchmarks/device_final.sh s32d # session 30: s32c again with K/V copied a group at a time; pieces A/B
+#   (device) bash benchmarks/device_final.sh s34a # session 32: host memory locked ahead on another thread; s33b again
 #   (device) bash benchmarks/device_final.sh s33d # session 31: the same resends with every expert in VRAM (no compile)
 #   (device) bash benchmarks/device_final.sh s33c # session 31: qwen3-30b's resends with their fixes (s33b cut down)
 #   (device) bash benchmarks/device_final.sh s33b # session 31: resends restored into the sequence's buffers; both shapes
@@ -1087,6 +1088,20 @@ elif [ "$1" = s31a ]; then
       | grep -E "^qwen|planner's|learned CPU share:"
   done
   rm -f "$OUT"/model_*.json "$OUT"/model.json
+elif [ "$1" = s34a ]; then
+  # session 32, after s33b (resends inside the plan: 7.55 GiB; but a conversation's first store - and every qwen3.6
+  # resend, whose entries are not replaced - still locked fresh memory inside its step: qwen3.6's 30K snapshot 0.54 s
+  # of its TTFT, its resends 0.35-0.53 s of 1.0-1.09 s). (1) Does locking on another thread stall the one driving the
+  # GPU? Predicted: decode-like steps' p50 within 5 %, p99 within +1 ms, either way of locking. (2) The engine locks a
+  # request's store memory ahead while it prefills: predicted stores 0.34-0.75 -> <= 0.1 s, qwen3.6's 30K TTFT
+  # 3.60 -> ~3.1 s, its resends' 1.0-1.09 -> ~0.6 s, prefill otherwise unchanged
+  timeout 60 python3 benchmarks/bench_lock_ahead.py --slabs 12 --out "$OUT/lock_ahead.json"
+  for shape in qwen3.6-35b-a3b qwen3-30b-a3b; do
+    timeout 250 python3 benchmarks/bench_cold_load.py --shape $shape --folder /tmp/ftw-long --vram-budget 8 \
+      --long-prompts 16384 30000 --resend 2 --out "$OUT/long_prompts_$shape.json" > "$OUT/long_prompts_$shape.txt" 2>&1
+    echo "$shape rc=$?"; grep -E "^\|" "$OUT/long_prompts_$shape.txt" | tail -5
+    rm -rf /tmp/ftw-long
+  done
 elif [ "$1" = s33d ]; then
   # session 31's last ~5 device minutes: s33c without the hybrid tier's CPU-kernel compile (a fresh machine's ~60 s):
   # qwen3-30b with every expert in VRAM (no budget), a 30K prompt, then two agent turns resending it with 200 new

@@ -10,6 +10,10 @@ come back for the next entry, so an agent's resent, slightly longer conversation
 Each carved tensor has its own storage (torch.frombuffer over a ctypes view of the slab), so the range comes
 back only when the last tensor or view sharing it is gone. A request the arena cannot serve - larger than a
 slab, or the arena full - gets None and the caller falls back to torch's allocator.
+
+Locking is the slow part (~2.8 GB/s, s33a: a 30K-token conversation's first store spent ~0.5 s of its step on it),
+so `prepare(nbytes)` asks a background thread to lock slabs ahead - the engine calls it when a prompt that will be
+stored starts prefilling, and the store then finds its memory locked.
 """
 from __future__ import annotations
 
@@ -45,9 +49,14 @@ class HostArena:
         self._allocate = allocate
         self._slabs: list[torch.Tensor] = []
         self._free: list[list[tuple[int, int]]] = []    # per slab: sorted, coalesced (start, length) runs
-        self._lock = threading.Lock()                  # ranges come back from whichever thread drops the last view
+        # ranges come back from whichever thread drops the last view; slabs are locked outside it (~0.1 s each)
+        self._cond = threading.Condition()
+        self._locking = 0                              # slabs being locked right now (by any thread)
+        self._wanted_free = 0                          # prepare()'s target for the background thread
+        self._grower: threading.Thread | None = None
         self.used_bytes = 0
         self.fallbacks = 0                             # requests it could not serve (the caller's allocator did)
+        self.locked_ahead = 0                          # slabs the background thread locked
 
     @property
     def nbytes(self) -> int:
@@ -62,43 +71,95 @@ class HostArena:
         if numel == 0:
             return torch.empty(shape, dtype=dtype)
         size = -(-numel * dtype.itemsize // ALIGN) * ALIGN
-        with self._lock:
-            place = self._take(size)
-            if place is None:
+        place = self._take(size)
+        if place is None:
+            with self._cond:
                 self.fallbacks += 1
-                return None
-            slab, start = place
-            self.used_bytes += size
+            return None
+        slab, start = place
         base = self._slabs[slab].data_ptr() + start
         view = (ctypes.c_char * size).from_address(base)
         # the ctypes view is the storage's owner: it dies with the last tensor sharing that storage
         weakref.finalize(view, self._give_back, slab, start, size)
         return torch.frombuffer(view, dtype=dtype, count=numel).view(*shape)
 
+    def prepare(self, nbytes: int) -> None:
+        """Have at least `nbytes` free (up to the budget) soon: a background thread locks the slabs it takes."""
+        with self._cond:
+            if self.max_slabs <= len(self._slabs):
+                return
+            self._wanted_free = max(self._wanted_free, int(nbytes))
+            if self._grower is None:
+                self._grower = threading.Thread(target=self._grow_ahead, name="host-arena-lock-ahead", daemon=True)
+                self._grower.start()
+            self._cond.notify_all()
+
+    def _grow_ahead(self) -> None:
+        while True:
+            with self._cond:
+                while not self._short_of_wanted():
+                    self._wanted_free = 0
+                    self._cond.wait()
+            if self._add_slab() is None:
+                with self._cond:
+                    self._wanted_free = 0
+            else:
+                with self._cond:
+                    self.locked_ahead += 1
+
+    def _short_of_wanted(self) -> bool:
+        free = (len(self._slabs) + self._locking) * self.slab_bytes - self.used_bytes
+        return free < self._wanted_free and len(self._slabs) + self._locking < self.max_slabs
+
     def _take(self, size: int) -> tuple[int, int] | None:
         if size > self.slab_bytes:
             return None
+        while True:
+            with self._cond:
+                place = self._fit(size)
+                if place is not None:
+                    self.used_bytes += size
+                    return place
+                if self._locking and len(self._slabs) + self._locking >= self.max_slabs:
+                    self._cond.wait()        # the last slabs are being locked ahead: wait for them, not a fallback
+                    continue
+            if self._add_slab() is None:
+                return None
+
+    def _fit(self, size: int) -> tuple[int, int] | None:
         for slab, runs in enumerate(self._free):       # first fit keeps an entry's tensors together
             for i, (start, length) in enumerate(runs):
                 if length >= size:
                     runs[i:i + 1] = [(start + size, length - size)] if length > size else []
                     return slab, start
-        if len(self._slabs) >= self.max_slabs:
-            return None
+        return None
+
+    def _add_slab(self) -> int | None:
+        """Lock one more slab (outside the lock: ~0.1 s); None when the budget or the OS says no."""
+        with self._cond:
+            if len(self._slabs) + self._locking >= self.max_slabs:
+                return None
+            self._locking += 1
         try:
             slab = self._allocate(self.slab_bytes)
         except RuntimeError as exc:     # the OS's page-lock limit (Windows: about half the RAM): stop growing
             log.warning("the prefix cache's page-locked host memory stops at %d MiB: the OS refused to lock more (%s); "
                         "further conversations are kept in memory that is slower to bring back to the GPU",
                         self.nbytes >> 20, exc)
-            self.max_slabs = len(self._slabs)
+            with self._cond:
+                self._locking -= 1
+                self.max_slabs = len(self._slabs) + self._locking
+                self._cond.notify_all()
             return None
-        self._slabs.append(slab)
-        self._free.append([(size, self.slab_bytes - size)] if size < self.slab_bytes else [])
-        return len(self._slabs) - 1, 0
+        with self._cond:
+            self._locking -= 1
+            self._slabs.append(slab)
+            self._free.append([(0, self.slab_bytes)])
+            self._cond.notify_all()
+            return len(self._slabs) - 1
 
     def _give_back(self, slab: int, start: int, size: int) -> None:
-        with self._lock:
+        with self._cond:
             self.used_bytes -= size
             runs = self._free[slab]
             runs.append((start, size))
@@ -110,7 +171,8 @@ class HostArena:
                 else:
                     merged.append((s, n))
             self._free[slab] = merged
+            self._cond.notify_all()
 
     def stats(self) -> dict:
         return {"pinned_bytes": self.nbytes, "used_bytes": self.used_bytes, "slabs": len(self._slabs),
-                "fallbacks": self.fallbacks}
+                "fallbacks": self.fallbacks, "locked_ahead": self.locked_ahead}

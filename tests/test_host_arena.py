@@ -103,3 +103,70 @@ def test_empty_shapes_take_no_memory(shape):
     a = arena()
     t = a.empty(shape, torch.float16)
     assert t.shape == shape and a.used_bytes == 0
+
+
+def wait_for(condition, timeout_s: float = 10.0) -> None:
+    import time
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, "the background thread did not get there"
+        time.sleep(0.005)
+
+
+def test_prepare_locks_slabs_ahead_on_another_thread_and_the_tensors_then_take_them():
+    import threading
+    threads = []
+
+    def record(n):
+        threads.append(threading.current_thread().name)
+        return plain_slab(n)
+
+    a = HostArena(8 * SLAB, slab_bytes=SLAB, allocate=record)
+    a.prepare(3 * SLAB - 100)                                         # rounds up to whole slabs
+    wait_for(lambda: a.locked_ahead == 3)
+    assert a.stats()["slabs"] == 3 and set(threads) == {"host-arena-lock-ahead"}
+    keep = [a.empty((SLAB,), torch.uint8) for _ in range(3)]
+    assert all(k is not None for k in keep) and len(threads) == 3 and a.fallbacks == 0   # no lock inside the store
+    a.prepare(SLAB)                                                    # only what is not free already
+    wait_for(lambda: a.locked_ahead == 4)
+    del keep
+    a.prepare(2 * SLAB)                                                # 4 slabs free: nothing to lock
+    a.prepare(100 * SLAB)                                              # never past the budget
+    wait_for(lambda: a.stats()["slabs"] == 8)
+    assert len(threads) == 8 and a.nbytes == 8 * SLAB
+
+
+def test_a_tensor_waits_for_a_slab_being_locked_ahead_rather_than_falling_back():
+    """The budget's last slab is being locked by the background thread when the store comes: it waits for it
+    (the lock is a fraction of a second) instead of spilling to torch's allocator."""
+    import threading
+    release = threading.Event()
+    calls = []
+
+    def slow(n):
+        calls.append(n)
+        release.wait(10)
+        return plain_slab(n)
+
+    a = HostArena(SLAB, slab_bytes=SLAB, allocate=slow)
+    a.prepare(SLAB)
+    wait_for(lambda: len(calls) == 1)                                  # the background thread is locking it
+    got = {}
+    store = threading.Thread(target=lambda: got.setdefault("t", a.empty((SLAB // 2,), torch.uint8)))
+    store.start()
+    store.join(0.2)
+    assert store.is_alive()                                            # waiting for the slab, not falling back
+    release.set()
+    store.join(10)
+    assert got["t"] is not None and a.fallbacks == 0 and len(calls) == 1
+
+
+def test_a_refusal_while_locking_ahead_stops_growth_and_the_store_falls_back_cleanly(caplog):
+    def refuse(n):
+        raise RuntimeError("CUDA error: out of memory (page-locked)")
+
+    a = HostArena(4 * SLAB, slab_bytes=SLAB, allocate=refuse)
+    a.prepare(2 * SLAB)
+    wait_for(lambda: a.max_slabs == 0)
+    assert "stops at 0 MiB" in caplog.text
+    assert a.empty((16,), torch.uint8) is None and a.fallbacks == 1
