@@ -134,6 +134,7 @@
 #   (device) bash benchmarks/device_final.sh s32b # session 30: qwen3.6's prefill in 8K/16K chunks; resident prefill peak
 #   (device) bash benchmarks/device_final.sh s32c # session 30: the engine's long prompts at 8 GiB, each with its VRAM peak
 #   (device) bash benchmarks/device_final.sh s32d # session 30: s32c again with K/V copied a group at a time; pieces A/B
+#   (device) bash benchmarks/device_final.sh s34b # session 32: s34a with registered slabs, ahead by what the cache keeps
 #   (device) bash benchmarks/device_final.sh s34a # session 32: host memory locked ahead on another thread; s33b again
 #   (device) bash benchmarks/device_final.sh s33d # session 31: the same resends with every expert in VRAM (no compile)
 #   (device) bash benchmarks/device_final.sh s33c # session 31: qwen3-30b's resends with their fixes (s33b cut down)
@@ -1088,6 +1089,20 @@ elif [ "$1" = s31a ]; then
       | grep -E "^qwen|planner's|learned CPU share:"
   done
   rm -f "$OUT"/model_*.json "$OUT"/model.json
+elif [ "$1" = s34b ]; then
+  # session 32, after s34a: stores 0.02-0.06 s, but cudaHostAlloc on the locking thread held the GPU's thread for
+  # its whole ~85 ms a slab (decode-like steps 0.33 -> 85.6 ms; touch + cudaHostRegister: p50 0.337, max 14.9 ms,
+  # 8.2 GB/s), and the first prompt chunks paid it (qwen3.6 30K: +0.32 s, qwen3-30b 30K: +0.66 s, 9 slabs locked
+  # where 5 were needed). Now registered slabs, and ahead only what the prefix cache keeps after making room.
+  # Predicted: stores as s34a (<= 0.07 s); qwen3.6 30K first step 2.18 -> ~1.9 s, TTFT 3.36 -> ~3.1; qwen3-30b 30K
+  # first chunk 1.30 -> ~0.7 s, TTFT 2.72 -> ~2.1, its arena 12 slabs (not 16)
+  cuda_tests 60 tests/test_host_arena.py
+  for shape in qwen3.6-35b-a3b qwen3-30b-a3b; do
+    timeout 250 python3 benchmarks/bench_cold_load.py --shape $shape --folder /tmp/ftw-long --vram-budget 8 \
+      --long-prompts 16384 30000 --resend 2 --out "$OUT/long_prompts_$shape.json" > "$OUT/long_prompts_$shape.txt" 2>&1
+    echo "$shape rc=$?"; grep -E "^\|" "$OUT/long_prompts_$shape.txt" | tail -5
+    rm -rf /tmp/ftw-long
+  done
 elif [ "$1" = s34a ]; then
   # session 32, after s33b (resends inside the plan: 7.55 GiB; but a conversation's first store - and every qwen3.6
   # resend, whose entries are not replaced - still locked fresh memory inside its step: qwen3.6's 30K snapshot 0.54 s

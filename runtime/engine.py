@@ -26,7 +26,7 @@ from typing import Any, Callable
 import torch
 
 from runtime.experts.interface import Experts, ExpertSpec
-from runtime.host_arena import HostArena, pinned_slab, plain_slab
+from runtime.host_arena import HostArena, plain_slab, registered_slab
 from runtime.kv_cache import SequenceCache
 from runtime.loading import build_empty_model, load_dense_weights
 from runtime.models.base import Batch, CausalLM, UnsupportedModelError
@@ -622,16 +622,17 @@ class Engine:
     def _lock_ahead(self, seq: Sequence, hit) -> None:
         """Have the host memory this request's stores will take page-locked while its prompt prefills, on another
         thread: locking it inside the store ran at ~2.8 GB/s (qwen3.6's 30K snapshot: 0.54 s of its time to first
-        token, s33b). A trimmable model's store takes the memory of the entry it extends (dropped as covered)."""
+        token, s33b). The arena then holds what the prefix cache keeps after making room for them - a trimmable
+        model's store replaces the entry it extends, and a full cache evicts its oldest (s34a: counting neither
+        locked 9 slabs where 5 were needed)."""
         if not self.prefix_cache.max_bytes or self.prefix_cache_device == self.device:
             return
         cache = seq.payload.cache
         tokens = min(self.context_length, seq.prompt_len + min(seq.payload.params.max_tokens or 0, LOCK_AHEAD_TOKENS))
-        wanted = cache.stored_nbytes_at(tokens) * (2 if seq.pause_before_last else 1)   # + the prompt's snapshot
-        if hit is not None and cache.trimmable:
-            wanted -= hit.cache.stored_nbytes
-        if wanted > 0:
-            self._arena().prepare(min(wanted, self.prefix_cache.max_bytes))
+        size = cache.stored_nbytes_at(tokens) * (2 if seq.pause_before_last else 1)   # + the prompt's snapshot
+        size = min(size, self.prefix_cache.max_bytes)
+        replaced = hit.cache.nbytes if hit is not None and cache.trimmable else 0
+        self._arena().prepare(self.prefix_cache.kept_after_room(size, dropping=replaced) + size)
 
     def _snapshot_prompt(self, seq: Sequence) -> None:
         """For models with recurrent state, keep a copy one token before the prompt's end (it cannot be cut
@@ -663,7 +664,7 @@ class Engine:
         if self.host_arena is None:
             # page-locked on a GPU engine (brought back at the link's rate); made on first use, so an engine that
             # never stores a conversation locks no host memory
-            self.host_arena = HostArena(self.prefix_cache.max_bytes, allocate=pinned_slab if
+            self.host_arena = HostArena(self.prefix_cache.max_bytes, allocate=registered_slab if
                                         self.device.type == "cuda" else plain_slab)
         return self.host_arena
 

@@ -88,6 +88,16 @@ class PrefixCache:
             self._drop(next(iter(self.entries)))
             self.evictions += 1
 
+    def kept_after_room(self, size: int, *, dropping: int = 0) -> int:
+        """The bytes entries would still hold once `size` more fit - `dropping` bytes of them (the entries the new
+        one covers) dropped first, then the least recently used: what make_room would leave, without doing it."""
+        kept = self.nbytes - dropping
+        for cache in self.entries.values():             # oldest first, as make_room evicts
+            if kept + size <= self.max_bytes:
+                break
+            kept -= cache.nbytes
+        return max(kept, 0)
+
     def drop_covered(self, tokens: list[int]) -> None:
         """Drop the trimmable entries holding a shorter prefix of `tokens`: a trimmable cache of `tokens` serves
         every prefix of itself. (The engine calls it before copying such a cache, so the copy can take their host

@@ -144,6 +144,21 @@ def test_prefix_cache_is_a_byte_bounded_lru():
     pc.insert([1, 5, 6], FakeCache(120))                # supersedes the trimmable [1]
     assert (1,) not in pc.entries and pc.nbytes <= 250
 
+
+def test_kept_after_room_says_what_make_room_would_leave_without_evicting():
+    """The engine locks host memory ahead for the prefix cache's next store: what the entries will still hold once
+    it fits (the covered entry dropped first, then the oldest) plus the store itself - not the bytes held now."""
+    pc = PrefixCache(max_bytes=100)
+    for key, size in ((1, 30), (2, 30), (3, 30)):
+        pc.insert([key], FakeCache(size))
+    assert pc.kept_after_room(10) == 90                     # fits beside them
+    assert pc.kept_after_room(30) == 60                     # the oldest goes
+    assert pc.kept_after_room(30, dropping=30) == 60        # a covered entry's room is enough
+    assert pc.kept_after_room(100) == 0
+    assert len(pc) == 3 and pc.nbytes == 90 and pc.evictions == 0   # nothing was evicted
+    pc.make_room(30)
+    assert pc.nbytes == 60
+
 # ----------------------------------------------------------------------------------------- rotary, attention
 
 

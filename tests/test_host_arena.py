@@ -127,10 +127,10 @@ def test_prepare_locks_slabs_ahead_on_another_thread_and_the_tensors_then_take_t
     assert a.stats()["slabs"] == 3 and set(threads) == {"host-arena-lock-ahead"}
     keep = [a.empty((SLAB,), torch.uint8) for _ in range(3)]
     assert all(k is not None for k in keep) and len(threads) == 3 and a.fallbacks == 0   # no lock inside the store
-    a.prepare(SLAB)                                                    # only what is not free already
+    a.prepare(2 * SLAB)                                                # already held: nothing to lock
+    a.prepare(4 * SLAB)
     wait_for(lambda: a.locked_ahead == 4)
-    del keep
-    a.prepare(2 * SLAB)                                                # 4 slabs free: nothing to lock
+    assert a.stats()["slabs"] == 4
     a.prepare(100 * SLAB)                                              # never past the budget
     wait_for(lambda: a.stats()["slabs"] == 8)
     assert len(threads) == 8 and a.nbytes == 8 * SLAB
@@ -170,3 +170,25 @@ def test_a_refusal_while_locking_ahead_stops_growth_and_the_store_falls_back_cle
     wait_for(lambda: a.max_slabs == 0)
     assert "stops at 0 MiB" in caplog.text
     assert a.empty((16,), torch.uint8) is None and a.fallbacks == 1
+
+
+def test_a_gpu_engines_slabs_are_registered_in_place_and_copy_at_the_pinned_rate(device):
+    """registered_slab (the GPU engine's arena): ordinary memory the driver page-locks in place. Carved tensors are
+    pinned (cudaMemcpy takes them directly, and non_blocking copies are truly asynchronous) and round-trip a GPU
+    tensor; the slab is unregistered when it dies."""
+    if device != "cuda":
+        pytest.skip("needs the GPU machine (--device cuda)")
+    from runtime.host_arena import registered_slab
+
+    a = HostArena(64 << 20, slab_bytes=32 << 20, allocate=registered_slab)
+    src = torch.randn(4, 1000, 128, device="cuda", dtype=torch.bfloat16)
+    host = a.empty(src.shape, src.dtype)
+    assert host is not None and host.is_pinned()
+    host.copy_(src)
+    back = torch.empty_like(src)
+    back.copy_(host, non_blocking=True)
+    torch.cuda.synchronize()
+    assert torch.equal(back, src) and a.fallbacks == 0
+    a.prepare(64 << 20)
+    wait_for(lambda: a.stats()["slabs"] == 2)
+    assert a.locked_ahead == 1
