@@ -440,6 +440,11 @@ def run_child(args) -> int:
     from runtime.models import gated_deltanet
     if args.gdn_piece is not None:
         gated_deltanet.PREFILL_PIECE_TOKENS = args.gdn_piece
+    if args.arena != "registered":       # the prefix cache's host memory as earlier sessions' engines made it
+        import runtime.engine as engine_module
+        engine_module.registered_slab = lambda n: torch.empty(n, dtype=torch.uint8, pin_memory=True)
+        if args.arena == "hostalloc":
+            Engine._lock_ahead = lambda self, seq, hit: None
     sync = torch.cuda.synchronize if cuda else None
     timer = PhaseTimer(sync=(lambda: torch.cuda.synchronize() if torch.cuda.is_initialized() else None)
                        if cuda else None)
@@ -457,7 +462,7 @@ def run_child(args) -> int:
     budget = int(args.budget_gib * GiB) if args.budget_gib > 0 else None
     rss_start = host_rss()
     result: dict = {"budget_gib": args.budget_gib, "package_bytes": package_bytes, "rss_start": rss_start,
-                    "gdn_piece": gated_deltanet.PREFILL_PIECE_TOKENS,
+                    "gdn_piece": gated_deltanet.PREFILL_PIECE_TOKENS, "arena": args.arena,
                     "imports_s": t_imported - _T_PROCESS}
     factory = None
     if args.tier != "default":
@@ -660,6 +665,10 @@ def parse_args(argv):
     ap.add_argument("--gdn-piece", type=int, default=None, metavar="TOKENS",
                     help="linear-attention layers prefill in pieces of this many tokens (0: the whole chunk; an A/B "
                          "of models/gated_deltanet.py's PREFILL_PIECE_TOKENS)")
+    ap.add_argument("--arena", default="registered", choices=["registered", "hostalloc-ahead", "hostalloc"],
+                    help="the prefix cache's host memory: the engine's (slabs registered in place, locked ahead on "
+                         "another thread), cudaHostAlloc'd slabs locked ahead (s34a), or locked inside the store "
+                         "(s33b)")
     ap.add_argument("--repeat", type=int, default=1,
                     help="fresh processes per budget (the first may compile numba/Triton kernels into their caches)")
     ap.add_argument("--shape", default="qwen3-30b-a3b", choices=sorted(SHAPES),
@@ -684,7 +693,7 @@ def measure_in_subprocess(args, package: Path, budget_gib: float) -> dict:
                "--context", str(args.context), "--max-batch", str(args.max_batch), "--tier", args.tier,
                "--decode-steps", str(args.decode_steps),
                "--long-prompts", *map(str, args.long_prompts), "--resend", str(args.resend),
-               "--resend-tokens", str(args.resend_tokens)]
+               "--resend-tokens", str(args.resend_tokens), "--arena", args.arena]
         if args.gdn_piece is not None:
             cmd += ["--gdn-piece", str(args.gdn_piece)]
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}

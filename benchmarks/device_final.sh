@@ -134,6 +134,7 @@
 #   (device) bash benchmarks/device_final.sh s32b # session 30: qwen3.6's prefill in 8K/16K chunks; resident prefill peak
 #   (device) bash benchmarks/device_final.sh s32c # session 30: the engine's long prompts at 8 GiB, each with its VRAM peak
 #   (device) bash benchmarks/device_final.sh s32d # session 30: s32c again with K/V copied a group at a time; pieces A/B
+#   (device) bash benchmarks/device_final.sh s34c # session 32: s34b cut to ~3 device minutes (every expert in VRAM)
 #   (device) bash benchmarks/device_final.sh s34b # session 32: s34a with registered slabs, ahead by what the cache keeps
 #   (device) bash benchmarks/device_final.sh s34a # session 32: host memory locked ahead on another thread; s33b again
 #   (device) bash benchmarks/device_final.sh s33d # session 31: the same resends with every expert in VRAM (no compile)
@@ -1089,6 +1090,19 @@ elif [ "$1" = s31a ]; then
       | grep -E "^qwen|planner's|learned CPU share:"
   done
   rm -f "$OUT"/model_*.json "$OUT"/model.json
+elif [ "$1" = s34c ]; then
+  # session 32's last ~6 device minutes: s34b's question without the hybrid tier's compile - qwen3-30b with every
+  # expert in VRAM (the prefix cache is the engine's, not the tier's), one package, the three ways the prefix cache's
+  # host memory was locked. Predicted: hostalloc (s33b's) stores ~0.7 s; hostalloc-ahead (s34a's) stores <= 0.07 s
+  # and the 30K prompt's first chunk +0.3-0.7 s; registered (the engine's now) stores <= 0.07 s, first chunk <= +0.1 s
+  cuda_tests 60 tests/test_host_arena.py
+  for arena in hostalloc hostalloc-ahead registered; do
+    timeout 100 python3 benchmarks/bench_cold_load.py --shape qwen3-30b-a3b --folder /tmp/ftw-long --vram-budget 0 \
+      --tier resident --long-prompts 16384 30000 --resend 2 --arena $arena --out "$OUT/resident_$arena.json" \
+      > "$OUT/resident_$arena.txt" 2>&1
+    echo "$arena rc=$?"; grep -E "^\|" "$OUT/resident_$arena.txt" | tail -4
+  done
+  rm -rf /tmp/ftw-long
 elif [ "$1" = s34b ]; then
   # session 32, after s34a: stores 0.02-0.06 s, but cudaHostAlloc on the locking thread held the GPU's thread for
   # its whole ~85 ms a slab (decode-like steps 0.33 -> 85.6 ms; touch + cudaHostRegister: p50 0.337, max 14.9 ms,
