@@ -250,6 +250,15 @@ cuda_tests() {   # SECONDS PYTEST-ARGS...: CUDA tests to $OUT/cuda_tests.log, it
   timeout "$seconds" python3 -m pytest -q -p no:cacheprovider --device cuda "$@" > "$OUT/cuda_tests.log" 2>&1
   echo "pytest rc=$?" >> "$OUT/cuda_tests.log"; tail -3 "$OUT/cuda_tests.log"
 }
+long_prompts_resent() {  # SECONDS SHAPE...: each shape's engine at 8 GiB, a 16K and a 30K prompt, then two agent
+  local seconds=$1; shift  # turns (the 30K one resent with 200 new tokens); to $OUT/long_prompts_SHAPE.{txt,json}
+  for shape in "$@"; do
+    timeout "$seconds" python3 benchmarks/bench_cold_load.py --shape $shape --folder /tmp/ftw-long --vram-budget 8 \
+      --long-prompts 16384 30000 --resend 2 --out "$OUT/long_prompts_$shape.json" > "$OUT/long_prompts_$shape.txt" 2>&1
+    echo "$shape rc=$?"; grep -E "^\|" "$OUT/long_prompts_$shape.txt" | tail -5
+    rm -rf /tmp/ftw-long
+  done
+}
 thp_settings() {  # the host's transparent-huge-page settings (why a store gets no huge pages)
   for f in enabled defrag; do echo "THP $f: $(cat /sys/kernel/mm/transparent_hugepage/$f 2>&1)"; done
 }
@@ -1111,12 +1120,7 @@ elif [ "$1" = s34b ]; then
   # Predicted: stores as s34a (<= 0.07 s); qwen3.6 30K first step 2.18 -> ~1.9 s, TTFT 3.36 -> ~3.1; qwen3-30b 30K
   # first chunk 1.30 -> ~0.7 s, TTFT 2.72 -> ~2.1, its arena 12 slabs (not 16)
   cuda_tests 60 tests/test_host_arena.py
-  for shape in qwen3.6-35b-a3b qwen3-30b-a3b; do
-    timeout 250 python3 benchmarks/bench_cold_load.py --shape $shape --folder /tmp/ftw-long --vram-budget 8 \
-      --long-prompts 16384 30000 --resend 2 --out "$OUT/long_prompts_$shape.json" > "$OUT/long_prompts_$shape.txt" 2>&1
-    echo "$shape rc=$?"; grep -E "^\|" "$OUT/long_prompts_$shape.txt" | tail -5
-    rm -rf /tmp/ftw-long
-  done
+  long_prompts_resent 250 qwen3.6-35b-a3b qwen3-30b-a3b
 elif [ "$1" = s34a ]; then
   # session 32, after s33b (resends inside the plan: 7.55 GiB; but a conversation's first store - and every qwen3.6
   # resend, whose entries are not replaced - still locked fresh memory inside its step: qwen3.6's 30K snapshot 0.54 s
@@ -1125,12 +1129,7 @@ elif [ "$1" = s34a ]; then
   # request's store memory ahead while it prefills: predicted stores 0.34-0.75 -> <= 0.1 s, qwen3.6's 30K TTFT
   # 3.60 -> ~3.1 s, its resends' 1.0-1.09 -> ~0.6 s, prefill otherwise unchanged
   timeout 60 python3 benchmarks/bench_lock_ahead.py --slabs 12 --out "$OUT/lock_ahead.json"
-  for shape in qwen3.6-35b-a3b qwen3-30b-a3b; do
-    timeout 250 python3 benchmarks/bench_cold_load.py --shape $shape --folder /tmp/ftw-long --vram-budget 8 \
-      --long-prompts 16384 30000 --resend 2 --out "$OUT/long_prompts_$shape.json" > "$OUT/long_prompts_$shape.txt" 2>&1
-    echo "$shape rc=$?"; grep -E "^\|" "$OUT/long_prompts_$shape.txt" | tail -5
-    rm -rf /tmp/ftw-long
-  done
+  long_prompts_resent 250 qwen3.6-35b-a3b qwen3-30b-a3b
 elif [ "$1" = s33d ]; then
   # session 31's last ~5 device minutes: s33c without the hybrid tier's CPU-kernel compile (a fresh machine's ~60 s):
   # qwen3-30b with every expert in VRAM (no budget), a 30K prompt, then two agent turns resending it with 200 new
@@ -1156,12 +1155,7 @@ elif [ "$1" = s33b ]; then
   # Predicted: the resends <= 8.0 GiB allocated, their store ~0.06 s; qwen3.6's 16K prompt's store 0.40-0.56 ->
   # ~0.2 s fresh (half the bytes locked), its resends' ~0.02 s
   # (the last ~9 device minutes: no CUDA test pass; the engine below takes the same paths on the GPU)
-  for shape in qwen3-30b-a3b qwen3.6-35b-a3b; do
-    timeout 280 python3 benchmarks/bench_cold_load.py --shape $shape --folder /tmp/ftw-long --vram-budget 8 \
-      --long-prompts 16384 30000 --resend 2 --out "$OUT/long_prompts_$shape.json" > "$OUT/long_prompts_$shape.txt" 2>&1
-    echo "$shape rc=$?"; grep -E "^\|" "$OUT/long_prompts_$shape.txt" | tail -5
-    rm -rf /tmp/ftw-long
-  done
+  long_prompts_resent 280 qwen3-30b-a3b qwen3.6-35b-a3b
 elif [ "$1" = s33a ]; then
   # session 31, after s32e: copies to the prefix cache took 0.76 s of a 16K qwen3-30b prompt's 1.42 s (1.5 GB at
   # ~2 GB/s: page-locking fresh memory, not the link) and 1.9 s of a 30K one's; the 30K prompt peaked at 8.02 GiB
