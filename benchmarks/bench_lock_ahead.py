@@ -13,9 +13,13 @@ import argparse
 import json
 import statistics
 import threading
+import sys
 import time
+from pathlib import Path
 
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))       # the repository, for runtime/
 
 
 def lock_cuda_host_alloc(nbytes: int) -> torch.Tensor:
@@ -65,8 +69,10 @@ def main() -> None:
     for _ in range(50):
         step()
     rows, keep = [], []
+    from runtime.host_arena import registered_slab
     ways = [("none", None), ("cudaHostAlloc (torch pinned)", lock_cuda_host_alloc),
-            ("touch + cudaHostRegister", lock_host_register)]
+            ("touch + cudaHostRegister", lock_host_register),
+            ("the arena's registered_slab (private mapping, huge pages)", registered_slab)]
     for name, lock in ways:
         done = threading.Event()
         bg = {"seconds": 0.0, "bytes": 0}

@@ -36,20 +36,17 @@ ALIGN = 512                # every carved tensor starts on 512 bytes (what DMA w
 def registered_slab(nbytes: int) -> torch.Tensor:
     """Ordinary memory, touched, then page-locked in place (cudaHostRegister): what a GPU engine's arena uses.
     Measured beside a decode-like loop on another thread (s34a): 8.2 GB/s, and the loop's steps held 12-15 ms a
-    slab at worst (p50 unchanged), where cudaHostAlloc held them for its whole ~85 ms."""
-    slab = torch.zeros(nbytes, dtype=torch.uint8)          # the pages faulted in here: plain CPU work
-    err = torch.cuda.cudart().cudaHostRegister(slab.data_ptr(), nbytes, 0)
-    if int(err) != 0:
-        raise RuntimeError(f"cudaHostRegister of {nbytes >> 20} MiB failed: {err}")
-    weakref.finalize(slab, _unregister, slab.data_ptr())   # before the memory goes back to the OS
-    return slab
+    slab at worst (p50 unchanged), where cudaHostAlloc held them for its whole ~85 ms. The memory is the expert
+    store's kind (`HostBuffer`): a private mapping kept out of forked children (page-locked private pages would be
+    copied into one), in huge pages where the OS offers them, unregistered before it goes back to the OS."""
+    from runtime.experts.host_store import HostBuffer
 
-
-def _unregister(ptr: int) -> None:
-    try:
-        torch.cuda.cudart().cudaHostUnregister(ptr)
-    except Exception:         # interpreter shutdown, CUDA already torn down: the process's end unlocks it anyway
-        pass
+    buf = HostBuffer(nbytes)
+    slab = buf.tensor()
+    slab.zero_()                       # the pages faulted in here (plain CPU work, off the driver's lock)
+    if not buf.pin(quiet=True):
+        raise RuntimeError(f"cudaHostRegister of {nbytes >> 20} MiB was refused")
+    return slab                        # (it keeps the buffer's array, and so its registration, alive)
 
 
 def plain_slab(nbytes: int) -> torch.Tensor:

@@ -192,3 +192,15 @@ def test_a_gpu_engines_slabs_are_registered_in_place_and_copy_at_the_pinned_rate
     a.prepare(64 << 20)
     wait_for(lambda: a.stats()["slabs"] == 2)
     assert a.locked_ahead == 1
+
+
+def test_without_cuda_the_registered_slab_is_refused_and_the_arena_declines_cleanly(device, caplog):
+    """registered_slab page-locks through the driver; where there is none (or it refuses), the arena stops growing
+    with its warning and the caller's allocator takes every copy - no exception reaches a request."""
+    if device == "cuda" or torch.cuda.is_available():
+        pytest.skip("a machine without CUDA")
+    from runtime.host_arena import registered_slab
+
+    a = HostArena(4 * SLAB, slab_bytes=SLAB, allocate=registered_slab)
+    assert a.empty((16,), torch.uint8) is None and a.fallbacks == 1
+    assert "stops at 0 MiB" in caplog.text and a.nbytes == 0
