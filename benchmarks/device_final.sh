@@ -1118,7 +1118,10 @@ elif [ "$1" = s34b ]; then
   # 8.2 GB/s), and the first prompt chunks paid it (qwen3.6 30K: +0.32 s, qwen3-30b 30K: +0.66 s, 9 slabs locked
   # where 5 were needed). Now registered slabs, and ahead only what the prefix cache keeps after making room.
   # Predicted: stores as s34a (<= 0.07 s); qwen3.6 30K first step 2.18 -> ~1.9 s, TTFT 3.36 -> ~3.1; qwen3-30b 30K
-  # first chunk 1.30 -> ~0.7 s, TTFT 2.72 -> ~2.1, its arena 12 slabs (not 16)
+  # first chunk 1.30 -> ~0.7 s, TTFT 2.72 -> ~2.1, its arena 12 slabs (not 16). (Session 32's s34c measured the
+  # registered slabs on qwen3-30b with every expert in VRAM; since then they are HostBuffer's private mapping in huge
+  # pages: predicted its bench_lock_ahead row at or above touch + register's 8.2 GB/s, the same <= 15 ms stalls)
+  timeout 60 python3 benchmarks/bench_lock_ahead.py --slabs 12 --out "$OUT/lock_ahead.json"
   cuda_tests 60 tests/test_host_arena.py
   long_prompts_resent 250 qwen3.6-35b-a3b qwen3-30b-a3b
 elif [ "$1" = s34a ]; then

@@ -627,12 +627,12 @@ class Engine:
         locked 9 slabs where 5 were needed)."""
         if not self.prefix_cache.max_bytes or self.prefix_cache_device == self.device:
             return
-        cache = seq.payload.cache
+        cache, arena = seq.payload.cache, self._arena()
         tokens = min(self.context_length, seq.prompt_len + min(seq.payload.params.max_tokens or 0, LOCK_AHEAD_TOKENS))
-        size = cache.stored_nbytes_at(tokens) * (2 if seq.pause_before_last else 1)   # + the prompt's snapshot
-        size = min(size, self.prefix_cache.max_bytes)
+        sizes = cache.stored_tensors_at(tokens) * (2 if seq.pause_before_last else 1)   # + the prompt's snapshot
+        size = min(sum(sizes), self.prefix_cache.max_bytes)
         replaced = hit.cache.nbytes if hit is not None and cache.trimmable else 0
-        self._arena().prepare(self.prefix_cache.kept_after_room(size, dropping=replaced) + size)
+        arena.prepare(self.prefix_cache.kept_after_room(size, dropping=replaced) + arena.slabs_nbytes(sizes))
 
     def _snapshot_prompt(self, seq: Sequence) -> None:
         """For models with recurrent state, keep a copy one token before the prompt's end (it cannot be cut

@@ -142,10 +142,11 @@ class KVCache:
         """Bytes of what is stored: a compact copy's size (nbytes also counts the buffers' spare room)."""
         return 2 * self.num_kv_heads * self.stored * self.head_dim * self.keys.element_size()
 
-    def stored_nbytes_at(self, tokens: int) -> int:
-        """About what a compact copy will take once `tokens` have been seen (a windowed layer keeps at most ~2W)."""
+    def stored_tensors_at(self, tokens: int) -> list[int]:
+        """The bytes of each tensor a compact copy will hold once `tokens` have been seen (K, then V; a windowed
+        layer keeps at most ~2W)."""
         stored = tokens if self.window is None else min(tokens, 2 * self.window)
-        return 2 * self.num_kv_heads * stored * self.head_dim * self.keys.element_size()
+        return [self.num_kv_heads * stored * self.head_dim * self.keys.element_size()] * 2
 
 
 def _moved(t: torch.Tensor, device: torch.device, arena: HostArena | None = None) -> torch.Tensor:
@@ -255,10 +256,16 @@ class SequenceCache:
         """What a compact copy of this cache (the prefix cache's) takes."""
         return sum(getattr(layer, "stored_nbytes", layer.nbytes) for layer in self.layers)
 
-    def stored_nbytes_at(self, tokens: int) -> int:
-        """What a compact copy will take once the cache holds `tokens` (recurrent state: its fixed size)."""
-        return sum(layer.stored_nbytes_at(tokens) if isinstance(layer, KVCache) else layer.nbytes
-                   for layer in self.layers)
+    def stored_tensors_at(self, tokens: int) -> list[int]:
+        """The bytes of each tensor a compact copy will hold once the cache holds `tokens` (recurrent state: its
+        fixed-size tensors) - what the prefix cache's arena locks ahead for it."""
+        sizes: list[int] = []
+        for layer in self.layers:
+            if isinstance(layer, KVCache):
+                sizes += layer.stored_tensors_at(tokens)
+            else:
+                sizes += [v.numel() * v.element_size() for v in layer.states.values()]
+        return sizes
 
     def to(self, device: torch.device | str, *, arena: HostArena | None = None) -> "SequenceCache":
         """A copy on `device` of a detached cache (plain KV and state layers); host copies from `arena` if given."""

@@ -372,10 +372,14 @@ def test_agent_turns_through_a_host_prefix_cache_reuse_its_arena_and_stay_exact(
 def test_a_request_has_its_stores_host_memory_locked_ahead_while_it_prefills(family, ftw_packages, monkeypatch):
     """Locking host memory inside a store ran at ~2.8 GB/s (s33b): when a request starts, the engine asks the arena
     to hold what its stores will take - the finished request's cache, and for a recurrent model also the prompt's
-    snapshot - beside the entries the prefix cache keeps, locked on another thread. The ask covers what the stores
-    then take, without asking for more than twice it; a trimmable model's resend replaces its last entry, so the
-    arena needs to hold the new one alone."""
+    snapshot - beside the entries the prefix cache keeps, locked on another thread. Its estimate is each tensor the
+    store then holds (the arena packs them into slabs); a trimmable model's resend replaces its last entry, so the
+    arena need hold the new one alone, while a recurrent model's older entries stay beside the new ones."""
     from runtime.host_arena import HostArena
+
+    def tensors(cache):              # the byte size of each tensor of a stored entry, in the cache's layer order
+        return [t.numel() * t.element_size() for layer in cache.layers
+                for t in ([layer.keys, layer.values] if hasattr(layer, "keys") else layer.states.values())]
 
     asked = []
     real_prepare = HostArena.prepare
@@ -384,19 +388,21 @@ def test_a_request_has_its_stores_host_memory_locked_ahead_while_it_prefills(fam
     eng.prefix_cache_device = torch.device("cpu", 0)
     prompt = random_prompt(40, seed=120)
     got = eng.generate(prompt, SamplingParams(max_tokens=6, **GREEDY))
-    stored = sum(cache.stored_nbytes for cache in eng.prefix_cache.entries.values())
-    kept_tokens = len(next(reversed(eng.prefix_cache.entries)))     # the finished request's entry
-    assert len(asked) == 1 and stored <= asked[0] <= 2 * stored
     assert len(eng.prefix_cache) == (2 if family == STATE_FAMILY else 1)
-    arena = eng.stats()["prefix_cache"]["host_arena"]
-    assert arena["locked_ahead"] == arena["slabs"] >= 1 and arena["fallbacks"] == 0
+    key, finished = next(reversed(eng.prefix_cache.entries.items()))      # the finished request's entry
+    fresh = eng.model.new_cache(device=eng.device, dtype=eng.dtype)
+    assert fresh.stored_tensors_at(len(key)) == tensors(finished)        # the estimate, tensor by tensor
+    stored = sum(cache.stored_nbytes for cache in eng.prefix_cache.entries.values())
+    arena = eng.host_arena
+    assert len(asked) == 1 and asked[0] >= stored
+    assert arena.locked_ahead == arena.stats()["slabs"] >= 1 and arena.fallbacks == 0   # none locked in a store
     resend = prompt + got.tokens + random_prompt(8, seed=121)
     eng.generate(resend, SamplingParams(max_tokens=6, **GREEDY))
+    new_entry = fresh.stored_tensors_at(len(resend) + 6)
     if family == STATE_FAMILY:                       # recurrent state: the old entries stay beside both new ones
-        assert asked[1] >= stored + asked[0]
+        assert asked[1] == stored + arena.slabs_nbytes(new_entry * 2)
     else:                                            # the stored entry is dropped as covered: the new one alone
-        per_token = stored / kept_tokens
-        assert asked[1] == pytest.approx(per_token * (len(resend) + 6), rel=0.01)
+        assert asked[1] == arena.slabs_nbytes(new_entry)
 
 
 def test_a_full_prefix_cache_evicts_before_copying_so_the_copy_reuses_the_memory(ftw_packages):
