@@ -149,8 +149,10 @@ def _use_expandable_segments() -> None:
     unchanged). A user's own PYTORCH_CUDA_ALLOC_CONF wins."""
     if os.environ.get("PYTORCH_CUDA_ALLOC_CONF") or os.environ.get("PYTORCH_ALLOC_CONF"):
         return
+    # torch names the setter per accelerator now (the CUDA one warns at every load that it is deprecated)
+    setter = getattr(torch._C, "_accelerator_setAllocatorSettings", None) or torch.cuda.memory._set_allocator_settings
     try:
-        torch.cuda.memory._set_allocator_settings("expandable_segments:True")
+        setter("expandable_segments:True")
     except (AttributeError, RuntimeError) as exc:       # an older or newer torch without it: only fragmentation
         log.info("could not turn on expandable CUDA segments: %s", exc)
 

@@ -369,20 +369,24 @@ def test_a_gpu_engine_turns_on_expandable_segments_unless_the_user_configured_th
     a torch without the setting only logs. (This machine has no CUDA: the setter is recorded, not run.)"""
     import runtime.engine as engine_module
 
-    calls = []
-    monkeypatch.setattr(torch.cuda.memory, "_set_allocator_settings", calls.append)
+    calls, old_calls = [], []
+    monkeypatch.setattr(torch._C, "_accelerator_setAllocatorSettings", calls.append, raising=False)
+    monkeypatch.setattr(torch.cuda.memory, "_set_allocator_settings", old_calls.append)
     for name in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF"):
         monkeypatch.delenv(name, raising=False)
     engine_module._use_expandable_segments()
     assert calls == ["expandable_segments:True"]
     monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "max_split_size_mb:512")
     engine_module._use_expandable_segments()
-    assert calls == ["expandable_segments:True"]                     # the user's setting stands
+    assert calls == ["expandable_segments:True"] and old_calls == []   # the user's setting stands; no deprecated call
+    monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF")
+    monkeypatch.delattr(torch._C, "_accelerator_setAllocatorSettings")
+    engine_module._use_expandable_segments()                         # a torch before the per-accelerator setter
+    assert old_calls == ["expandable_segments:True"]
 
     def refuse(_):
         raise RuntimeError("unknown allocator option")
 
-    monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF")
     monkeypatch.setattr(torch.cuda.memory, "_set_allocator_settings", refuse)
     with caplog.at_level("INFO"):
         engine_module._use_expandable_segments()
