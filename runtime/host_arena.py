@@ -54,6 +54,32 @@ def plain_slab(nbytes: int) -> torch.Tensor:
     return torch.empty(nbytes, dtype=torch.uint8)
 
 
+def _grow_ahead(arena_ref: "weakref.ref[HostArena]", cond: threading.Condition) -> None:
+    """The lock-ahead thread: locks slabs while the arena is short of what prepare() asked; ends with the arena."""
+    while True:
+        with cond:
+            arena = arena_ref()
+            if arena is None:
+                return
+            if not arena._short_of_wanted():
+                arena._wanted = 0
+                del arena                  # no strong hold while waiting
+                cond.wait()
+                continue
+        added = arena._add_slab() is not None
+        with cond:
+            if added:
+                arena.locked_ahead += 1
+            else:
+                arena._wanted = 0
+        del arena
+
+
+def _wake(cond: threading.Condition) -> None:
+    with cond:
+        cond.notify_all()
+
+
 class HostArena:
     def __init__(self, max_bytes: int, *, slab_bytes: int = SLAB_BYTES,
                  allocate: Callable[[int], torch.Tensor] = registered_slab):
@@ -121,22 +147,14 @@ class HostArena:
                 return
             self._wanted = max(self._wanted, int(nbytes))
             if self._grower is None:
-                self._grower = threading.Thread(target=self._grow_ahead, name="host-arena-lock-ahead", daemon=True)
+                # the thread holds the arena weakly: an engine dropped on a model switch takes its arena and its
+                # page-locked slabs with it (a strong hold kept up to the whole budget locked for good), and the
+                # arena's end wakes the thread to exit
+                self._grower = threading.Thread(target=_grow_ahead, args=(weakref.ref(self), self._cond),
+                                                name="host-arena-lock-ahead", daemon=True)
                 self._grower.start()
+                weakref.finalize(self, _wake, self._cond)
             self._cond.notify_all()
-
-    def _grow_ahead(self) -> None:
-        while True:
-            with self._cond:
-                while not self._short_of_wanted():
-                    self._wanted = 0
-                    self._cond.wait()
-            if self._add_slab() is None:
-                with self._cond:
-                    self._wanted = 0
-            else:
-                with self._cond:
-                    self.locked_ahead += 1
 
     def _short_of_wanted(self) -> bool:
         held = len(self._slabs) + self._locking

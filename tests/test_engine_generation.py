@@ -405,6 +405,23 @@ def test_a_request_has_its_stores_host_memory_locked_ahead_while_it_prefills(fam
         assert asked[1] == arena.slabs_nbytes(new_entry)
 
 
+def test_a_dropped_engine_takes_its_prefix_caches_host_memory_with_it(ftw_packages):
+    """The service drops an engine on a model switch or unload: its prefix cache's arena (up to the whole budget,
+    page-locked on a GPU) and the arena's lock-ahead thread must go with it, or every switch would leak them."""
+    import gc
+    import weakref
+
+    eng = load(ftw_packages, "qwen3_moe", "cpu", prefix_cache_bytes=8 << 20)
+    eng.prefix_cache_device = torch.device("cpu", 0)
+    eng.generate(random_prompt(30, seed=130), SamplingParams(max_tokens=4, **GREEDY))
+    arena, thread = weakref.ref(eng.host_arena), eng.host_arena._grower
+    assert len(eng.prefix_cache) == 1 and thread is not None
+    del eng
+    gc.collect()
+    thread.join(5)
+    assert arena() is None and not thread.is_alive()
+
+
 def test_a_full_prefix_cache_evicts_before_copying_so_the_copy_reuses_the_memory(ftw_packages):
     """Budget for one entry (48 KiB: one 32 KiB slab; an entry ~25 KiB), conversations sharing nothing: each new entry evicts the last, and
     since the engine evicts before it copies, the copy takes the evicted entry's memory instead of spilling to

@@ -2,6 +2,7 @@
 entry when the last tensor or view sharing it dies (runtime/host_arena.py). Plain-memory slabs here: the carving
 and reuse are the same code a GPU engine runs over page-locked ones."""
 import gc
+import weakref
 
 import pytest
 import torch
@@ -218,3 +219,25 @@ def test_slabs_nbytes_packs_tensors_as_the_carving_will():
     assert a.slabs_nbytes([SLAB + 1]) == 0                           # larger than a slab: never carved
     keep = [a.empty((third,), torch.uint8) for _ in range(10)]       # the carving agrees
     assert a.stats()["slabs"] == 4 and all(k is not None for k in keep)
+
+
+def test_a_dropped_arena_ends_its_lock_ahead_thread_and_gives_its_slabs_back():
+    """An engine dropped on a model switch must take its arena's page-locked slabs with it: the lock-ahead thread
+    holds the arena only weakly and exits when it is gone."""
+    slabs = []
+
+    def track(n):
+        slab = plain_slab(n)
+        slabs.append(weakref.ref(slab))
+        return slab
+
+    a = HostArena(4 * SLAB, slab_bytes=SLAB, allocate=track)
+    a.prepare(2 * SLAB)
+    wait_for(lambda: a.locked_ahead == 2)
+    kept = a.empty((100,), torch.uint8)                               # an entry outliving... nothing: dropped below
+    thread = a._grower
+    del a, kept
+    gc.collect()
+    thread.join(5)
+    assert not thread.is_alive()
+    assert all(ref() is None for ref in slabs)                       # the slabs' memory went back
