@@ -191,7 +191,8 @@ class HostArena:
             self._locking += 1
         try:
             slab = self._allocate(self.slab_bytes)
-        except RuntimeError as exc:     # the OS's page-lock limit (Windows: about half the RAM): stop growing
+        except Exception as exc:        # noqa: BLE001 - the OS's page-lock limit (Windows: about half the RAM), no
+            # memory left to map: stop growing. Anything escaping would leave `_locking` counted and a store waiting
             log.warning("the prefix cache's page-locked host memory stops at %d MiB: the OS refused to lock more (%s); "
                         "further conversations are kept in memory that is slower to bring back to the GPU",
                         self.nbytes >> 20, exc)

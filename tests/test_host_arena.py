@@ -162,9 +162,13 @@ def test_a_tensor_waits_for_a_slab_being_locked_ahead_rather_than_falling_back()
     assert got["t"] is not None and a.fallbacks == 0 and len(calls) == 1
 
 
-def test_a_refusal_while_locking_ahead_stops_growth_and_the_store_falls_back_cleanly(caplog):
+@pytest.mark.parametrize("error", [RuntimeError("CUDA error: out of memory (page-locked)"),
+                                   OSError(12, "Cannot allocate memory"), MemoryError()])
+def test_a_refusal_while_locking_ahead_stops_growth_and_the_store_falls_back_cleanly(error, caplog):
+    """Whatever stops a slab - the driver's refusal, no memory left to map - the arena stops growing and a store
+    falls back at once (an error escaping the thread would leave a store waiting for a slab that never comes)."""
     def refuse(n):
-        raise RuntimeError("CUDA error: out of memory (page-locked)")
+        raise error
 
     a = HostArena(4 * SLAB, slab_bytes=SLAB, allocate=refuse)
     a.prepare(2 * SLAB)
