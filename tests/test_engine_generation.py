@@ -403,6 +403,12 @@ def test_a_request_has_its_stores_host_memory_locked_ahead_while_it_prefills(fam
         assert asked[1] == stored + arena.slabs_nbytes(new_entry * 2)
     else:                                            # the stored entry is dropped as covered: the new one alone
         assert asked[1] == arena.slabs_nbytes(new_entry)
+        # an edited conversation shares only a prefix with that entry: it stays, beside the new one
+        edited = resend[:20] + random_prompt(30, seed=122)
+        kept = eng.prefix_cache.nbytes
+        got = eng.generate(edited, SamplingParams(max_tokens=6, **GREEDY))
+        assert got.cached_tokens == 20 and len(eng.prefix_cache) == 2
+        assert asked[2] == kept + arena.slabs_nbytes(fresh.stored_tensors_at(len(edited) + 6))
 
 
 def test_a_dropped_engine_takes_its_prefix_caches_host_memory_with_it(ftw_packages):
