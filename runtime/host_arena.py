@@ -64,6 +64,8 @@ def _grow_ahead(arena_ref: "weakref.ref[HostArena]", cond: threading.Condition) 
             if not arena._short_of_wanted():
                 arena._wanted = 0
                 del arena                  # no strong hold while waiting
+                if arena_ref() is None:    # that was the last one (its end's wake-up came before this wait)
+                    return
                 cond.wait()
                 continue
         added = arena._add_slab() is not None
