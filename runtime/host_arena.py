@@ -197,7 +197,7 @@ class HostArena:
             # memory left to map: stop growing. Anything escaping would leave `_locking` counted and a store waiting
             log.warning("the prefix cache's page-locked host memory stops at %d MiB: the OS refused to lock more (%s); "
                         "further conversations are kept in memory that is slower to bring back to the GPU",
-                        self.nbytes >> 20, exc)
+                        self.nbytes >> 20, f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__)
             with self._cond:
                 self._locking -= 1
                 self.max_slabs = len(self._slabs) + self._locking

@@ -140,13 +140,16 @@ class KVCache:
     @property
     def stored_nbytes(self) -> int:
         """Bytes of what is stored: a compact copy's size (nbytes also counts the buffers' spare room)."""
-        return 2 * self.num_kv_heads * self.stored * self.head_dim * self.keys.element_size()
+        return 2 * self._tensor_nbytes(self.stored)
 
     def stored_tensors_at(self, tokens: int) -> list[int]:
         """The bytes of each tensor a compact copy will hold once `tokens` have been seen (K, then V; a windowed
         layer keeps at most ~2W)."""
-        stored = tokens if self.window is None else min(tokens, 2 * self.window)
-        return [self.num_kv_heads * stored * self.head_dim * self.keys.element_size()] * 2
+        return [self._tensor_nbytes(tokens if self.window is None else min(tokens, 2 * self.window))] * 2
+
+    def _tensor_nbytes(self, tokens: int) -> int:
+        """One compact K or V tensor of `tokens` tokens: [Hkv, tokens, hd]."""
+        return self.num_kv_heads * tokens * self.head_dim * self.keys.element_size()
 
 
 def _moved(t: torch.Tensor, device: torch.device, arena: HostArena | None = None) -> torch.Tensor:

@@ -84,7 +84,8 @@ class PrefixCache:
     def make_room(self, size: int) -> None:
         """Evict the least recently used entries until `size` more bytes fit. The engine calls it before copying
         a cache here, so that the copy can take the evicted entries' host memory; insert() evicts the same ones."""
-        while self.entries and self.nbytes + size > self.max_bytes:
+        keep = self.kept_after_room(size)                # one rule for doing it and for predicting it
+        while self.entries and self.nbytes > keep:
             self._drop(next(iter(self.entries)))
             self.evictions += 1
 
