@@ -47,6 +47,7 @@ import json  # noqa: E402
 import logging  # noqa: E402
 import os  # noqa: E402
 import re  # noqa: E402
+import statistics  # noqa: E402
 import subprocess  # noqa: E402
 import sys  # noqa: E402
 import tempfile  # noqa: E402
@@ -63,6 +64,7 @@ TARGET_LOAD_TO_FIRST_TOKEN_S = 15.0      # issue 10
 TARGET_RSS_OVER_PACKAGE = 2 * GiB        # issue 10: peak host RSS <= package + 2 GiB
 DENSE_POOL_BYTES = 64 << 20              # random bf16 values tiled over every dense tensor
 WRITE_CHUNK = 64 << 20
+BESIDE_STEPS_AFTER = 8                  # --beside: the decoding conversation's steps timed after each prompt
 CHAT = [{"role": "system", "content": "You are a helpful assistant."},
         {"role": "user", "content": "Hello, world! How are you today? Tell me about the weather in Paris."}]
 
@@ -532,7 +534,17 @@ def run_child(args) -> int:
     for _ in range(args.resend if prompts else 0):
         # an agent's next turn: the last conversation resent with `--resend-tokens` new tokens at its end
         prompts.append(prompts[-1] + salted_prompt(engine, args.resend_tokens, salt=len(prompts)))
-    result["long_prompts"] = [long_prompt(engine, ids, cuda) for ids in prompts]
+    beside = None
+    if args.beside and prompts:
+        # a conversation decoding while the long prompts arrive: what their prefill, stores and the arena's
+        # locking ahead cost a user already reading an answer (its gaps between tokens)
+        beside = engine.add_request(salted_prompt(engine, 64, salt=99),
+                                    SamplingParams(temperature=0.0, max_tokens=1 << 20, stop_token_ids=()))
+        for _ in range(4):                  # its prefill and first steps (and CUDA graph recording) out of the way
+            engine.step()
+    result["long_prompts"] = [long_prompt(engine, ids, cuda, beside=beside) for ids in prompts]
+    if beside is not None:
+        engine.cancel(beside)
     Path(args.child_out).write_text(json.dumps(result, indent=1, default=str))
     return 0
 
@@ -543,7 +555,7 @@ def salted_prompt(engine, tokens: int, *, salt: int) -> list[int]:
     return [(7919 * i + 13 + 101 * salt) % max(2, min(vocab, 4096) - 2) + 1 for i in range(tokens)]
 
 
-def long_prompt(engine, ids: list[int], cuda: bool) -> dict:
+def long_prompt(engine, ids: list[int], cuda: bool, *, beside: str | None = None) -> dict:
     """A prompt to the loaded engine, to its first token: the seconds, and the VRAM it took at its peak - the
     question an 8 GB card asks of the plan (the planner reserves a prefill chunk's activations by a rule of thumb;
     the bench's own prefill rows plan a shorter context than their prompts)."""
@@ -567,6 +579,13 @@ def long_prompt(engine, ids: list[int], cuda: bool) -> dict:
         steps.append(round(time.perf_counter() - t, 4))
         done = any(e.finished or e.token_id is not None for e in events if e.request_id == rid)
     seconds = time.perf_counter() - t0
+    after = []      # the decoding conversation's steps once the prompt is done: does any locking linger past it?
+    for _ in range(BESIDE_STEPS_AFTER if beside else 0):
+        t = time.perf_counter()
+        engine.step()
+        if cuda:
+            torch.cuda.synchronize()
+        after.append(round(time.perf_counter() - t, 4))
     result = engine.result(rid)                 # max_tokens=1: finished with its first token
     prefix = engine.stats()["prefix_cache"]
     row = {"tokens": tokens, "seconds": seconds, "tok_s": tokens / seconds, "error": result and result.error,
@@ -574,6 +593,8 @@ def long_prompt(engine, ids: list[int], cuda: bool) -> dict:
            # copies into the prefix cache's host memory inside those steps: a linear-attention prompt's snapshot
            # one token before its end (inside its TTFT), and - max_tokens being 1 here - the finished request's
            "prefix_store_seconds": prefix["store_seconds"] - stored_before, "host_arena": prefix.get("host_arena")}
+    if beside:
+        row["beside_decode_after_seconds"] = after
     if cuda:
         row.update(vram_peak_allocated=torch.cuda.max_memory_allocated(),
                    vram_peak_reserved=torch.cuda.max_memory_reserved(), vram_used=_device_used())
@@ -628,8 +649,9 @@ def print_report(rows: list[dict]) -> None:
     if long_rows:
         print("\n| VRAM budget | run | plan's VRAM GiB | prefill chunk | linear-attention piece | prompt tokens | s to first token | tok/s "
               "| peak allocated GiB | peak reserved GiB | device used GiB | from the prefix cache | error | engine steps s "
-              "| of which copies to the prefix cache s | prefix cache's page-locked GiB (arena) |")
-        print("|" + "---|" * 16)
+              "| of which copies to the prefix cache s | prefix cache's page-locked GiB (arena) "
+              "| decoding beside: steps after, median / max s |")
+        print("|" + "---|" * 17)
         for r, p in long_rows:
             planner = (r.get("experts_plan") or {}).get("planner") or r.get("experts_plan") or {}
             print(f"| {r['budget_gib']:g} | {r.get('run', 1)} | {_gib(planner.get('vram_planned'))} "
@@ -637,7 +659,14 @@ def print_report(rows: list[dict]) -> None:
                   f"| {_gib(p.get('vram_peak_allocated'))} | {_gib(p.get('vram_peak_reserved'))} "
                   f"| {_gib(p.get('vram_used'))} | {p.get('cached_tokens') or 0:,} | {p['error'] or '-'} "
                   f"| {' + '.join(f'{x:.3f}' for x in p.get('step_seconds', []))} "
-                  f"| {p.get('prefix_store_seconds', 0.0):.3f} | {_gib((p.get('host_arena') or {}).get('pinned_bytes'))} |")
+                  f"| {p.get('prefix_store_seconds', 0.0):.3f} | {_gib((p.get('host_arena') or {}).get('pinned_bytes'))} "
+                  f"| {_beside(p.get('beside_decode_after_seconds'))} |")
+
+
+def _beside(after: list[float] | None) -> str:
+    if not after:
+        return "-"
+    return f"{statistics.median(after):.4f} / {max(after):.4f}"
 
 
 # ---------------------------------------------------------------------------------------------- main
@@ -669,6 +698,9 @@ def parse_args(argv):
                     help="the prefix cache's host memory: the engine's (slabs registered in place, locked ahead on "
                          "another thread), cudaHostAlloc'd slabs locked ahead (s34a), or locked inside the store "
                          "(s33b)")
+    ap.add_argument("--beside", action="store_true",
+                    help="keep one conversation decoding while the long prompts run: its gaps between tokens "
+                         "inside their steps, and its steps after each")
     ap.add_argument("--repeat", type=int, default=1,
                     help="fresh processes per budget (the first may compile numba/Triton kernels into their caches)")
     ap.add_argument("--shape", default="qwen3-30b-a3b", choices=sorted(SHAPES),
@@ -693,7 +725,7 @@ def measure_in_subprocess(args, package: Path, budget_gib: float) -> dict:
                "--context", str(args.context), "--max-batch", str(args.max_batch), "--tier", args.tier,
                "--decode-steps", str(args.decode_steps),
                "--long-prompts", *map(str, args.long_prompts), "--resend", str(args.resend),
-               "--resend-tokens", str(args.resend_tokens), "--arena", args.arena]
+               "--resend-tokens", str(args.resend_tokens), "--arena", args.arena] + (["--beside"] if args.beside else [])
         if args.gdn_piece is not None:
             cmd += ["--gdn-piece", str(args.gdn_piece)]
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}

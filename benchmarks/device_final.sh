@@ -134,6 +134,7 @@
 #   (device) bash benchmarks/device_final.sh s32b # session 30: qwen3.6's prefill in 8K/16K chunks; resident prefill peak
 #   (device) bash benchmarks/device_final.sh s32c # session 30: the engine's long prompts at 8 GiB, each with its VRAM peak
 #   (device) bash benchmarks/device_final.sh s32d # session 30: s32c again with K/V copied a group at a time; pieces A/B
+#   (device) bash benchmarks/device_final.sh s34d # session 33: a conversation decoding beside long prompts, by arena
 #   (device) bash benchmarks/device_final.sh s34c # session 32: s34b cut to ~3 device minutes (every expert in VRAM)
 #   (device) bash benchmarks/device_final.sh s34b # session 32: s34a with registered slabs, ahead by what the cache keeps
 #   (device) bash benchmarks/device_final.sh s34a # session 32: host memory locked ahead on another thread; s33b again
@@ -1110,6 +1111,19 @@ elif [ "$1" = s34c ]; then
       --tier resident --long-prompts 16384 30000 --resend 2 --arena $arena --out "$OUT/resident_$arena.json" \
       > "$OUT/resident_$arena.txt" 2>&1
     echo "$arena rc=$?"; grep -E "^\|" "$OUT/resident_$arena.txt" | tail -4
+  done
+  rm -rf /tmp/ftw-long
+elif [ "$1" = s34d ]; then
+  # session 33: does locking ahead hold up a conversation already decoding? qwen3-30b at 8 GiB, one conversation
+  # decoding while the 16K and 30K prompts and two resends arrive (--beside): its gaps are the prompts' steps, and
+  # 8 steps after each prompt are its own. The engine's registered slabs against locking inside the store (s33b's
+  # way). Predicted: registered - the steps after each prompt at the decode step's ~10 ms, max <= +15 ms (a slab's
+  # registration at most, and only while the arena grows); hostalloc - a store's 0.3-0.7 s inside the finishing step
+  for arena in registered hostalloc; do
+    timeout 200 python3 benchmarks/bench_cold_load.py --shape qwen3-30b-a3b --folder /tmp/ftw-long --vram-budget 8 \
+      --long-prompts 16384 30000 --resend 2 --beside --arena $arena --out "$OUT/beside_$arena.json" \
+      > "$OUT/beside_$arena.txt" 2>&1
+    echo "$arena rc=$?"; grep -E "^\|" "$OUT/beside_$arena.txt" | tail -4
   done
   rm -rf /tmp/ftw-long
 elif [ "$1" = s34b ]; then

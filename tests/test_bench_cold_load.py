@@ -137,6 +137,23 @@ def test_benchmark_runs_end_to_end(tmp_path, capsys):
     assert "| from the prefix cache |" in printed and "| 45 |" in printed
 
 
+def test_benchmark_times_a_conversation_decoding_beside_the_long_prompts(tmp_path, capsys):
+    out = tmp_path / "cold.json"
+    assert bench.main(["--folder", str(tmp_path / "pkg"), "--layers", "1", "--experts", "8", "--vocab", "1024",
+                       "--vram-budget", "0", "--device", "cpu", "--decode-steps", "1", "--out", str(out),
+                       "--long-prompts", "40", "--resend", "1", "--resend-tokens", "5", "--beside"]) == 0
+    (row,) = json.loads(out.read_text())["rows"]
+    # the decoding conversation shares the steps but not the prefix cache: the resend is still served from it
+    assert [p["cached_tokens"] for p in row["long_prompts"]] == [0, 40]
+    for p in row["long_prompts"]:
+        assert p["error"] is None
+        after = p["beside_decode_after_seconds"]
+        assert len(after) == bench.BESIDE_STEPS_AFTER and all(s > 0 for s in after)
+    printed = capsys.readouterr().out
+    assert "| decoding beside: steps after, median / max s |" in printed
+    assert " / " in printed.split("| decoding beside: steps after, median / max s |")[1]
+
+
 # ---------------------------------------------------------------------------------- the load path's memory
 
 def _mapped_rss(path) -> int:
