@@ -432,7 +432,14 @@ def instrument(timer: PhaseTimer) -> None:
 
 def run_child(args) -> int:
     """One measurement in this (fresh) process: Engine.load, then the first token and three decode steps."""
+    import faulthandler
+    import signal
+
     import torch
+
+    # a run cut short by `timeout` (it signals the whole process group) leaves every thread's stack in the output:
+    # where a stuck step waits, not only that it did
+    faulthandler.register(signal.SIGTERM, all_threads=True, chain=True)
 
     from runtime.engine import Engine, SamplingParams
     from runtime.experts.stats import PeakRSS, host_rss
@@ -542,7 +549,11 @@ def run_child(args) -> int:
                                     SamplingParams(temperature=0.0, max_tokens=1 << 20, stop_token_ids=()))
         for _ in range(4):                  # its prefill and first steps (and CUDA graph recording) out of the way
             engine.step()
-    result["long_prompts"] = [long_prompt(engine, ids, cuda, beside=beside) for ids in prompts]
+    result["long_prompts"] = []
+    for ids in prompts:
+        row = long_prompt(engine, ids, cuda, beside=beside)
+        result["long_prompts"].append(row)
+        print(f"    prompt of {row['tokens']:,} tokens: first token in {row['seconds']:.2f} s", flush=True)
     if beside is not None:
         engine.cancel(beside)
     Path(args.child_out).write_text(json.dumps(result, indent=1, default=str))

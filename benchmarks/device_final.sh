@@ -1123,7 +1123,10 @@ elif [ "$1" = s34d ]; then
     timeout 200 python3 benchmarks/bench_cold_load.py --shape qwen3-30b-a3b --folder /tmp/ftw-long --vram-budget 8 \
       --long-prompts 16384 30000 --resend 2 --beside --arena $arena --out "$OUT/beside_$arena.json" \
       > "$OUT/beside_$arena.txt" 2>&1
-    echo "$arena rc=$?"; grep -E "^\|" "$OUT/beside_$arena.txt" | tail -4
+    rc=$?; echo "$arena rc=$rc"; grep -E "^\|" "$OUT/beside_$arena.txt" | tail -4
+    # session 33's call (2ecb2b0): the registered run printed its load, then nothing for 165 s; a cut-short child
+    # now prints its prompts as they finish and every thread's stack at the signal
+    [ $rc = 0 ] || grep -E "prompt of|Thread|File" "$OUT/beside_$arena.txt" | head -60
   done
   rm -rf /tmp/ftw-long
 elif [ "$1" = s34b ]; then
