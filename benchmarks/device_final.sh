@@ -1124,7 +1124,7 @@ elif [ "$1" = s34d ]; then
       --long-prompts 16384 30000 --resend 2 --beside --arena $arena --out "$OUT/beside_$arena.json" \
       > "$OUT/beside_$arena.txt" 2>&1
     rc=$?; echo "$arena rc=$rc"; grep -E "^\|" "$OUT/beside_$arena.txt" | tail -4
-    # session 33's call (2ecb2b0): the registered run printed its load, then nothing for 165 s; a cut-short child
+    # session 33's call (d63df28): the registered run printed its load, then nothing for 165 s; a cut-short child
     # now prints its prompts as they finish and every thread's stack at the signal
     [ $rc = 0 ] || grep -E "prompt of|Thread|File" "$OUT/beside_$arena.txt" | head -60
   done
