@@ -578,7 +578,8 @@ def long_prompt(engine, ids: list[int], cuda: bool, *, beside: str | None = None
     if cuda:
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
-    stored_before = engine.stats()["prefix_cache"]["store_seconds"]
+    before = engine.stats()
+    stored_before = before["prefix_cache"]["store_seconds"]
     t0 = time.perf_counter()
     rid = engine.add_request(ids, SamplingParams(temperature=0.0, max_tokens=1, stop_token_ids=()))
     done, steps = False, []        # each step's seconds: where a prompt's time goes (its chunks, its last token)
@@ -598,12 +599,17 @@ def long_prompt(engine, ids: list[int], cuda: bool, *, beside: str | None = None
             torch.cuda.synchronize()
         after.append(round(time.perf_counter() - t, 4))
     result = engine.result(rid)                 # max_tokens=1: finished with its first token
-    prefix = engine.stats()["prefix_cache"]
+    stats = engine.stats()
+    prefix = stats["prefix_cache"]
     row = {"tokens": tokens, "seconds": seconds, "tok_s": tokens / seconds, "error": result and result.error,
            "cached_tokens": result.cached_tokens if result else None, "step_seconds": steps,
            # copies into the prefix cache's host memory inside those steps: a linear-attention prompt's snapshot
            # one token before its end (inside its TTFT), and - max_tokens being 1 here - the finished request's
            "prefix_store_seconds": prefix["store_seconds"] - stored_before, "host_arena": prefix.get("host_arena")}
+    graphs, graphs_before = stats.get("decode_graphs") or {}, before.get("decode_graphs") or {}
+    if graphs:      # decode steps recorded inside this prompt's steps (its last token when it goes alone) and after
+        row["graph_records"] = graphs["captures"] - graphs_before.get("captures", 0)
+        row["graph_record_seconds"] = graphs["record_seconds"] - graphs_before.get("record_seconds", 0.0)
     if beside:
         row["beside_decode_after_seconds"] = after
     if cuda:
@@ -661,8 +667,8 @@ def print_report(rows: list[dict]) -> None:
         print("\n| VRAM budget | run | plan's VRAM GiB | prefill chunk | linear-attention piece | prompt tokens | s to first token | tok/s "
               "| peak allocated GiB | peak reserved GiB | device used GiB | from the prefix cache | error | engine steps s "
               "| of which copies to the prefix cache s | prefix cache's page-locked GiB (arena) "
-              "| decoding beside: steps after, median / max s |")
-        print("|" + "---|" * 17)
+              "| decode graphs recorded (s) | decoding beside: steps after, median / max s |")
+        print("|" + "---|" * 18)
         for r, p in long_rows:
             planner = (r.get("experts_plan") or {}).get("planner") or r.get("experts_plan") or {}
             print(f"| {r['budget_gib']:g} | {r.get('run', 1)} | {_gib(planner.get('vram_planned'))} "
@@ -671,6 +677,7 @@ def print_report(rows: list[dict]) -> None:
                   f"| {_gib(p.get('vram_used'))} | {p.get('cached_tokens') or 0:,} | {p['error'] or '-'} "
                   f"| {' + '.join(f'{x:.3f}' for x in p.get('step_seconds', []))} "
                   f"| {p.get('prefix_store_seconds', 0.0):.3f} | {_gib((p.get('host_arena') or {}).get('pinned_bytes'))} "
+                  f"| {p.get('graph_records', '-')} ({p.get('graph_record_seconds', 0.0):.3f}) "
                   f"| {_beside(p.get('beside_decode_after_seconds'))} |")
 
 

@@ -34,6 +34,7 @@ read and written in place in the slots); others (gpt-oss) decode eagerly.
 from __future__ import annotations
 
 import logging
+import time
 import weakref
 from collections import OrderedDict
 from dataclasses import dataclass, field
@@ -201,7 +202,9 @@ class DecodeGraphs:
         self._pool = torch.cuda.graph_pool_handle() if self.capture else None
         self._recording: dict | None = None
         self._stream = None
-        self.counters = dict(steps=0, captures=0, pieces=0, failures=0)
+        # record_seconds: host time of the steps that recorded (their eager run, the capture): a new conversation's
+        # first decode token - or its prompt's last token, when that goes alone - pays it
+        self.counters = dict(steps=0, captures=0, pieces=0, failures=0, record_seconds=0.0)
         self.batch_steps: dict[int, int] = {}          # B -> steps of B sequences taken through this runner
         self.disabled: str | None = None
         self.batch_disabled: str | None = None          # why steps of several sequences stopped being recorded
@@ -254,6 +257,7 @@ class DecodeGraphs:
             if graph is None:
                 # a new shape: this step runs eagerly on the capture stream (its warm-up: cuBLAS and Triton
                 # initialise there, outside any recording), then the step is recorded for the next tokens
+                t0 = time.perf_counter()
                 stream = self._capture_stream()
                 stream.wait_stream(torch.cuda.current_stream(self.device))
                 with torch.cuda.stream(stream):
@@ -262,6 +266,7 @@ class DecodeGraphs:
                 try:
                     self._graphs[key] = self._record(caches, buckets)
                 except Exception as exc:                           # noqa: BLE001  (reported, decode goes on)
+                    self.counters["record_seconds"] += time.perf_counter() - t0
                     self.counters["failures"] += 1
                     for cache in caches:
                         _advance(cache)                            # the eager step did run: count its token
@@ -271,6 +276,7 @@ class DecodeGraphs:
                     raise err from exc
                 while len(self._graphs) > self.max_graphs:
                     self._graphs.popitem(last=False)
+                self.counters["record_seconds"] += time.perf_counter() - t0
             else:
                 self._graphs.move_to_end(key)
                 # an expert tier that keeps its books between steps (hybrid zero-copy: its calls are inside

@@ -43,6 +43,9 @@ def test_static_steps_match_the_ordinary_forward_across_buckets(family, ftw_pack
     assert ordinary.offset == 7 + 12
     if graphs.capture:            # 3 buckets seen (8, 16, 24): each recorded once, then replayed
         assert graphs.counters["captures"] == 3
+        assert graphs.counters["record_seconds"] > 0
+    else:                         # nothing recorded, no recording time
+        assert graphs.counters["captures"] == 0 and graphs.counters["record_seconds"] == 0.0
 
 
 class _Scaled:
