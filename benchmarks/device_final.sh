@@ -134,6 +134,7 @@
 #   (device) bash benchmarks/device_final.sh s32b # session 30: qwen3.6's prefill in 8K/16K chunks; resident prefill peak
 #   (device) bash benchmarks/device_final.sh s32c # session 30: the engine's long prompts at 8 GiB, each with its VRAM peak
 #   (device) bash benchmarks/device_final.sh s32d # session 30: s32c again with K/V copied a group at a time; pieces A/B
+#   (device) bash benchmarks/device_final.sh s34e # next: where --beside stalls; qwen3.6's last-token steps timed
 #   (device) bash benchmarks/device_final.sh s34d # session 33: a conversation decoding beside long prompts, by arena
 #   (device) bash benchmarks/device_final.sh s34c # session 32: s34b cut to ~3 device minutes (every expert in VRAM)
 #   (device) bash benchmarks/device_final.sh s34b # session 32: s34a with registered slabs, ahead by what the cache keeps
@@ -1113,6 +1114,21 @@ elif [ "$1" = s34c ]; then
     echo "$arena rc=$?"; grep -E "^\|" "$OUT/resident_$arena.txt" | tail -4
   done
   rm -rf /tmp/ftw-long
+elif [ "$1" = s34e ]; then
+  # session 33's next call (~10 device minutes on a fresh machine): (1) where the --beside run stalls (s34d's
+  # registered run printed nothing for 165 s): its prompts as they finish, every thread's stack at the timeout;
+  # (2) qwen3.6's prompt-ending single-token steps (0.195-0.879 s in s34b): predicted mostly decode-graph recording
+  # (the rows' "decode graphs recorded (s)" column ~0.15-0.8 s), in which case a prompt's last token runs eagerly.
+  # First the CUDA tests of recordings beside a page-locking thread (cuda_capture.py: thread_local capture mode,
+  # no registration inside a capture - vLLM #46933's hang), predicted all passed
+  cuda_tests 90 tests/test_decode_graph.py tests/test_host_arena.py
+  timeout 150 python3 benchmarks/bench_cold_load.py --shape qwen3-30b-a3b --folder /tmp/ftw-long --vram-budget 8 \
+    --long-prompts 16384 30000 --resend 2 --beside --out "$OUT/beside_registered.json" \
+    > "$OUT/beside_registered.txt" 2>&1
+  rc=$?; echo "beside rc=$rc"; grep -E "^\|" "$OUT/beside_registered.txt" | tail -4
+  [ $rc = 0 ] || grep -E "prompt of|Thread|File" "$OUT/beside_registered.txt" | head -80
+  rm -rf /tmp/ftw-long
+  long_prompts_resent 380 qwen3.6-35b-a3b
 elif [ "$1" = s34d ]; then
   # session 33: does locking ahead hold up a conversation already decoding? qwen3-30b at 8 GiB, one conversation
   # decoding while the 16K and 30K prompts and two resends arrive (--beside): its gaps are the prompts' steps, and

@@ -41,6 +41,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from runtime.cuda_capture import CAPTURE_MODE, RECORDING
 from runtime.models.base import Batch, CausalLM
 from runtime.models.blocks import Attention
 
@@ -365,8 +366,9 @@ class DecodeGraphs:
         stream.wait_stream(torch.cuda.current_stream(self.device))
         self._recording = {"pieces": [torch.cuda.CUDAGraph()], "boundaries": []}
         try:
-            with torch.cuda.stream(stream):
-                self._recording["pieces"][0].capture_begin(pool=self._pool)
+            # no page-locking on another thread meanwhile (cuda_capture.py: the driver refuses it inside a capture)
+            with RECORDING, torch.cuda.stream(stream):
+                self._recording["pieces"][0].capture_begin(pool=self._pool, capture_error_mode=CAPTURE_MODE)
                 try:
                     logits = self._forward(caches, buckets, _CuttingExperts(self, self.model.experts))
                 finally:
@@ -386,7 +388,7 @@ class DecodeGraphs:
         rec["boundaries"].append(_Boundary(layer, hidden, topk_ids, topk_weights, out))
         nxt = torch.cuda.CUDAGraph()
         rec["pieces"].append(nxt)
-        nxt.capture_begin(pool=self._pool)
+        nxt.capture_begin(pool=self._pool, capture_error_mode=CAPTURE_MODE)
         return out
 
     def _replay(self, graph: _Captured) -> torch.Tensor:

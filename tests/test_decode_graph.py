@@ -48,6 +48,52 @@ def test_static_steps_match_the_ordinary_forward_across_buckets(family, ftw_pack
         assert graphs.counters["captures"] == 0 and graphs.counters["record_seconds"] == 0.0
 
 
+def test_recordings_beside_a_thread_that_page_locks_host_memory(ftw_packages, device):
+    """The prefix cache's arena page-locks host memory on its own thread while the engine steps, and a step may
+    record a decode graph: the driver refuses a registration inside a capture, and torch's default capture mode
+    lets another thread's call invalidate the capture (vLLM #46933 hung this way). With runtime/cuda_capture.py's
+    mode and lock, every recording succeeds, every registration too, and the logits stay the ordinary forward's."""
+    if device != "cuda":
+        pytest.skip("needs the GPU machine (--device cuda)")
+    import threading
+
+    from runtime.host_arena import registered_slab
+
+    eng = _engine(ftw_packages("qwen3_moe"), device, cuda_graphs=False)
+    model = eng.model
+    graphs = DecodeGraphs(model, device=eng.device, bucket=2)       # a new graph every second token
+    ordinary = model.new_cache(device=eng.device, dtype=eng.dtype)
+    static = model.new_cache(device=eng.device, dtype=eng.dtype)
+    stop, locked, errors = threading.Event(), [], []
+
+    def lock_and_release():                   # the arena's thread, as busy as it can be
+        while not stop.is_set():
+            try:
+                locked.append(registered_slab(4 << 20).numel())     # registered, then unregistered as it dies
+            except Exception as exc:          # noqa: BLE001  (reported by the assertion below)
+                errors.append(exc)
+                return
+
+    locker = threading.Thread(target=lock_and_release, daemon=True)
+    prompt = random_prompt(7, seed=3)
+    with torch.inference_mode():
+        for cache in (ordinary, static):
+            model(Batch.build([(prompt, cache)], device=eng.device))
+        locker.start()
+        token = prompt[-1]
+        try:
+            for _ in range(16):
+                want = model(Batch.build([([token], ordinary)], device=eng.device))
+                got = graphs.decode(token, static)
+                torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+                token = int(want.argmax())
+        finally:
+            stop.set()
+            locker.join(30)
+    assert errors == [] and len(locked) > 0
+    assert graphs.counters["failures"] == 0 and graphs.counters["captures"] >= 8
+
+
 class _Scaled:
     """Another expert tier: the model's, its output doubled (every other attribute is the real tier's)."""
 

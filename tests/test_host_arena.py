@@ -211,6 +211,49 @@ def test_without_cuda_the_registered_slab_is_refused_and_the_arena_declines_clea
     assert "stops at 0 MiB" in caplog.text and a.nbytes == 0
 
 
+def test_a_slab_is_never_registered_inside_a_graph_recording():
+    """The driver refuses cudaHostRegister while a decode graph is being captured (runtime/cuda_capture.py): a slab
+    locked on the arena's thread waits for a recording that holds RECORDING, then goes on (here, without CUDA, to
+    its refusal)."""
+    import threading
+
+    from runtime.cuda_capture import RECORDING
+    from runtime.host_arena import registered_slab
+
+    outcome = []
+
+    def lock_a_slab():
+        try:
+            outcome.append(registered_slab(SLAB))
+        except RuntimeError as exc:          # no CUDA here (or a driver that refuses): refused after the wait
+            outcome.append(exc)
+
+    with RECORDING:                          # a recording in progress on the engine's thread
+        t = threading.Thread(target=lock_a_slab)
+        t.start()
+        t.join(0.3)
+        assert t.is_alive() and outcome == []          # it waits for the recording
+    t.join(10)
+    assert not t.is_alive() and len(outcome) == 1
+
+
+def test_touch_pages_faults_in_every_page_on_one_thread():
+    """A slab's pages are faulted in before the driver registers them (off its lock), by one byte a page written
+    on the locking thread itself: they become resident, and they read as zeros."""
+    import psutil
+
+    from runtime.experts.host_store import HostBuffer
+    from runtime.host_arena import touch_pages
+
+    nbytes = 64 << 20
+    buf = HostBuffer(nbytes, huge_pages=False)
+    before = psutil.Process().memory_info().rss
+    touch_pages(buf.array)
+    grown = psutil.Process().memory_info().rss - before
+    assert grown >= 0.9 * nbytes
+    assert not buf.array.any()
+
+
 def test_slabs_nbytes_packs_tensors_as_the_carving_will():
     """What prepare() is asked for: tensors that do not tile a slab take more slabs than their bytes fill (s34c: 96
     K/V tensors of 30.7 MB, 8 to a 256 MiB slab, took 12 slabs where their bytes fill 11)."""
