@@ -253,9 +253,11 @@ def handoff(layer_index: int, ids: torch.Tensor, weights: torch.Tensor, x: torch
 # the GPU's clock into the mailbox's timeline (box.times); not in Triton's interpreter (no inline PTX there: the
 # references write the host's clock instead)
 TIMES = os.environ.get("TRITON_INTERPRET") != "1"
-# polls of the answer word (PCIe round trips) before collect gives up: ~2 minutes at one poller's ~1.2-1.5 µs a
-# poll (s19a), as long as the 20 M polls of every warp took at ~8.6 µs each - far past any real answer
-MAX_SPINS = 100_000_000
+# polls of the answer word (PCIe round trips) before collect gives up and sets the error flag the host reports:
+# ~6-8 s at one poller's ~1.2-1.5 µs a poll (s19a). A real answer takes < 1 ms, one from experts the OS must read
+# back from disk tens of ms. It was 100 M (~2 minutes): a stuck worker then froze the app that long before the user
+# saw why (session 33's --beside run went silent for 165 s, about that bound)
+MAX_SPINS = 5_000_000
 # collect's program sizes: warps of a token's program with one poller; 0 for every warp of 256-column programs
 COLLECT_WARPS = (0, 1, 2, 4, 8, 16)
 
