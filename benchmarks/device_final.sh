@@ -1118,7 +1118,7 @@ elif [ "$1" = s34e ]; then
   # session 33's next call (~10 device minutes on a fresh machine): (1) where the --beside run stalls (s34d's
   # registered run printed nothing for 165 s): its prompts as they finish, every thread's stack at the timeout;
   # (2) qwen3.6's prompt-ending single-token steps (0.195-0.879 s in s34b): predicted mostly decode-graph recording
-  # (the rows' "decode graphs recorded (s)" column ~0.15-0.8 s), in which case a prompt's last token runs eagerly.
+  # (the rows' "decode graphs recorded (s)" column: the captures alone, ~0.1-0.8 s), in which case a prompt's last token runs eagerly.
   # First the CUDA tests of recordings beside a page-locking thread (cuda_capture.py: thread_local capture mode,
   # no registration inside a capture - vLLM #46933's hang), predicted all passed
   cuda_tests 90 tests/test_decode_graph.py tests/test_host_arena.py

@@ -203,8 +203,8 @@ class DecodeGraphs:
         self._pool = torch.cuda.graph_pool_handle() if self.capture else None
         self._recording: dict | None = None
         self._stream = None
-        # record_seconds: host time of the steps that recorded (their eager run, the capture): a new conversation's
-        # first decode token - or its prompt's last token, when that goes alone - pays it
+        # record_seconds: host time of the captures alone (the eager run before each is the step's own work): a new
+        # conversation's first decode token - or its prompt's last token, when that goes alone - pays it
         self.counters = dict(steps=0, captures=0, pieces=0, failures=0, record_seconds=0.0)
         self.batch_steps: dict[int, int] = {}          # B -> steps of B sequences taken through this runner
         self.disabled: str | None = None
@@ -258,12 +258,12 @@ class DecodeGraphs:
             if graph is None:
                 # a new shape: this step runs eagerly on the capture stream (its warm-up: cuBLAS and Triton
                 # initialise there, outside any recording), then the step is recorded for the next tokens
-                t0 = time.perf_counter()
                 stream = self._capture_stream()
                 stream.wait_stream(torch.cuda.current_stream(self.device))
                 with torch.cuda.stream(stream):
                     logits = self._forward(caches, buckets, self.model.experts)
                 torch.cuda.current_stream(self.device).wait_stream(stream)
+                t0 = time.perf_counter()
                 try:
                     self._graphs[key] = self._record(caches, buckets)
                 except Exception as exc:                           # noqa: BLE001  (reported, decode goes on)
