@@ -1115,12 +1115,13 @@ elif [ "$1" = s34c ]; then
   done
   rm -rf /tmp/ftw-long
 elif [ "$1" = s34e ]; then
-  # session 33's next call (~10 device minutes on a fresh machine): (1) where the --beside run stalls (s34d's
-  # registered run printed nothing for 165 s): its prompts as they finish, every thread's stack at the timeout;
-  # (2) qwen3.6's prompt-ending single-token steps (0.195-0.879 s in s34b): predicted mostly decode-graph recording
-  # (the rows' "decode graphs recorded (s)" column: the captures alone, ~0.1-0.8 s), in which case a prompt's last token runs eagerly.
-  # First the CUDA tests of recordings beside a page-locking thread (cuda_capture.py: thread_local capture mode,
-  # no registration inside a capture - vLLM #46933's hang), predicted all passed
+  # session 33's next call (~10 device minutes on a fresh machine): (0) the CUDA tests of recordings beside a
+  # page-locking thread (cuda_capture.py: thread_local capture mode, no registration inside a capture - vLLM
+  # #46933's hang), predicted all passed; (1) the --beside run (s34d's printed nothing for 165 s): predicted to
+  # finish now, the decoding conversation's steps after each prompt at ~10-12 ms; if not, its prompts as they
+  # finish and every thread's stack at the timeout (or collect's 'did not answer in time' within ~8 s); (2)
+  # qwen3.6's prompt-ending single-token steps (0.195-0.879 s in s34b): predicted mostly the decode graph's capture
+  # (the rows' "decode graphs recorded (s)" column, ~0.1-0.8 s) - then a prompt's last token should run eagerly
   cuda_tests 90 tests/test_decode_graph.py tests/test_host_arena.py
   timeout 150 python3 benchmarks/bench_cold_load.py --shape qwen3-30b-a3b --folder /tmp/ftw-long --vram-budget 8 \
     --long-prompts 16384 30000 --resend 2 --beside --out "$OUT/beside_registered.json" \
