@@ -1121,8 +1121,11 @@ elif [ "$1" = s34e ]; then
   # finish now, the decoding conversation's steps after each prompt at ~10-12 ms; if not, its prompts as they
   # finish and every thread's stack at the timeout (or collect's 'did not answer in time' within ~8 s); (2)
   # qwen3.6's prompt-ending single-token steps (0.195-0.879 s in s34b): predicted mostly the decode graph's capture
-  # (the rows' "decode graphs recorded (s)" column, ~0.1-0.8 s) - then a prompt's last token should run eagerly
+  # (the rows' "decode graphs recorded (s)" column, ~0.1-0.8 s) - then a prompt's last token should run eagerly;
+  # (3) bench_lock_ahead's registered_slab row with pages touched on one thread (s34b, torch's zero_: 12.4 GB/s,
+  # max 10.9 ms): predicted 6-12 GB/s, stalls no worse
   cuda_tests 90 tests/test_decode_graph.py tests/test_host_arena.py
+  timeout 60 python3 benchmarks/bench_lock_ahead.py --slabs 12 --out "$OUT/lock_ahead.json" | tail -6
   timeout 150 python3 benchmarks/bench_cold_load.py --shape qwen3-30b-a3b --folder /tmp/ftw-long --vram-budget 8 \
     --long-prompts 16384 30000 --resend 2 --beside --out "$OUT/beside_registered.json" \
     > "$OUT/beside_registered.txt" 2>&1
