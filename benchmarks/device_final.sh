@@ -1117,14 +1117,15 @@ elif [ "$1" = s34c ]; then
 elif [ "$1" = s34e ]; then
   # session 33's next call (~10 device minutes on a fresh machine): (0) the CUDA tests of recordings beside a
   # page-locking thread (cuda_capture.py: thread_local capture mode, no registration inside a capture - vLLM
-  # #46933's hang), predicted all passed; (1) the --beside run (s34d's printed nothing for 165 s): predicted to
+  # #46933's hang) and of two conversations through the hybrid tier (one decoding while the other's prompt
+  # prefills), predicted all passed; (1) the --beside run (s34d's printed nothing for 165 s): predicted to
   # finish now, the decoding conversation's steps after each prompt at ~10-12 ms; if not, its prompts as they
   # finish and every thread's stack at the timeout (or collect's 'did not answer in time' within ~8 s); (2)
   # qwen3.6's prompt-ending single-token steps (0.195-0.879 s in s34b): predicted mostly the decode graph's capture
   # (the rows' "decode graphs recorded (s)" column, ~0.1-0.8 s) - then a prompt's last token should run eagerly;
   # (3) bench_lock_ahead's registered_slab row with pages touched on one thread (s34b, torch's zero_: 12.4 GB/s,
   # max 10.9 ms): predicted 6-12 GB/s, stalls no worse
-  cuda_tests 90 tests/test_decode_graph.py tests/test_host_arena.py
+  cuda_tests 120 tests/test_decode_graph.py tests/test_host_arena.py tests/test_hybrid_zero_copy.py::test_a_conversation_decodes_zero_copy_while_anothers_prompt_prefills
   timeout 60 python3 benchmarks/bench_lock_ahead.py --slabs 12 --out "$OUT/lock_ahead.json" | tail -6
   timeout 150 python3 benchmarks/bench_cold_load.py --shape qwen3-30b-a3b --folder /tmp/ftw-long --vram-budget 8 \
     --long-prompts 16384 30000 --resend 2 --beside --out "$OUT/beside_registered.json" \

@@ -509,6 +509,65 @@ def test_the_engine_generates_the_same_tokens_through_zero_copy_decode(ftw_packa
     experts.close()
 
 
+def test_a_conversation_decodes_zero_copy_while_anothers_prompt_prefills(device, ftw_packages):
+    """Two users: one conversation decoding zero-copy (graphs on) while another's prompt arrives, prefills in the
+    same steps and ends in a step where both feed one token - the decode-graph path with one sequence still
+    finishing its prompt. Session 33's GPU run of this case (bench_cold_load --beside) went silent for 165 s. Both
+    requests finish without an error, in the steps the schedule says, the mixed step went through the graph
+    runner at batch 2, and on the CPU each gets the tokens it gets alone from resident experts. The CUDA run
+    (--device cuda) records and replays; its CPU worker rounds to int8, so tokens are not compared there."""
+    import functools
+    import time
+
+    from runtime.engine import Engine, SamplingParams
+    from runtime.experts.hybrid import hybrid_experts_factory
+    from runtime.experts.planner import Hardware
+
+    path = ftw_packages("qwen3_moe", "int4")
+    first, second = random_prompt(12, seed=7), random_prompt(16, seed=8)
+    long_answer = SamplingParams(temperature=0.0, max_tokens=12, stop_token_ids=[])
+    short_answer = SamplingParams(temperature=0.0, max_tokens=3, stop_token_ids=[])
+    cuda = device == "cuda"
+    hw = Hardware(ram_total=16 << 30, ram_available=16 << 30, pinnable=8 << 30, cpu_gbps=10.0,
+                  **(dict(vram_free=8 << 30, vram_total=8 << 30, h2d_gbps=20.0, has_cuda=True) if cuda else {}))
+    factory = functools.partial(hybrid_experts_factory, hardware=hw, slots=6, zero_copy=True, cpu_share=0.5)
+    load = functools.partial(Engine.load, path, device=device, experts_factory=factory, cuda_graphs=True,
+                             prefill_chunk=16, **(dict(cpu_experts_per_layer=1) if cuda else {}))
+    eng = load()
+    a = eng.add_request(first, long_answer)
+    got: dict[str, list[int]] = {a: []}
+
+    def step():
+        for e in eng.step():
+            assert e.request_id in got, e
+            if e.token_id is not None:
+                got[e.request_id].append(e.token_id)
+
+    while len(got[a]) < 4:                               # a is decoding (its graph recorded)
+        step()
+    b = eng.add_request(second, short_answer)
+    got[b] = []
+    t0 = time.monotonic()
+    step()                                               # a's token + 15 of b's 16 (the step's 16-token budget)
+    assert got[b] == [] and len(got[a]) == 5
+    step()                                               # a's token + b's last: one token each, batch 2
+    assert len(got[b]) == 1 and len(got[a]) == 6
+    assert eng.graphs is not None and eng.graphs.batch_steps.get(2, 0) >= 1
+    while eng.scheduler.has_work():
+        step()
+        assert time.monotonic() - t0 < 120, "two conversations at once did not finish"
+    results = {rid: eng.result(rid) for rid in (a, b)}
+    assert all(r is not None and r.error is None for r in results.values()), results
+    assert len(got[a]) == 12 and len(got[b]) == 3
+    experts = eng.model.experts
+    assert experts.zero_copy and experts._worker is not None and experts._worker.error is None
+    if not cuda:                                         # exact on the CPU: each as it is alone, all resident
+        ref = Engine.load(path, device="cpu")
+        assert got[a] == ref.generate(first, long_answer).tokens
+        assert got[b] == ref.generate(second, short_answer).tokens
+    experts.close()
+
+
 def test_a_plan_pinned_in_part_loads_and_decodes_zero_copy_on_cuda(device, ftw_packages, monkeypatch):
     """On the GPU machine, the load a Windows user gets whose model outgrows the pinnable half: a plan that pins
     the first MoE layer only (the tiny model has 2, fewer than the planner could split: its ring alone takes 2, so
