@@ -1125,7 +1125,8 @@ elif [ "$1" = s34e ]; then
   # (the rows' "decode graphs recorded (s)" column, ~0.1-0.8 s) - then a prompt's last token should run eagerly;
   # (3) bench_lock_ahead's registered_slab row with pages touched on one thread (s34b, torch's zero_: 12.4 GB/s,
   # max 10.9 ms): predicted 6-12 GB/s, stalls no worse
-  cuda_tests 120 tests/test_decode_graph.py tests/test_host_arena.py tests/test_hybrid_zero_copy.py::test_a_conversation_decodes_zero_copy_while_anothers_prompt_prefills
+  cuda_tests 120 tests/test_decode_graph.py tests/test_host_arena.py \
+    tests/test_hybrid_zero_copy.py::test_a_conversation_decodes_zero_copy_while_anothers_prompt_prefills
   timeout 60 python3 benchmarks/bench_lock_ahead.py --slabs 12 --out "$OUT/lock_ahead.json" | tail -6
   timeout 150 python3 benchmarks/bench_cold_load.py --shape qwen3-30b-a3b --folder /tmp/ftw-long --vram-budget 8 \
     --long-prompts 16384 30000 --resend 2 --beside --out "$OUT/beside_registered.json" \
