@@ -5,6 +5,7 @@ and replays it, and the same assertions hold."""
 from __future__ import annotations
 
 import gc
+import threading
 import weakref
 
 import pytest
@@ -12,6 +13,7 @@ import torch
 
 from runtime.decode_graph import DecodeGraphs, supports
 from runtime.engine import Engine, SamplingParams
+from runtime.host_arena import registered_slab
 from runtime.models.base import Batch
 from tests.engine_fixtures import ftw_packages, random_prompt  # noqa: F401  (session fixture)
 
@@ -55,10 +57,6 @@ def test_recordings_beside_a_thread_that_page_locks_host_memory(ftw_packages, de
     mode and lock, every recording succeeds, every registration too, and the logits stay the ordinary forward's."""
     if device != "cuda":
         pytest.skip("needs the GPU machine (--device cuda)")
-    import threading
-
-    from runtime.host_arena import registered_slab
-
     eng = _engine(ftw_packages("qwen3_moe"), device, cuda_graphs=False)
     model = eng.model
     graphs = DecodeGraphs(model, device=eng.device, bucket=2)       # a new graph every second token

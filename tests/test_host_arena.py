@@ -2,12 +2,16 @@
 entry when the last tensor or view sharing it dies (runtime/host_arena.py). Plain-memory slabs here: the carving
 and reuse are the same code a GPU engine runs over page-locked ones."""
 import gc
+import threading
 import weakref
 
+import psutil
 import pytest
 import torch
 
-from runtime.host_arena import ALIGN, HostArena, plain_slab
+from runtime.cuda_capture import RECORDING
+from runtime.experts.host_store import HostBuffer
+from runtime.host_arena import ALIGN, HostArena, plain_slab, registered_slab, touch_pages
 from runtime.kv_cache import KVCache, SequenceCache, StateCache
 
 SLAB = 1 << 20
@@ -183,8 +187,6 @@ def test_a_gpu_engines_slabs_are_registered_in_place_and_copy_at_the_pinned_rate
     tensor; the slab is unregistered when it dies."""
     if device != "cuda":
         pytest.skip("needs the GPU machine (--device cuda)")
-    from runtime.host_arena import registered_slab
-
     a = HostArena(64 << 20, slab_bytes=32 << 20, allocate=registered_slab)
     src = torch.randn(4, 1000, 128, device="cuda", dtype=torch.bfloat16)
     host = a.empty(src.shape, src.dtype)
@@ -204,8 +206,6 @@ def test_without_cuda_the_registered_slab_is_refused_and_the_arena_declines_clea
     with its warning and the caller's allocator takes every copy - no exception reaches a request."""
     if device == "cuda" or torch.cuda.is_available():
         pytest.skip("a machine without CUDA")
-    from runtime.host_arena import registered_slab
-
     a = HostArena(4 * SLAB, slab_bytes=SLAB, allocate=registered_slab)
     assert a.empty((16,), torch.uint8) is None and a.fallbacks == 1
     assert "stops at 0 MiB" in caplog.text and a.nbytes == 0
@@ -215,10 +215,6 @@ def test_a_slab_is_never_registered_inside_a_graph_recording():
     """The driver refuses cudaHostRegister while a decode graph is being captured (runtime/cuda_capture.py): a slab
     locked on the arena's thread waits for a recording that holds RECORDING, then goes on (here, without CUDA, to
     its refusal)."""
-    import threading
-
-    from runtime.cuda_capture import RECORDING
-    from runtime.host_arena import registered_slab
 
     outcome = []
 
@@ -240,10 +236,6 @@ def test_a_slab_is_never_registered_inside_a_graph_recording():
 def test_touch_pages_faults_in_every_page_on_one_thread():
     """A slab's pages are faulted in before the driver registers them (off its lock), by one byte a page written
     on the locking thread itself: they become resident, and they read as zeros."""
-    import psutil
-
-    from runtime.experts.host_store import HostBuffer
-    from runtime.host_arena import touch_pages
 
     nbytes = 64 << 20
     buf = HostBuffer(nbytes, huge_pages=False)
