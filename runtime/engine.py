@@ -45,6 +45,11 @@ CPU_PREFILL_CHUNK = 512        # prompt tokens per step on a CPU device (GPU: th
 ROUTING_STATS_FILE = "routing.json"     # in a load's state_dir: the expert tier's routing statistics
 MAX_KEPT_RESULTS = 1024          # finished requests whose GenerationResult waits for result()
 LOCK_AHEAD_TOKENS = 512         # a request's answer counted when locking its store's host memory ahead
+# A prompt's last token, when it goes alone (a linear-attention model's snapshot is taken one token before the end, or
+# a chunk boundary), runs eagerly rather than through the decode graphs. A new conversation is a new graph key, so
+# the graph path would record there, inside the time to first token. The first decode step records the same key
+# anyway, after the first token is out. (qwen3.6's prompt-ending steps took 0.2-0.9 s in s34b; a decode step ~10 ms.)
+GRAPH_PROMPT_TAILS = False
 
 ProgressFn = Callable[[int, int, str], None]      # (done, total, stage)
 PrefillFn = Callable[[int, int], None]            # (done, total) prompt tokens
@@ -556,9 +561,11 @@ class Engine:
         return events
 
     def _forward(self, work: list[tuple[Sequence, int]]) -> torch.Tensor:
-        """The model over this step's tokens: a step where every sequence feeds one token (all decoding) through
-        the recorded decode graphs when they cover it, else the ordinary ragged-batch forward."""
-        if self.graphs is not None and all(n == 1 for _, n in work) and self.graphs.covers(len(work)):
+        """The model over this step's tokens: a step where every sequence decodes one token through the recorded
+        decode graphs when they cover it, else the ordinary ragged-batch forward (also a prompt's lone last token:
+        GRAPH_PROMPT_TAILS)."""
+        if (self.graphs is not None and all(n == 1 for _, n in work) and self.graphs.covers(len(work))
+                and (GRAPH_PROMPT_TAILS or not any(seq.prefilling for seq, _ in work))):
             from runtime.decode_graph import GraphCaptureError
 
             seqs = [seq for seq, _ in work]

@@ -50,6 +50,25 @@ def test_static_steps_match_the_ordinary_forward_across_buckets(family, ftw_pack
         assert graphs.counters["captures"] == 0 and graphs.counters["record_seconds"] == 0.0
 
 
+@pytest.mark.parametrize("graph_tails", [False, True])
+def test_a_prompts_lone_last_token_runs_eagerly(ftw_packages, device, monkeypatch, graph_tails):
+    """A prompt whose last token goes alone (here a chunk boundary; for a linear-attention model, the snapshot one
+    token before the end) is not run through the decode graphs: a new conversation is a new graph key, and recording
+    it there would sit inside the time to first token (engine.GRAPH_PROMPT_TAILS). The tokens are the same either
+    way, and only the decode steps take the graph path."""
+    import runtime.engine as engine_module
+
+    monkeypatch.setattr(engine_module, "GRAPH_PROMPT_TAILS", graph_tails)
+    path = ftw_packages("qwen3_moe")
+    prompt = random_prompt(9, seed=5)                     # 8 in the first chunk, the 9th alone
+    sampling = SamplingParams(temperature=0.0, max_tokens=4, stop_token_ids=[])
+    want = _engine(path, device, cuda_graphs=False).generate(prompt, sampling).tokens
+    eng = _engine(path, device, cuda_graphs=True, prefill_chunk=8)
+    assert eng.generate(prompt, sampling).tokens == want
+    decode_steps = len(want) - 1                          # the first token comes from the prompt's last step
+    assert eng.graphs.counters["steps"] == decode_steps + (1 if graph_tails else 0)
+
+
 def test_recordings_beside_a_thread_that_page_locks_host_memory(ftw_packages, device):
     """The prefix cache's arena page-locks host memory on its own thread while the engine steps, and a step may
     record a decode graph: the driver refuses a registration inside a capture, and torch's default capture mode

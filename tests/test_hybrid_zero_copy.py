@@ -513,9 +513,10 @@ def test_a_conversation_decodes_zero_copy_while_anothers_prompt_prefills(device,
     """Two users: one conversation decoding zero-copy (graphs on) while another's prompt arrives, prefills in the
     same steps and ends in a step where both feed one token - the decode-graph path with one sequence still
     finishing its prompt. Session 33's GPU run of this case (bench_cold_load --beside) went silent for 165 s. Both
-    requests finish without an error, in the steps the schedule says, the mixed step went through the graph
-    runner at batch 2, and on the CPU each gets the tokens it gets alone from resident experts. The CUDA run
-    (--device cuda) records and replays; its CPU worker rounds to int8, so tokens are not compared there."""
+    requests finish without an error, in the steps the schedule says, the two then decode through batch-2 graphs,
+    and on the CPU each gets the tokens it gets alone from resident experts. The CUDA run (--device cuda) records
+    and replays, the prefix cache's arena locking ahead meanwhile; its CPU worker rounds to int8, so tokens are not
+    compared there."""
     import functools
     import time
 
@@ -550,12 +551,14 @@ def test_a_conversation_decodes_zero_copy_while_anothers_prompt_prefills(device,
     t0 = time.monotonic()
     step()                                               # a's token + 15 of b's 16 (the step's 16-token budget)
     assert got[b] == [] and len(got[a]) == 5
+    graph_steps = eng.graphs.counters["steps"]
     step()                                               # a's token + b's last: one token each, batch 2
     assert len(got[b]) == 1 and len(got[a]) == 6
-    assert eng.graphs is not None and eng.graphs.batch_steps.get(2, 0) >= 1
-    while eng.scheduler.has_work():
+    assert eng.graphs.counters["steps"] == graph_steps   # eagerly: a prompt's tail records no graph (engine.py)
+    while eng.scheduler.has_work():                      # then both decode: batch-2 graphs, recorded and replayed
         step()
         assert time.monotonic() - t0 < 120, "two conversations at once did not finish"
+    assert eng.graphs.batch_steps.get(2, 0) >= 1
     results = {rid: eng.result(rid) for rid in (a, b)}
     assert all(r is not None and r.error is None for r in results.values()), results
     assert len(got[a]) == 12 and len(got[b]) == 3
