@@ -449,6 +449,9 @@ def run_child(args) -> int:
     from runtime.models import gated_deltanet
     if args.gdn_piece is not None:
         gated_deltanet.PREFILL_PIECE_TOKENS = args.gdn_piece
+    if args.graph_prompt_tails:          # a prompt's lone last token through the decode graphs (before session 33)
+        import runtime.engine as engine_module
+        engine_module.GRAPH_PROMPT_TAILS = True
     if args.arena != "registered":       # the prefix cache's host memory as earlier sessions' engines made it
         import runtime.engine as engine_module
         engine_module.registered_slab = lambda n: torch.empty(n, dtype=torch.uint8, pin_memory=True)
@@ -472,7 +475,7 @@ def run_child(args) -> int:
     rss_start = host_rss()
     result: dict = {"budget_gib": args.budget_gib, "package_bytes": package_bytes, "rss_start": rss_start,
                     "gdn_piece": gated_deltanet.PREFILL_PIECE_TOKENS, "arena": args.arena,
-                    "imports_s": t_imported - _T_PROCESS}
+                    "graph_prompt_tails": args.graph_prompt_tails, "imports_s": t_imported - _T_PROCESS}
     factory = None
     if args.tier != "default":
         from runtime.engine import resident_experts_factory
@@ -716,6 +719,9 @@ def parse_args(argv):
                     help="the prefix cache's host memory: the engine's (slabs registered in place, locked ahead on "
                          "another thread), cudaHostAlloc'd slabs locked ahead (s34a), or locked inside the store "
                          "(s33b)")
+    ap.add_argument("--graph-prompt-tails", action="store_true",
+                    help="a prompt's lone last token through the decode graphs, recording there (the A/B of "
+                         "engine.GRAPH_PROMPT_TAILS; the engine runs it eagerly)")
     ap.add_argument("--beside", action="store_true",
                     help="keep one conversation decoding while the long prompts run: its gaps between tokens "
                          "inside their steps, and its steps after each")
@@ -743,7 +749,8 @@ def measure_in_subprocess(args, package: Path, budget_gib: float) -> dict:
                "--context", str(args.context), "--max-batch", str(args.max_batch), "--tier", args.tier,
                "--decode-steps", str(args.decode_steps),
                "--long-prompts", *map(str, args.long_prompts), "--resend", str(args.resend),
-               "--resend-tokens", str(args.resend_tokens), "--arena", args.arena] + (["--beside"] if args.beside else [])
+               "--resend-tokens", str(args.resend_tokens), "--arena", args.arena]
+        cmd += ["--beside"] * args.beside + ["--graph-prompt-tails"] * args.graph_prompt_tails
         if args.gdn_piece is not None:
             cmd += ["--gdn-piece", str(args.gdn_piece)]
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}

@@ -134,7 +134,8 @@
 #   (device) bash benchmarks/device_final.sh s32b # session 30: qwen3.6's prefill in 8K/16K chunks; resident prefill peak
 #   (device) bash benchmarks/device_final.sh s32c # session 30: the engine's long prompts at 8 GiB, each with its VRAM peak
 #   (device) bash benchmarks/device_final.sh s32d # session 30: s32c again with K/V copied a group at a time; pieces A/B
-#   (device) bash benchmarks/device_final.sh s34e # next: where --beside stalls; qwen3.6's last-token steps timed
+#   (device) bash benchmarks/device_final.sh s34e # next: the new CUDA tests; does --beside finish now
+#   (device) bash benchmarks/device_final.sh s34f # then: qwen3.6's prompts, eager prompt tails against graph ones
 #   (device) bash benchmarks/device_final.sh s34d # session 33: a conversation decoding beside long prompts, by arena
 #   (device) bash benchmarks/device_final.sh s34c # session 32: s34b cut to ~3 device minutes (every expert in VRAM)
 #   (device) bash benchmarks/device_final.sh s34b # session 32: s34a with registered slabs, ahead by what the cache keeps
@@ -1115,16 +1116,14 @@ elif [ "$1" = s34c ]; then
   done
   rm -rf /tmp/ftw-long
 elif [ "$1" = s34e ]; then
-  # session 33's next call (~10 device minutes on a fresh machine): (0) the CUDA tests of recordings beside a
-  # page-locking thread (cuda_capture.py: thread_local capture mode, no registration inside a capture - vLLM
-  # #46933's hang) and of two conversations through the hybrid tier (one decoding while the other's prompt
-  # prefills), predicted all passed; (1) the --beside run (s34d's printed nothing for 165 s): predicted to
-  # finish now, the decoding conversation's steps after each prompt at ~10-12 ms; if not, its prompts as they
-  # finish and every thread's stack at the timeout (or collect's 'did not answer in time' within ~8 s); (2)
-  # qwen3.6's prompt-ending single-token steps (0.195-0.879 s in s34b): predicted mostly the decode graph's capture
-  # (the rows' "decode graphs recorded (s)" column, ~0.1-0.8 s) - then a prompt's last token should run eagerly;
-  # (3) bench_lock_ahead's registered_slab row with pages touched on one thread (s34b, torch's zero_: 12.4 GB/s,
-  # max 10.9 ms): predicted 6-12 GB/s, stalls no worse
+  # session 33's next call (~6 device minutes on a fresh machine; then s34f): (1) the CUDA tests of recordings
+  # beside a page-locking thread (cuda_capture.py: thread_local capture mode, no registration inside a capture -
+  # vLLM #46933's hang) and of two conversations through the hybrid tier (one decoding while the other's prompt
+  # prefills): predicted all passed; (2) bench_lock_ahead's registered_slab row with pages touched on one thread
+  # (s34b, torch's zero_: 12.4 GB/s, max 10.9 ms): predicted 6-12 GB/s, stalls no worse; (3) the --beside run
+  # (s34d's printed nothing for 165 s): predicted to finish, the decoding conversation's steps after each prompt at
+  # ~10-12 ms; if not, its prompts as they finish and every thread's stack at the timeout (or collect's 'did not
+  # answer in time' within ~8 s)
   cuda_tests 120 tests/test_decode_graph.py tests/test_host_arena.py \
     tests/test_hybrid_zero_copy.py::test_a_conversation_decodes_zero_copy_while_anothers_prompt_prefills
   timeout 60 python3 benchmarks/bench_lock_ahead.py --slabs 12 --out "$OUT/lock_ahead.json" | tail -6
@@ -1134,7 +1133,21 @@ elif [ "$1" = s34e ]; then
   rc=$?; echo "beside rc=$rc"; grep -E "^\|" "$OUT/beside_registered.txt" | tail -4
   [ $rc = 0 ] || grep -E "prompt of|Thread|File" "$OUT/beside_registered.txt" | head -80
   rm -rf /tmp/ftw-long
-  long_prompts_resent 380 qwen3.6-35b-a3b
+elif [ "$1" = s34f ]; then
+  # session 33 (~8 device minutes on a fresh machine: the CPU kernels' compile and fla's warm-up come first):
+  # qwen3.6's prompt-ending single-token steps took 0.195-0.879 s in s34b, a decode step ~10 ms; the suspect is the
+  # decode graph's capture (a new conversation is a new graph key). Since 54220ad the engine runs a prompt's lone last
+  # token eagerly (engine.GRAPH_PROMPT_TAILS). Predicted: those steps <= ~0.1 s and TTFT 0.1-0.8 s lower than the
+  # same run with --graph-prompt-tails (the old way), whose "decode graphs recorded (s)" column should show the
+  # capture taking most of each such step
+  timeout 380 python3 benchmarks/bench_cold_load.py --shape qwen3.6-35b-a3b --folder /tmp/ftw-long --vram-budget 8 \
+    --long-prompts 16384 30000 --resend 2 --out "$OUT/long_prompts_qwen3.6.json" > "$OUT/long_prompts_qwen3.6.txt" 2>&1
+  echo "qwen3.6 rc=$?"; grep -E "^\|" "$OUT/long_prompts_qwen3.6.txt" | tail -4
+  timeout 150 python3 benchmarks/bench_cold_load.py --shape qwen3.6-35b-a3b --folder /tmp/ftw-long --vram-budget 8 \
+    --long-prompts 16384 30000 --resend 2 --graph-prompt-tails --out "$OUT/long_prompts_qwen3.6_graph_tails.json" \
+    > "$OUT/long_prompts_qwen3.6_graph_tails.txt" 2>&1
+  echo "qwen3.6 graph tails rc=$?"; grep -E "^\|" "$OUT/long_prompts_qwen3.6_graph_tails.txt" | tail -4
+  rm -rf /tmp/ftw-long
 elif [ "$1" = s34d ]; then
   # session 33: does locking ahead hold up a conversation already decoding? qwen3-30b at 8 GiB, one conversation
   # decoding while the 16K and 30K prompts and two resends arrive (--beside): its gaps are the prompts' steps, and
