@@ -175,6 +175,10 @@
 #   mkdir -p /tmp/site .site && for w in /tmp/whl/*.whl; do python3 -m zipfile -e "$w" /tmp/site; done
 #   tar -I 'xz -T2 -6' -cf .site/site.tar.xz -C /tmp/site .      # and: echo /.site/ >> .git/info/exclude
 set -uo pipefail
+if [ -n "${1:-}" ] && [ "$1" != a ] && ! grep -qF "[ \"\$1\" = $1 ]" "$0"; then   # before the set-up's seconds
+  echo "device_final.sh: no run named '$1' (the list is at the top of this file)" >&2
+  exit 2
+fi
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 if [ -f .site/site.tar.xz ]; then
   mkdir -p /tmp/site && tar xJf .site/site.tar.xz -C /tmp/site && export PYTHONPATH=/tmp/site:$PWD
@@ -1632,7 +1636,7 @@ elif [ "$1" = s18d ]; then
   bench_rows 170 q3_roundtrip --models qwen3-30b-a3b "${ROW_8G[@]}" --cpu-share 0.6 auto | grep -E "$ROW_LINES"
   bench_rows 110 q36_roundtrip --models qwen3.6-35b-a3b "${ROW_8G[@]}" --cpu-share auto | grep -E "$ROW_LINES"
   rm -f "$OUT"/model_*.json "$OUT"/model.json
-else
+elif [ "$1" = b ]; then
   # decode rows through graphs only (eager rows cost minutes); the CPU share learned (auto; printed with a *),
   # fixed 0 and 0.3
   timeout 330 python3 -m runtime.experts.bench model --models qwen3-30b-a3b --budgets 8 4 0 \
@@ -1645,4 +1649,8 @@ else
   mv "$OUT/model.json" "$OUT/model_q36.json" 2>/dev/null
   timeout 70 python3 benchmarks/bench_load.py --gib 18.6 --methods read --threads 16 --json "$OUT/load.json" \
     > "$OUT/load.txt" 2>&1; echo "load rc=$?"; tail -8 "$OUT/load.txt"
+else
+  # a name no branch knows ran `b`'s ~10 device minutes until session 33 (a mistyped call spent them)
+  echo "device_final.sh: no run named '$1' (the list is at the top of this file)" >&2
+  exit 2
 fi
