@@ -463,6 +463,27 @@ def test_a_learned_share_reaches_the_gpu_side_and_the_books():
     tier.close()
 
 
+def test_the_share_controller_never_times_a_step_across_a_prefill():
+    """The learned share feeds on the time from one zero-copy step to the next. Another user's prompt prefilling
+    between two of a conversation's tokens (a host-driven or streamed call) would make that interval look like a
+    slow step, during a trial too (where no outlier is dropped): such an interval is not observed."""
+    cpu = torch.device("cpu")
+    _, tier = _tier(cpu, slots=2, layers=1, cpu_share=None)
+    seen = []
+    tier._share_control.observe = lambda dt: seen.append(dt) or tier.cpu_share
+    one = (torch.randn(1, 64), torch.tensor([[3, 6]]), torch.full((1, 2), 0.5))
+    many = torch.randn(9, 64), torch.randint(0, 8, (9, 2)), torch.full((9, 2), 0.5)
+    many[1][:, 1] = (many[1][:, 0] + 1) % 8
+    tier(0, *one)                      # the first step: nothing before it to time
+    tier(0, *one)                      # timed
+    assert len(seen) == 1
+    tier(0, *many)                     # 9 tokens: a prompt's chunk on the host-driven path
+    tier(0, *one)                      # not timed: the interval holds the prefill
+    tier(0, *one)                      # timed again
+    assert len(seen) == 2
+    tier.close()
+
+
 def test_an_unloaded_tier_stops_its_worker_and_is_freed():
     """The service unloads a model by dropping the engine: the CPU worker must not keep the tier (its pinned
     experts, its VRAM pool) alive, and its thread ends."""

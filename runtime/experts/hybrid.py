@@ -224,6 +224,9 @@ class HybridExperts:
         t = hidden.shape[0]
         if self.zero_copy and t <= ZERO_COPY_MAX_TOKENS:
             return self._zero_copy_decode(layer, hidden, topk_ids, topk_weights)
+        # a prefill or host-driven call: the time up to the next zero-copy step is no decode step's (another user's
+        # prompt prefilling between two of a conversation's tokens), so the share controller does not see it
+        self._step_started = None
         if self._promotions:
             self._finish_promotions()
         if t >= self.stream_threshold:
