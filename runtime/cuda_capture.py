@@ -7,8 +7,9 @@ unsafe call also invalidates the capture itself. vLLM met exactly this (issue #4
 graph capture hung its start-up) and moved every capture to "thread_local" (PR #48053).
 
 So: recordings capture in "thread_local" mode, where only the recording thread's own calls are checked. And a
-recording and a registration never overlap: each holds `RECORDING` for its duration. A registration holds it
-~10-20 ms a 256 MiB slab (s34b); a recording holds it for its capture, not for the eager run before it.
+recording and a registration never overlap: each holds `RECORDING` for its duration - every registration goes
+through `HostBuffer.pin` (experts/host_store.py), which takes it. A registration holds it ~10-20 ms a 256 MiB slab
+(s34b); a recording holds it for its capture, not for the eager run before it.
 """
 from __future__ import annotations
 

@@ -267,7 +267,6 @@ class DecodeGraphs:
                 try:
                     self._graphs[key] = self._record(caches, buckets)
                 except Exception as exc:                           # noqa: BLE001  (reported, decode goes on)
-                    self.counters["record_seconds"] += time.perf_counter() - t0
                     self.counters["failures"] += 1
                     for cache in caches:
                         _advance(cache)                            # the eager step did run: count its token
@@ -275,9 +274,10 @@ class DecodeGraphs:
                                             f"failed: {exc}")
                     err.logits = logits.float()
                     raise err from exc
+                finally:
+                    self.counters["record_seconds"] += time.perf_counter() - t0
                 while len(self._graphs) > self.max_graphs:
                     self._graphs.popitem(last=False)
-                self.counters["record_seconds"] += time.perf_counter() - t0
             else:
                 self._graphs.move_to_end(key)
                 # an expert tier that keeps its books between steps (hybrid zero-copy: its calls are inside

@@ -21,15 +21,11 @@ from __future__ import annotations
 
 import ctypes
 import logging
-import mmap
 import threading
 import weakref
 from typing import Callable
 
-import numpy as np
 import torch
-
-from runtime.cuda_capture import RECORDING
 
 log = logging.getLogger(__name__)
 
@@ -46,19 +42,10 @@ def registered_slab(nbytes: int) -> torch.Tensor:
     from runtime.experts.host_store import HostBuffer
 
     buf = HostBuffer(nbytes)
-    touch_pages(buf.array)             # faulted in here: plain CPU work, off the driver's lock
-    with RECORDING:                    # never inside a decode graph's capture (cuda_capture.py)
-        pinned = buf.pin(quiet=True)
-    if not pinned:
+    buf.touch()                        # faulted in here: plain CPU work, off the driver's lock
+    if not buf.pin(quiet=True):        # (never inside a decode graph's capture: cuda_capture.py)
         raise RuntimeError(f"cudaHostRegister of {nbytes >> 20} MiB was refused")
     return buf.tensor()                # (it keeps the buffer's array, and so its registration, alive)
-
-
-def touch_pages(array: np.ndarray) -> None:
-    """Fault in every page of `array` (fresh anonymous memory: the OS hands out zeroed pages) with one byte
-    written a page, on this thread alone. Not torch's zero_: a multi-threaded CPU op on the locking thread would
-    start its own pool of threads on every core beside the CPU expert worker (experts/openmp.py)."""
-    array[::mmap.PAGESIZE] = 0
 
 
 def plain_slab(nbytes: int) -> torch.Tensor:

@@ -11,7 +11,7 @@ import torch
 
 from runtime.cuda_capture import RECORDING
 from runtime.experts.host_store import HostBuffer
-from runtime.host_arena import ALIGN, HostArena, plain_slab, registered_slab, touch_pages
+from runtime.host_arena import ALIGN, HostArena, plain_slab, registered_slab
 from runtime.kv_cache import KVCache, SequenceCache, StateCache
 
 SLAB = 1 << 20
@@ -233,14 +233,14 @@ def test_a_slab_is_never_registered_inside_a_graph_recording():
     assert not t.is_alive() and len(outcome) == 1
 
 
-def test_touch_pages_faults_in_every_page_on_one_thread():
+def test_touch_faults_in_every_page_on_one_thread():
     """A slab's pages are faulted in before the driver registers them (off its lock), by one byte a page written
     on the locking thread itself: they become resident, and they read as zeros."""
 
     nbytes = 64 << 20
     buf = HostBuffer(nbytes, huge_pages=False)
     before = psutil.Process().memory_info().rss
-    touch_pages(buf.array)
+    buf.touch()
     grown = psutil.Process().memory_info().rss - before
     assert grown >= 0.9 * nbytes
     assert not buf.array.any()

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from runtime.cuda_capture import RECORDING
 from runtime.experts.interface import ExpertWeights
 
 log = logging.getLogger(__name__)
@@ -76,31 +77,40 @@ class HostBuffer:
         self.array = np.frombuffer(self._map, dtype=np.uint8, count=nbytes)     # [nbytes]
         self.pinned = False
 
+    def touch(self) -> None:
+        """Fault in every page (fresh anonymous memory: the OS hands out zeroed pages) with one byte written a page,
+        on this thread alone - before `pin`, so the driver's lock is not held over the faults. Not torch's zero_
+        or a bulk fill: on a thread beside the CPU expert worker a multi-threaded CPU op would start its own pool of
+        threads on every core (openmp.py), and a page needs only one write."""
+        self.array[::mmap.PAGESIZE] = 0
+
     def pin(self, nbytes: int | None = None, *, quiet: bool = False) -> bool:
         """Page-lock the buffer (or its first `nbytes`) for direct DMA. False (and a warning, unless `quiet`)
         without CUDA or when the driver refuses (e.g. the pinnable limit): the store still works, staged through
-        transport's pinned ring."""
-        if not torch.cuda.is_available():
-            log.warning("cannot page-lock %.2f GiB of experts: CUDA is not available", self.nbytes / 2**30)
-            return False
-        ptr = self.array.ctypes.data
-        size = self.nbytes if nbytes is None else min(int(nbytes), self.nbytes)
-        # portable (every device) and mapped: the GPU may read experts in place (hybrid.py's zero-copy misses).
-        # A driver that refuses the mapping may still lock the pages (DMA copies work, zero-copy then does not)
-        cudart = torch.cuda.cudart()
-        err = cudart.cudaHostRegister(ptr, size, HOST_REGISTER_PORTABLE | HOST_REGISTER_MAPPED)
-        if int(err) != 0:
-            err = cudart.cudaHostRegister(ptr, size, 0)
-        if int(err) != 0:
-            if not quiet:
-                log.warning("cudaHostRegister of %.2f GiB failed (error %s): experts stay pageable",
-                            size / 2**30, int(err))
-            return False
-        # unregister before the pages go back to the OS: the finaliser keeps the mapping alive until then
-        done = weakref.finalize(self.array, _unregister, ptr, self._map)
-        done.atexit = False          # at exit the process's pages go back anyway: no 20 GB unregister walk
-        self.pinned = True
-        return True
+        transport's pinned ring. Never while a decode graph is being captured on another thread: the driver
+        refuses a registration inside a capture (runtime/cuda_capture.py), so this waits for one to end."""
+        with RECORDING:
+            if not torch.cuda.is_available():
+                log.warning("cannot page-lock %.2f GiB of experts: CUDA is not available", self.nbytes / 2**30)
+                return False
+            ptr = self.array.ctypes.data
+            size = self.nbytes if nbytes is None else min(int(nbytes), self.nbytes)
+            # portable (every device) and mapped: the GPU may read experts in place (hybrid.py's zero-copy misses).
+            # A driver that refuses the mapping may still lock the pages (DMA copies work, zero-copy then does not)
+            cudart = torch.cuda.cudart()
+            err = cudart.cudaHostRegister(ptr, size, HOST_REGISTER_PORTABLE | HOST_REGISTER_MAPPED)
+            if int(err) != 0:
+                err = cudart.cudaHostRegister(ptr, size, 0)
+            if int(err) != 0:
+                if not quiet:
+                    log.warning("cudaHostRegister of %.2f GiB failed (error %s): experts stay pageable",
+                                size / 2**30, int(err))
+                return False
+            # unregister before the pages go back to the OS: the finaliser keeps the mapping alive until then
+            done = weakref.finalize(self.array, _unregister, ptr, self._map)
+            done.atexit = False          # at exit the process's pages go back anyway: no 20 GB unregister walk
+            self.pinned = True
+            return True
 
     def tensor(self) -> torch.Tensor:
         return torch.from_numpy(self.array)

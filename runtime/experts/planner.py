@@ -342,7 +342,7 @@ def measure_h2d_gbps(*, nbytes: int = 256 * MiB, repeats: int = 5) -> float:
     from runtime.experts.host_store import HostBuffer
 
     host = HostBuffer(nbytes)
-    host.array.fill(1)                 # fault every page in before it is locked
+    host.touch()                       # fault every page in before it is locked
     host.pin()
     src = host.tensor()
     dst = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
