@@ -590,11 +590,16 @@ class Engine:
         return self.model(batch)
 
     def _prefill_follows(self, work: list[tuple[Sequence, int]]) -> bool:
-        """Whether a later step will prefill: a prompt in this step not finished by it, a running one this step
-        left out (the token budget), or a request still waiting to be admitted."""
+        """Whether a later step will prefill enough tokens to stream: the prompt tokens left after this step (of
+        the prompts in it, of running ones it left out, of requests still waiting) reach the tier's
+        `stream_threshold`. A prompt left one token short (a recurrent model's last token, fed alone for its
+        snapshot) does not count: that step reads its misses over PCIe, and a staged layer would only compete."""
         stepping = {id(seq) for seq, _ in work}
-        return (any(seq.computed + n < seq.prompt_len for seq, n in work) or bool(self.scheduler.waiting)
-                or any(seq.prefilling for seq in self.scheduler.running if id(seq) not in stepping))
+        left = sum(seq.prompt_len - seq.computed - n for seq, n in work if seq.computed + n < seq.prompt_len)
+        left += sum(seq.prompt_len - seq.computed for seq in self.scheduler.running
+                    if seq.prefilling and id(seq) not in stepping)
+        left += sum(seq.prompt_len for seq in self.scheduler.waiting)
+        return left >= getattr(self.model.experts, "stream_threshold", 1)
 
     def _fail(self, work: list[tuple[Sequence, int]], exc: Exception) -> list[TokenEvent]:
         """The model raised on this batch: end its requests with finish_reason "error"; the engine lives on."""

@@ -305,6 +305,41 @@ def test_the_engine_tells_a_streaming_tier_whether_a_prefill_chunk_follows(ftw_p
     assert prefill == [(8, True), (4, True), (8, True), (4, False)]
 
 
+def test_a_chunk_leaving_fewer_tokens_than_stream_threshold_stages_nothing(ftw_packages):
+    """With a threshold, a later step counts only when it prefills enough tokens to stream: a prompt left a few
+    tokens short (a recurrent model's lone last token) gets no staged layer, which would only compete for PCIe."""
+    from runtime.engine import Engine, SamplingParams
+
+    seen = []
+
+    class Recording(ResidentExperts):
+        prefill_continues = True
+        stream_threshold = 5
+
+        def __call__(self, layer, hidden, topk_ids, topk_weights):
+            if layer == 0:
+                seen.append((hidden.shape[0], self.prefill_continues))
+            return super().__call__(layer, hidden, topk_ids, topk_weights)
+
+    def factory(package, spec, *, device, dtype, **_unused):
+        return Recording.from_store(package.experts, spec, device=device, dtype=dtype)
+
+    sampling = SamplingParams(temperature=0.0, max_tokens=2, stop_token_ids=[])
+    eng = Engine.load(ftw_packages("qwen3_moe", "int4"), device="cpu", experts_factory=factory, prefill_chunk=8)
+    eng.generate(random_prompt(20, seed=4), sampling)
+    # 12 tokens left after the first chunk (>= 5), 4 after the second (< 5): the same chunks as without a threshold
+    assert [entry for entry in seen if entry[0] > 1] == [(8, True), (8, False), (4, False)]
+    # a waiting prompt of 12 tokens counts, one of 3 does not
+    for length, expected in ((12, True), (3, False)):
+        seen.clear()
+        eng = Engine.load(ftw_packages("qwen3_moe", "int4"), device="cpu", experts_factory=factory, prefill_chunk=8,
+                          max_batch=1)
+        eng.add_request(random_prompt(8, seed=5), sampling)
+        eng.add_request(random_prompt(length, seed=6), sampling)
+        eng.step()
+        assert seen[0] == (8, expected)
+
+
 def test_bookkeeping_stays_consistent_under_churn():
     """Many calls over a small pool with fetches, promotions and prefetch competing for slots: every output
     matches the reference, the device table equals the host's map, and nothing stays 'in flight' forever."""

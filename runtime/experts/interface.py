@@ -54,10 +54,12 @@ class GraphSafeExperts(Experts, Protocol):
 
 class StreamingExperts(Experts, Protocol):
     """Optional: a tier that streams experts for prefill (the hybrid tier) has a `prefill_continues` attribute,
-    which the engine sets before each forward: whether a later step will prefill too. The tier stages the next
-    chunk's first layer ahead only then (after a prompt's last chunk that copy would serve nobody)."""
+    which the engine sets before each forward: whether a later step will prefill at least `stream_threshold`
+    tokens, the fewest a streamed layer serves. The tier stages the next chunk's first layer ahead only then (after
+    a prompt's last chunk, or before its lone last token, that copy would serve nobody)."""
 
     prefill_continues: bool
+    stream_threshold: int
 
 
 def activate(spec: ExpertSpec, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
