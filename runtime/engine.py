@@ -646,7 +646,7 @@ class Engine:
         sizes = cache.stored_tensors_at(tokens) * (2 if seq.pause_before_last else 1)   # + the prompt's snapshot
         size = min(sum(sizes), self.prefix_cache.max_bytes)
         # a trimmable entry the prompt extends whole is dropped as covered by this request's store
-        replaced = hit.cache.nbytes if hit is not None and cache.trimmable and hit.length == hit.cache.offset else 0
+        replaced = hit.cache if hit is not None and cache.trimmable and hit.length == hit.cache.offset else None
         arena.prepare(self.prefix_cache.kept_after_room(size, dropping=replaced) + arena.slabs_nbytes(sizes))
 
     def _snapshot_prompt(self, seq: Sequence) -> None:

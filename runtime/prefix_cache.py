@@ -89,11 +89,12 @@ class PrefixCache:
             self._drop(next(iter(self.entries)))
             self.evictions += 1
 
-    def kept_after_room(self, size: int, *, dropping: int = 0) -> int:
-        """The bytes entries would still hold once `size` more fit - `dropping` bytes of them (the entries the new
-        one covers) dropped first, then the least recently used: what make_room would leave, without doing it."""
-        kept = self.nbytes - dropping
-        for cache in self.entries.values():             # oldest first, as make_room evicts
+    def kept_after_room(self, size: int, *, dropping: Any = None) -> int:
+        """The bytes entries would still hold once `size` more fit - the entry `dropping` (a cache the new one
+        covers) dropped first, then the least recently used: what make_room would leave, without doing it."""
+        others = [cache for cache in self.entries.values() if cache is not dropping]   # oldest first
+        kept = sum(cache.nbytes for cache in others)
+        for cache in others:
             if kept + size <= self.max_bytes:
                 break
             kept -= cache.nbytes

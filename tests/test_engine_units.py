@@ -145,6 +145,19 @@ def test_prefix_cache_is_a_byte_bounded_lru():
     assert (1,) not in pc.entries and pc.nbytes <= 250
 
 
+def test_kept_after_room_counts_a_dropped_entry_once_even_when_it_is_the_oldest():
+    """The covered entry is dropped, then the least recently used of the others: counting the covered one again
+    among the oldest predicted less kept than make_room leaves (the arena then locked too little ahead)."""
+    pc = PrefixCache(max_bytes=100)
+    for key, size in ((1, 40), (2, 20), (3, 30)):
+        pc.insert([key], FakeCache(size))
+    covered = pc.entries[(1,)]
+    assert pc.kept_after_room(55, dropping=covered) == 30     # 1 dropped, then 2 evicted: 3 stays
+    pc._drop((1,))
+    pc.make_room(55)
+    assert pc.nbytes == 30
+
+
 def test_kept_after_room_says_what_make_room_would_leave_without_evicting():
     """The engine locks host memory ahead for the prefix cache's next store: what the entries will still hold once
     it fits (the covered entry dropped first, then the oldest) plus the store itself - not the bytes held now."""
@@ -153,7 +166,7 @@ def test_kept_after_room_says_what_make_room_would_leave_without_evicting():
         pc.insert([key], FakeCache(size))
     assert pc.kept_after_room(10) == 90                     # fits beside them
     assert pc.kept_after_room(30) == 60                     # the oldest goes
-    assert pc.kept_after_room(30, dropping=30) == 60        # a covered entry's room is enough
+    assert pc.kept_after_room(30, dropping=pc.entries[(3,)]) == 60   # a covered entry's room is enough
     assert pc.kept_after_room(100) == 0
     assert len(pc) == 3 and pc.nbytes == 90 and pc.evictions == 0   # nothing was evicted
     pc.make_room(30)
