@@ -134,7 +134,8 @@
 #   (device) bash benchmarks/device_final.sh s32b # session 30: qwen3.6's prefill in 8K/16K chunks; resident prefill peak
 #   (device) bash benchmarks/device_final.sh s32c # session 30: the engine's long prompts at 8 GiB, each with its VRAM peak
 #   (device) bash benchmarks/device_final.sh s32d # session 30: s32c again with K/V copied a group at a time; pieces A/B
-#   (device) bash benchmarks/device_final.sh s34e # next: the new CUDA tests; does --beside finish now
+#   (device) bash benchmarks/device_final.sh s34g # session 34: s34e's --beside run after the CPU kernels' compile
+#   (device) bash benchmarks/device_final.sh s34e # session 34 ran it: the new CUDA tests; does --beside finish now
 #   (device) bash benchmarks/device_final.sh s34f # then: qwen3.6's prompts, eager prompt tails against graph ones
 #   (device) bash benchmarks/device_final.sh s34d # session 33: a conversation decoding beside long prompts, by arena
 #   (device) bash benchmarks/device_final.sh s34c # session 32: s34b cut to ~3 device minutes (every expert in VRAM)
@@ -1118,6 +1119,18 @@ elif [ "$1" = s34c ]; then
       > "$OUT/resident_$arena.txt" 2>&1
     echo "$arena rc=$?"; grep -E "^\|" "$OUT/resident_$arena.txt" | tail -4
   done
+  rm -rf /tmp/ftw-long
+elif [ "$1" = s34g ]; then
+  # session 34, after s34e: its --beside run was cut by this script's own timeout while numba compiled the CPU
+  # worker's loop for 48 layers in the child (the stacks: cpu_share.py's serve_layers.compile; the CUDA tests before
+  # it compile other layer counts). s34d's 165 s of silence fits the same compile. So the compile goes first here,
+  # cached, and the run gets room. Predicted: finishes; the decoding conversation's steps after each prompt ~10-12 ms
+  warm 200 new
+  timeout 300 python3 benchmarks/bench_cold_load.py --shape qwen3-30b-a3b --folder /tmp/ftw-long --vram-budget 8 \
+    --long-prompts 16384 30000 --resend 2 --beside --out "$OUT/beside_registered.json" \
+    > "$OUT/beside_registered.txt" 2>&1
+  rc=$?; echo "beside rc=$rc"; grep -E "^\|" "$OUT/beside_registered.txt" | tail -6
+  [ $rc = 0 ] || grep -E "prompt of|Thread|File" "$OUT/beside_registered.txt" | head -60
   rm -rf /tmp/ftw-long
 elif [ "$1" = s34e ]; then
   # session 33's next call (~6 device minutes on a fresh machine; then s34f): (1) the CUDA tests of recordings
