@@ -134,6 +134,7 @@
 #   (device) bash benchmarks/device_final.sh s32b # session 30: qwen3.6's prefill in 8K/16K chunks; resident prefill peak
 #   (device) bash benchmarks/device_final.sh s32c # session 30: the engine's long prompts at 8 GiB, each with its VRAM peak
 #   (device) bash benchmarks/device_final.sh s32d # session 30: s32c again with K/V copied a group at a time; pieces A/B
+#   (device) bash benchmarks/device_final.sh s34h # session 34: one more host's qwen3-30b 8 GiB decode row
 #   (device) bash benchmarks/device_final.sh s34g # session 34: s34e's --beside run after the CPU kernels' compile
 #   (device) bash benchmarks/device_final.sh s34e # session 34 ran it: the new CUDA tests; does --beside finish now
 #   (device) bash benchmarks/device_final.sh s34f # then: qwen3.6's prompts, eager prompt tails against graph ones
@@ -1120,6 +1121,11 @@ elif [ "$1" = s34c ]; then
     echo "$arena rc=$?"; grep -E "^\|" "$OUT/resident_$arena.txt" | tail -4
   done
   rm -rf /tmp/ftw-long
+elif [ "$1" = s34h ]; then
+  # session 34's last device minutes: one more host's qwen3-30b 8 GiB decode row (learned share) against the issue's
+  # 75 % of ceiling, on today's code (eager prompt tails, thread_local captures, page touch - none on this path)
+  warm 200 new
+  bench_rows 300 q3_8g --models qwen3-30b-a3b "${ROW_8G[@]}" --warmup 96 | grep -E "$ROW_LINES"
 elif [ "$1" = s34g ]; then
   # session 34, after s34e: its --beside run was cut by this script's own timeout while numba compiled the CPU
   # worker's loop for 48 layers in the child (the stacks: cpu_share.py's serve_layers.compile; the CUDA tests before
