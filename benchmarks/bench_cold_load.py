@@ -41,6 +41,7 @@ import time
 _T_PROCESS = time.perf_counter()        # before any heavy import: the child's "process start"
 
 import argparse  # noqa: E402
+import contextlib  # noqa: E402
 import functools  # noqa: E402
 import hashlib  # noqa: E402
 import json  # noqa: E402
@@ -553,8 +554,9 @@ def run_child(args) -> int:
         for _ in range(4):                  # its prefill and first steps (and CUDA graph recording) out of the way
             engine.step()
     result["long_prompts"] = []
-    for ids in prompts:
-        row = long_prompt(engine, ids, cuda, beside=beside)
+    for i, ids in enumerate(prompts):
+        profile = args.profile_tail if i == len(prompts) - 1 else None
+        row = long_prompt(engine, ids, cuda, beside=beside, profile_tail=profile)
         result["long_prompts"].append(row)
         print(f"    prompt of {row['tokens']:,} tokens: first token in {row['seconds']:.2f} s", flush=True)
     if beside is not None:
@@ -563,13 +565,21 @@ def run_child(args) -> int:
     return 0
 
 
+def _step_profiler(cuda: bool):
+    """torch.profiler over one engine step (host ops, and CUDA kernels on the GPU)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    return profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else []))
+
+
 def salted_prompt(engine, tokens: int, *, salt: int) -> list[int]:
     """`tokens` token ids; each salt its own first token, so no prompt is a prefix of another or of the chat's."""
     vocab = engine.tokenizer.vocab_size
     return [(7919 * i + 13 + 101 * salt) % max(2, min(vocab, 4096) - 2) + 1 for i in range(tokens)]
 
 
-def long_prompt(engine, ids: list[int], cuda: bool, *, beside: str | None = None) -> dict:
+def long_prompt(engine, ids: list[int], cuda: bool, *, beside: str | None = None,
+                profile_tail: str | None = None) -> dict:
     """A prompt to the loaded engine, to its first token: the seconds, and the VRAM it took at its peak - the
     question an 8 GB card asks of the plan (the planner reserves a prefill chunk's activations by a rule of thumb;
     the bench's own prefill rows plan a shorter context than their prompts)."""
@@ -587,11 +597,16 @@ def long_prompt(engine, ids: list[int], cuda: bool, *, beside: str | None = None
     rid = engine.add_request(ids, SamplingParams(temperature=0.0, max_tokens=1, stop_token_ids=()))
     done, steps = False, []        # each step's seconds: where a prompt's time goes (its chunks, its last token)
     while not done:
+        prof = _step_profiler(cuda) if profile_tail else contextlib.nullcontext()
         t = time.perf_counter()
-        events = engine.step()
-        if cuda:
-            torch.cuda.synchronize()
+        with prof:
+            events = engine.step()
+            if cuda:
+                torch.cuda.synchronize()
         steps.append(round(time.perf_counter() - t, 4))
+        if profile_tail:            # each step overwrites it: the file keeps the prompt's last step
+            table = prof.key_averages().table(sort_by="cpu_time_total", row_limit=40, max_name_column_width=70)
+            Path(profile_tail).write_text(f"step of {steps[-1]:.4f} s (profiled)\n{table}")
         done = any(e.finished or e.token_id is not None for e in events if e.request_id == rid)
     seconds = time.perf_counter() - t0
     after = []      # the decoding conversation's steps once the prompt is done: does any locking linger past it?
@@ -725,6 +740,9 @@ def parse_args(argv):
     ap.add_argument("--beside", action="store_true",
                     help="keep one conversation decoding while the long prompts run: its gaps between tokens "
                          "inside their steps, and its steps after each")
+    ap.add_argument("--profile-tail", metavar="FILE",
+                    help="profile the last prompt's steps (torch.profiler, CPU and CUDA) and write the table of the "
+                         "last one - a prompt's final step - to FILE: where a lone-token step's time goes")
     ap.add_argument("--repeat", type=int, default=1,
                     help="fresh processes per budget (the first may compile numba/Triton kernels into their caches)")
     ap.add_argument("--shape", default="qwen3-30b-a3b", choices=sorted(SHAPES),
@@ -751,6 +769,8 @@ def measure_in_subprocess(args, package: Path, budget_gib: float) -> dict:
                "--long-prompts", *map(str, args.long_prompts), "--resend", str(args.resend),
                "--resend-tokens", str(args.resend_tokens), "--arena", args.arena]
         cmd += ["--beside"] * args.beside + ["--graph-prompt-tails"] * args.graph_prompt_tails
+        if args.profile_tail:
+            cmd += ["--profile-tail", args.profile_tail]
         if args.gdn_piece is not None:
             cmd += ["--gdn-piece", str(args.gdn_piece)]
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
