@@ -1126,7 +1126,7 @@ elif [ "$1" = s34i ]; then
   # session 34, after s34f: qwen3.6's resends end in a lone-token step of 0.26 s run eagerly (0.36 s through the
   # graphs, 0.16 s of it the capture), where a decode step replays in ~10 ms. Where does it go? The last resend's
   # steps under torch.profiler (--profile-tail), the last step's table printed
-  timeout 420 python3 benchmarks/bench_cold_load.py --shape qwen3.6-35b-a3b --folder /tmp/ftw-long --vram-budget 8 \
+  timeout 330 python3 benchmarks/bench_cold_load.py --shape qwen3.6-35b-a3b --folder /tmp/ftw-long --vram-budget 8 \
     --long-prompts 30000 --resend 1 --profile-tail "$OUT/tail_eager.txt" --out "$OUT/tail_eager.json" \
     > "$OUT/tail_eager_run.txt" 2>&1
   echo "rc=$?"; grep -E "^\|" "$OUT/tail_eager_run.txt" | tail -2; head -48 "$OUT/tail_eager.txt"
