@@ -134,6 +134,7 @@
 #   (device) bash benchmarks/device_final.sh s32b # session 30: qwen3.6's prefill in 8K/16K chunks; resident prefill peak
 #   (device) bash benchmarks/device_final.sh s32c # session 30: the engine's long prompts at 8 GiB, each with its VRAM peak
 #   (device) bash benchmarks/device_final.sh s32d # session 30: s32c again with K/V copied a group at a time; pieces A/B
+#   (device) bash benchmarks/device_final.sh s34j # session 34: s34i on 12 of qwen3.6's 40 layers (~4 minutes)
 #   (device) bash benchmarks/device_final.sh s34i # session 34: qwen3.6's lone last-token step profiled
 #   (device) bash benchmarks/device_final.sh s34h # session 34: one more host's qwen3-30b 8 GiB decode row
 #   (device) bash benchmarks/device_final.sh s34g # session 34: s34e's --beside run after the CPU kernels' compile
@@ -1122,6 +1123,13 @@ elif [ "$1" = s34c ]; then
     echo "$arena rc=$?"; grep -E "^\|" "$OUT/resident_$arena.txt" | tail -4
   done
   rm -rf /tmp/ftw-long
+elif [ "$1" = s34j ]; then
+  # s34i cut to fit ~4 device minutes on a fresh machine: qwen3.6 with 12 of its 40 layers (9 linear-attention, 3
+  # full), the same 30K prompt and resend, the last step profiled. Shares, not seconds, carry over to 40 layers
+  timeout 230 python3 benchmarks/bench_cold_load.py --shape qwen3.6-35b-a3b --layers 12 --folder /tmp/ftw-long \
+    --vram-budget 8 --long-prompts 30000 --resend 1 --profile-tail "$OUT/tail_eager.txt" --out "$OUT/tail_eager.json" \
+    > "$OUT/tail_eager_run.txt" 2>&1
+  echo "rc=$?"; grep -E "^\|" "$OUT/tail_eager_run.txt" | tail -2; head -48 "$OUT/tail_eager.txt"
 elif [ "$1" = s34i ]; then
   # session 34, after s34f: qwen3.6's resends end in a lone-token step of 0.26 s run eagerly (0.36 s through the
   # graphs, 0.16 s of it the capture), where a decode step replays in ~10 ms. Where does it go? The last resend's
