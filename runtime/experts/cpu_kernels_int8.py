@@ -1309,10 +1309,13 @@ def moe_layer_int8(codec, buf, buf16, buf32, nbytes, offs, has_bias, i, group, t
     phases[0] += _cycles() - c0
     for lane in prange(n_thr):
         t_in[lane] = _cycles()
+        # every argument typed as serve_layers passes it (`_stages_call_types`): numba compiles a variant for each
+        # distinct signature, and a literal flag or the prange's unsigned index had made four (~116 s of a fresh
+        # install's compile on the dev VM against ~37 s)
         _stages(codec, buf, buf16, buf32, nbytes, offs, has_bias, i, group, table, x, n_a, gate_scale, up_scale,
-                down_scale, activation, alpha, limit, out, v, plan, answer, ticket, always, zero, lane, phases, False,
-                zero, zero, zero, zero, s32, answer, always, 0, zero)   # (no split expert: the part arrays are
-                                                                         # never touched; x quantized already)
+                down_scale, activation, alpha, limit, out, v, plan, answer, ticket, always, zero, np.int64(lane),
+                phases, zero != zero, zero, zero, zero, zero, s32, answer, always, zero, zero)
+        # (no clearing of out, no split expert: the part arrays are never touched; x quantized already)
     _mark_phases(phases, c0, t_in, n_thr, seen, _cycles())
 
 
@@ -1472,7 +1475,8 @@ def serve_layers(req, resp, meta, ids, weights, x, out, part, part_answer, last,
             buf = bufs[li]
             _stages(codec, buf, buf.view(np.uint16), buf.view(np.float32), nbytes, offs, has_bias, inter, group,
                     table, x, a, g_scale[li], u_scale[li], d_scale[li], activation, alpha, limit, out, v, plan,
-                    resp, seq, ctl, g, lane, phases, True, se, st, sr, sb, part, part_answer, ctl, CTL_XREADY, g)
+                    resp, seq, ctl, g, np.int64(lane), phases, g == g, se, st, sr, sb, part, part_answer, ctl,
+                    np.int64(CTL_XREADY), g)       # (typed as moe_layer_int8 passes them: one compiled variant)
             if lane == 0:
                 joined = _cycles()
                 c0 = _load_acquire(ctl, CTL_C0)
