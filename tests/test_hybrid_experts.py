@@ -270,10 +270,9 @@ def test_the_last_chunk_of_a_prompt_stages_no_layer_ahead():
     assert hybrid.transport.bytes_copied == 6 * layer_bytes and not hybrid._staged
 
 
-def test_the_engine_tells_a_streaming_tier_whether_a_prefill_chunk_follows(ftw_packages):
-    """Engine.step sets `prefill_continues` before each forward: True for every chunk of a prompt but its last."""
-    from runtime.engine import Engine, SamplingParams
-
+def _recording_tier(**attributes):
+    """An experts factory whose tier (resident, with `attributes` set on it) records each forward's token count at
+    layer 0 and what the engine set `prefill_continues` to; returns (the records, the factory)."""
     seen = []
 
     class Recording(ResidentExperts):
@@ -285,8 +284,19 @@ def test_the_engine_tells_a_streaming_tier_whether_a_prefill_chunk_follows(ftw_p
             return super().__call__(layer, hidden, topk_ids, topk_weights)
 
     def factory(package, spec, *, device, dtype, **_unused):
-        return Recording.from_store(package.experts, spec, device=device, dtype=dtype)
+        tier = Recording.from_store(package.experts, spec, device=device, dtype=dtype)
+        for name, value in attributes.items():
+            setattr(tier, name, value)
+        return tier
 
+    return seen, factory
+
+
+def test_the_engine_tells_a_streaming_tier_whether_a_prefill_chunk_follows(ftw_packages):
+    """Engine.step sets `prefill_continues` before each forward: True for every chunk of a prompt but its last."""
+    from runtime.engine import Engine, SamplingParams
+
+    seen, factory = _recording_tier()
     sampling = SamplingParams(temperature=0.0, max_tokens=2, stop_token_ids=[])
     eng = Engine.load(ftw_packages("qwen3_moe", "int4"), device="cpu", experts_factory=factory, prefill_chunk=8)
     eng.generate(random_prompt(20, seed=4), sampling)
@@ -310,20 +320,7 @@ def test_a_chunk_leaving_fewer_tokens_than_stream_threshold_stages_nothing(ftw_p
     tokens short (a recurrent model's lone last token) gets no staged layer, which would only compete for PCIe."""
     from runtime.engine import Engine, SamplingParams
 
-    seen = []
-
-    class Recording(ResidentExperts):
-        prefill_continues = True
-        stream_threshold = 5
-
-        def __call__(self, layer, hidden, topk_ids, topk_weights):
-            if layer == 0:
-                seen.append((hidden.shape[0], self.prefill_continues))
-            return super().__call__(layer, hidden, topk_ids, topk_weights)
-
-    def factory(package, spec, *, device, dtype, **_unused):
-        return Recording.from_store(package.experts, spec, device=device, dtype=dtype)
-
+    seen, factory = _recording_tier(stream_threshold=5)
     sampling = SamplingParams(temperature=0.0, max_tokens=2, stop_token_ids=[])
     eng = Engine.load(ftw_packages("qwen3_moe", "int4"), device="cpu", experts_factory=factory, prefill_chunk=8)
     eng.generate(random_prompt(20, seed=4), sampling)
