@@ -134,6 +134,7 @@
 #   (device) bash benchmarks/device_final.sh s32b # session 30: qwen3.6's prefill in 8K/16K chunks; resident prefill peak
 #   (device) bash benchmarks/device_final.sh s32c # session 30: the engine's long prompts at 8 GiB, each with its VRAM peak
 #   (device) bash benchmarks/device_final.sh s32d # session 30: s32c again with K/V copied a group at a time; pieces A/B
+#   (device) bash benchmarks/device_final.sh s35a # next: the one-variant compile on a fresh machine, A/B against 7057307
 #   (device) bash benchmarks/device_final.sh s34j # session 34: s34i on 12 of qwen3.6's 40 layers (~4 minutes)
 #   (device) bash benchmarks/device_final.sh s34i # session 34: qwen3.6's lone last-token step profiled
 #   (device) bash benchmarks/device_final.sh s34h # session 34: one more host's qwen3-30b 8 GiB decode row
@@ -1123,6 +1124,18 @@ elif [ "$1" = s34c ]; then
     echo "$arena rc=$?"; grep -E "^\|" "$OUT/resident_$arena.txt" | tail -4
   done
   rm -rf /tmp/ftw-long
+elif [ "$1" = s35a ]; then
+  # the next session's first call (~8 device minutes; carry .ab: `git archive 7057307 runtime benchmarks > .ab/old.tar`):
+  # 1be4ae6 compiles the CPU kernels' shared stages once, not four times. Predicted on a fresh machine: the worker
+  # loop's compile 82 s (s34g) -> ~25 s, one variant; the worker's small requests and the qwen3-30b 8 GiB row the
+  # same as 7057307's within run-to-run spread (the compiled code differs only in a runtime flag and an index type)
+  warm 250 7057307 old &
+  warm 250 new
+  wait
+  requests 100 new "$PWD"
+  requests 100 old /tmp/old
+  bench_rows 150 q3_new --models qwen3-30b-a3b "${ROW_8G[@]}" --warmup 96 | grep -E "^qwen"
+  old_rows 150 --models qwen3-30b-a3b "${ROW_8G[@]}" --warmup 96 | grep -E "^qwen"
 elif [ "$1" = s34j ]; then
   # s34i cut to fit ~4 device minutes on a fresh machine: qwen3.6 with 12 of its 40 layers (9 linear-attention, 3
   # full), the same 30K prompt and resend, the last step profiled. Shares, not seconds, carry over to 40 layers
