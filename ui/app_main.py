@@ -28,6 +28,11 @@ def run_gui(argv: list[str]) -> int:
     theme.follow_os(qapp)
     window = MainWindow(app_theme=theme)
     window.show()
+    # the CPU expert kernels compiled now, not inside the first large model's load (app/kernel_warmup.py)
+    from app.cli import package_version
+    from app.kernel_warmup import start_in_background
+
+    window.kernel_warmup = start_in_background(user_paths().cache, package_version(), parent=window)
     quit_after_ms = os.environ.get("FREETOKEN_QUIT_AFTER_MS")
     if quit_after_ms:
         # The bundle's smoke test: close through the window (saves state, stops the worker), then quit.

@@ -25,6 +25,7 @@ COMMANDS: dict[str, str] = {
     "serve": "app.cli.serve_cmd",
     "worker": "app.cli.worker_cmd",
     "bench": "app.cli.bench_cmd",
+    "warm-kernels": "app.cli.warm_cmd",
 }
 
 
