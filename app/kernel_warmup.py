@@ -3,8 +3,8 @@
 numba compiles them on a machine's first load that runs experts on the CPU, inside that load (~30-60 s, more on a
 slow CPU: runtime/experts/warm.py). The desktop app starts `freetoken warm-kernels` at launch while that has not
 been done for this version - usually long before the user's first large model has downloaded. The command writes
-a marker under the cache folder when done; a machine without numba has nothing to compile. `FREETOKEN_WARM_KERNELS=0`
-turns it off (the test suite does).
+a marker under the cache folder when done; a machine without numba has nothing to compile.
+`FREETOKEN_WARM_KERNELS=0` turns it off.
 """
 from __future__ import annotations
 
