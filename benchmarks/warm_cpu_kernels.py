@@ -22,8 +22,9 @@ def main() -> None:
     from runtime.experts.warm import warm_cpu_kernels
 
     r = warm_cpu_kernels(args.layers)
-    print(f"CPU kernels ({r.isa}, {r.layers} layers): import {r.import_s:.1f} s, layer kernel {r.layer_kernel_s:.1f} s, "
-          f"worker loop and first answer {r.worker_loop_s:.1f} s; the stages compiled in {r.stage_variants} variant(s)")
+    print(f"CPU kernels ({r.isa}, {r.layers} layers): import {r.import_s:.1f} s, layer kernel "
+          f"{r.layer_kernel_s:.1f} s, worker loop and first answer {r.worker_loop_s:.1f} s; the stages compiled in "
+          f"{r.stage_variants} variant(s)")
 
 
 if __name__ == "__main__":
