@@ -565,6 +565,17 @@ def run_child(args) -> int:
     return 0
 
 
+def _timed_step(engine, cuda: bool) -> tuple[list, float]:
+    """One engine step, its GPU work finished: (its events, its seconds)."""
+    import torch
+
+    t = time.perf_counter()
+    events = engine.step()
+    if cuda:
+        torch.cuda.synchronize()
+    return events, round(time.perf_counter() - t, 4)
+
+
 def _step_profiler(cuda: bool):
     """torch.profiler over one engine step (host ops, and CUDA kernels on the GPU)."""
     from torch.profiler import ProfilerActivity, profile
@@ -598,24 +609,16 @@ def long_prompt(engine, ids: list[int], cuda: bool, *, beside: str | None = None
     done, steps = False, []        # each step's seconds: where a prompt's time goes (its chunks, its last token)
     while not done:
         prof = _step_profiler(cuda) if profile_tail else contextlib.nullcontext()
-        t = time.perf_counter()
         with prof:
-            events = engine.step()
-            if cuda:
-                torch.cuda.synchronize()
-        steps.append(round(time.perf_counter() - t, 4))
-        if profile_tail:            # each step overwrites it: the file keeps the prompt's last step
-            table = prof.key_averages().table(sort_by="cpu_time_total", row_limit=40, max_name_column_width=70)
-            Path(profile_tail).write_text(f"step of {steps[-1]:.4f} s (profiled)\n{table}")
+            events, took = _timed_step(engine, cuda)
+        steps.append(took)
         done = any(e.finished or e.token_id is not None for e in events if e.request_id == rid)
     seconds = time.perf_counter() - t0
-    after = []      # the decoding conversation's steps once the prompt is done: does any locking linger past it?
-    for _ in range(BESIDE_STEPS_AFTER if beside else 0):
-        t = time.perf_counter()
-        engine.step()
-        if cuda:
-            torch.cuda.synchronize()
-        after.append(round(time.perf_counter() - t, 4))
+    if profile_tail:                # the prompt's last step (its lone last token when the model pauses before it)
+        table = prof.key_averages().table(sort_by="cpu_time_total", row_limit=40, max_name_column_width=70)
+        Path(profile_tail).write_text(f"step of {steps[-1]:.4f} s (profiled)\n{table}")
+    # the decoding conversation's steps once the prompt is done: does any locking linger past it?
+    after = [_timed_step(engine, cuda)[1] for _ in range(BESIDE_STEPS_AFTER if beside else 0)]
     result = engine.result(rid)                 # max_tokens=1: finished with its first token
     stats = engine.stats()
     prefix = stats["prefix_cache"]

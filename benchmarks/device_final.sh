@@ -262,6 +262,14 @@ cuda_tests() {   # SECONDS PYTEST-ARGS...: CUDA tests to $OUT/cuda_tests.log, it
   timeout "$seconds" python3 -m pytest -q -p no:cacheprovider --device cuda "$@" > "$OUT/cuda_tests.log" 2>&1
   echo "pytest rc=$?" >> "$OUT/cuda_tests.log"; tail -3 "$OUT/cuda_tests.log"
 }
+beside_run() {   # SECONDS: qwen3-30b at 8 GiB, long prompts and resends with one conversation decoding beside
+  timeout "$1" python3 benchmarks/bench_cold_load.py --shape qwen3-30b-a3b --folder /tmp/ftw-long --vram-budget 8 \
+    --long-prompts 16384 30000 --resend 2 --beside --out "$OUT/beside_registered.json" \
+    > "$OUT/beside_registered.txt" 2>&1       # (to $OUT/beside_registered.{txt,json}; stacks printed if cut short)
+  local rc=$?; echo "beside rc=$rc"; grep -E "^\|" "$OUT/beside_registered.txt" | tail -6
+  [ $rc = 0 ] || grep -E "prompt of|Thread|File" "$OUT/beside_registered.txt" | head -80
+  rm -rf /tmp/ftw-long
+}
 long_prompts_resent() {  # SECONDS SHAPE...: each shape's engine at 8 GiB, a 16K and a 30K prompt, then two agent
   local seconds=$1; shift  # turns (the 30K one resent with 200 new tokens); to $OUT/long_prompts_SHAPE.{txt,json}
   for shape in "$@"; do
@@ -1163,12 +1171,7 @@ elif [ "$1" = s34g ]; then
   # it compile other layer counts). s34d's 165 s of silence fits the same compile. So the compile goes first here,
   # cached, and the run gets room. Predicted: finishes; the decoding conversation's steps after each prompt ~10-12 ms
   warm 200 new
-  timeout 300 python3 benchmarks/bench_cold_load.py --shape qwen3-30b-a3b --folder /tmp/ftw-long --vram-budget 8 \
-    --long-prompts 16384 30000 --resend 2 --beside --out "$OUT/beside_registered.json" \
-    > "$OUT/beside_registered.txt" 2>&1
-  rc=$?; echo "beside rc=$rc"; grep -E "^\|" "$OUT/beside_registered.txt" | tail -6
-  [ $rc = 0 ] || grep -E "prompt of|Thread|File" "$OUT/beside_registered.txt" | head -60
-  rm -rf /tmp/ftw-long
+  beside_run 300
 elif [ "$1" = s34e ]; then
   # session 33's next call (~6 device minutes on a fresh machine; then s34f): (1) the CUDA tests of recordings
   # beside a page-locking thread (cuda_capture.py: thread_local capture mode, no registration inside a capture -
@@ -1181,12 +1184,7 @@ elif [ "$1" = s34e ]; then
   cuda_tests 120 tests/test_decode_graph.py tests/test_host_arena.py \
     tests/test_hybrid_zero_copy.py::test_a_conversation_decodes_zero_copy_while_anothers_prompt_prefills
   timeout 60 python3 benchmarks/bench_lock_ahead.py --slabs 12 --out "$OUT/lock_ahead.json" | tail -6
-  timeout 150 python3 benchmarks/bench_cold_load.py --shape qwen3-30b-a3b --folder /tmp/ftw-long --vram-budget 8 \
-    --long-prompts 16384 30000 --resend 2 --beside --out "$OUT/beside_registered.json" \
-    > "$OUT/beside_registered.txt" 2>&1
-  rc=$?; echo "beside rc=$rc"; grep -E "^\|" "$OUT/beside_registered.txt" | tail -4
-  [ $rc = 0 ] || grep -E "prompt of|Thread|File" "$OUT/beside_registered.txt" | head -80
-  rm -rf /tmp/ftw-long
+  beside_run 150
 elif [ "$1" = s34f ]; then
   # session 33 (~8 device minutes on a fresh machine: the CPU kernels' compile and fla's warm-up come first):
   # qwen3.6's prompt-ending single-token steps took 0.195-0.879 s in s34b, a decode step ~10 ms; the suspect is the

@@ -1309,9 +1309,9 @@ def moe_layer_int8(codec, buf, buf16, buf32, nbytes, offs, has_bias, i, group, t
     phases[0] += _cycles() - c0
     for lane in prange(n_thr):
         t_in[lane] = _cycles()
-        # every argument typed as serve_layers passes it (`_stages_call_types`): numba compiles a variant for each
-        # distinct signature, and a literal flag or the prange's unsigned index had made four (~116 s of a fresh
-        # install's compile on the dev VM against ~37 s)
+        # every argument typed as serve_layers passes it: numba compiles a variant for each distinct signature,
+        # and literal flags and the prange's index (int64 in typing, uint64 in the parfor) had made four (a fresh
+        # install's compile on the dev VM 117 s, 58 s with one)
         _stages(codec, buf, buf16, buf32, nbytes, offs, has_bias, i, group, table, x, n_a, gate_scale, up_scale,
                 down_scale, activation, alpha, limit, out, v, plan, answer, ticket, always, zero, np.int64(lane),
                 phases, zero != zero, zero, zero, zero, zero, s32, answer, always, zero, zero)

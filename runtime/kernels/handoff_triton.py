@@ -255,8 +255,8 @@ def handoff(layer_index: int, ids: torch.Tensor, weights: torch.Tensor, x: torch
 TIMES = os.environ.get("TRITON_INTERPRET") != "1"
 # polls of the answer word (PCIe round trips) before collect gives up and sets the error flag the host reports:
 # ~6-8 s at one poller's ~1.2-1.5 µs a poll (s19a). A real answer takes < 1 ms, one from experts the OS must read
-# back from disk tens of ms. It was 100 M (~2 minutes): a stuck worker then froze the app that long before the user
-# saw why (session 33's --beside run went silent for 165 s, about that bound)
+# back from disk tens of ms. It was 100 M (~2 minutes): a stuck worker would have frozen the app that long before
+# the user saw why
 MAX_SPINS = 5_000_000
 # collect's program sizes: warps of a token's program with one poller; 0 for every warp of 256-column programs
 COLLECT_WARPS = (0, 1, 2, 4, 8, 16)
