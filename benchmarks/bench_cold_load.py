@@ -42,11 +42,14 @@ _T_PROCESS = time.perf_counter()        # before any heavy import: the child's "
 
 import argparse  # noqa: E402
 import contextlib  # noqa: E402
+import cProfile  # noqa: E402
 import functools  # noqa: E402
 import hashlib  # noqa: E402
+import io  # noqa: E402
 import json  # noqa: E402
 import logging  # noqa: E402
 import os  # noqa: E402
+import pstats  # noqa: E402
 import re  # noqa: E402
 import statistics  # noqa: E402
 import subprocess  # noqa: E402
@@ -556,7 +559,8 @@ def run_child(args) -> int:
     result["long_prompts"] = []
     for i, ids in enumerate(prompts):
         profile = args.profile_tail if i == len(prompts) - 1 else None
-        row = long_prompt(engine, ids, cuda, beside=beside, profile_tail=profile)
+        python_profile = args.python_profile if i == 0 else None
+        row = long_prompt(engine, ids, cuda, beside=beside, profile_tail=profile, python_profile=python_profile)
         result["long_prompts"].append(row)
         print(f"    prompt of {row['tokens']:,} tokens: first token in {row['seconds']:.2f} s", flush=True)
     if beside is not None:
@@ -590,7 +594,7 @@ def salted_prompt(engine, tokens: int, *, salt: int) -> list[int]:
 
 
 def long_prompt(engine, ids: list[int], cuda: bool, *, beside: str | None = None,
-                profile_tail: str | None = None) -> dict:
+                profile_tail: str | None = None, python_profile: str | None = None) -> dict:
     """A prompt to the loaded engine, to its first token: the seconds, and the VRAM it took at its peak - the
     question an 8 GB card asks of the plan (the planner reserves a prefill chunk's activations by a rule of thumb;
     the bench's own prefill rows plan a shorter context than their prompts)."""
@@ -607,16 +611,24 @@ def long_prompt(engine, ids: list[int], cuda: bool, *, beside: str | None = None
     t0 = time.perf_counter()
     rid = engine.add_request(ids, SamplingParams(temperature=0.0, max_tokens=1, stop_token_ids=()))
     done, steps = False, []        # each step's seconds: where a prompt's time goes (its chunks, its last token)
+    slowest = None                  # --python-profile: the slowest step's (seconds, cProfile)
     while not done:
         prof = _step_profiler(cuda) if profile_tail else contextlib.nullcontext()
-        with prof:
+        py_prof = cProfile.Profile() if python_profile else None
+        with prof, (py_prof or contextlib.nullcontext()):
             events, took = _timed_step(engine, cuda)
         steps.append(took)
+        if py_prof is not None and (slowest is None or took > slowest[0]):
+            slowest = (took, py_prof)
         done = any(e.finished or e.token_id is not None for e in events if e.request_id == rid)
     seconds = time.perf_counter() - t0
     if profile_tail:                # the prompt's last step (its lone last token when the model pauses before it)
         table = prof.key_averages().table(sort_by="cpu_time_total", row_limit=40, max_name_column_width=70)
         Path(profile_tail).write_text(f"step of {steps[-1]:.4f} s (profiled)\n{table}")
+    if slowest is not None:         # Python's view of the slowest step: first-time work (a compile) shows by name
+        text = io.StringIO()
+        pstats.Stats(slowest[1], stream=text).sort_stats("cumulative").print_stats(45)
+        Path(python_profile).write_text(f"slowest step of {slowest[0]:.4f} s (cProfile)\n{text.getvalue()}")
     # the decoding conversation's steps once the prompt is done: does any locking linger past it?
     after = [_timed_step(engine, cuda)[1] for _ in range(BESIDE_STEPS_AFTER if beside else 0)]
     result = engine.result(rid)                 # max_tokens=1: finished with its first token
@@ -746,6 +758,9 @@ def parse_args(argv):
     ap.add_argument("--profile-tail", metavar="FILE",
                     help="profile the last prompt's steps (torch.profiler, CPU and CUDA) and write the table of the "
                          "last one - a prompt's final step - to FILE: where a lone-token step's time goes")
+    ap.add_argument("--python-profile", metavar="FILE",
+                    help="profile the first prompt's steps with cProfile and write the slowest one's functions by "
+                         "cumulative time to FILE: first-time work inside a step (a compile) by name")
     ap.add_argument("--repeat", type=int, default=1,
                     help="fresh processes per budget (the first may compile numba/Triton kernels into their caches)")
     ap.add_argument("--shape", default="qwen3-30b-a3b", choices=sorted(SHAPES),
@@ -774,6 +789,8 @@ def measure_in_subprocess(args, package: Path, budget_gib: float) -> dict:
         cmd += ["--beside"] * args.beside + ["--graph-prompt-tails"] * args.graph_prompt_tails
         if args.profile_tail:
             cmd += ["--profile-tail", args.profile_tail]
+        if args.python_profile:
+            cmd += ["--python-profile", args.python_profile]
         if args.gdn_piece is not None:
             cmd += ["--gdn-piece", str(args.gdn_piece)]
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}

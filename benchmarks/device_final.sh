@@ -134,6 +134,7 @@
 #   (device) bash benchmarks/device_final.sh s32b # session 30: qwen3.6's prefill in 8K/16K chunks; resident prefill peak
 #   (device) bash benchmarks/device_final.sh s32c # session 30: the engine's long prompts at 8 GiB, each with its VRAM peak
 #   (device) bash benchmarks/device_final.sh s32d # session 30: s32c again with K/V copied a group at a time; pieces A/B
+#   (device) bash benchmarks/device_final.sh s35b # next: the 4.46 s step of a first prompt beside a decode, by name; s34j
 #   (device) bash benchmarks/device_final.sh s35a # next: the one-variant compile on a fresh machine, A/B against 7057307
 #   (device) bash benchmarks/device_final.sh s34j # session 34: s34i on 12 of qwen3.6's 40 layers (~4 minutes)
 #   (device) bash benchmarks/device_final.sh s34i # session 34: qwen3.6's lone last-token step profiled
@@ -1144,6 +1145,18 @@ elif [ "$1" = s35a ]; then
   requests 100 old /tmp/old
   bench_rows 150 q3_new --models qwen3-30b-a3b "${ROW_8G[@]}" --warmup 96 | grep -E "^qwen"
   old_rows 150 --models qwen3-30b-a3b "${ROW_8G[@]}" --warmup 96 | grep -E "^qwen"
+elif [ "$1" = s35b ]; then
+  # session 35 (~6 device minutes; cached kernels make the warm-up seconds): s34g's first 16K prompt beside a
+  # decoding conversation took 6.71 s, 4.46 s of it its second step - its lone last token beside the other's decode
+  # token, run eagerly. Predicted: first-time work (a Triton or numba compile for that batch of two), named in the
+  # cProfile listing of the first prompt's slowest step; a second 16K prompt after it at ~2.3 s
+  warm 200 new
+  timeout 200 python3 benchmarks/bench_cold_load.py --shape qwen3-30b-a3b --folder /tmp/ftw-long --vram-budget 8 \
+    --long-prompts 16384 16384 --beside --python-profile "$OUT/slowest_first.txt" --out "$OUT/beside_first.json" \
+    > "$OUT/beside_first.txt" 2>&1
+  echo "beside rc=$?"; grep -E "^\|" "$OUT/beside_first.txt" | tail -3; head -60 "$OUT/slowest_first.txt"
+  rm -rf /tmp/ftw-long
+  bash "$0" s34j
 elif [ "$1" = s34j ]; then
   # s34i cut to fit ~4 device minutes on a fresh machine: qwen3.6 with 12 of its 40 layers (9 linear-attention, 3
   # full), the same 30K prompt and resend, the last step profiled. Shares, not seconds, carry over to 40 layers

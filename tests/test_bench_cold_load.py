@@ -154,19 +154,24 @@ def test_benchmark_times_a_conversation_decoding_beside_the_long_prompts(tmp_pat
     assert " / " in printed.split("| decoding beside: steps after, median / max s |")[1]
 
 
-def test_benchmark_profiles_the_last_prompts_final_step(tmp_path):
+def test_benchmark_profiles_the_last_prompts_final_step_and_the_first_prompts_slowest(tmp_path):
     """--profile-tail writes torch.profiler's table of the last prompt's final step (its lone last token when the
-    model pauses before it), with that step's measured seconds at its head."""
-    table = tmp_path / "tail.txt"
+    model pauses before it), with that step's measured seconds at its head; --python-profile the functions of the
+    first prompt's slowest step (first-time work such as a compile shows there by name)."""
+    table, functions = tmp_path / "tail.txt", tmp_path / "slowest.txt"
     assert bench.main(["--folder", str(tmp_path / "pkg"), "--layers", "1", "--experts", "8", "--vocab", "1024",
                        "--vram-budget", "0", "--device", "cpu", "--decode-steps", "1", "--out", str(tmp_path / "o.json"),
                        "--long-prompts", "40", "--resend", "1", "--resend-tokens", "5",
-                       "--profile-tail", str(table)]) == 0
+                       "--profile-tail", str(table), "--python-profile", str(functions)]) == 0
     text = table.read_text()
     (row,) = json.loads((tmp_path / "o.json").read_text())["rows"]
     last_step = row["long_prompts"][-1]["step_seconds"][-1]
     assert text.startswith(f"step of {last_step:.4f} s (profiled)")
     assert "aten::" in text and "CPU total" in text
+    slowest = max(row["long_prompts"][0]["step_seconds"])
+    listed = functions.read_text()
+    assert listed.startswith(f"slowest step of {slowest:.4f} s (cProfile)")
+    assert "cumulative" in listed and "(step)" in listed       # the engine's step, named in the listing
 
 
 # ---------------------------------------------------------------------------------- the load path's memory
