@@ -134,7 +134,8 @@
 #   (device) bash benchmarks/device_final.sh s32b # session 30: qwen3.6's prefill in 8K/16K chunks; resident prefill peak
 #   (device) bash benchmarks/device_final.sh s32c # session 30: the engine's long prompts at 8 GiB, each with its VRAM peak
 #   (device) bash benchmarks/device_final.sh s32d # session 30: s32c again with K/V copied a group at a time; pieces A/B
-#   (device) bash benchmarks/device_final.sh s35b # next: the 4.46 s step of a first prompt beside a decode, by name; s34j
+#   (device) bash benchmarks/device_final.sh s36a # session 36: SDPA without cuDNN (a graph build per new shape), A/B
+#   (device) bash benchmarks/device_final.sh s35b # session 36 ran it: the 4.46 s step of a first prompt beside a decode, by name; s34j
 #   (device) bash benchmarks/device_final.sh s35a # next: the one-variant compile on a fresh machine, A/B against 7057307
 #   (device) bash benchmarks/device_final.sh s34j # session 34: s34i on 12 of qwen3.6's 40 layers (~4 minutes)
 #   (device) bash benchmarks/device_final.sh s34i # session 34: qwen3.6's lone last-token step profiled
@@ -1145,6 +1146,27 @@ elif [ "$1" = s35a ]; then
   requests 100 old /tmp/old
   bench_rows 150 q3_new --models qwen3-30b-a3b "${ROW_8G[@]}" --warmup 96 | grep -E "^qwen"
   old_rows 150 --models qwen3-30b-a3b "${ROW_8G[@]}" --warmup 96 | grep -E "^qwen"
+elif [ "$1" = s36a ]; then
+  # session 36 (~8 device minutes; no warm: the first load compiles the CPU kernels). s35b named the first 16K
+  # prompt's 3.9 s step beside a decode: Triton compiles (once per install) and 0.49 s in 96 `attend` calls; s34j
+  # (qwen3.6 lone token) 34 ms in 3 cuDNN attention calls. Predicted: cuDNN's first call at a new shape >= 5 ms
+  # where flash's is within 1 ms of its repeat; with cuDNN off (engine default now) the second prompt (16000
+  # tokens, a new length) ~0.5 s faster than with FREETOKEN_SDPA_CUDNN=1, its lone-token step beside a decode
+  # 0.19 -> ~0.1 s; qwen3.6's (12 layers) last resend step 0.084 -> ~0.05 s
+  timeout 45 python3 benchmarks/bench_sdpa_shapes.py --out "$OUT/sdpa.json" > "$OUT/sdpa.txt" 2>&1
+  echo "sdpa rc=$?"; grep -E "^\|" "$OUT/sdpa.txt"
+  cudnn_ab() {    # SECONDS NAME CUDNN(0|1) ARGS...: one bench_cold_load run at 8 GiB, the rows printed
+    local seconds=$1 name=$2 cudnn=$3; shift 3
+    FREETOKEN_SDPA_CUDNN=$cudnn timeout "$seconds" python3 benchmarks/bench_cold_load.py --vram-budget 8 "$@" \
+      --out "$OUT/$name.json" > "$OUT/$name.txt" 2>&1
+    echo "$name (cuDNN=$cudnn) rc=$?"; grep -E "^\| 8 " "$OUT/$name.txt"
+  }
+  Q3=(--shape qwen3-30b-a3b --folder /tmp/ftw-long --long-prompts 16384 16000 --beside)
+  cudnn_ab 170 q3_cudnn_first 1 "${Q3[@]}"
+  cudnn_ab 80 q3_flash 0 "${Q3[@]}"
+  cudnn_ab 80 q3_cudnn 1 "${Q3[@]}"
+  rm -rf /tmp/ftw-long
+  cudnn_ab 120 q36_flash 0 --shape qwen3.6-35b-a3b --layers 12 --folder /tmp/ftw-long --long-prompts 30000 --resend 1
 elif [ "$1" = s35b ]; then
   # session 35 (~6 device minutes; cached kernels make the warm-up seconds): s34g's first 16K prompt beside a
   # decoding conversation took 6.71 s, 4.46 s of it its second step - its lone last token beside the other's decode
