@@ -404,3 +404,23 @@ def test_a_gpu_engine_turns_on_expandable_segments_unless_the_user_configured_th
     with caplog.at_level("INFO"):
         engine_module._use_expandable_segments()
     assert "could not turn on expandable CUDA segments" in caplog.text
+
+
+def test_a_gpu_engine_keeps_attention_off_cudnn_unless_asked_to_keep_it(monkeypatch):
+    """cuDNN's attention builds a graph at every new shape, ~11 ms of host time a call (s34j, s35b): the engine turns
+    that backend off (flash takes the same calls) unless FREETOKEN_SDPA_CUDNN=1 asks for it (an A/B run). The flag
+    is torch's own and process-wide: it is read back, then restored."""
+    import runtime.engine as engine_module
+
+    before = torch.backends.cuda.cudnn_sdp_enabled()
+    try:
+        torch.backends.cuda.enable_cudnn_sdp(True)
+        monkeypatch.setenv(engine_module.SDPA_CUDNN_ENV, "1")
+        engine_module._skip_cudnn_attention()
+        assert torch.backends.cuda.cudnn_sdp_enabled()                 # asked to keep it: kept
+        monkeypatch.delenv(engine_module.SDPA_CUDNN_ENV)
+        engine_module._skip_cudnn_attention()
+        assert not torch.backends.cuda.cudnn_sdp_enabled()
+        assert torch.backends.cuda.flash_sdp_enabled()                 # the backend that takes its place stays on
+    finally:
+        torch.backends.cuda.enable_cudnn_sdp(before)
