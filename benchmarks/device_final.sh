@@ -1147,7 +1147,7 @@ elif [ "$1" = s35a ]; then
   bench_rows 150 q3_new --models qwen3-30b-a3b "${ROW_8G[@]}" --warmup 96 | grep -E "^qwen"
   old_rows 150 --models qwen3-30b-a3b "${ROW_8G[@]}" --warmup 96 | grep -E "^qwen"
 elif [ "$1" = s36a ]; then
-  # session 36 (~8 device minutes; no warm: the first load compiles the CPU kernels). s35b named the first 16K
+  # session 36 (~5 device minutes, ~7 with `full`; no warm: the first load compiles the CPU kernels). s35b named the first 16K
   # prompt's 3.9 s step beside a decode: Triton compiles (once per install) and 0.49 s in 96 `attend` calls; s34j
   # (qwen3.6 lone token) 34 ms in 3 cuDNN attention calls. Predicted: cuDNN's first call at a new shape >= 5 ms
   # where flash's is within 1 ms of its repeat; with cuDNN off (engine default now) the second prompt (16000
@@ -1164,8 +1164,8 @@ elif [ "$1" = s36a ]; then
   Q3=(--shape qwen3-30b-a3b --folder /tmp/ftw-long --long-prompts 16384 16000 --beside)
   cudnn_ab 170 q3_cudnn_first 1 "${Q3[@]}"
   cudnn_ab 80 q3_flash 0 "${Q3[@]}"
-  cudnn_ab 80 q3_cudnn 1 "${Q3[@]}"
   rm -rf /tmp/ftw-long
+  [ "${2:-}" = full ] || exit 0      # (what follows when the budget allows: s36a full)
   cudnn_ab 120 q36_flash 0 --shape qwen3.6-35b-a3b --layers 12 --folder /tmp/ftw-long --long-prompts 30000 --resend 1
 elif [ "$1" = s35b ]; then
   # session 35 (~6 device minutes; cached kernels make the warm-up seconds): s34g's first 16K prompt beside a
