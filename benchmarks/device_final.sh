@@ -134,7 +134,7 @@
 #   (device) bash benchmarks/device_final.sh s32b # session 30: qwen3.6's prefill in 8K/16K chunks; resident prefill peak
 #   (device) bash benchmarks/device_final.sh s32c # session 30: the engine's long prompts at 8 GiB, each with its VRAM peak
 #   (device) bash benchmarks/device_final.sh s32d # session 30: s32c again with K/V copied a group at a time; pieces A/B
-#   (device) bash benchmarks/device_final.sh s36a # session 36: SDPA without cuDNN (a graph build per new shape), A/B
+#   (device) bash benchmarks/device_final.sh s36a # next: a single query's SDPA without cuDNN, A/B; `s36a full` adds qwen3.6
 #   (device) bash benchmarks/device_final.sh s35b # session 36 ran it: the 4.46 s step of a first prompt beside a decode, by name; s34j
 #   (device) bash benchmarks/device_final.sh s35a # next: the one-variant compile on a fresh machine, A/B against 7057307
 #   (device) bash benchmarks/device_final.sh s34j # session 34: s34i on 12 of qwen3.6's 40 layers (~4 minutes)
@@ -1147,12 +1147,14 @@ elif [ "$1" = s35a ]; then
   bench_rows 150 q3_new --models qwen3-30b-a3b "${ROW_8G[@]}" --warmup 96 | grep -E "^qwen"
   old_rows 150 --models qwen3-30b-a3b "${ROW_8G[@]}" --warmup 96 | grep -E "^qwen"
 elif [ "$1" = s36a ]; then
-  # session 36 (~5 device minutes, ~7 with `full`; no warm: the first load compiles the CPU kernels). s35b named the first 16K
-  # prompt's 3.9 s step beside a decode: Triton compiles (once per install) and 0.49 s in 96 `attend` calls; s34j
-  # (qwen3.6 lone token) 34 ms in 3 cuDNN attention calls. Predicted: cuDNN's first call at a new shape >= 5 ms
-  # where flash's is within 1 ms of its repeat; with cuDNN off (engine default now) the second prompt (16000
-  # tokens, a new length) ~0.5 s (48 layers; ~0.17 s at 16) faster than with FREETOKEN_SDPA_CUDNN=1, its lone-token step beside a decode
-  # 0.19 -> ~0.1 s; qwen3.6's (12 layers) last resend step 0.084 -> ~0.05 s
+  # session 36, not run (the session's device time went to refused starts): ~5 device minutes, ~7 with `full`; no
+  # warm (the first load compiles the CPU kernels). s35b named the first 16K prompt's 3.9 s step beside a decode:
+  # Triton compiles (once per install) and 0.49 s in 96 `attend` calls; s34j (qwen3.6's lone token) 34 ms in 3 cuDNN
+  # attention calls. Since then a single query's SDPA leaves cuDNN out (blocks.SINGLE_QUERY_BACKENDS;
+  # FREETOKEN_SDPA_CUDNN=1 keeps it). Predicted: cuDNN's calls cost >= 5 ms of host time, first call or repeat, where
+  # flash's cost < 0.5 ms; the second prompt's lone-token step beside a decode ~5 ms a layer and sequence shorter
+  # than with FREETOKEN_SDPA_CUDNN=1 (16 layers: 0.06 -> ~0.02 s); qwen3.6's (12 layers) last resend step 0.084 ->
+  # ~0.05 s
   timeout 45 python3 benchmarks/bench_sdpa_shapes.py --out "$OUT/sdpa.json" > "$OUT/sdpa.txt" 2>&1
   echo "sdpa rc=$?"; grep -E "^\|" "$OUT/sdpa.txt"
   cudnn_ab() {    # SECONDS NAME CUDNN(0|1) ARGS...: one bench_cold_load run at 8 GiB, the rows printed

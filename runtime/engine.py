@@ -162,22 +162,6 @@ def _use_expandable_segments() -> None:
         log.info("could not turn on expandable CUDA segments: %s", exc)
 
 
-# FREETOKEN_SDPA_CUDNN=1 leaves torch's cuDNN attention on (for A/B runs: benchmarks/bench_sdpa_shapes.py)
-SDPA_CUDNN_ENV = "FREETOKEN_SDPA_CUDNN"
-
-
-def _skip_cudnn_attention() -> None:
-    """Keep torch's SDPA off its cuDNN backend: cuDNN builds an execution graph for every new shape, and an engine
-    meets a new one at every prompt (its length) and every eager lone token (its KV length): ~11 ms of host time
-    a call on an H100 (s34j: 3 of qwen3.6's lone-token calls 34 ms; s35b: 96 calls of a first 16K prompt beside a
-    decode 0.49 s), where flash attention, which takes every shape as it comes, is what SDPA picks next."""
-    if os.environ.get(SDPA_CUDNN_ENV) == "1":
-        return
-    enable = getattr(torch.backends.cuda, "enable_cudnn_sdp", None)
-    if enable is not None:                  # (a torch without the backend has nothing to turn off)
-        enable(False)
-
-
 def _eos_ids(package) -> tuple[int, ...]:
     """EOS ids from generation_config, falling back to config.json."""
     for source in (package.generation_config or {}, package.config):
@@ -356,7 +340,6 @@ class Engine:
         dev = _resolve_device(device)
         if dev.type == "cuda":
             _use_expandable_segments()
-            _skip_cudnn_attention()
         # a GPU's caches are kept in host RAM: VRAM is for weights, and a conversation's KV can be GBs
         prefix_dev = torch.device(prefix_cache_device or ("cpu" if dev.type == "cuda" else dev))
         prefix_cache_given = prefix_cache_bytes is not None

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from runtime.kv_cache import KVCache, SequenceCache, StateCache
 from runtime.loading import WeightLoadError, build_empty_model, load_dense_weights
@@ -406,21 +407,36 @@ def test_a_gpu_engine_turns_on_expandable_segments_unless_the_user_configured_th
     assert "could not turn on expandable CUDA segments" in caplog.text
 
 
-def test_a_gpu_engine_keeps_attention_off_cudnn_unless_asked_to_keep_it(monkeypatch):
-    """cuDNN's attention builds a graph at every new shape, ~11 ms of host time a call (s34j, s35b): the engine turns
-    that backend off (flash takes the same calls) unless FREETOKEN_SDPA_CUDNN=1 asks for it (an A/B run). The flag
-    is torch's own and process-wide: it is read back, then restored."""
-    import runtime.engine as engine_module
+def test_a_single_querys_attention_leaves_cudnn_out_and_longer_chunks_keep_torchs_choice(monkeypatch):
+    """cuDNN's SDPA spent 5-11 ms of host time a call on a lone token, whose GPU work is microseconds (s34j, s35b):
+    `attend` runs a single query with that backend left out (a CUDA device here stands for one: this machine has no
+    GPU, and the flags are torch's own), while a chunk of several queries and an A/B run that asks to keep cuDNN
+    (FREETOKEN_SDPA_CUDNN=1) keep torch's choice. The answer is the same either way."""
+    import runtime.models.blocks as blocks
 
+    seen = []
+    real = F.scaled_dot_product_attention
+
+    def sdpa(*args, **kwargs):
+        seen.append(torch.backends.cuda.cudnn_sdp_enabled())       # the flag as the call sees it
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(blocks.F, "scaled_dot_product_attention", sdpa)
+    monkeypatch.setattr(blocks, "SINGLE_QUERY_DEVICES", ("cpu",))
     before = torch.backends.cuda.cudnn_sdp_enabled()
+    torch.backends.cuda.enable_cudnn_sdp(True)
     try:
-        torch.backends.cuda.enable_cudnn_sdp(True)
-        monkeypatch.setenv(engine_module.SDPA_CUDNN_ENV, "1")
-        engine_module._skip_cudnn_attention()
-        assert torch.backends.cuda.cudnn_sdp_enabled()                 # asked to keep it: kept
-        monkeypatch.delenv(engine_module.SDPA_CUDNN_ENV)
-        engine_module._skip_cudnn_attention()
-        assert not torch.backends.cuda.cudnn_sdp_enabled()
-        assert torch.backends.cuda.flash_sdp_enabled()                 # the backend that takes its place stays on
+        torch.manual_seed(0)
+        q1, q4 = torch.randn(8, 1, 16), torch.randn(8, 4, 16)
+        keys, values = torch.randn(2, 40, 16), torch.randn(2, 40, 16)
+        lone = blocks.attend(q1, keys, values, scale=0.25)
+        chunk = blocks.attend(q4, keys[:, :4], values[:, :4], scale=0.25)     # a prompt's first chunk
+        assert seen == [False, True]                            # left out for one query only
+        assert torch.backends.cuda.cudnn_sdp_enabled()          # and restored after it
+        monkeypatch.setattr(blocks, "SINGLE_QUERY_WITHOUT_CUDNN", False)
+        kept = blocks.attend(q1, keys, values, scale=0.25)
+        assert seen[-1] is True
+        torch.testing.assert_close(kept, lone, rtol=0, atol=0)
+        assert chunk.shape == (8, 4, 16)
     finally:
         torch.backends.cuda.enable_cudnn_sdp(before)

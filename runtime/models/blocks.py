@@ -10,11 +10,13 @@ weight map is mostly the identity.
 from __future__ import annotations
 
 import math
+import os
 from typing import Callable
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from runtime.experts.interface import Experts
 from runtime.kernels import decode_attention_triton, fallback, norm_rope_triton, router_triton
@@ -164,6 +166,16 @@ SCORE_BUDGET_BYTES = 256 << 20
 KV_EXPAND_BUDGET_BYTES = 64 << 20
 
 
+# A single query's attention (a prompt's lone last token, a step beside a prefill: run eagerly) is host-bound: the
+# GPU works microseconds. torch's cuDNN backend spent 5-11 ms of host time a call there on H100s (s34j: 3 calls 34
+# ms of qwen3.6's 84 ms lone-token step; s35b: 96 calls 0.49 s), so such calls leave it out; flash takes them as
+# they come. Longer chunks keep torch's choice (the GPU's work hides the host's). FREETOKEN_SDPA_CUDNN=1 keeps it
+# everywhere (A/B runs: benchmarks/device_final.sh s36a).
+SINGLE_QUERY_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+SINGLE_QUERY_WITHOUT_CUDNN = os.environ.get("FREETOKEN_SDPA_CUDNN") != "1"
+SINGLE_QUERY_DEVICES = ("cuda",)             # where SDPA has a cuDNN backend to leave out
+
+
 def causal_window_mask(first_pos: int, t: int, s: int, sliding_window: int | None, *,
                        device: torch.device) -> torch.Tensor:
     """[T, S] bool: query i (at position first_pos + i) may see key j."""
@@ -203,6 +215,10 @@ def attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, *, scale: 
     # one query sees every key left after the window cut: no mask to build (decode's common case)
     allowed = None if t == 1 else causal_window_mask(first_pos, t, s, sliding_window, device=q.device)  # [T, S]
     if sinks is None:
+        if t == 1 and SINGLE_QUERY_WITHOUT_CUDNN and q.device.type in SINGLE_QUERY_DEVICES:
+            with sdpa_kernel(SINGLE_QUERY_BACKENDS):
+                return F.scaled_dot_product_attention(q[None], keys[None], values[None], scale=scale,
+                                                      enable_gqa=h != hkv)[0]
         return F.scaled_dot_product_attention(q[None], keys[None], values[None], attn_mask=allowed,
                                               scale=scale, enable_gqa=h != hkv)[0]
     if h * t * s * 4 > SCORE_BUDGET_BYTES and t > 1:
