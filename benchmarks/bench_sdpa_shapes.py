@@ -5,7 +5,7 @@ three `aten::_cudnn_attention_forward` calls, ~11 ms each, and s35b's first 16K 
 in 96 `attend` calls. cuDNN's attention builds an execution graph for each new shape (mlx's cuDNN attention PR
 names the same cost), and an engine meets a new shape at every prompt: its length, and its KV length for a lone
 token. This times, for each backend SDPA may pick, the first call at each of several new shapes and a repeat
-call at the same shape, for a model's attention (heads, kv heads, head dim):
+call at the same shape (after one call at a shape of its own, so that loading the backend is not counted), for a model's attention (heads, kv heads, head dim):
 
 - "prompt": a chunk that starts a sequence, causal, T queries over T keys (the engine's first prefill chunk);
 - "lone token": one query over S cached keys, no mask (a prompt's last token or a step beside a prefill, eager).
@@ -53,8 +53,9 @@ def measure(case: str, backend: str, heads: tuple[int, int, int], length: int, *
     h, hkv, hd = heads
     firsts, repeat = [], None
     try:
-        for i in range(NEW_SHAPES + 1):
-            n = length + 7 * min(i, NEW_SHAPES - 1)
+        # i = -1: a shape of its own first, so that loading the backend's library is not counted as a first call
+        for i in range(-1, NEW_SHAPES + 1):
+            n = length // 2 if i < 0 else length + 7 * min(i, NEW_SHAPES - 1)
             t = n if case == "prompt" else 1
             q = torch.randn(1, h, t, hd, device=device, dtype=dtype)
             k = torch.randn(1, hkv, n, hd, device=device, dtype=dtype)
@@ -63,9 +64,9 @@ def measure(case: str, backend: str, heads: tuple[int, int, int], length: int, *
             with sdpa_kernel([choice]) if choice is not None else contextlib.nullcontext():
                 ms = _timed(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=case == "prompt",
                                                                   enable_gqa=h != hkv), device)
-            if i < NEW_SHAPES:
+            if 0 <= i < NEW_SHAPES:
                 firsts.append(ms)
-            else:
+            elif i == NEW_SHAPES:
                 repeat = ms
     except RuntimeError as exc:        # "No available kernel" and the like: this backend does not take the case
         return {"error": str(exc).splitlines()[0][:80]}
