@@ -5,7 +5,8 @@ three `aten::_cudnn_attention_forward` calls, ~11 ms each, and s35b's first 16K 
 in 96 `attend` calls. cuDNN's attention builds an execution graph for each new shape (mlx's cuDNN attention PR
 names the same cost), and an engine meets a new shape at every prompt: its length, and its KV length for a lone
 token. This times, for each backend SDPA may pick, the first call at each of several new shapes and a repeat
-call at the same shape (after one call at a shape of its own, so that loading the backend is not counted), for a model's attention (heads, kv heads, head dim):
+call at the same shape (after one call at a shape of its own, so that loading the backend is not counted), for a
+model's attention (heads, kv heads, head dim):
 
 - "prompt": a chunk that starts a sequence, causal, T queries over T keys (the engine's first prefill chunk);
 - "lone token": one query over S cached keys, no mask (a prompt's last token or a step beside a prefill, eager).
