@@ -98,7 +98,8 @@ def main(argv: list[str] | None = None) -> int:
             for backend in args.backends:
                 r = measure(case, backend, heads, length, device=device, dtype=dtype)
                 rows.append({"attention": name, "case": case, "length": length, "backend": backend, **r})
-                cells = (f"- ({r['error']})", "-") if "error" in r else (f"{r['first_ms']:.3f}", f"{r['repeat_ms']:.3f}")
+                cells = (f"- ({r['error']})", "-") if "error" in r else \
+                    (f"{r['first_ms']:.3f}", f"{r['repeat_ms']:.3f}")
                 print(f"| {name} | {case} | {length} | {backend} | {cells[0]} | {cells[1]} |", flush=True)
     if args.out:
         with open(args.out, "w") as f:
