@@ -41,6 +41,7 @@ import time
 _T_PROCESS = time.perf_counter()        # before any heavy import: the child's "process start"
 
 import argparse  # noqa: E402
+import collections  # noqa: E402
 import contextlib  # noqa: E402
 import cProfile  # noqa: E402
 import functools  # noqa: E402
@@ -55,6 +56,8 @@ import statistics  # noqa: E402
 import subprocess  # noqa: E402
 import sys  # noqa: E402
 import tempfile  # noqa: E402
+import traceback  # noqa: E402
+import warnings  # noqa: E402
 from concurrent.futures import ThreadPoolExecutor  # noqa: E402
 from dataclasses import asdict, dataclass, replace  # noqa: E402
 from pathlib import Path  # noqa: E402
@@ -587,6 +590,53 @@ def _step_profiler(cuda: bool):
     return profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else []))
 
 
+SYNC_WARNING = "called a synchronizing CUDA operation"   # torch's warning under set_sync_debug_mode("warn")
+SITE_ROOT = str(ROOT / "runtime")                        # the frames that name a wait's call site: the engine's
+
+
+class SyncSites:
+    """Where steps wait for the GPU, by call site (--profile-tail): under torch.cuda.set_sync_debug_mode("warn")
+    torch warns at every synchronizing call (an item(), a copy to the host, a nonzero); each such warning is counted
+    by its innermost frames in runtime/ (s34j: 28 stream syncs in qwen3.6's lone-token step, sites unknown). Without
+    CUDA torch has no such mode: nothing is counted."""
+
+    def __init__(self, cuda: bool):
+        self.cuda, self.sites = cuda, collections.Counter()
+        self._catch = warnings.catch_warnings()
+
+    def __enter__(self):
+        self._catch.__enter__()                  # (restores the filters and showwarning on exit)
+        warnings.simplefilter("always")
+        self._show, warnings.showwarning = warnings.showwarning, self._seen
+        if self.cuda:
+            import torch
+
+            torch.cuda.set_sync_debug_mode("warn")
+        return self
+
+    def __exit__(self, *exc):
+        if self.cuda:
+            import torch
+
+            torch.cuda.set_sync_debug_mode("default")
+        return self._catch.__exit__(*exc)
+
+    def _seen(self, message, category, filename, lineno, file=None, line=None):
+        if SYNC_WARNING not in str(message):
+            return self._show(message, category, filename, lineno, file, line)
+        ours = [f for f in traceback.extract_stack()[:-1] if f.filename.startswith(SITE_ROOT)]
+        self.sites[" < ".join(f"{Path(f.filename).name}:{f.lineno} {f.name}" for f in reversed(ours[-3:]))
+                   or "(no frame in runtime/)"] += 1
+        return None
+
+    def table(self) -> str:
+        if not self.cuda:
+            return "host waits for the GPU by call site: not counted (no CUDA here)\n"
+        rows = [f"| {n} | {site} |" for site, n in self.sites.most_common()]
+        return ("host waits for the GPU by call site (torch.cuda.set_sync_debug_mode), innermost frame first\n"
+                "| waits | where |\n|---|---|\n" + "\n".join(rows or ["| 0 | - |"]) + "\n")
+
+
 def salted_prompt(engine, tokens: int, *, salt: int) -> list[int]:
     """`tokens` token ids; each salt its own first token, so no prompt is a prefix of another or of the chat's."""
     vocab = engine.tokenizer.vocab_size
@@ -614,8 +664,9 @@ def long_prompt(engine, ids: list[int], cuda: bool, *, beside: str | None = None
     slowest = None                  # --python-profile: the slowest step's (seconds, cProfile)
     while not done:
         prof = _step_profiler(cuda) if profile_tail else contextlib.nullcontext()
+        waits = SyncSites(cuda) if profile_tail else contextlib.nullcontext()
         py_prof = cProfile.Profile() if python_profile else None
-        with prof, (py_prof or contextlib.nullcontext()):
+        with prof, waits, (py_prof or contextlib.nullcontext()):
             events, took = _timed_step(engine, cuda)
         steps.append(took)
         if py_prof is not None and (slowest is None or took > slowest[0]):
@@ -624,7 +675,7 @@ def long_prompt(engine, ids: list[int], cuda: bool, *, beside: str | None = None
     seconds = time.perf_counter() - t0
     if profile_tail:                # the prompt's last step (its lone last token when the model pauses before it)
         table = prof.key_averages().table(sort_by="cpu_time_total", row_limit=40, max_name_column_width=70)
-        Path(profile_tail).write_text(f"step of {steps[-1]:.4f} s (profiled)\n{table}")
+        Path(profile_tail).write_text(f"step of {steps[-1]:.4f} s (profiled)\n{table}\n{waits.table()}")
     if slowest is not None:         # Python's view of the slowest step: first-time work (a compile) shows by name
         text = io.StringIO()
         pstats.Stats(slowest[1], stream=text).sort_stats("cumulative").print_stats(45)
@@ -757,7 +808,8 @@ def parse_args(argv):
                          "inside their steps, and its steps after each")
     ap.add_argument("--profile-tail", metavar="FILE",
                     help="profile the last prompt's steps (torch.profiler, CPU and CUDA) and write the table of the "
-                         "last one - a prompt's final step - to FILE: where a lone-token step's time goes")
+                         "last one - a prompt's final step - to FILE: where a lone-token step's time goes; on a "
+                         "GPU also its waits for the GPU, by call site")
     ap.add_argument("--python-profile", metavar="FILE",
                     help="profile the first prompt's steps with cProfile and write the slowest one's functions by "
                          "cumulative time to FILE: first-time work inside a step (a compile) by name")

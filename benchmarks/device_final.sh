@@ -1169,7 +1169,10 @@ elif [ "$1" = s36a ]; then
   cudnn_ab 60 q3_flash 0 "${Q3[@]}"
   rm -rf /tmp/ftw-long
   [ "${2:-}" = full ] || exit 0      # (what follows when the budget allows: s36a full)
-  cudnn_ab 120 q36_flash 0 --shape qwen3.6-35b-a3b --layers 12 --folder /tmp/ftw-long --long-prompts 30000 --resend 1
+  # qwen3.6's lone-token step again, profiled: the cuDNN rows gone from its table; its waits for the GPU by call site
+  cudnn_ab 120 q36_flash 0 --shape qwen3.6-35b-a3b --layers 12 --folder /tmp/ftw-long --long-prompts 30000 --resend 1 \
+    --profile-tail "$OUT/tail_q36.txt"
+  head -24 "$OUT/tail_q36.txt"; sed -n '/host waits for the GPU/,$p' "$OUT/tail_q36.txt"
 elif [ "$1" = s35b ]; then
   # session 35 (~6 device minutes; cached kernels make the warm-up seconds): s34g's first 16K prompt beside a
   # decoding conversation took 6.71 s, 4.46 s of it its second step - its lone last token beside the other's decode

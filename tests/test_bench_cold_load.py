@@ -12,7 +12,9 @@ import dataclasses
 import json
 import os
 import re
+import warnings
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 
@@ -168,10 +170,41 @@ def test_benchmark_profiles_the_last_prompts_final_step_and_the_first_prompts_sl
     last_step = row["long_prompts"][-1]["step_seconds"][-1]
     assert text.startswith(f"step of {last_step:.4f} s (profiled)")
     assert "aten::" in text and "CPU total" in text
+    assert text.endswith("host waits for the GPU by call site: not counted (no CUDA here)\n")
     slowest = max(row["long_prompts"][0]["step_seconds"])
     listed = functions.read_text()
     assert listed.startswith(f"slowest step of {slowest:.4f} s (cProfile)")
     assert "cumulative" in listed and "(step)" in listed       # the engine's step, named in the listing
+
+
+def _waits_here(n: int) -> None:
+    for _ in range(n):
+        warnings.warn("called a synchronizing CUDA operation")    # torch's text under its sync debug mode
+
+
+def _waits_there() -> None:
+    _waits_here(1)
+
+
+def test_sync_sites_counts_each_wait_by_its_innermost_frames_and_lets_other_warnings_through(monkeypatch):
+    """The waits table of --profile-tail on a GPU: torch's sync debug mode warns at each synchronizing call, and
+    SyncSites counts them by the innermost frames under SITE_ROOT (this file's here, runtime/ in a real run). This
+    machine has no CUDA: the warnings are raised by hand, as torch raises them."""
+    monkeypatch.setattr(bench, "SITE_ROOT", str(Path(__file__).resolve()))
+    with pytest.warns(UserWarning, match="something else"):
+        with bench.SyncSites(cuda=False) as sites:
+            _waits_here(3)
+            _waits_there()
+            warnings.warn("something else")                 # not a wait: shown as usual
+    assert sum(sites.sites.values()) == 4
+    (here,) = [site for site in sites.sites
+               if site.startswith("test_bench_cold_load.py") and "_waits_there" not in site]
+    assert "_waits_here" in here and sites.sites[here] == 3
+    (there,) = [site for site in sites.sites if "_waits_there" in site]
+    assert there.index("_waits_here") < there.index("_waits_there") and sites.sites[there] == 1   # innermost first
+    sites.cuda = True                                       # (the table a GPU run writes)
+    table = sites.table()
+    assert "| 3 | " + here + " |" in table and "| 1 | " + there + " |" in table
 
 
 # ---------------------------------------------------------------------------------- the load path's memory
