@@ -86,8 +86,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     device = torch.device(args.device)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    shapes = {f"{h}/{hkv}x{hd}": (h, hkv, hd) for h, hkv, hd in args.heads} if args.heads else \
-        {name: s for name, s in SHAPES.items()}
+    shapes = {f"{h}/{hkv}x{hd}": (h, hkv, hd) for h, hkv, hd in args.heads} if args.heads else dict(SHAPES)
     rows = []
     print(f"SDPA first call at a new shape vs a repeat, ms (median of {NEW_SHAPES} new shapes); torch "
           f"{torch.__version__}, {torch.cuda.get_device_name(device) if device.type == 'cuda' else 'CPU'}, {dtype}")

@@ -9,6 +9,7 @@ weight map is mostly the identity.
 """
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 from typing import Callable
@@ -215,12 +216,10 @@ def attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, *, scale: 
     # one query sees every key left after the window cut: no mask to build (decode's common case)
     allowed = None if t == 1 else causal_window_mask(first_pos, t, s, sliding_window, device=q.device)  # [T, S]
     if sinks is None:
-        if t == 1 and SINGLE_QUERY_WITHOUT_CUDNN and q.device.type in SINGLE_QUERY_DEVICES:
-            with sdpa_kernel(SINGLE_QUERY_BACKENDS):
-                return F.scaled_dot_product_attention(q[None], keys[None], values[None], scale=scale,
-                                                      enable_gqa=h != hkv)[0]
-        return F.scaled_dot_product_attention(q[None], keys[None], values[None], attn_mask=allowed,
-                                              scale=scale, enable_gqa=h != hkv)[0]
+        single = t == 1 and SINGLE_QUERY_WITHOUT_CUDNN and q.device.type in SINGLE_QUERY_DEVICES
+        with sdpa_kernel(SINGLE_QUERY_BACKENDS) if single else contextlib.nullcontext():
+            return F.scaled_dot_product_attention(q[None], keys[None], values[None], attn_mask=allowed,
+                                                  scale=scale, enable_gqa=h != hkv)[0]
     if h * t * s * 4 > SCORE_BUDGET_BYTES and t > 1:
         # the explicit scores of a long prefill chunk would not fit: attend in query blocks, each over
         # the keys up to its last query (the recursion re-derives positions and the window cut)
