@@ -6,7 +6,9 @@ in 96 `attend` calls. cuDNN's attention builds an execution graph for each new s
 names the same cost), and an engine meets a new shape at every prompt: its length, and its KV length for a lone
 token. This times, for each backend SDPA may pick, the first call at each of several new shapes and a repeat
 call at the same shape (after one call at a shape of its own, so that loading the backend is not counted), for a
-model's attention (heads, kv heads, head dim):
+model's attention (heads, kv heads, head dim). Each backend meets lengths no other backend met: torch's default
+picks cuDNN on an H100, and cuDNN's plans are cached by shape, so a cuDNN row after the default's at the same
+lengths timed cached calls (s36a printed cuDNN "first calls" of 0.06 ms beside the default's 33-42 ms):
 
 - "prompt": a chunk that starts a sequence, causal, T queries over T keys (the engine's first prefill chunk);
 - "lone token": one query over S cached keys, no mask (a prompt's last token or a step beside a prefill, eager).
@@ -32,6 +34,8 @@ BACKENDS = {"default": None, "cudnn": SDPBackend.CUDNN_ATTENTION, "flash": SDPBa
             "efficient": SDPBackend.EFFICIENT_ATTENTION, "math": SDPBackend.MATH}
 SHAPES = {"qwen3-30b-a3b": (32, 4, 128), "qwen3.6-35b-a3b": (16, 2, 256)}   # heads, kv heads, head dim
 NEW_SHAPES = 5            # distinct lengths a case is timed at (each a first call), then one repeat of the last
+LENGTH_STEP = 7           # between a case's new lengths
+BACKEND_STRIDE = 37       # between two backends' first lengths: more than (NEW_SHAPES - 1) * LENGTH_STEP, so none meet
 
 
 def _sync(device: torch.device) -> None:
@@ -47,16 +51,23 @@ def _timed(fn, device: torch.device) -> float:
     return (time.perf_counter() - t0) * 1e3
 
 
+def lengths(length: int, backend_index: int) -> list[int]:
+    """The NEW_SHAPES lengths a backend is timed at: its own, never one another backend of the run meets."""
+    first = length + BACKEND_STRIDE * backend_index
+    return [first + LENGTH_STEP * i for i in range(NEW_SHAPES)]
+
+
 def measure(case: str, backend: str, heads: tuple[int, int, int], length: int, *, device: torch.device,
-            dtype: torch.dtype) -> dict:
-    """First-call ms at NEW_SHAPES lengths from `length` (step 7: never a length met before), then the repeat ms
-    at the last of them. A case the backend refuses: {"error": why}."""
+            dtype: torch.dtype, backend_index: int = 0) -> dict:
+    """First-call ms at the backend's NEW_SHAPES lengths (`lengths`), then the repeat ms at the last of them. A
+    case the backend refuses: {"error": why}."""
     h, hkv, hd = heads
     firsts, repeat = [], None
+    own = lengths(length, backend_index)
     try:
         # i = -1: a shape of its own first, so that loading the backend's library is not counted as a first call
         for i in range(-1, NEW_SHAPES + 1):
-            n = length // 2 if i < 0 else length + 7 * min(i, NEW_SHAPES - 1)
+            n = length // 2 if i < 0 else own[min(i, NEW_SHAPES - 1)]
             t = n if case == "prompt" else 1
             q = torch.randn(1, h, t, hd, device=device, dtype=dtype)
             k = torch.randn(1, hkv, n, hd, device=device, dtype=dtype)
@@ -71,7 +82,7 @@ def measure(case: str, backend: str, heads: tuple[int, int, int], length: int, *
                 repeat = ms
     except RuntimeError as exc:        # "No available kernel" and the like: this backend does not take the case
         return {"error": str(exc).splitlines()[0][:80]}
-    return {"first_ms": statistics.median(firsts), "first_ms_each": firsts, "repeat_ms": repeat}
+    return {"first_ms": statistics.median(firsts), "first_ms_each": firsts, "repeat_ms": repeat, "lengths": own}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -94,8 +105,8 @@ def main(argv: list[str] | None = None) -> int:
     print("|---|---|---|---|---|---|")
     for name, heads in shapes.items():
         for case, length in (("prompt", args.prompt), ("lone token", args.keys)):
-            for backend in args.backends:
-                r = measure(case, backend, heads, length, device=device, dtype=dtype)
+            for index, backend in enumerate(args.backends):
+                r = measure(case, backend, heads, length, device=device, dtype=dtype, backend_index=index)
                 rows.append({"attention": name, "case": case, "length": length, "backend": backend, **r})
                 cells = (f"- ({r['error']})", "-") if "error" in r else \
                     (f"{r['first_ms']:.3f}", f"{r['repeat_ms']:.3f}")

@@ -134,6 +134,10 @@
 #   (device) bash benchmarks/device_final.sh s32b # session 30: qwen3.6's prefill in 8K/16K chunks; resident prefill peak
 #   (device) bash benchmarks/device_final.sh s32c # session 30: the engine's long prompts at 8 GiB, each with its VRAM peak
 #   (device) bash benchmarks/device_final.sh s32d # session 30: s32c again with K/V copied a group at a time; pieces A/B
+#   (device) bash benchmarks/device_final.sh s37d # next: SDPA's first calls by backend, lengths of its own
+#   (device) bash benchmarks/device_final.sh s37c # next: s37b's lone-token step profiled at 40 layers
+#   (device) bash benchmarks/device_final.sh s37b # next: qwen3.6's 40 layers, resend at 30K, cuDNN A/B
+#   (device) bash benchmarks/device_final.sh s37a # next: s35a's 8 GiB rows again, old and new alternating
 #   (device) bash benchmarks/device_final.sh s36a # next: a single query's SDPA without cuDNN, A/B; `s36a full` adds qwen3.6
 #   (device) bash benchmarks/device_final.sh s35b # session 36 ran it: the 4.46 s step of a first prompt beside a decode, by name; s34j
 #   (device) bash benchmarks/device_final.sh s35a # next: the one-variant compile on a fresh machine, A/B against 7057307
@@ -1134,6 +1138,48 @@ elif [ "$1" = s34c ]; then
     echo "$arena rc=$?"; grep -E "^\|" "$OUT/resident_$arena.txt" | tail -4
   done
   rm -rf /tmp/ftw-long
+elif [ "$1" = s37a ]; then
+  # session 37 (~6 device minutes; carry .ab as for s35a). s35a on one H100 host: HEAD's 8 GiB row 98.4 tok/s, then
+  # 7057307's 112.5 - with the worker faster in HEAD (137 against 145 us a request) and the only decode-path change
+  # two numba argument types. Order or a regression? The rows alternate, older code first, 128 timed tokens each.
+  # Predicted: within run-to-run spread of each other (+-5 %), whichever code runs
+  warm 250 7057307 old &
+  warm 250 new
+  wait
+  for round in 1 2; do
+    old_rows 150 --models qwen3-30b-a3b "${ROW_8G[@]}" --warmup 96 --tokens 128 | grep -E "^qwen|learned CPU share used"
+    mv "$OUT/bench_q3_old.txt" "$OUT/bench_q3_old$round.txt"
+    bench_rows 150 "q3_new$round" --models qwen3-30b-a3b "${ROW_8G[@]}" --warmup 96 --tokens 128 \
+      | grep -E "^qwen|learned CPU share used"
+  done
+elif [ "$1" = s37b ]; then
+  # session 37 (~5 device minutes, after s37a on the same host): qwen3.6 at all 40 layers, a 30K prompt and its
+  # resend, single-query SDPA without cuDNN (the default) and then with it (FREETOKEN_SDPA_CUDNN=1), the package
+  # reused. Predicted (session 36): the resend's lone-token step 0.26 s (s34f) -> ~0.15 s without cuDNN
+  Q36=(--vram-budget 8 --shape qwen3.6-35b-a3b --folder /tmp/ftw-q36 --long-prompts 30000 --resend 1)
+  for cudnn in 0 1; do
+    FREETOKEN_SDPA_CUDNN=$cudnn timeout 200 python3 benchmarks/bench_cold_load.py "${Q36[@]}" \
+      --out "$OUT/q36_cudnn$cudnn.json" > "$OUT/q36_cudnn$cudnn.txt" 2>&1
+    echo "q36 cuDNN=$cudnn rc=$?"; grep -E "^\| 8 " "$OUT/q36_cudnn$cudnn.txt"
+  done
+elif [ "$1" = s37c ]; then
+  # session 37 (~2 device minutes, after s37b on the same host): s37b's resend (cuDNN left out) with its lone-token
+  # step profiled - what its 0.115 s at 40 layers is, and its waits for the GPU by call site
+  FREETOKEN_SDPA_CUDNN=0 timeout 200 python3 benchmarks/bench_cold_load.py --vram-budget 8 --shape qwen3.6-35b-a3b \
+    --folder /tmp/ftw-q36 --long-prompts 30000 --resend 1 --profile-tail "$OUT/tail_q36_40.txt" \
+    --out "$OUT/q36_40_profiled.json" > "$OUT/q36_40_profiled.txt" 2>&1
+  echo "rc=$?"; grep -E "^\| 8 " "$OUT/q36_40_profiled.txt"; head -40 "$OUT/tail_q36_40.txt"
+  sed -n '/host waits for the GPU/,$p' "$OUT/tail_q36_40.txt"
+elif [ "$1" = s37d ]; then
+  # session 37 (~1 device minute): bench_sdpa_shapes with each backend at lengths of its own (s36a's cuDNN rows
+  # timed plans the default had just built), at a short prompt (an agent's 200 new tokens), a 16K one and a 30K KV.
+  # Predicted: cuDNN's first call at a new shape ~35-40 ms (s36a's default rows), flash's < 0.5 ms; at 16K cuDNN's
+  # repeat faster than flash's on the GPU
+  for prompt in 200 16384; do
+    timeout 100 python3 benchmarks/bench_sdpa_shapes.py --prompt $prompt --keys 30000 --backends default cudnn flash \
+      --out "$OUT/sdpa_$prompt.json" > "$OUT/sdpa_$prompt.txt" 2>&1
+    echo "sdpa $prompt rc=$?"; grep -E "^\|" "$OUT/sdpa_$prompt.txt"
+  done
 elif [ "$1" = s35a ]; then
   # the next session's first call (~8 device minutes; carry .ab: `git archive 7057307 runtime benchmarks > .ab/old.tar`):
   # 1be4ae6 compiles the CPU kernels' shared stages once, not four times. Predicted on a fresh machine: the worker

@@ -1,5 +1,6 @@
 """benchmarks/bench_sdpa_shapes.py on this machine's CPU: the table has a row per backend and case, a backend that
-cannot take a case says so instead of a number, and each timed case was met at five new lengths and once again."""
+cannot take a case says so instead of a number, and each timed case was met at five new lengths and once again -
+lengths no other backend met (a cached cuDNN plan would otherwise pass for a first call)."""
 from __future__ import annotations
 
 import importlib.util
@@ -33,3 +34,7 @@ def test_bench_sdpa_shapes_times_new_shapes_and_a_repeat_per_backend(tmp_path, c
     for r in timed:
         assert len(r["first_ms_each"]) == bench.NEW_SHAPES and r["repeat_ms"] > 0
         assert r["first_ms"] == sorted(r["first_ms_each"])[bench.NEW_SHAPES // 2]    # the median of the five
+    for case in ("prompt", "lone token"):
+        met = [r["lengths"] for r in timed if r["case"] == case]
+        assert all(len(set(each)) == bench.NEW_SHAPES for each in met)
+        assert not set(met[0]) & set(met[1])                         # the two backends never share a length
