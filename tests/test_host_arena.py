@@ -103,6 +103,48 @@ def test_caches_moved_into_an_arena_keep_their_values_and_free_it_when_dropped()
     assert a.used_bytes == 0
 
 
+def test_a_gpu_caches_copy_to_host_waits_for_the_gpu_once_and_holds_every_value(device):
+    """SequenceCache.to("cpu") enqueues every tensor's copy into page-locked memory and then waits once (s37c: a
+    wait per tensor, 84 in a 40-layer store); what it returns is complete when it returns - read at once, every
+    value is the GPU's (a copy still in flight would leave the arena's memory as it was)."""
+    if device != "cuda":
+        pytest.skip("needs the GPU machine (--device cuda)")
+    a = HostArena(256 << 20, slab_bytes=64 << 20, allocate=registered_slab)
+    layers = []
+    for _ in range(6):
+        kv = KVCache(2, 256, device="cuda", dtype=torch.bfloat16)
+        kv.update_and_fetch(torch.randn(2, 3000, 256, device="cuda", dtype=torch.bfloat16),
+                            torch.randn(2, 3000, 256, device="cuda", dtype=torch.bfloat16))
+        layers += [kv, StateCache({"conv": torch.randn(64, 4, device="cuda"),
+                                   "recurrent": torch.randn(32, 128, 128, device="cuda")}, offset=3000)]
+    cache = SequenceCache(layers)
+    want = [t.cpu() for t in cache._tensors()]
+    waits = []
+    with pytest.warns(UserWarning) as seen:
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            moved = cache.to("cpu", arena=a)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        waits = [w for w in seen if "synchroniz" in str(w.message)]
+    got = [t for layer in moved.layers for t in ([layer.keys, layer.values] if isinstance(layer, KVCache)
+                                                 else list(layer.states.values()))]
+    assert all(t.device.type == "cpu" and t.is_pinned() for t in got)
+    assert all(torch.equal(g, w) for g, w in zip(got, want)) and len(got) == len(want) == 24
+    assert len(waits) == 1
+
+
+def test_a_layers_copy_left_in_flight_on_the_cpu_is_the_same_copy():
+    """`wait=False` only changes a GPU source's copy: a CPU cache's layers copy as before."""
+    kv = KVCache(2, 16, device="cpu", dtype=torch.float32)
+    kv.update_and_fetch(torch.randn(2, 9, 16), torch.randn(2, 9, 16))
+    state = StateCache({"recurrent": torch.randn(4, 8, 8)}, offset=9)
+    for waited, left in ((kv.to("cpu"), kv.to("cpu", wait=False)), (state.to("cpu"), state.to("cpu", wait=False))):
+        a, b = (waited.keys, left.keys) if isinstance(waited, KVCache) else (waited.states["recurrent"],
+                                                                            left.states["recurrent"])
+        assert torch.equal(a, b) and a.data_ptr() != b.data_ptr()
+
+
 @pytest.mark.parametrize("shape", [(0,), (4, 0, 8)])
 def test_empty_shapes_take_no_memory(shape):
     a = arena()
