@@ -134,7 +134,7 @@
 #   (device) bash benchmarks/device_final.sh s32b # session 30: qwen3.6's prefill in 8K/16K chunks; resident prefill peak
 #   (device) bash benchmarks/device_final.sh s32c # session 30: the engine's long prompts at 8 GiB, each with its VRAM peak
 #   (device) bash benchmarks/device_final.sh s32d # session 30: s32c again with K/V copied a group at a time; pieces A/B
-#   (device) bash benchmarks/device_final.sh s37d # next: SDPA's first calls by backend, lengths of its own
+#   (device) bash benchmarks/device_final.sh s37d # next: SDPA's first calls by backend, lengths of its own; the one-wait store
 #   (device) bash benchmarks/device_final.sh s37c # next: s37b's lone-token step profiled at 40 layers
 #   (device) bash benchmarks/device_final.sh s37b # next: qwen3.6's 40 layers, resend at 30K, cuDNN A/B
 #   (device) bash benchmarks/device_final.sh s37a # next: s35a's 8 GiB rows again, old and new alternating
@@ -1171,7 +1171,7 @@ elif [ "$1" = s37c ]; then
   echo "rc=$?"; grep -E "^\| 8 " "$OUT/q36_40_profiled.txt"; head -40 "$OUT/tail_q36_40.txt"
   sed -n '/host waits for the GPU/,$p' "$OUT/tail_q36_40.txt"
 elif [ "$1" = s37d ]; then
-  # session 37 (~1 device minute): bench_sdpa_shapes with each backend at lengths of its own (s36a's cuDNN rows
+  # session 37, not run (no device time left; ~4 device minutes): bench_sdpa_shapes with each backend at lengths of its own (s36a's cuDNN rows
   # timed plans the default had just built), at a short prompt (an agent's 200 new tokens), a 16K one and a 30K KV.
   # Predicted: cuDNN's first call at a new shape ~35-40 ms (s36a's default rows), flash's < 0.5 ms; at 16K cuDNN's
   # repeat faster than flash's on the GPU
@@ -1180,6 +1180,15 @@ elif [ "$1" = s37d ]; then
       --out "$OUT/sdpa_$prompt.json" > "$OUT/sdpa_$prompt.txt" 2>&1
     echo "sdpa $prompt rc=$?"; grep -E "^\|" "$OUT/sdpa_$prompt.txt"
   done
+  # then 12c1222's store (one wait for the GPU, not one per tensor): its CUDA test, and s37b's flash run again.
+  # Predicted: the test passes (one wait); prefix_store_seconds 0.031 -> ~0.02 s, the resend's last step 0.115 ->
+  # ~0.105 s (s37b, 40 layers)
+  cuda_tests 120 tests/test_host_arena.py -k gpu
+  FREETOKEN_SDPA_CUDNN=0 timeout 200 python3 benchmarks/bench_cold_load.py --vram-budget 8 --shape qwen3.6-35b-a3b \
+    --folder /tmp/ftw-q36 --long-prompts 30000 --resend 1 --out "$OUT/q36_store.json" > "$OUT/q36_store.txt" 2>&1
+  echo "q36 rc=$?"; grep -E "^\| 8 " "$OUT/q36_store.txt"
+  python3 -c "import json; [print(p['tokens'], p['step_seconds'], p['prefix_store_seconds']) for p in
+    json.load(open('$OUT/q36_store.json'))['rows'][0]['long_prompts']]"
 elif [ "$1" = s35a ]; then
   # the next session's first call (~8 device minutes; carry .ab: `git archive 7057307 runtime benchmarks > .ab/old.tar`):
   # 1be4ae6 compiles the CPU kernels' shared stages once, not four times. Predicted on a fresh machine: the worker
