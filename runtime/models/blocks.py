@@ -168,10 +168,11 @@ KV_EXPAND_BUDGET_BYTES = 64 << 20
 
 
 # A single query's attention (a prompt's lone last token, a step beside a prefill: run eagerly) is host-bound: the
-# GPU works microseconds. torch's cuDNN backend spent 5-11 ms of host time a call there on H100s (s34j: 3 calls 34
-# ms of qwen3.6's 84 ms lone-token step; s35b: 96 calls 0.49 s), so such calls leave it out; flash takes them as
-# they come. Longer chunks keep torch's choice (the GPU's work hides the host's). FREETOKEN_SDPA_CUDNN=1 keeps it
-# everywhere (A/B runs: benchmarks/device_final.sh s36a).
+# GPU works microseconds. torch's cuDNN backend builds a plan at the first call of each shape, 33-42 ms of host
+# time on an H100, and such a query's KV length makes every call a new shape (s34j: 3 calls 34 ms of qwen3.6's 84
+# ms lone-token step), so such calls leave it out; flash takes them in 0.05-0.09 ms (s36a; qwen3.6's resent 30K
+# conversation to first token 0.68 -> 0.50 s, s37b). Longer chunks keep torch's choice (the GPU's work hides most
+# of the host's). FREETOKEN_SDPA_CUDNN=1 keeps it everywhere (A/B runs: benchmarks/device_final.sh s36a, s37b).
 SINGLE_QUERY_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 SINGLE_QUERY_WITHOUT_CUDNN = os.environ.get("FREETOKEN_SDPA_CUDNN") != "1"
 SINGLE_QUERY_DEVICES = ("cuda",)             # where SDPA has a cuDNN backend to leave out
