@@ -1180,10 +1180,11 @@ elif [ "$1" = s37d ]; then
       --out "$OUT/sdpa_$prompt.json" > "$OUT/sdpa_$prompt.txt" 2>&1
     echo "sdpa $prompt rc=$?"; grep -E "^\|" "$OUT/sdpa_$prompt.txt"
   done
-  # then 12c1222's store (one wait for the GPU, not one per tensor): its CUDA test, and s37b's flash run again.
+  # then 12c1222's store and the restore after it (one wait for the GPU each, not one per tensor): their CUDA tests,
+  # and s37b's flash run again.
   # Predicted: the test passes (one wait); prefix_store_seconds 0.031 -> ~0.02 s, the resend's last step 0.115 ->
   # ~0.105 s (s37b, 40 layers)
-  cuda_tests 120 tests/test_host_arena.py -k gpu
+  cuda_tests 120 tests/test_host_arena.py -k "gpu or restores"
   FREETOKEN_SDPA_CUDNN=0 timeout 200 python3 benchmarks/bench_cold_load.py --vram-budget 8 --shape qwen3.6-35b-a3b \
     --folder /tmp/ftw-q36 --long-prompts 30000 --resend 1 --out "$OUT/q36_store.json" > "$OUT/q36_store.txt" 2>&1
   echo "q36 rc=$?"; grep -E "^\| 8 " "$OUT/q36_store.txt"

@@ -103,8 +103,9 @@ class KVCache:
         self.offset -= n
         return n
 
-    def load(self, other: "KVCache", length: int | None = None) -> None:
-        """Take the first `length` tokens (default all) of another KV cache (a prefix-cache hit)."""
+    def load(self, other: "KVCache", length: int | None = None, *, wait: bool = True) -> None:
+        """Take the first `length` tokens (default all) of another KV cache (a prefix-cache hit); `wait`: False
+        leaves copies from host memory in flight (the caller waits once: `SequenceCache.load`)."""
         n = other.offset if length is None else length
         if not 0 <= n <= other.offset:
             raise ValueError(f"cannot take {n} tokens from a KV cache holding {other.offset}")
@@ -116,8 +117,8 @@ class KVCache:
         # head by head: each piece is contiguous on both sides, so a host copy goes to the GPU in one DMA (a cut
         # [Hkv, keep, hd] view of host memory would first be gathered into ordinary memory)
         for h in range(self.num_kv_heads):
-            self.keys[h, :keep].copy_(other.keys[h, :keep])
-            self.values[h, :keep].copy_(other.values[h, :keep])
+            self.keys[h, :keep].copy_(other.keys[h, :keep], non_blocking=not wait)
+            self.values[h, :keep].copy_(other.values[h, :keep], non_blocking=not wait)
         self.offset = n
 
     def copy(self) -> "KVCache":
@@ -215,11 +216,11 @@ class StateCache:
         return StateCache({k: _moved(v, torch.device(device), arena, wait=wait) for k, v in self.states.items()},
                           self.offset, device=device)
 
-    def load(self, other: "StateCache", length: int | None = None) -> None:
+    def load(self, other: "StateCache", length: int | None = None, *, wait: bool = True) -> None:
         """Take another state's tensors (a prefix-cache hit); a recurrent state restores only whole."""
         if length is not None and length != other.offset:
             raise ValueError(f"a recurrent state of {other.offset} tokens cannot be cut to {length}")
-        self.states = {k: v.clone() if self.device is None else v.to(self.device, copy=True)
+        self.states = {k: v.clone() if self.device is None else v.to(self.device, copy=True, non_blocking=not wait)
                        for k, v in other.states.items()}
         self.offset = other.offset
 
@@ -286,11 +287,18 @@ class SequenceCache:
         return moved
 
     def load(self, other: "SequenceCache", length: int | None = None) -> None:
-        """Fill this (fresh) cache from a stored one, keeping its first `length` tokens (default all)."""
+        """Fill this (fresh) cache from a stored one, keeping its first `length` tokens (default all).
+
+        Copies from host memory to the GPU are all enqueued, then waited for once (a wait per copy: 384 for a
+        resent qwen3-30b conversation, each piece of K and V head by head); the stored entry's host memory is not
+        free for reuse before they land, so the wait stays - inside this call."""
         if len(other.layers) != len(self.layers):
             raise ValueError(f"stored cache has {len(other.layers)} layers, this model {len(self.layers)}")
         for mine, theirs in zip(self.layers, other.layers):
-            mine.load(theirs, length)
+            mine.load(theirs, length, wait=False)
+        if any(not t.is_cuda for t in other._tensors()):
+            for target in {t.device for t in self._tensors() if t.is_cuda}:
+                torch.cuda.current_stream(target).synchronize()
 
     def _tensors(self) -> list[torch.Tensor]:
         """Every tensor of a detached cache's layers (KV buffers, recurrent states)."""

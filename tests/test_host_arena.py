@@ -134,6 +134,47 @@ def test_a_gpu_caches_copy_to_host_waits_for_the_gpu_once_and_holds_every_value(
     assert len(waits) == 1
 
 
+def test_a_stored_conversation_restores_with_one_wait_for_the_gpu_and_every_value(device):
+    """SequenceCache.load from host memory (a prefix-cache hit) enqueues every copy - KV head by head, a recurrent
+    state into its pool slot - and waits once, inside the call (the entry's host memory may be reused after it);
+    on the CPU the same load, with no wait at all."""
+    from runtime.models.gated_deltanet import GatedDeltaNetConfig
+    from runtime.models.linear_state import LinearStateSpec, StatePool
+
+    dev = torch.device(device)
+    cfg = GatedDeltaNetConfig(hidden_size=64, num_k_heads=2, num_v_heads=4, head_k_dim=32, head_v_dim=32)
+    with torch.inference_mode():
+        pool = StatePool(LinearStateSpec.for_layers(cfg, 1), 2, device=dev)
+    src_slot, dst_slot = pool.alloc(), pool.alloc()
+    live = pool.layer_caches(src_slot)[0]
+    live.states["recurrent"] = torch.randn(tuple(live.states["recurrent"].shape), device=dev)
+    live.states["conv"] = torch.randn(tuple(live.states["conv"].shape), device=dev)
+    live.advance(500)
+    kv = KVCache(4, 64, device=dev, dtype=torch.bfloat16)
+    kv.update_and_fetch(torch.randn(4, 500, 64, device=dev, dtype=torch.bfloat16),
+                        torch.randn(4, 500, 64, device=dev, dtype=torch.bfloat16))
+    stored = SequenceCache([kv, live.copy()]).to("cpu", arena=arena() if dev.type == "cpu" else
+                                                  HostArena(64 << 20, slab_bytes=16 << 20, allocate=registered_slab))
+    fresh = SequenceCache([KVCache(4, 64, device=dev, dtype=torch.bfloat16), pool.layer_caches(dst_slot)[0]])
+    waits = []
+    if dev.type == "cuda":
+        with pytest.warns(UserWarning) as seen:
+            torch.cuda.set_sync_debug_mode("warn")
+            try:
+                fresh.load(stored)
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+        waits = [w for w in seen if "synchroniz" in str(w.message)]
+        assert len(waits) == 1
+    else:
+        fresh.load(stored)
+    assert torch.equal(fresh.layers[0].keys[:, :500], kv.keys[:, :500])
+    assert torch.equal(fresh.layers[0].values[:, :500], kv.values[:, :500]) and fresh.layers[0].offset == 500
+    for key in ("conv", "recurrent"):
+        assert torch.equal(fresh.layers[1].states[key], live.states[key])
+    assert fresh.layers[1].offset == 500
+
+
 def test_a_layers_copy_left_in_flight_on_the_cpu_is_the_same_copy():
     """`wait=False` only changes a GPU source's copy: a CPU cache's layers copy as before."""
     kv = KVCache(2, 16, device="cpu", dtype=torch.float32)

@@ -179,7 +179,8 @@ class LayerCache(Protocol):
 
     def copy(self) -> "LayerCache": ...
 
-    def load(self, other: "LayerCache", length: int | None = None) -> None: ...
+    def load(self, other: "LayerCache", length: int | None = None, *, wait: bool = True) -> None: ...
+    # (wait=False: a copy from host memory may still be in flight on return; SequenceCache.load waits once)
 
 
 # -------------------------------------------------------------------------------------------- batch

@@ -169,10 +169,14 @@ class _SlotStates(MutableMapping):
         return self._tensor(key)
 
     def __setitem__(self, key: str, value: torch.Tensor) -> None:
+        self.put(key, value)
+
+    def put(self, key: str, value: torch.Tensor, *, wait: bool = True) -> None:
+        """Copy `value` into the slot; `wait=False` leaves a copy from host memory in flight."""
         target = self._tensor(key)
         if tuple(value.shape) != tuple(target.shape):
             raise ValueError(f"state {key!r} has shape {tuple(value.shape)}, the slot holds {tuple(target.shape)}")
-        target.copy_(value)
+        target.copy_(value, non_blocking=not wait)
 
     def __delitem__(self, key: str) -> None:
         self._tensor(key).zero_()
@@ -216,14 +220,15 @@ class SlotStateCache:
         """A compact, slot-free copy: what the prefix cache keeps."""
         return StateCache({k: v.clone() for k, v in self.states.items()}, self.offset)
 
-    def load(self, other, length: int | None = None) -> None:
-        """Take over a stored copy's states (a prefix-cache hit entering this slot); only whole."""
+    def load(self, other, length: int | None = None, *, wait: bool = True) -> None:
+        """Take over a stored copy's states (a prefix-cache hit entering this slot); only whole. `wait`: False
+        leaves a copy from host memory in flight (the caller waits once: `SequenceCache.load`)."""
         if length is not None and length != other.offset:
             raise ValueError(f"a recurrent state of {other.offset} tokens cannot be cut to {length}")
         if not other.states:                  # a stored fresh sequence: nothing seen yet
             del self.states[CONV], self.states[RECURRENT]
         for key, value in other.states.items():
-            self.states[key] = value
+            self.states.put(key, value, wait=wait)
         self.offset = other.offset
         self.pool._offsets[self.slot] = other.offset
 
