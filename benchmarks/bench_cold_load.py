@@ -547,6 +547,10 @@ def run_child(args) -> int:
         result["vram_peak_allocated_first_token"] = torch.cuda.max_memory_allocated()
         result["vram_peak_reserved"] = max(result["vram_peak_reserved_load"], torch.cuda.max_memory_reserved())
         result["vram_used_after_first_token"] = _device_used()
+    # more new conversations after the first one ends: does each pay a decode graph's recording at its second token
+    # (the graph key holds its KV buffers' addresses), or do they land where the last one's were
+    result["new_chats"] = [new_chat(engine, salted_prompt(engine, len(prompt), salt=200 + i), cuda,
+                                    args.decode_steps) for i in range(args.new_chats)]
     prompts = [salted_prompt(engine, n, salt=i) for i, n in enumerate(args.long_prompts)]
     for _ in range(args.resend if prompts else 0):
         # an agent's next turn: the last conversation resent with `--resend-tokens` new tokens at its end
@@ -641,6 +645,28 @@ def salted_prompt(engine, tokens: int, *, salt: int) -> list[int]:
     """`tokens` token ids; each salt its own first token, so no prompt is a prefix of another or of the chat's."""
     vocab = engine.tokenizer.vocab_size
     return [(7919 * i + 13 + 101 * salt) % max(2, min(vocab, 4096) - 2) + 1 for i in range(tokens)]
+
+
+def new_chat(engine, ids: list[int], cuda: bool, decode_steps: int) -> dict:
+    """A new conversation of `decode_steps` + 1 tokens once the engine is idle: the seconds to each of its tokens
+    (from the last one), and the decode graphs recorded on the way."""
+    from runtime.engine import SamplingParams
+
+    before = engine.stats().get("decode_graphs") or {}
+    rid = engine.add_request(ids, SamplingParams(temperature=0.0, max_tokens=decode_steps + 1, stop_token_ids=()))
+    token_seconds, waited, done = [], 0.0, False
+    while not done:
+        events, took = _timed_step(engine, cuda)
+        waited += took
+        if any(e.token_id is not None for e in events if e.request_id == rid):
+            token_seconds.append(round(waited, 4))
+            waited = 0.0
+        done = any(e.finished for e in events if e.request_id == rid)
+    result = engine.result(rid)
+    graphs = engine.stats().get("decode_graphs") or {}
+    return {"tokens": len(ids), "token_seconds": token_seconds, "error": result and result.error,
+            "graph_records": graphs.get("captures", 0) - before.get("captures", 0) if graphs else None,
+            "graph_record_seconds": graphs.get("record_seconds", 0.0) - before.get("record_seconds", 0.0)}
 
 
 def long_prompt(engine, ids: list[int], cuda: bool, *, beside: str | None = None,
@@ -746,6 +772,17 @@ def print_report(rows: list[dict]) -> None:
               f"| {_gib(r['rss_peak'])} | {_gib(r['package_bytes'])} | {over / GiB:+.2f} "
               f"{'ok' if over <= TARGET_RSS_OVER_PACKAGE else 'MISSED'} | {_gib(r['rss_after_load'])} "
               f"| {_gib(r.get('vram_peak_reserved'))} | {_gib(r.get('vram_used_after_load'))} |")
+    chat_rows = [(r, i, c) for r in rows for i, c in enumerate(r.get("new_chats", []), start=2)]
+    if chat_rows:
+        print("\n| VRAM budget | run | conversation | prompt tokens | first token s | second token s | later tokens s "
+              "| decode graphs recorded (s) | error |")
+        print("|" + "---|" * 9)
+        for r, i, c in chat_rows:
+            ts = c["token_seconds"]
+            records = "-" if c["graph_records"] is None else f"{c['graph_records']} ({c['graph_record_seconds']:.3f})"
+            print(f"| {r['budget_gib']:g} | {r.get('run', 1)} | {i} | {c['tokens']} | {ts[0]:.3f} "
+                  f"| {ts[1] if len(ts) > 1 else float('nan'):.3f} | {' '.join(f'{x:.3f}' for x in ts[2:]) or '-'} "
+                  f"| {records} | {c['error'] or '-'} |")
     long_rows = [(r, p) for r in rows for p in r.get("long_prompts", [])]
     if long_rows:
         print("\n| VRAM budget | run | plan's VRAM GiB | prefill chunk | linear-attention piece | prompt tokens | s to first token | tok/s "
@@ -788,6 +825,9 @@ def parse_args(argv):
     ap.add_argument("--tier", default="default", choices=["default", "hybrid", "resident"],
                     help="expert tier: the engine's default for the device (what serve does), or forced")
     ap.add_argument("--decode-steps", type=int, default=3, help="decode steps timed after the first token")
+    ap.add_argument("--new-chats", type=int, default=0, metavar="N",
+                    help="then N more new conversations like the first (same prompt length, --decode-steps + 1 "
+                         "tokens each): their second token's wait, and the decode graphs each records")
     ap.add_argument("--long-prompts", type=int, nargs="*", default=[], metavar="TOKENS",
                     help="then prompts of these lengths to their first token, each with its VRAM peak")
     ap.add_argument("--resend", type=int, default=0, metavar="N",
@@ -835,7 +875,7 @@ def measure_in_subprocess(args, package: Path, budget_gib: float) -> dict:
         cmd = [sys.executable, str(Path(__file__).resolve()), "--child", "--package", str(package),
                "--budget-gib", str(budget_gib), "--child-out", str(out), "--device", args.device,
                "--context", str(args.context), "--max-batch", str(args.max_batch), "--tier", args.tier,
-               "--decode-steps", str(args.decode_steps),
+               "--decode-steps", str(args.decode_steps), "--new-chats", str(args.new_chats),
                "--long-prompts", *map(str, args.long_prompts), "--resend", str(args.resend),
                "--resend-tokens", str(args.resend_tokens), "--arena", args.arena]
         cmd += ["--beside"] * args.beside + ["--graph-prompt-tails"] * args.graph_prompt_tails

@@ -1185,8 +1185,12 @@ elif [ "$1" = s37d ]; then
   # Predicted: the test passes (one wait); prefix_store_seconds 0.031 -> ~0.02 s, the resend's last step 0.115 ->
   # ~0.105 s (s37b, 40 layers)
   cuda_tests 120 tests/test_host_arena.py -k "gpu or restores"
+  # --new-chats 3: three more short conversations after the first - does each record a decode graph at its second
+  # token (0.29-0.36 s at 40 layers, s37b)? Predicted: none does, if torch's allocator hands each the blocks the
+  # last one freed (same sizes, same slot: the same graph key); else one recording each
   FREETOKEN_SDPA_CUDNN=0 timeout 200 python3 benchmarks/bench_cold_load.py --vram-budget 8 --shape qwen3.6-35b-a3b \
-    --folder /tmp/ftw-q36 --long-prompts 30000 --resend 1 --out "$OUT/q36_store.json" > "$OUT/q36_store.txt" 2>&1
+    --folder /tmp/ftw-q36 --new-chats 3 --long-prompts 30000 --resend 1 --out "$OUT/q36_store.json" \
+    > "$OUT/q36_store.txt" 2>&1
   echo "q36 rc=$?"; grep -E "^\| 8 " "$OUT/q36_store.txt"
   python3 -c "import json; [print(p['tokens'], p['step_seconds'], p['prefix_store_seconds']) for p in
     json.load(open('$OUT/q36_store.json'))['rows'][0]['long_prompts']]"

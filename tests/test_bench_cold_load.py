@@ -139,6 +139,23 @@ def test_benchmark_runs_end_to_end(tmp_path, capsys):
     assert "| from the prefix cache |" in printed and "| 45 |" in printed
 
 
+def test_benchmark_times_new_conversations_token_by_token(tmp_path, capsys):
+    """--new-chats: conversations after the first, each timed to every token (the second is where a decode graph
+    is recorded on a GPU); without CUDA there are no graphs to count."""
+    out = tmp_path / "cold.json"
+    assert bench.main(["--folder", str(tmp_path / "pkg"), "--layers", "1", "--experts", "8", "--vocab", "1024",
+                       "--vram-budget", "0", "--device", "cpu", "--decode-steps", "3", "--out", str(out),
+                       "--new-chats", "2"]) == 0
+    (row,) = json.loads(out.read_text())["rows"]
+    chats = row["new_chats"]
+    assert len(chats) == 2 and all(c["tokens"] == row["prompt_tokens"] and c["error"] is None for c in chats)
+    assert all(len(c["token_seconds"]) == 4 and all(t > 0 for t in c["token_seconds"]) for c in chats)
+    assert all(c["graph_records"] is None for c in chats)          # a CPU engine records no decode graphs
+    printed = capsys.readouterr().out
+    table = printed.split("| decode graphs recorded (s) | error |")[1]
+    assert "| 0 | 1 | 2 |" in table and "| 0 | 1 | 3 |" in table and "| - | - |" in table
+
+
 def test_benchmark_times_a_conversation_decoding_beside_the_long_prompts(tmp_path, capsys):
     out = tmp_path / "cold.json"
     assert bench.main(["--folder", str(tmp_path / "pkg"), "--layers", "1", "--experts", "8", "--vocab", "1024",
