@@ -1171,7 +1171,7 @@ elif [ "$1" = s37c ]; then
   echo "rc=$?"; grep -E "^\| 8 " "$OUT/q36_40_profiled.txt"; head -40 "$OUT/tail_q36_40.txt"
   sed -n '/host waits for the GPU/,$p' "$OUT/tail_q36_40.txt"
 elif [ "$1" = s37d ]; then
-  # session 37, not run (no device time left; ~4 device minutes): bench_sdpa_shapes with each backend at lengths of its own (s36a's cuDNN rows
+  # session 37, not run (no device time left; ~5 device minutes): bench_sdpa_shapes with each backend at lengths of its own (s36a's cuDNN rows
   # timed plans the default had just built), at a short prompt (an agent's 200 new tokens), a 16K one and a 30K KV.
   # Predicted: cuDNN's first call at a new shape ~35-40 ms (s36a's default rows), flash's < 0.5 ms; at 16K cuDNN's
   # repeat faster than flash's on the GPU
@@ -1194,6 +1194,13 @@ elif [ "$1" = s37d ]; then
   echo "q36 rc=$?"; grep -E "^\| 8 " "$OUT/q36_store.txt"
   python3 -c "import json; [print(p['tokens'], p['step_seconds'], p['prefix_store_seconds']) for p in
     json.load(open('$OUT/q36_store.json'))['rows'][0]['long_prompts']]"
+  # every chunk's attention without cuDNN (FREETOKEN_SDPA_CUDNN_MIN_QUERIES): the same run. Predicted: the 76-token
+  # prompt's first token 0.150 -> ~0.11 s (one cuDNN plan fewer); the 30K prompt's first 16K chunk 0.98 -> ~1.03 s
+  # (flash slower than cuDNN at 16K on the GPU, if the sdpa rows above say so)
+  FREETOKEN_SDPA_CUDNN_MIN_QUERIES=1000000 timeout 200 python3 benchmarks/bench_cold_load.py --vram-budget 8 \
+    --shape qwen3.6-35b-a3b --folder /tmp/ftw-q36 --new-chats 3 --long-prompts 30000 --resend 1 \
+    --out "$OUT/q36_nocudnn.json" > "$OUT/q36_nocudnn.txt" 2>&1
+  echo "q36 without cuDNN rc=$?"; grep -E "^\| 8 " "$OUT/q36_nocudnn.txt"
 elif [ "$1" = s35a ]; then
   # the next session's first call (~8 device minutes; carry .ab: `git archive 7057307 runtime benchmarks > .ab/old.tar`):
   # 1be4ae6 compiles the CPU kernels' shared stages once, not four times. Predicted on a fresh machine: the worker

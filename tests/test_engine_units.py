@@ -438,5 +438,11 @@ def test_a_single_querys_attention_leaves_cudnn_out_and_longer_chunks_keep_torch
         assert seen[-1] is True
         torch.testing.assert_close(kept, lone, rtol=0, atol=0)
         assert chunk.shape == (8, 4, 16)
+        # the A/B's threshold (FREETOKEN_SDPA_CUDNN_MIN_QUERIES): a first chunk of 4 queries under 5 leaves it out
+        monkeypatch.setattr(blocks, "SINGLE_QUERY_WITHOUT_CUDNN", True)
+        monkeypatch.setattr(blocks, "CUDNN_MIN_QUERIES", 5)
+        again = blocks.attend(q4, keys[:, :4], values[:, :4], scale=0.25)
+        assert seen[-1] is False and torch.backends.cuda.cudnn_sdp_enabled()
+        torch.testing.assert_close(again, chunk, rtol=0, atol=0)
     finally:
         torch.backends.cuda.enable_cudnn_sdp(before)

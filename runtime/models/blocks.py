@@ -176,6 +176,17 @@ KV_EXPAND_BUDGET_BYTES = 64 << 20
 SINGLE_QUERY_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 SINGLE_QUERY_WITHOUT_CUDNN = os.environ.get("FREETOKEN_SDPA_CUDNN") != "1"
 SINGLE_QUERY_DEVICES = ("cuda",)             # where SDPA has a cuDNN backend to leave out
+# Chunks of fewer queries than this leave cuDNN out too. 2: only a single query does. A prompt's first chunk pays
+# cuDNN's first-call cost once per new length (~40 ms, in a short prompt's time to first token) and may run faster
+# on the GPU than flash at 16K; the env var is for the A/B that decides it (device_final.sh s37d).
+CUDNN_MIN_QUERIES = int(os.environ.get("FREETOKEN_SDPA_CUDNN_MIN_QUERIES", "2"))
+
+
+def _without_cudnn(q: torch.Tensor, t: int):
+    """The SDPA backend context for a call of `t` queries: cuDNN left out below CUDNN_MIN_QUERIES (on CUDA)."""
+    if t < CUDNN_MIN_QUERIES and SINGLE_QUERY_WITHOUT_CUDNN and q.device.type in SINGLE_QUERY_DEVICES:
+        return sdpa_kernel(SINGLE_QUERY_BACKENDS)
+    return contextlib.nullcontext()
 
 
 def causal_window_mask(first_pos: int, t: int, s: int, sliding_window: int | None, *,
@@ -207,8 +218,9 @@ def attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, *, scale: 
     if sinks is None and first_pos == 0 and t > 1 and (sliding_window is None or t <= sliding_window):
         # a chunk that starts the sequence (S == T): plain causal, which the flash kernels take (an explicit
         # [T, S] mask would rule them out: at 8K tokens that was half of a prefill layer's time)
-        return F.scaled_dot_product_attention(q[None], keys[None], values[None], is_causal=True, scale=scale,
-                                              enable_gqa=h != hkv)[0]
+        with _without_cudnn(q, t):
+            return F.scaled_dot_product_attention(q[None], keys[None], values[None], is_causal=True, scale=scale,
+                                                  enable_gqa=h != hkv)[0]
     if sinks is None and t > 1 and (sliding_window is None or s <= sliding_window):
         # a later chunk of a long prompt (S > T): causal aligned to the bottom right. On a GPU the flash kernel
         # takes it (torch's CausalBias) where an explicit [T, S] mask would force the slow masked kernel: at
@@ -217,8 +229,7 @@ def attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, *, scale: 
     # one query sees every key left after the window cut: no mask to build (decode's common case)
     allowed = None if t == 1 else causal_window_mask(first_pos, t, s, sliding_window, device=q.device)  # [T, S]
     if sinks is None:
-        single = t == 1 and SINGLE_QUERY_WITHOUT_CUDNN and q.device.type in SINGLE_QUERY_DEVICES
-        with sdpa_kernel(SINGLE_QUERY_BACKENDS) if single else contextlib.nullcontext():
+        with _without_cudnn(q, t):
             return F.scaled_dot_product_attention(q[None], keys[None], values[None], attn_mask=allowed,
                                                   scale=scale, enable_gqa=h != hkv)[0]
     if h * t * s * 4 > SCORE_BUDGET_BYTES and t > 1:
