@@ -134,7 +134,7 @@
 #   (device) bash benchmarks/device_final.sh s32b # session 30: qwen3.6's prefill in 8K/16K chunks; resident prefill peak
 #   (device) bash benchmarks/device_final.sh s32c # session 30: the engine's long prompts at 8 GiB, each with its VRAM peak
 #   (device) bash benchmarks/device_final.sh s32d # session 30: s32c again with K/V copied a group at a time; pieces A/B
-#   (device) bash benchmarks/device_final.sh s37d # next: SDPA's first calls by backend, lengths of its own; the one-wait store
+#   (device) bash benchmarks/device_final.sh s37d # next: SDPA's first calls by backend, lengths of its own; the one-wait store; `full`: a long answer
 #   (device) bash benchmarks/device_final.sh s37c # next: s37b's lone-token step profiled at 40 layers
 #   (device) bash benchmarks/device_final.sh s37b # next: qwen3.6's 40 layers, resend at 30K, cuDNN A/B
 #   (device) bash benchmarks/device_final.sh s37a # next: s35a's 8 GiB rows again, old and new alternating
@@ -1201,6 +1201,16 @@ elif [ "$1" = s37d ]; then
     --shape qwen3.6-35b-a3b --folder /tmp/ftw-q36 --new-chats 3 --long-prompts 30000 --resend 1 \
     --out "$OUT/q36_nocudnn.json" > "$OUT/q36_nocudnn.txt" 2>&1
   echo "q36 without cuDNN rc=$?"; grep -E "^\| 8 " "$OUT/q36_nocudnn.txt"
+  [ "${2:-}" = full ] || exit 0      # (s37d full, ~1 device minute more)
+  # a long answer: 1,100 tokens after a short prompt, every step timed - does crossing a 1,024-token bucket (a new
+  # graph key) stall the answer for a recording (0.29-0.36 s at 40 layers, s37b's first)? Predicted: one step of
+  # ~0.3 s near token 1,024 - 76 (the prompt), the rest 0.017-0.020 s
+  timeout 150 python3 benchmarks/bench_cold_load.py --vram-budget 8 --shape qwen3.6-35b-a3b --folder /tmp/ftw-q36 \
+    --decode-steps 1100 --out "$OUT/q36_long_answer.json" > "$OUT/q36_long_answer.txt" 2>&1
+  echo "long answer rc=$?"
+  python3 -c "import json; s=[x['seconds'] for x in json.load(open('$OUT/q36_long_answer.json'))['rows'][0]['steps']]
+top=sorted(range(len(s)), key=lambda i: -s[i])[:6]; print('steps', len(s), 'median', sorted(s)[len(s)//2],
+'slowest (token index, s):', [(i, round(s[i], 3)) for i in top])"
 elif [ "$1" = s35a ]; then
   # the next session's first call (~8 device minutes; carry .ab: `git archive 7057307 runtime benchmarks > .ab/old.tar`):
   # 1be4ae6 compiles the CPU kernels' shared stages once, not four times. Predicted on a fresh machine: the worker
