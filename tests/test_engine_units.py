@@ -407,6 +407,13 @@ def test_a_gpu_engine_turns_on_expandable_segments_unless_the_user_configured_th
     assert "could not turn on expandable CUDA segments" in caplog.text
 
 
+def test_the_cudnn_threshold_switch_takes_a_count_and_says_when_it_is_not_one(caplog):
+    import runtime.models.blocks as blocks
+
+    assert blocks._min_queries(None) == 2 and blocks._min_queries("4096") == 4096 and blocks._min_queries("0") == 1
+    assert blocks._min_queries("lots") == 2 and "not a number of queries" in caplog.text
+
+
 def test_a_single_querys_attention_leaves_cudnn_out_and_longer_chunks_keep_torchs_choice(monkeypatch):
     """cuDNN's SDPA spent 5-11 ms of host time a call on a lone token, whose GPU work is microseconds (s34j, s35b):
     `attend` runs a single query with that backend left out (a CUDA device here stands for one: this machine has no

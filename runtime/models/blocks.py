@@ -10,6 +10,7 @@ weight map is mostly the identity.
 from __future__ import annotations
 
 import contextlib
+import logging
 import math
 import os
 from typing import Callable
@@ -179,7 +180,18 @@ SINGLE_QUERY_DEVICES = ("cuda",)             # where SDPA has a cuDNN backend to
 # Chunks of fewer queries than this leave cuDNN out too. 2: only a single query does. A prompt's first chunk pays
 # cuDNN's first-call cost once per new length (~40 ms, in a short prompt's time to first token) and may run faster
 # on the GPU than flash at 16K; the env var is for the A/B that decides it (device_final.sh s37d).
-CUDNN_MIN_QUERIES = int(os.environ.get("FREETOKEN_SDPA_CUDNN_MIN_QUERIES", "2"))
+def _min_queries(text: str | None, default: int = 2) -> int:
+    """FREETOKEN_SDPA_CUDNN_MIN_QUERIES as a count; a value that is not one is said and ignored (an A/B switch must
+    not stop the engine from importing)."""
+    try:
+        return default if text is None else max(1, int(text))
+    except ValueError:
+        logging.getLogger(__name__).warning("FREETOKEN_SDPA_CUDNN_MIN_QUERIES=%r is not a number of queries; "
+                                            "using %d", text, default)
+        return default
+
+
+CUDNN_MIN_QUERIES = _min_queries(os.environ.get("FREETOKEN_SDPA_CUDNN_MIN_QUERIES"))
 
 
 def _without_cudnn(q: torch.Tensor, t: int):
