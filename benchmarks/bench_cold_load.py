@@ -652,7 +652,7 @@ def new_chat(engine, ids: list[int], cuda: bool, decode_steps: int) -> dict:
     (from the last one), and the decode graphs recorded on the way."""
     from runtime.engine import SamplingParams
 
-    before = engine.stats().get("decode_graphs") or {}
+    before = engine.stats()
     rid = engine.add_request(ids, SamplingParams(temperature=0.0, max_tokens=decode_steps + 1, stop_token_ids=()))
     token_seconds, waited, done = [], 0.0, False
     while not done:
@@ -663,10 +663,17 @@ def new_chat(engine, ids: list[int], cuda: bool, decode_steps: int) -> dict:
             waited = 0.0
         done = any(e.finished for e in events if e.request_id == rid)
     result = engine.result(rid)
-    graphs = engine.stats().get("decode_graphs") or {}
     return {"tokens": len(ids), "token_seconds": token_seconds, "error": result and result.error,
-            "graph_records": graphs.get("captures", 0) - before.get("captures", 0) if graphs else None,
-            "graph_record_seconds": graphs.get("record_seconds", 0.0) - before.get("record_seconds", 0.0)}
+            "graph_records": None, "graph_record_seconds": 0.0, **_graph_records(before, engine.stats())}
+
+
+def _graph_records(before: dict, after: dict) -> dict:
+    """The decode graphs recorded between two `engine.stats()` and their seconds ({} for an engine without)."""
+    graphs, was = after.get("decode_graphs") or {}, before.get("decode_graphs") or {}
+    if not graphs:
+        return {}
+    return {"graph_records": graphs["captures"] - was.get("captures", 0),
+            "graph_record_seconds": graphs["record_seconds"] - was.get("record_seconds", 0.0)}
 
 
 def long_prompt(engine, ids: list[int], cuda: bool, *, beside: str | None = None,
@@ -716,10 +723,8 @@ def long_prompt(engine, ids: list[int], cuda: bool, *, beside: str | None = None
            # copies into the prefix cache's host memory inside those steps: a linear-attention prompt's snapshot
            # one token before its end (inside its TTFT), and - max_tokens being 1 here - the finished request's
            "prefix_store_seconds": prefix["store_seconds"] - stored_before, "host_arena": prefix.get("host_arena")}
-    graphs, graphs_before = stats.get("decode_graphs") or {}, before.get("decode_graphs") or {}
-    if graphs:      # decode steps recorded inside this prompt's steps (its last token when it goes alone) and after
-        row["graph_records"] = graphs["captures"] - graphs_before.get("captures", 0)
-        row["graph_record_seconds"] = graphs["record_seconds"] - graphs_before.get("record_seconds", 0.0)
+    # decode steps recorded inside this prompt's steps (its last token when it goes alone) and after
+    row.update(_graph_records(before, stats))
     if beside:
         row["beside_decode_after_seconds"] = after
     if cuda:

@@ -177,9 +177,8 @@ KV_EXPAND_BUDGET_BYTES = 64 << 20
 SINGLE_QUERY_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 SINGLE_QUERY_WITHOUT_CUDNN = os.environ.get("FREETOKEN_SDPA_CUDNN") != "1"
 SINGLE_QUERY_DEVICES = ("cuda",)             # where SDPA has a cuDNN backend to leave out
-# Chunks of fewer queries than this leave cuDNN out too. 2: only a single query does. A prompt's first chunk pays
-# cuDNN's first-call cost once per new length (~40 ms, in a short prompt's time to first token) and may run faster
-# on the GPU than flash at 16K; the env var is for the A/B that decides it (device_final.sh s37d).
+
+
 def _min_queries(text: str | None, default: int = 2) -> int:
     """FREETOKEN_SDPA_CUDNN_MIN_QUERIES as a count; a value that is not one is said and ignored (an A/B switch must
     not stop the engine from importing)."""
@@ -191,6 +190,9 @@ def _min_queries(text: str | None, default: int = 2) -> int:
         return default
 
 
+# Chunks of fewer queries than this leave cuDNN out too. 2: only a single query does. A prompt's first chunk pays
+# cuDNN's first-call cost once per new length (~40 ms, in a short prompt's time to first token) and may run faster
+# on the GPU than flash at 16K; the env var is for the A/B that decides it (device_final.sh s37d).
 CUDNN_MIN_QUERIES = _min_queries(os.environ.get("FREETOKEN_SDPA_CUDNN_MIN_QUERIES"))
 
 
