@@ -118,7 +118,10 @@ def test_a_gpu_caches_copy_to_host_waits_for_the_gpu_once_and_holds_every_value(
         layers += [kv, StateCache({"conv": torch.randn(64, 4, device="cuda"),
                                    "recurrent": torch.randn(32, 128, 128, device="cuda")}, offset=3000)]
     cache = SequenceCache(layers)
-    want = [t.cpu() for t in cache._tensors()]
+    # a compact copy: the stored 3,000 rows of each KV buffer (its capacity is 3,072), each state whole
+    want = [t.cpu() for layer in layers for t in ([layer.keys[:, :layer.stored], layer.values[:, :layer.stored]]
+                                                  if isinstance(layer, KVCache) else list(layer.states.values()))]
+    assert want[0].shape == (2, 3000, 256) and layers[0].capacity > 3000
     waits = []
     with pytest.warns(UserWarning) as seen:
         torch.cuda.set_sync_debug_mode("warn")
