@@ -134,7 +134,8 @@
 #   (device) bash benchmarks/device_final.sh s32b # session 30: qwen3.6's prefill in 8K/16K chunks; resident prefill peak
 #   (device) bash benchmarks/device_final.sh s32c # session 30: the engine's long prompts at 8 GiB, each with its VRAM peak
 #   (device) bash benchmarks/device_final.sh s32d # session 30: s32c again with K/V copied a group at a time; pieces A/B
-#   (device) bash benchmarks/device_final.sh s37d # next: SDPA's first calls by backend, lengths of its own; the one-wait store; `full`: a long answer
+#   (device) bash benchmarks/device_final.sh s38a # next: new chats in the last one's KV buffers; s37d's test mended
+#   (device) bash benchmarks/device_final.sh s37d # session 38 ran it: SDPA's first calls by backend, lengths of its own; the one-wait store; `full`: a long answer
 #   (device) bash benchmarks/device_final.sh s37c # next: s37b's lone-token step profiled at 40 layers
 #   (device) bash benchmarks/device_final.sh s37b # next: qwen3.6's 40 layers, resend at 30K, cuDNN A/B
 #   (device) bash benchmarks/device_final.sh s37a # next: s35a's 8 GiB rows again, old and new alternating
@@ -1815,6 +1816,18 @@ elif [ "$1" = b ]; then
   mv "$OUT/model.json" "$OUT/model_q36.json" 2>/dev/null
   timeout 70 python3 benchmarks/bench_load.py --gib 18.6 --methods read --threads 16 --json "$OUT/load.json" \
     > "$OUT/load.txt" 2>&1; echo "load rc=$?"; tail -8 "$OUT/load.txt"
+elif [ "$1" = s38a ]; then
+  # session 38 (~4 device minutes on a fresh host): a finished conversation's KV buffers handed to the next one
+  # (runtime/kv_buffers.py: s37d saw every new qwen3.6 chat record a decode graph, 0.150 s at its second token against
+  # 0.013), and s37d's failed test mended (it compared 3,072-row buffers with 3,000-row copies).
+  # Predicted: every test passes; the second conversation records no graph on the GPU
+  cuda_tests 150 tests/test_kv_buffers.py tests/test_host_arena.py::test_a_gpu_caches_copy_to_host_waits_for_the_gpu_once_and_holds_every_value \
+    tests/test_host_arena.py::test_a_stored_conversation_restores_with_one_wait_for_the_gpu_and_every_value
+  # the benchmark's new chats on qwen3-30b's 16 layers. Predicted: "decode graphs recorded" 0 for each new chat,
+  # its second token within ~2x its later ones (was one recording each, s37d)
+  timeout 170 python3 benchmarks/bench_cold_load.py --vram-budget 8 --layers 16 --folder /tmp/ftw-q30-16 \
+    --new-chats 3 --out "$OUT/q30_16_chats.json" > "$OUT/q30_16_chats.txt" 2>&1
+  echo "chats rc=$?"; grep -E "^\| 8 " "$OUT/q30_16_chats.txt"
 else
   # a name no branch knows ran `b`'s ~10 device minutes until session 33 (a mistyped call spent them)
   echo "device_final.sh: no run named '$1' (the list is at the top of this file)" >&2

@@ -27,6 +27,7 @@ import torch
 
 from runtime.experts.interface import Experts, ExpertSpec
 from runtime.host_arena import HostArena, plain_slab, registered_slab
+from runtime.kv_buffers import KVBufferPool
 from runtime.kv_cache import SequenceCache
 from runtime.loading import build_empty_model, load_dense_weights
 from runtime.models.base import Batch, CausalLM, UnsupportedModelError
@@ -278,6 +279,7 @@ class Engine:
         self.prefix_cache = PrefixCache(prefix_cache_bytes)
         self.prefix_cache_device = prefix_cache_device or device
         self.host_arena: HostArena | None = None     # the prefix cache's host memory when it is not `device`'s
+        self.kv_buffers = KVBufferPool(context_length)   # a finished sequence's KV buffers, for the next one's graphs
         self._ids = itertools.count(1)
         self._pending_events: list[TokenEvent] = []
         self._results: dict[str, GenerationResult] = {}
@@ -604,6 +606,7 @@ class Engine:
     def _fail(self, work: list[tuple[Sequence, int]], exc: Exception) -> list[TokenEvent]:
         """The model raised on this batch: end its requests with finish_reason "error"; the engine lives on."""
         log.error("engine step failed for %d request(s): %s", len(work), exc, exc_info=exc)
+        self.kv_buffers.clear()               # spare buffers first: the allocator may need their memory back
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
         message = f"the model failed on this request: {exc}"
@@ -619,6 +622,7 @@ class Engine:
         state: _Request = seq.payload
         state.cache = self.model.new_cache(device=self.device, dtype=self.dtype)
         state.cache.limit_growth(self.context_length)
+        self.kv_buffers.take(state.cache, seq.prompt_len)
         # recurrent state cannot be cut back: keep it one token before the prompt's end (the engine always
         # computes at least the last prompt token), so that an identical resend reuses all the rest
         seq.pause_before_last = not state.cache.trimmable and self.prefix_cache.max_bytes > 0
@@ -656,8 +660,9 @@ class Engine:
         if not cache.trimmable and self.prefix_cache.max_bytes:
             self._keep(seq.tokens[:seq.computed], cache, live=True)
 
-    def _keep(self, tokens: list[int], cache: SequenceCache, *, live: bool) -> None:
+    def _keep(self, tokens: list[int], cache: SequenceCache, *, live: bool) -> bool:
         """Put a copy of `cache` (holding exactly `tokens`) in the prefix cache; `live`: the sequence goes on using it.
+        Returns whether the prefix cache took the cache's own buffers (a finished sequence's on the engine's device).
 
         First drop what the insertion would drop - the entries it makes redundant, then the least recently used past
         the budget - so that the copy can take their host memory (an agent's next turn lands where the last one
@@ -668,12 +673,14 @@ class Engine:
             if cache.trimmable:
                 self.prefix_cache.drop_covered(tokens)
             self.prefix_cache.make_room(size)
-        if self.prefix_cache_device == self.device:
+        same_device = self.prefix_cache_device == self.device
+        if same_device:
             kept = cache.copy() if live else cache.detach()
         else:
             # a copy to host memory is a copy already: no second one on the GPU (its VRAM was never planned)
             kept = self._to_host(cache.detach())
         self.prefix_cache.insert(tokens, kept)
+        return same_device and not live
 
     def _arena(self) -> HostArena:
         if self.host_arena is None:
@@ -725,10 +732,13 @@ class Engine:
         state.t_end = time.perf_counter()
         self.scheduler.remove(seq)
         if state.cache is not None:
+            handed_over = False
             if keep_cache and self.prefix_cache.max_bytes and state.cache.offset > 0:
                 # the cache holds every token fed so far: exactly tokens[:offset]
-                self._keep(seq.tokens[:state.cache.offset], state.cache, live=False)
+                handed_over = self._keep(seq.tokens[:state.cache.offset], state.cache, live=False)
             state.cache.release()
+            if keep_cache and not handed_over:
+                self.kv_buffers.give(state.cache)    # (not after an error: an out-of-memory step gives memory back)
             state.cache = None
         self._counters[{"cancelled": "cancelled", "error": "failed"}.get(reason, "finished")] += 1
         self._results[seq.request_id] = self._make_result(seq)
@@ -781,4 +791,5 @@ class Engine:
                              "host_arena": self.host_arena.stats() if self.host_arena is not None else None},
             "experts": self.model.experts.stats() if hasattr(self.model.experts, "stats") else {},
             "decode_graphs": self.graphs.stats() if self.graphs is not None else None,
+            "kv_buffers": self.kv_buffers.stats(),
         }

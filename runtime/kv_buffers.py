@@ -1,0 +1,71 @@
+"""A finished conversation's KV buffers handed to the next one, so that its decode steps replay a recorded graph.
+
+Why: a decode graph is keyed by the addresses of every KV buffer it reads (runtime/decode_graph.py), and torch's
+allocator gives a new conversation other addresses than the last one had: measured on qwen3.6's 40 layers at 8 GiB
+(s37d, docs/benchmarks.md), every new short conversation recorded a graph of its own at its second token - 0.150 s
+where a replayed step takes 0.013 s. Given the last conversation's buffers (zeroed), the next one's key repeats.
+
+What it keeps: only buffers nobody else holds (the engine gives a cache back when the prefix cache took a copy of
+it, not the cache itself), most recent first, and never more token rows in all than one sequence at the context
+holds - the KV the memory plan counted - so idle buffers never sit on VRAM the plan gave to something else.
+Sliding-window caches (gpt-oss) move their rows around and stay out.
+"""
+from __future__ import annotations
+
+from runtime.kv_cache import KVCache, SequenceCache
+
+
+def _plain_kv_layers(cache: SequenceCache) -> list[tuple[int, KVCache]]:
+    """(layer index, cache) of every KV layer without a sliding window."""
+    return [(i, layer) for i, layer in enumerate(cache.layers) if isinstance(layer, KVCache) and layer.window is None]
+
+
+class KVBufferPool:
+    """Spare KV buffers of finished sequences, layer by layer, for the next sequence's cache."""
+
+    def __init__(self, max_tokens: int):
+        self.max_tokens = max_tokens      # token rows of all kept sets together (the context the plan counted)
+        self._sets: list[tuple[int, dict[int, KVCache]]] = []   # (capacity, layer index -> emptied cache), oldest first
+        self.reused = 0
+
+    @property
+    def tokens(self) -> int:
+        return sum(capacity for capacity, _ in self._sets)
+
+    def give(self, cache: SequenceCache) -> None:
+        """Keep the KV buffers of a finished sequence's cache (which its owner no longer uses)."""
+        layers = [(i, layer) for i, layer in _plain_kv_layers(cache) if layer.capacity > 0]
+        if not layers:
+            return
+        capacity = max(layer.capacity for _, layer in layers)
+        if capacity > self.max_tokens:
+            return
+        while self._sets and self.tokens + capacity > self.max_tokens:
+            self._sets.pop(0)                        # the oldest goes back to torch's allocator
+        self._sets.append((capacity, dict(layers)))
+
+    def take(self, cache: SequenceCache, tokens: int) -> bool:
+        """Give a fresh cache a kept set of buffers, zeroed: the most recent one with room for `tokens`, else the most
+        recent. Returns whether it did. Zeroed, not as left: the static decode path attends over a masked tail, and
+        only zeros are sure to stay harmless there (see KVCache._reserve)."""
+        mine = [(i, layer) for i, layer in _plain_kv_layers(cache) if layer.offset == 0]
+        if not self._sets or not mine:
+            return False
+        fits = [i for i, (capacity, _) in enumerate(self._sets) if capacity >= tokens]
+        _, kept = self._sets.pop(fits[-1] if fits else -1)
+        for i, layer in mine:
+            old = kept.get(i)
+            if old is None or (old.num_kv_heads, old.head_dim, old.dtype, old.device) != \
+                    (layer.num_kv_heads, layer.head_dim, layer.dtype, layer.device):
+                continue
+            layer.keys, layer.values = old.keys.zero_(), old.values.zero_()
+        self.reused += 1
+        return True
+
+    def clear(self) -> None:
+        """Drop every kept buffer (before torch's allocator is asked to give memory back: an out-of-memory step)."""
+        self._sets.clear()
+
+    def stats(self) -> dict:
+        return {"reused": self.reused, "sets": len(self._sets), "tokens": self.tokens}
+
