@@ -97,18 +97,24 @@ def _layouts(monkeypatch) -> list[tuple]:
     return seen
 
 
-@pytest.mark.parametrize("family", ["qwen3_moe", "qwen3_next"])
-def test_a_second_conversation_decodes_with_the_first_ones_graph_key(family, ftw_packages, device, monkeypatch):
-    """Two short conversations, one after the other, with the prefix cache off (on a GPU engine it copies to host
-    memory; both leave the buffers free): the second one's decode steps have exactly the first one's graph key -
-    the same KV buffers, the same state slot - its tokens are what a fresh engine gives, and on the GPU it replays
-    the first one's recording instead of making one (s37d: 0.150 s at its second token, against 0.013)."""
+@pytest.mark.parametrize("family,prefix_cache", [("qwen3_moe", "off"), ("qwen3_next", "off"),
+                                                  ("qwen3_moe", "host"), ("qwen3_next", "host")])
+def test_a_second_conversation_decodes_with_the_first_ones_graph_key(family, prefix_cache, ftw_packages, device,
+                                                                     monkeypatch):
+    """Two short conversations, one after the other, with the prefix cache off or in host memory (a GPU engine's
+    default: it takes a copy; both leave the buffers free): the second one's decode steps have exactly the first
+    one's graph key - the same KV buffers, the same state slot - its tokens are what a fresh engine gives, and on
+    the GPU it replays the first one's recording instead of making one (s37d: 0.150 s at its second token, against
+    0.013)."""
+    if prefix_cache == "host" and device != "cuda":
+        pytest.skip("needs the GPU machine (--device cuda): a CPU engine's prefix cache holds the buffers themselves")
+    cache_args = {"prefix_cache_bytes": 0} if prefix_cache == "off" else {"prefix_cache_device": "cpu"}
     path = ftw_packages(family)
     sampling = SamplingParams(temperature=0.0, max_tokens=6, stop_token_ids=[])
     first, second = random_prompt(11, seed=21), random_prompt(9, seed=22)
     want = Engine.load(path, device=device, dtype=torch.float32, prefix_cache_bytes=0,
                        cuda_graphs=False).generate(second, sampling).tokens
-    eng = Engine.load(path, device=device, dtype=torch.float32, prefix_cache_bytes=0, cuda_graphs=True)
+    eng = Engine.load(path, device=device, dtype=torch.float32, cuda_graphs=True, **cache_args)
     seen = _layouts(monkeypatch)
     eng.generate(first, sampling)
     first_keys = set(seen)
