@@ -523,6 +523,8 @@ class Engine:
         events, self._pending_events = self._pending_events, []
         for seq in self.scheduler.admit():
             self._start(seq, events)
+        if self.scheduler.running:
+            self.kv_buffers.clear()    # running sequences may grow into that memory: spare buffers only across idle time
         work = self.scheduler.schedule()
         if not work:
             return events

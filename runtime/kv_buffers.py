@@ -5,13 +5,17 @@ allocator gives a new conversation other addresses than the last one had: measur
 (s37d, docs/benchmarks.md), every new short conversation recorded a graph of its own at its second token - 0.150 s
 where a replayed step takes 0.013 s. Given the last conversation's buffers (zeroed), the next one's key repeats.
 
-What it keeps: only buffers nobody else holds (the engine gives a cache back when the prefix cache took a copy of
-it, not the cache itself), most recent first, and never more token rows in all than one sequence at the context
-holds - the KV the memory plan counted - so idle buffers never sit on VRAM the plan gave to something else.
+What it keeps, and when: only buffers nobody else holds (the engine gives a cache back when the prefix cache took a
+copy of it, not the cache itself), and only across idle time - the engine clears the pool at any step with
+sequences running, whose growth may need that memory, as torch's allocator would have had it before. A set goes
+only to a sequence it fits without waste (room for its prompt, at most twice that or one graph bucket: what its own
+growth would have reached), so a short chat never sits on a long conversation's buffers while another one grows;
+never more token rows in all than one sequence at the context holds (the KV the memory plan counted).
 Sliding-window caches (gpt-oss) move their rows around and stay out.
 """
 from __future__ import annotations
 
+from runtime.decode_graph import BUCKET
 from runtime.kv_cache import KVCache, SequenceCache
 
 
@@ -45,14 +49,14 @@ class KVBufferPool:
         self._sets.append((capacity, dict(layers)))
 
     def take(self, cache: SequenceCache, tokens: int) -> bool:
-        """Give a fresh cache a kept set of buffers, zeroed: the most recent one with room for `tokens`, else the most
-        recent. Returns whether it did. Zeroed, not as left: the static decode path attends over a masked tail, and
-        only zeros are sure to stay harmless there (see KVCache._reserve)."""
+        """Give a fresh cache a kept set of buffers, zeroed: the most recent one with room for `tokens` and no more
+        than twice that (or one decode-graph bucket). Returns whether it did. Zeroed, not as left: the static decode
+        path attends over a masked tail, and only zeros are sure to stay harmless there (see KVCache._reserve)."""
         mine = [(i, layer) for i, layer in _plain_kv_layers(cache) if layer.offset == 0]
-        if not self._sets or not mine:
+        fits = [i for i, (capacity, _) in enumerate(self._sets) if tokens <= capacity <= max(2 * tokens, BUCKET)]
+        if not fits or not mine:
             return False
-        fits = [i for i, (capacity, _) in enumerate(self._sets) if capacity >= tokens]
-        _, kept = self._sets.pop(fits[-1] if fits else -1)
+        _, kept = self._sets.pop(fits[-1])
         for i, layer in mine:
             old = kept.get(i)
             if old is None or (old.num_kv_heads, old.head_dim, old.dtype, old.device) != \
@@ -63,7 +67,8 @@ class KVBufferPool:
         return True
 
     def clear(self) -> None:
-        """Drop every kept buffer (before torch's allocator is asked to give memory back: an out-of-memory step)."""
+        """Drop every kept buffer: torch's allocator has the memory again (a step with sequences running, which may
+        grow; an out-of-memory step, before the allocator gives memory back)."""
         self._sets.clear()
 
     def stats(self) -> dict:

@@ -52,11 +52,13 @@ def test_a_cache_that_holds_tokens_already_is_not_given_buffers():
     assert not pool.take(busy, tokens=10) and _ptrs(busy) == before and pool.stats()["sets"] == 1
 
 
-def test_the_most_recent_set_with_room_for_the_prompt_is_taken_first():
+def test_the_most_recent_set_that_fits_the_prompt_without_waste_is_taken():
     pool = KVBufferPool(max_tokens=1 << 20)
-    small_old, big, small_new = _cache(100), _cache(5000), _cache(100)
+    small_old, big, small_new = _cache(100), _cache(5000), _cache(100)     # 256, 5,120 and 256 rows
     for cache in (small_old, big, small_new):
         pool.give(cache)
+    assert not pool.take(_cache(0), tokens=400)           # too big a set for 400 tokens (> one bucket and > 2x), the
+    assert pool.stats()["sets"] == 3                      # small ones too small: nothing taken, nothing lost
     wanted = _cache(0)
     pool.take(wanted, tokens=4000)                        # only the big set holds a 4,000-token prompt
     assert _ptrs(wanted)[:2] == _ptrs(big)[:2]
@@ -64,8 +66,7 @@ def test_the_most_recent_set_with_room_for_the_prompt_is_taken_first():
     pool.take(short, tokens=50)                           # both small ones do: the newer
     assert _ptrs(short)[:2] == _ptrs(small_new)[:2]
     longer = _cache(0)
-    pool.take(longer, tokens=9000)                        # none does: the most recent left (it grows later)
-    assert _ptrs(longer)[:2] == _ptrs(small_old)[:2]
+    assert not pool.take(longer, tokens=9000) and longer.layers[0].capacity == 0    # none has room: it grows itself
 
 
 def test_kept_buffers_never_hold_more_rows_than_one_context():
@@ -144,3 +145,20 @@ def test_buffers_the_prefix_cache_holds_are_never_handed_on(ftw_packages, device
     fresh = Engine.load(path, device=device, dtype=torch.float32, prefix_cache_bytes=0)
     assert resent.cached_tokens > 0 and eng.stats()["kv_buffers"] == {"reused": 0, "sets": 0, "tokens": 0}
     assert resent.tokens == fresh.generate(chat + answer + [7], sampling).tokens
+
+
+def test_spare_buffers_go_back_to_the_allocator_while_another_sequence_runs(ftw_packages, device):
+    """A conversation that ends while another one decodes does not keep its buffers: the running one may grow into
+    that memory (the plan counts one context's KV, not a pool beside it). Once nothing runs, the last one's stay."""
+    eng = Engine.load(ftw_packages("qwen3_moe"), device=device, dtype=torch.float32, prefix_cache_bytes=0)
+    short = eng.add_request(random_prompt(8, seed=41), SamplingParams(temperature=0.0, max_tokens=2, stop_token_ids=[]))
+    eng.add_request(random_prompt(8, seed=42), SamplingParams(temperature=0.0, max_tokens=12, stop_token_ids=[]))
+    finished: set[str] = set()
+    while short not in finished:
+        finished |= {e.request_id for e in eng.step() if e.finished}
+    assert eng.stats()["kv_buffers"]["sets"] == 1         # kept when it ended...
+    eng.step()
+    assert eng.stats()["kv_buffers"]["sets"] == 0         # ...and given back at the next step, the other running
+    while eng.has_work():
+        eng.step()
+    assert eng.stats()["kv_buffers"] == {"reused": 0, "sets": 1, "tokens": 256}    # idle: the last one's kept
