@@ -662,9 +662,8 @@ class Engine:
         if not cache.trimmable and self.prefix_cache.max_bytes:
             self._keep(seq.tokens[:seq.computed], cache, live=True)
 
-    def _keep(self, tokens: list[int], cache: SequenceCache, *, live: bool) -> bool:
+    def _keep(self, tokens: list[int], cache: SequenceCache, *, live: bool) -> None:
         """Put a copy of `cache` (holding exactly `tokens`) in the prefix cache; `live`: the sequence goes on using it.
-        Returns whether the prefix cache took the cache's own buffers (a finished sequence's on the engine's device).
 
         First drop what the insertion would drop - the entries it makes redundant, then the least recently used past
         the budget - so that the copy can take their host memory (an agent's next turn lands where the last one
@@ -675,14 +674,12 @@ class Engine:
             if cache.trimmable:
                 self.prefix_cache.drop_covered(tokens)
             self.prefix_cache.make_room(size)
-        same_device = self.prefix_cache_device == self.device
-        if same_device:
+        if self.prefix_cache_device == self.device:
             kept = cache.copy() if live else cache.detach()
         else:
             # a copy to host memory is a copy already: no second one on the GPU (its VRAM was never planned)
             kept = self._to_host(cache.detach())
         self.prefix_cache.insert(tokens, kept)
-        return same_device and not live
 
     def _arena(self) -> HostArena:
         if self.host_arena is None:
@@ -734,13 +731,15 @@ class Engine:
         state.t_end = time.perf_counter()
         self.scheduler.remove(seq)
         if state.cache is not None:
-            handed_over = False
-            if keep_cache and self.prefix_cache.max_bytes and state.cache.offset > 0:
+            stored = keep_cache and self.prefix_cache.max_bytes and state.cache.offset > 0
+            if stored:
                 # the cache holds every token fed so far: exactly tokens[:offset]
-                handed_over = self._keep(seq.tokens[:state.cache.offset], state.cache, live=False)
+                self._keep(seq.tokens[:state.cache.offset], state.cache, live=False)
             state.cache.release()
-            if keep_cache and not handed_over:
-                self.kv_buffers.give(state.cache)    # (not after an error: an out-of-memory step gives memory back)
+            # spare buffers for the next sequence, unless the prefix cache kept these very ones (on the engine's own
+            # device; a host one took a copy) or the step failed (an out-of-memory step gives memory back)
+            if keep_cache and not (stored and self.prefix_cache_device == self.device):
+                self.kv_buffers.give(state.cache)
             state.cache = None
         self._counters[{"cancelled": "cancelled", "error": "failed"}.get(reason, "finished")] += 1
         self._results[seq.request_id] = self._make_result(seq)

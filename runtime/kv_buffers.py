@@ -57,12 +57,8 @@ class KVBufferPool:
         if not fits or not mine:
             return False
         _, kept = self._sets.pop(fits[-1])
-        for i, layer in mine:
-            old = kept.get(i)
-            if old is None or (old.num_kv_heads, old.head_dim, old.dtype, old.device) != \
-                    (layer.num_kv_heads, layer.head_dim, layer.dtype, layer.device):
-                continue
-            layer.keys, layer.values = old.keys.zero_(), old.values.zero_()
+        for i, layer in mine:                        # (one engine's pool: every set has its model's layers)
+            layer.keys, layer.values = kept[i].keys.zero_(), kept[i].values.zero_()
         self.reused += 1
         return True
 
@@ -73,4 +69,3 @@ class KVBufferPool:
 
     def stats(self) -> dict:
         return {"reused": self.reused, "sets": len(self._sets), "tokens": self.tokens}
-
