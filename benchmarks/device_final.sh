@@ -134,6 +134,7 @@
 #   (device) bash benchmarks/device_final.sh s32b # session 30: qwen3.6's prefill in 8K/16K chunks; resident prefill peak
 #   (device) bash benchmarks/device_final.sh s32c # session 30: the engine's long prompts at 8 GiB, each with its VRAM peak
 #   (device) bash benchmarks/device_final.sh s32d # session 30: s32c again with K/V copied a group at a time; pieces A/B
+#   (device) bash benchmarks/device_final.sh s39a # next, after s38a: qwen3.6's new chats and a 1,100-token answer
 #   (device) bash benchmarks/device_final.sh s38a # next: new chats in the last one's KV buffers; s37d's test mended
 #   (device) bash benchmarks/device_final.sh s37d # session 38 ran it: SDPA's first calls by backend, lengths of its own; the one-wait store; `full`: a long answer
 #   (device) bash benchmarks/device_final.sh s37c # next: s37b's lone-token step profiled at 40 layers
@@ -1828,6 +1829,21 @@ elif [ "$1" = s38a ]; then
   timeout 170 python3 benchmarks/bench_cold_load.py --vram-budget 8 --layers 16 --folder /tmp/ftw-q30-16 \
     --new-chats 3 --out "$OUT/q30_16_chats.json" > "$OUT/q30_16_chats.txt" 2>&1
   echo "chats rc=$?"; grep -E "^\| 8 " "$OUT/q30_16_chats.txt"
+elif [ "$1" = s39a ]; then
+  # session 39 (~4 device minutes, after s38a on the same warm host): qwen3.6's 40 layers, where s37d measured a
+  # new chat's recording (second token 0.150-0.158 s against 0.013 s). Predicted: with the handed-on KV buffers
+  # (runtime/kv_buffers.py) each new chat's second token ~0.013-0.02 s, no recording after the first chat
+  timeout 200 python3 benchmarks/bench_cold_load.py --vram-budget 8 --shape qwen3.6-35b-a3b --folder /tmp/ftw-q36 \
+    --new-chats 3 --out "$OUT/q36_chats.json" > "$OUT/q36_chats.txt" 2>&1
+  echo "q36 chats rc=$?"; grep -E "^\| 8 " "$OUT/q36_chats.txt"
+  # s37d full's long answer: 1,100 tokens after a short prompt, every step timed - does crossing a 1,024-token
+  # bucket stall the answer for a recording? Predicted: one step of ~0.3 s near token 1,024 - 76, the rest ~0.017 s
+  timeout 150 python3 benchmarks/bench_cold_load.py --vram-budget 8 --shape qwen3.6-35b-a3b --folder /tmp/ftw-q36 \
+    --decode-steps 1100 --out "$OUT/q36_long_answer.json" > "$OUT/q36_long_answer.txt" 2>&1
+  echo "long answer rc=$?"
+  python3 -c "import json; s=[x['seconds'] for x in json.load(open('$OUT/q36_long_answer.json'))['rows'][0]['steps']]
+top=sorted(range(len(s)), key=lambda i: -s[i])[:6]; print('steps', len(s), 'median', sorted(s)[len(s)//2],
+'slowest (token index, s):', [(i, round(s[i], 3)) for i in top])"
 else
   # a name no branch knows ran `b`'s ~10 device minutes until session 33 (a mistyped call spent them)
   echo "device_final.sh: no run named '$1' (the list is at the top of this file)" >&2
