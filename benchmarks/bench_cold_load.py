@@ -519,22 +519,34 @@ def run_child(args) -> int:
         timer.phases.append(Phase("prompt rendered and tokenized", 0, t, timer.now()))
         rid = engine.add_request(prompt, greedy)
         tokens = 0
+        # --python-profile without long prompts: the slowest decode step after the first recording (a long answer
+        # crossing a graph bucket: what, by name, holds it)
+        profile_decode = args.python_profile if not args.long_prompts else None
+        slowest = None
         while tokens < args.decode_steps + 1:
+            recorded = _record_seconds(engine)
+            py_prof = cProfile.Profile() if profile_decode and tokens >= 2 else None
             t = timer.now()
-            events = engine.step()
-            if sync:
-                sync()
+            with py_prof or contextlib.nullcontext():
+                events = engine.step()
+                if sync:
+                    sync()
+            if py_prof is not None and (slowest is None or timer.now() - t > slowest[0]):
+                slowest = (timer.now() - t, py_prof)
             got = sum(1 for e in events if e.request_id == rid and e.token_id is not None)
             label = ("first token (prefill + sample)" if tokens == 0 else
                      "first decode step (eager + CUDA graph recording)" if tokens == 1 else "decode step (steady)")
             if got:
                 timer.phases.append(Phase(label, 0, t, timer.now()))
-                steps.append({"step": label, "seconds": timer.now() - t})
+                steps.append({"step": label, "seconds": timer.now() - t,
+                              "record_seconds": _record_seconds(engine) - recorded})
             else:
                 timer.phases.append(Phase("prefill step (no token yet)", 0, t, timer.now()))
             tokens += got
             if any(e.finished for e in events if e.request_id == rid):
                 break
+    if slowest is not None:
+        _write_profile(profile_decode, slowest, "decode step")
     first_token_s = next(p.end for p in timer.phases if p.label.startswith("first token"))
     timer.restore()
     result.update(prompt_tokens=len(prompt), first_token_s=first_token_s, steps=steps,
@@ -676,6 +688,20 @@ def _graph_records(before: dict, after: dict) -> dict:
             "graph_record_seconds": graphs["record_seconds"] - was.get("record_seconds", 0.0)}
 
 
+def _record_seconds(engine) -> float:
+    """Host seconds the engine's decode graphs have spent recording so far (0 without graphs)."""
+    graphs = getattr(engine, "graphs", None)          # (its counters, not engine.stats(): read at every step)
+    return graphs.counters["record_seconds"] if graphs is not None else 0.0
+
+
+def _write_profile(path: str, slowest: tuple, what: str) -> None:
+    """Python's view of the slowest step (seconds, cProfile) by cumulative time: first-time work (a compile, a
+    plan) shows by name."""
+    text = io.StringIO()
+    pstats.Stats(slowest[1], stream=text).sort_stats("cumulative").print_stats(45)
+    Path(path).write_text(f"slowest {what} of {slowest[0]:.4f} s (cProfile)\n{text.getvalue()}")
+
+
 def long_prompt(engine, ids: list[int], cuda: bool, *, beside: str | None = None,
                 profile_tail: str | None = None, python_profile: str | None = None) -> dict:
     """A prompt to the loaded engine, to its first token: the seconds, and the VRAM it took at its peak - the
@@ -709,10 +735,8 @@ def long_prompt(engine, ids: list[int], cuda: bool, *, beside: str | None = None
     if profile_tail:                # the prompt's last step (its lone last token when the model pauses before it)
         table = prof.key_averages().table(sort_by="cpu_time_total", row_limit=40, max_name_column_width=70)
         Path(profile_tail).write_text(f"step of {steps[-1]:.4f} s (profiled)\n{table}\n{waits.table()}")
-    if slowest is not None:         # Python's view of the slowest step: first-time work (a compile) shows by name
-        text = io.StringIO()
-        pstats.Stats(slowest[1], stream=text).sort_stats("cumulative").print_stats(45)
-        Path(python_profile).write_text(f"slowest step of {slowest[0]:.4f} s (cProfile)\n{text.getvalue()}")
+    if slowest is not None:
+        _write_profile(python_profile, slowest, "step")
     # the decoding conversation's steps once the prompt is done: does any locking linger past it?
     after = [_timed_step(engine, cuda)[1] for _ in range(BESIDE_STEPS_AFTER if beside else 0)]
     result = engine.result(rid)                 # max_tokens=1: finished with its first token
@@ -856,8 +880,9 @@ def parse_args(argv):
                          "last one - a prompt's final step - to FILE: where a lone-token step's time goes; on a "
                          "GPU also its waits for the GPU, by call site")
     ap.add_argument("--python-profile", metavar="FILE",
-                    help="profile the first prompt's steps with cProfile and write the slowest one's functions by "
-                         "cumulative time to FILE: first-time work inside a step (a compile) by name")
+                    help="profile the first long prompt's steps (without --long-prompts: the first conversation's "
+                         "decode steps after its first recording) with cProfile and write the slowest one's "
+                         "functions by cumulative time to FILE: first-time work inside a step (a compile) by name")
     ap.add_argument("--repeat", type=int, default=1,
                     help="fresh processes per budget (the first may compile numba/Triton kernels into their caches)")
     ap.add_argument("--shape", default="qwen3-30b-a3b", choices=sorted(SHAPES),

@@ -134,7 +134,7 @@ def test_a_gpu_caches_copy_to_host_waits_for_the_gpu_once_and_holds_every_value(
                                                  else list(layer.states.values()))]
     assert all(t.device.type == "cpu" and t.is_pinned() for t in got)
     assert all(torch.equal(g, w) for g, w in zip(got, want)) and len(got) == len(want) == 24
-    assert len(waits) == 1
+    assert len(waits) == 1, [f"{w.filename}:{w.lineno}: {w.message}" for w in waits]     # (where each wait was)
 
 
 def test_a_stored_conversation_restores_with_one_wait_for_the_gpu_and_every_value(device):

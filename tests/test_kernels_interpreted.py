@@ -964,8 +964,8 @@ def test_kernels_compile_for_h200_without_spilling(tmp_path, monkeypatch):
     cases.append((attn_k._decode_attention_kernel,                                           # decode attention
                   dict(q_ptr="*bf16", k_ptr="*bf16", v_ptr="*bf16", rows_ptr="*i64", out_ptr="*bf16", part_o="*fp32",
                        part_ml="*fp32", count_ptr="*i32", k_head_stride=2048 * 128, k_row_stride=128, scale_log2=0.1,
-                       G=8, HD=128),
-                  dict(CHUNK=64, SPLITS=16, BLOCK_S=64, BLOCK_G=16, BLOCK_D=128, DOT_FP32=False), 4))
+                       G=8, HD=128, chunk=64),
+                  dict(SPLITS=16, BLOCK_S=64, BLOCK_G=16, BLOCK_D=128, DOT_FP32=False), 4))
     from runtime.kernels import gather_triton as gather_k
     words = 2506752 // 4                                           # qwen3-30b-a3b's int4/128 block
     for lookup, first, count, skip in ((False, 0, words, False), (True, 0, words, False),       # zero-copy gather

@@ -159,6 +159,10 @@ def test_spare_buffers_go_back_to_the_allocator_while_another_sequence_runs(ftw_
     assert eng.stats()["kv_buffers"]["sets"] == 1         # kept when it ended...
     eng.step()
     assert eng.stats()["kv_buffers"]["sets"] == 0         # ...and given back at the next step, the other running
-    while eng.has_work():
+    capacity = 0                                          # the other one's rows: 256 on the CPU, a graph bucket on
+    while eng.has_work():                                 # the GPU (its decode graphs reserve 1,024)
+        capacity = max([capacity] + [max(layer.capacity for layer in s.payload.cache.layers)
+                                     for s in eng.scheduler.running])
         eng.step()
-    assert eng.stats()["kv_buffers"] == {"reused": 0, "sets": 1, "tokens": 256}    # idle: the last one's kept
+    assert capacity in (256, decode_graph.BUCKET)
+    assert eng.stats()["kv_buffers"] == {"reused": 0, "sets": 1, "tokens": capacity}   # idle: the last one's kept

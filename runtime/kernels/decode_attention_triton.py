@@ -39,8 +39,8 @@ _counters: dict[torch.device, torch.Tensor] = {}     # per device: one int32 cou
 if HAVE_TRITON:
     @triton.jit
     def _decode_attention_kernel(q_ptr, k_ptr, v_ptr, rows_ptr, out_ptr, part_o, part_ml, count_ptr,
-                                 k_head_stride, k_row_stride, scale_log2, G, HD,
-                                 CHUNK: tl.constexpr, SPLITS: tl.constexpr, BLOCK_S: tl.constexpr,
+                                 k_head_stride, k_row_stride, scale_log2, G, HD, chunk,
+                                 SPLITS: tl.constexpr, BLOCK_S: tl.constexpr,
                                  BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, DOT_FP32: tl.constexpr):
         h = tl.program_id(0)
         s = tl.program_id(1)
@@ -57,8 +57,10 @@ if HAVE_TRITON:
         lsum = tl.zeros((BLOCK_G,), dtype=tl.float32)
         acc = tl.zeros((BLOCK_G, BLOCK_D), dtype=tl.float32)
         kv = h.to(tl.int64) * k_head_stride
-        start = s * CHUNK
-        for j0 in range(start, tl.minimum(start + CHUNK, length), BLOCK_S):
+        # the split's keys: `chunk` is a runtime value, not a constexpr - a graph bucket of another size must not
+        # compile another variant inside a decode step (a long answer crosses one every 1,024 tokens)
+        start = s * chunk
+        for j0 in range(start, tl.minimum(start + chunk, length), BLOCK_S):
             j = j0 + tl.arange(0, BLOCK_S)
             jmask = j < length
             tile = kv + j[:, None].to(tl.int64) * k_row_stride + d[None, :]   # [BS, BD]
@@ -155,6 +157,6 @@ def decode_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, 
     part_ml = torch.empty((hkv, splits, block_g, 2), dtype=torch.float32, device=q.device)
     _decode_attention_kernel[(hkv, splits)](
         qc, keys, values, row, out, part_o, part_ml, counts, keys.stride(0), keys.stride(1),
-        float(scale) * 1.4426950408889634, g, hd, CHUNK=chunk, SPLITS=splits, BLOCK_S=BLOCK_S,
+        float(scale) * 1.4426950408889634, g, hd, chunk, SPLITS=splits, BLOCK_S=BLOCK_S,
         BLOCK_G=block_g, BLOCK_D=block_d, DOT_FP32=q.dtype == torch.float32 or _interpreted())
     return out
