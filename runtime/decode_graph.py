@@ -8,7 +8,8 @@ batch-1 step costs plus per-sequence attention launches; recorded, it costs one 
 
 How: a step of B sequences each decoding one token runs over *static* tensors (token ids, positions, per-sequence
 key masks) and over each sequence's KV buffers viewed at a fixed length (its bucket: its cache's length rounded
-up to `BUCKET` tokens, masked beyond its current position). The recorded kernels depend only on addresses and
+up to `BUCKET` tokens - or to BUCKET times a power of two where the attention reads only up to the query's row,
+`bucket_of` - masked beyond its current position). The recorded kernels depend only on addresses and
 shapes, so a graph is keyed by B, every sequence's bucket and the addresses of every sequence's KV buffers and
 state slot: any caches whose buffers sit at those addresses can replay it, and a new bucket, a grown buffer or
 a different set of sequences records a new graph.
@@ -42,6 +43,7 @@ from dataclasses import dataclass, field
 import torch
 
 from runtime.cuda_capture import CAPTURE_MODE, RECORDING
+from runtime.kernels import decode_attention_triton, fallback
 from runtime.models.base import Batch, CausalLM
 from runtime.models.blocks import Attention
 
@@ -172,9 +174,34 @@ def supports(model: CausalLM) -> str | None:
     return None
 
 
-def bucket_of(position: int, bucket: int = BUCKET) -> int:
-    """KV rows a sequence attends over when its new token sits at `position`: the length rounded up to `bucket`."""
-    return -(-(position + 1) // bucket) * bucket
+def bucket_of(position: int, bucket: int = BUCKET, *, doubling: bool = False, limit: int | None = None) -> int:
+    """KV rows a sequence attends over when its new token sits at `position`: the length rounded up to `bucket`,
+    or with `doubling` to `bucket` times a power of two - but not past `limit` (the context) rounded up to
+    `bucket`, which would grow the KV buffers past what the memory plan counted.
+
+    Why doubling: each new bucket is a recording on the decode's critical path, and s39a/s39b measured a long answer
+    of qwen3.6 (40 layers) stalling 0.50-0.65 s at each 1,024-token crossing (an eager step and the capture, each a
+    Python forward of ~0.3 s), against 0.012 s a step. Doubling records log2(context / 1,024) times instead of
+    context / 1,024 (6 against 32 for 32K), and the KV buffers' own growth doubles anyway (kv_cache._reserve),
+    so it holds no more memory. Only where the attention reads the keys up to the query's row, not the whole
+    bucket (decode_attention_triton): SDPA over a doubled bucket would read up to twice the KV at every step."""
+    rows = -(-(position + 1) // bucket) * bucket
+    if not doubling:
+        return rows
+    grown = bucket
+    while grown < rows:
+        grown *= 2
+    if limit is not None:
+        grown = min(grown, max(rows, -(-limit // bucket) * bucket))
+    return grown
+
+
+def _kv_limit(cache) -> int | None:
+    """The context a sequence's KV buffers may grow to (SequenceCache.limit_growth), None when unbounded."""
+    for layer in cache.layers:
+        if getattr(layer, "keys", None) is not None:
+            return getattr(layer, "max_tokens", None)
+    return None
 
 
 class DecodeGraphs:
@@ -182,12 +209,16 @@ class DecodeGraphs:
     path run eagerly (`capture=False`)."""
 
     def __init__(self, model: CausalLM, *, device: torch.device, capture: bool | None = None,
-                 bucket: int = BUCKET, max_graphs: int = MAX_GRAPHS, max_batch: int = MAX_BATCH):
+                 bucket: int = BUCKET, max_graphs: int = MAX_GRAPHS, max_batch: int = MAX_BATCH,
+                 doubling: bool | None = None):
         if max_batch < 1:
             raise ValueError(f"max_batch must be at least 1, got {max_batch}")
         self.model, self.device = model, torch.device(device)
         self.capture = self.device.type == "cuda" if capture is None else capture
         self.bucket, self.max_graphs, self.max_batch = bucket, max_graphs, max_batch
+        # buckets that double (bucket_of): where the step's attention reads only the keys up to the query's row
+        self.doubling = (decode_attention_triton.ENABLED and decode_attention_triton.HAVE_TRITON
+                         and self.device.type == "cuda") if doubling is None else doubling
         # a step of B sequences: token ids in [0:B], positions in [B:2B] (one contiguous upload per step from a
         # page-locked staging copy: no host sync; a graph of B sequences reads the same addresses at every replay)
         self._inputs = torch.zeros(2 * max_batch, dtype=torch.long, device=self.device)           # [2 Bmax]
@@ -244,7 +275,10 @@ class DecodeGraphs:
         if len({id(c) for c in caches}) != b:
             raise ValueError("a sequence's cache appears twice in one decode step")
         positions = [c.offset for c in caches]
-        buckets = tuple(bucket_of(p, self.bucket) for p in positions)
+        # (not once the Triton attention has failed here: the SDPA fallback reads the whole bucket)
+        doubling = self.doubling and "decode_attention" not in fallback.disabled
+        buckets = tuple(bucket_of(p, self.bucket, doubling=doubling, limit=_kv_limit(c) if doubling else None)
+                        for p, c in zip(positions, caches))
         layouts = tuple(_layout(cache, bucket) for cache, bucket in zip(caches, buckets))   # reserves the buckets
         self._upload(tokens, positions)
         if self.capture:
@@ -295,7 +329,8 @@ class DecodeGraphs:
         return logits.float()
 
     def stats(self) -> dict:
-        return {**self.counters, "graphs": len(self._graphs), "bucket": self.bucket, "captured": self.capture,
+        return {**self.counters, "graphs": len(self._graphs), "bucket": self.bucket, "doubling": self.doubling,
+                "buckets_seen": sorted(self._key_pos), "captured": self.capture,
                 "max_batch": self.max_batch, "batch_steps": dict(sorted(self.batch_steps.items())),
                 "disabled": self.disabled, "batch_disabled": self.batch_disabled}
 

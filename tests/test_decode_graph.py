@@ -11,7 +11,7 @@ import weakref
 import pytest
 import torch
 
-from runtime.decode_graph import DecodeGraphs, supports
+from runtime.decode_graph import DecodeGraphs, bucket_of, supports
 from runtime.engine import Engine, SamplingParams
 from runtime.host_arena import registered_slab
 from runtime.models.base import Batch
@@ -22,14 +22,16 @@ def _engine(path, device, **kw):
     return Engine.load(path, device=device, dtype=torch.float32, **kw)
 
 
-@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral", "qwen3_next", "qwen3_5_moe"])
-def test_static_steps_match_the_ordinary_forward_across_buckets(family, ftw_packages, device):
+@pytest.mark.parametrize("family, doubling", [("qwen3_moe", False), ("mixtral", False), ("qwen3_next", False),
+                                              ("qwen3_5_moe", False), ("qwen3_moe", True), ("qwen3_5_moe", True)])
+def test_static_steps_match_the_ordinary_forward_across_buckets(family, doubling, ftw_packages, device):
     """Logits of 12 decode steps through the static path equal the ordinary forward's, while the KV length
-    crosses two 8-token buckets (a new graph each) and the cache offsets advance the same way."""
+    crosses two 8-token buckets (a new graph each) and the cache offsets advance the same way. With doubling
+    buckets (8, 16, 32: what the engine uses beside the Triton decode attention) the same logits."""
     eng = _engine(ftw_packages(family), device, cuda_graphs=False)
     model = eng.model
     prompt = random_prompt(7, seed=1)
-    graphs = DecodeGraphs(model, device=eng.device, bucket=8)
+    graphs = DecodeGraphs(model, device=eng.device, bucket=8, doubling=doubling)
     ordinary = model.new_cache(device=eng.device, dtype=eng.dtype)
     static = model.new_cache(device=eng.device, dtype=eng.dtype)
     with torch.inference_mode():
@@ -43,7 +45,8 @@ def test_static_steps_match_the_ordinary_forward_across_buckets(family, ftw_pack
             assert static.offset == ordinary.offset
             token = int(want.argmax())
     assert ordinary.offset == 7 + 12
-    if graphs.capture:            # 3 buckets seen (8, 16, 24): each recorded once, then replayed
+    assert graphs.stats()["buckets_seen"] == ([8, 16, 32] if doubling else [8, 16, 24])
+    if graphs.capture:            # 3 buckets seen (8, 16, 24 - or 8, 16, 32): each recorded once, then replayed
         assert graphs.counters["captures"] == 3
         assert graphs.counters["record_seconds"] > 0
     else:                         # nothing recorded, no recording time
@@ -198,3 +201,16 @@ def test_fused_qkv_projection_gives_the_same_logits(family, ftw_packages, device
         got = fused.model(Batch.build([(prompt, fused.model.new_cache(device=fused.device, dtype=fused.dtype))],
                                       device=fused.device), all_logits=True)
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+
+
+def test_doubling_buckets_record_log2_times_and_stay_inside_the_context():
+    """bucket_of: by 1,024s a 32K answer crosses 32 buckets; doubled, 6 (1K .. 32K), each at least the length
+    and never past the context rounded up to a bucket (the KV the plan counted)."""
+    linear = {bucket_of(p) for p in range(32768)}
+    doubled = {bucket_of(p, doubling=True, limit=32768) for p in range(32768)}
+    assert len(linear) == 32 and sorted(doubled) == [1024, 2048, 4096, 8192, 16384, 32768]
+    assert all(p < bucket_of(p, doubling=True) <= 2 * max(1024, p) for p in (0, 1023, 1024, 3000, 20000))
+    assert bucket_of(20000, doubling=True) == 32768
+    assert bucket_of(20000, doubling=True, limit=20000) == 20480          # the context (rounded up), not 32K
+    assert bucket_of(20479, doubling=True, limit=20000) == 20480
+    assert bucket_of(1500, doubling=True, limit=20000) == 2048

@@ -961,11 +961,12 @@ def test_kernels_compile_for_h200_without_spilling(tmp_path, monkeypatch):
                        logits_ptr="*fp32", count_ptr="*i32", ids_ptr="*i64", w_ptr="*bf16", D=2048, E=128),
                   dict(K=8, MODE=0, RENORM=True, HAS_BIAS=False, ROWS=2, BLOCK_D=2048, BLOCK_E=128, BLOCK_K=8), 4))
     from runtime.kernels import decode_attention_triton as attn_k
-    cases.append((attn_k._decode_attention_kernel,                                           # decode attention
-                  dict(q_ptr="*bf16", k_ptr="*bf16", v_ptr="*bf16", rows_ptr="*i64", out_ptr="*bf16", part_o="*fp32",
-                       part_ml="*fp32", count_ptr="*i32", k_head_stride=2048 * 128, k_row_stride=128, scale_log2=0.1,
-                       G=8, HD=128, chunk=64),
-                  dict(SPLITS=16, BLOCK_S=64, BLOCK_G=16, BLOCK_D=128, DOT_FP32=False), 4))
+    for hd in (128, 256):                                           # decode attention: qwen3-30b's, qwen3.6's heads
+        cases.append((attn_k._decode_attention_kernel,
+                      dict(q_ptr="*bf16", k_ptr="*bf16", v_ptr="*bf16", rows_ptr="*i64", out_ptr="*bf16",
+                           part_o="*fp32", part_ml="*fp32", count_ptr="*i32", k_head_stride=2048 * hd,
+                           k_row_stride=hd, scale_log2=0.1, G=8, HD=hd, chunk=64),
+                      dict(SPLITS=16, BLOCK_S=64, BLOCK_G=16, BLOCK_D=hd, DOT_FP32=False), 4))
     from runtime.kernels import gather_triton as gather_k
     words = 2506752 // 4                                           # qwen3-30b-a3b's int4/128 block
     for lookup, first, count, skip in ((False, 0, words, False), (True, 0, words, False),       # zero-copy gather
@@ -1244,34 +1245,40 @@ def test_sparse_moe_fused_router_on_cuda(device):
 
 
 @pytest.mark.cuda
-def test_decode_attention_on_cuda(device):
-    """Compiled (`pytest --device cuda`) at qwen3-30b-a3b's attention (32 q heads over 4 kv heads of 128, bf16,
-    a 1K bucket in a 2K cache): against SDPA with the key mask at several positions, and recorded once in a
-    CUDA graph that replays at other positions (the row is read on the device, the counts reset)."""
+@pytest.mark.parametrize("h, hkv, hd, bucket, positions", [
+    (32, 4, 128, 1024, (0, 63, 64, 700, 1023)),        # qwen3-30b-a3b: a 1K bucket
+    (16, 2, 256, 1024, (0, 63, 64, 700, 1023)),        # qwen3.6-35b-a3b's full-attention layers
+    (16, 2, 256, 4096, (2048, 3001, 4095)),            # a doubled bucket (decode_graph.bucket_of): its upper half
+])
+def test_decode_attention_on_cuda(device, h, hkv, hd, bucket, positions):
+    """Compiled (`pytest --device cuda`) at each shape's attention (bf16, the bucket in a cache twice its size):
+    against SDPA with the key mask at several positions, and recorded once in a CUDA graph that replays at other
+    positions (the row is read on the device, the counts reset)."""
     if device != "cuda" or not torch.cuda.is_available():
         pytest.skip("compiled kernels run on the GPU machine: pytest --device cuda")
     import torch.nn.functional as F
     from runtime.kernels import decode_attention_triton as da
 
     gen = torch.Generator().manual_seed(31)
-    keys = torch.randn(4, 2048, 128, generator=gen).cuda().bfloat16()
-    values = torch.randn(4, 2048, 128, generator=gen).cuda().bfloat16()
-    q = torch.randn(1, 32, 128, generator=gen).cuda().bfloat16()
+    keys = torch.randn(hkv, 2 * bucket, hd, generator=gen).cuda().bfloat16()
+    values = torch.randn(hkv, 2 * bucket, hd, generator=gen).cuda().bfloat16()
+    q = torch.randn(1, h, hd, generator=gen).cuda().bfloat16()
     row = torch.tensor([0], device="cuda")
 
     def want(pos):
-        mask = (torch.arange(1024, device="cuda") <= pos)[None, :]
-        return F.scaled_dot_product_attention(q.transpose(0, 1)[None], keys[None, :, :1024], values[None, :, :1024],
-                                              attn_mask=mask, scale=128 ** -0.5, enable_gqa=True)[0].transpose(0, 1)
+        mask = (torch.arange(bucket, device="cuda") <= pos)[None, :]
+        return F.scaled_dot_product_attention(q.transpose(0, 1)[None], keys[None, :, :bucket],
+                                              values[None, :, :bucket], attn_mask=mask, scale=hd ** -0.5,
+                                              enable_gqa=True)[0].transpose(0, 1)
 
-    for pos in (0, 63, 64, 700, 1023):
+    for pos in positions:
         row.fill_(pos)
-        got = da.decode_attention(q, keys, values, row, scale=128 ** -0.5, bucket=1024)
+        got = da.decode_attention(q, keys, values, row, scale=hd ** -0.5, bucket=bucket)
         assert _rel(got, want(pos)) < 2e-2, (pos, _rel(got, want(pos)))
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        out = da.decode_attention(q, keys, values, row, scale=128 ** -0.5, bucket=1024)
-    for pos in (5, 999, 130):
+        out = da.decode_attention(q, keys, values, row, scale=hd ** -0.5, bucket=bucket)
+    for pos in (positions[0] + 5, positions[-1] - 24, (positions[0] + positions[-1]) // 2):
         row.fill_(pos)
         graph.replay()
         assert _rel(out, want(pos)) < 2e-2, pos

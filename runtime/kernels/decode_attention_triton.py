@@ -112,10 +112,12 @@ def _interpreted() -> bool:
     return os.environ.get("TRITON_INTERPRET") == "1"
 
 
-# Off by default until it has run on a GPU: it was written and tested in Triton's interpreter only (where bf16
-# tl.dot is not trustworthy), and a wrong attention would not raise - the torch fallback only catches failures.
-# FREETOKEN_DECODE_ATTENTION=1 turns it on (benchmarks/sweep_pool_kernels.py and the CUDA tests call it directly).
-ENABLED = os.environ.get("FREETOKEN_DECODE_ATTENTION", "0") == "1"
+# On by default since session 39: compiled on the GPU machine it matches SDPA at both shapes' heads (tests:
+# test_decode_attention_on_cuda, qwen3-30b's 128-wide and qwen3.6's 256-wide), and because it reads the keys only
+# up to the query's row the decode graphs' buckets can double (decode_graph.bucket_of): a long answer records a
+# graph 6 times in 32K tokens, not 32 (each 0.5-0.65 s at qwen3.6's 40 layers, s39b).
+# FREETOKEN_DECODE_ATTENTION=0 turns it off (SDPA over 1,024-row buckets, as before).
+ENABLED = os.environ.get("FREETOKEN_DECODE_ATTENTION", "1") != "0"
 
 
 def available(q: torch.Tensor) -> bool:
