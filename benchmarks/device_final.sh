@@ -134,7 +134,8 @@
 #   (device) bash benchmarks/device_final.sh s32b # session 30: qwen3.6's prefill in 8K/16K chunks; resident prefill peak
 #   (device) bash benchmarks/device_final.sh s32c # session 30: the engine's long prompts at 8 GiB, each with its VRAM peak
 #   (device) bash benchmarks/device_final.sh s32d # session 30: s32c again with K/V copied a group at a time; pieces A/B
-#   (device) bash benchmarks/device_final.sh s39c # next: doubling buckets with the Triton decode attention, A/B
+#   (device) bash benchmarks/device_final.sh s40a # next: a 3,300-token answer, doubling buckets + Triton attention A/B
+#   (device) bash benchmarks/device_final.sh s39c # session 39 ran it: the CUDA tests of doubling buckets; its answer ran out of time
 #   (device) bash benchmarks/device_final.sh s39b # session 39 ran it: the failed CUDA tests again; a long answer's bucket stall, three ways
 #   (device) bash benchmarks/device_final.sh s39a # session 39 ran it: qwen3.6's new chats and a 1,100-token answer
 #   (device) bash benchmarks/device_final.sh s38a # session 39 ran it: new chats in the last one's KV buffers; s37d's test mended
@@ -1891,6 +1892,28 @@ top=sorted(range(len(t)), key=lambda i: -t[i])[:4]; print('steps', len(t), 'medi
 'mean after the first 2', round(sum(t[2:]) / len(t[2:]), 5),
 'slowest (index, s, recording s):', [(i, round(t[i], 3), round(s[i]['record_seconds'], 3)) for i in top])"
   wait $tests_pid; cat "$OUT/cuda_tests_tail.txt"; grep -E "^E |Error" "$OUT/cuda_tests.log" | head -20
+elif [ "$1" = s40a ]; then
+  # the next session's first call (~8 device minutes on a fresh host). s39c ran the CUDA tests (49 of 50 passed;
+  # the other counted recordings by 2-token buckets with doubling on, now told not to) but its long answer ran out
+  # of time behind the fresh host's compile. Doubling buckets differ from 1,024s only from position 3,072 on
+  # (1K, 2K, 4K, 8K... against 1K, 2K, 3K, 4K...), so: a 3,300-token answer, new default and
+  # FREETOKEN_DECODE_ATTENTION=0 (SDPA over 1,024-row buckets), after a load that compiles everything.
+  # Predicted: the old path stalls ~0.5-0.65 s at tokens 949, 1,973, 2,997; the new one at 949 and 1,973 only;
+  # the steady median within 0.3 ms of each other (s39a: 11.8 ms on the old path)
+  cuda_tests 150 tests/test_decode_graph.py tests/test_decode_graph_batch.py
+  timeout 260 python3 benchmarks/bench_cold_load.py --vram-budget 8 --shape qwen3.6-35b-a3b --folder /tmp/ftw-q36 \
+    --decode-steps 3 --out "$OUT/warm.json" > "$OUT/warm.txt" 2>&1
+  echo "warm-up load rc=$?"
+  for v in new old; do
+    [ $v = new ] && e=X=1 || e=FREETOKEN_DECODE_ATTENTION=0
+    env "$e" timeout 120 python3 benchmarks/bench_cold_load.py --vram-budget 8 --shape qwen3.6-35b-a3b \
+      --folder /tmp/ftw-q36 --decode-steps 3300 --out "$OUT/long_$v.json" > "$OUT/long_$v.txt" 2>&1
+    echo "long answer $v rc=$?"
+    python3 -c "import json; s=json.load(open('$OUT/long_$v.json'))['rows'][0]['steps']; t=[x['seconds'] for x in s]
+top=sorted(range(len(t)), key=lambda i: -t[i])[:5]; print('steps', len(t), 'median', round(sorted(t)[len(t)//2], 5),
+'mean after the first 2', round(sum(t[2:]) / len(t[2:]), 5),
+'slowest (index, s, recording s):', [(i, round(t[i], 3), round(s[i]['record_seconds'], 3)) for i in top])"
+  done
 else
   # a name no branch knows ran `b`'s ~10 device minutes until session 33 (a mistyped call spent them)
   echo "device_final.sh: no run named '$1' (the list is at the top of this file)" >&2
