@@ -273,6 +273,19 @@ cuda_tests() {   # SECONDS PYTEST-ARGS...: CUDA tests to $OUT/cuda_tests.log, it
   timeout "$seconds" python3 -m pytest -q -p no:cacheprovider --device cuda "$@" > "$OUT/cuda_tests.log" 2>&1
   echo "pytest rc=$?" >> "$OUT/cuda_tests.log"; tail -3 "$OUT/cuda_tests.log"
 }
+answer_steps() {   # JSON: a long answer's steps (bench_cold_load --decode-steps): count, median, mean after the
+  python3 -c "import json, sys          # first two, and the slowest (token index, seconds, recording seconds)
+s = json.load(open(sys.argv[1]))['rows'][0]['steps']; t = [x['seconds'] for x in s]
+top = sorted(range(len(t)), key=lambda i: -t[i])[:5]
+print('steps', len(t), 'median', round(sorted(t)[len(t) // 2], 5), 'mean after the first 2',
+      round(sum(t[2:]) / len(t[2:]), 5), 'slowest (index, s, recording s):',
+      [(i, round(t[i], 3), round(s[i].get('record_seconds', 0.0), 3)) for i in top])" "$1"
+}
+q36_long_answer() {   # qwen3.6 at 8 GiB, 1,100 tokens after a short prompt, every step timed (s37d full, s39a)
+  timeout 150 python3 benchmarks/bench_cold_load.py --vram-budget 8 --shape qwen3.6-35b-a3b --folder /tmp/ftw-q36 \
+    --decode-steps 1100 --out "$OUT/q36_long_answer.json" > "$OUT/q36_long_answer.txt" 2>&1
+  echo "long answer rc=$?"; answer_steps "$OUT/q36_long_answer.json"
+}
 beside_run() {   # SECONDS: qwen3-30b at 8 GiB, long prompts and resends with one conversation decoding beside
   timeout "$1" python3 benchmarks/bench_cold_load.py --shape qwen3-30b-a3b --folder /tmp/ftw-long --vram-budget 8 \
     --long-prompts 16384 30000 --resend 2 --beside --out "$OUT/beside_registered.json" \
@@ -1210,12 +1223,7 @@ elif [ "$1" = s37d ]; then
   # a long answer: 1,100 tokens after a short prompt, every step timed - does crossing a 1,024-token bucket (a new
   # graph key) stall the answer for a recording (0.29-0.36 s at 40 layers, s37b's first)? Predicted: one step of
   # ~0.3 s near token 1,024 - 76 (the prompt), the rest 0.017-0.020 s
-  timeout 150 python3 benchmarks/bench_cold_load.py --vram-budget 8 --shape qwen3.6-35b-a3b --folder /tmp/ftw-q36 \
-    --decode-steps 1100 --out "$OUT/q36_long_answer.json" > "$OUT/q36_long_answer.txt" 2>&1
-  echo "long answer rc=$?"
-  python3 -c "import json; s=[x['seconds'] for x in json.load(open('$OUT/q36_long_answer.json'))['rows'][0]['steps']]
-top=sorted(range(len(s)), key=lambda i: -s[i])[:6]; print('steps', len(s), 'median', sorted(s)[len(s)//2],
-'slowest (token index, s):', [(i, round(s[i], 3)) for i in top])"
+  q36_long_answer
 elif [ "$1" = s35a ]; then
   # the next session's first call (~8 device minutes; carry .ab: `git archive 7057307 runtime benchmarks > .ab/old.tar`):
   # 1be4ae6 compiles the CPU kernels' shared stages once, not four times. Predicted on a fresh machine: the worker
@@ -1841,12 +1849,7 @@ elif [ "$1" = s39a ]; then
   echo "q36 chats rc=$?"; grep -E "^\| 8 " "$OUT/q36_chats.txt"
   # s37d full's long answer: 1,100 tokens after a short prompt, every step timed - does crossing a 1,024-token
   # bucket stall the answer for a recording? Predicted: one step of ~0.3 s near token 1,024 - 76, the rest ~0.017 s
-  timeout 150 python3 benchmarks/bench_cold_load.py --vram-budget 8 --shape qwen3.6-35b-a3b --folder /tmp/ftw-q36 \
-    --decode-steps 1100 --out "$OUT/q36_long_answer.json" > "$OUT/q36_long_answer.txt" 2>&1
-  echo "long answer rc=$?"
-  python3 -c "import json; s=[x['seconds'] for x in json.load(open('$OUT/q36_long_answer.json'))['rows'][0]['steps']]
-top=sorted(range(len(s)), key=lambda i: -s[i])[:6]; print('steps', len(s), 'median', sorted(s)[len(s)//2],
-'slowest (token index, s):', [(i, round(s[i], 3)) for i in top])"
+  q36_long_answer
 elif [ "$1" = s39b ]; then
   # session 39 (~6 device minutes on a fresh host). s39a: a 1,100-token answer of qwen3.6 (40 layers, 8 GiB) stalled
   # 0.682 s at token 949 (its first graph bucket crossed: 2,048 KV rows) where a step takes 0.012 s, ~0.1 s of it
@@ -1867,9 +1870,7 @@ elif [ "$1" = s39b ]; then
       --folder /tmp/ftw-q36 --decode-steps 2100 --python-profile "$OUT/prof_$v.txt" --out "$OUT/long_$v.json" \
       > "$OUT/long_$v.txt" 2>&1
     echo "long answer $v rc=$?"
-    python3 -c "import json; s=json.load(open('$OUT/long_$v.json'))['rows'][0]['steps']; t=[x['seconds'] for x in s]
-top=sorted(range(len(t)), key=lambda i: -t[i])[:5]; print('steps', len(t), 'median', round(sorted(t)[len(t)//2], 5),
-'slowest (index, s, recording s):', [(i, round(t[i], 3), round(s[i]['record_seconds'], 3)) for i in top])"
+    answer_steps "$OUT/long_$v.json"
   done
 elif [ "$1" = s39c ]; then
   # session 39 (~4 device minutes on a fresh host: what its last budget allowed). s39b: each 1,024-token bucket a
@@ -1887,10 +1888,7 @@ elif [ "$1" = s39c ]; then
   timeout 230 python3 benchmarks/bench_cold_load.py --vram-budget 8 --shape qwen3.6-35b-a3b --folder /tmp/ftw-q36 \
     --decode-steps 2100 --out "$OUT/long_new.json" > "$OUT/long_new.txt" 2>&1
   echo "long answer rc=$?"
-  python3 -c "import json; s=json.load(open('$OUT/long_new.json'))['rows'][0]['steps']; t=[x['seconds'] for x in s]
-top=sorted(range(len(t)), key=lambda i: -t[i])[:4]; print('steps', len(t), 'median', round(sorted(t)[len(t)//2], 5),
-'mean after the first 2', round(sum(t[2:]) / len(t[2:]), 5),
-'slowest (index, s, recording s):', [(i, round(t[i], 3), round(s[i]['record_seconds'], 3)) for i in top])"
+  answer_steps "$OUT/long_new.json"
   wait $tests_pid; cat "$OUT/cuda_tests_tail.txt"; grep -E "^E |Error" "$OUT/cuda_tests.log" | head -20
 elif [ "$1" = s40a ]; then
   # the next session's first call (~8 device minutes on a fresh host). s39c ran the CUDA tests (49 of 50 passed;
@@ -1909,10 +1907,7 @@ elif [ "$1" = s40a ]; then
     env "$e" timeout 120 python3 benchmarks/bench_cold_load.py --vram-budget 8 --shape qwen3.6-35b-a3b \
       --folder /tmp/ftw-q36 --decode-steps 3300 --out "$OUT/long_$v.json" > "$OUT/long_$v.txt" 2>&1
     echo "long answer $v rc=$?"
-    python3 -c "import json; s=json.load(open('$OUT/long_$v.json'))['rows'][0]['steps']; t=[x['seconds'] for x in s]
-top=sorted(range(len(t)), key=lambda i: -t[i])[:5]; print('steps', len(t), 'median', round(sorted(t)[len(t)//2], 5),
-'mean after the first 2', round(sum(t[2:]) / len(t[2:]), 5),
-'slowest (index, s, recording s):', [(i, round(t[i], 3), round(s[i]['record_seconds'], 3)) for i in top])"
+    answer_steps "$OUT/long_$v.json"
   done
 else
   # a name no branch knows ran `b`'s ~10 device minutes until session 33 (a mistyped call spent them)
