@@ -1860,6 +1860,7 @@ elif [ "$1" = s39b ]; then
   cuda_tests 150 tests/test_kv_buffers.py tests/test_host_arena.py::test_a_gpu_caches_copy_to_host_waits_for_the_gpu_once_and_holds_every_value \
     tests/test_kernels_interpreted.py::test_decode_attention_on_cuda
   grep -E "^E |assert|Error" "$OUT/cuda_tests.log" | head -20
+  # (runs at bdf148a: FREETOKEN_SDPA_CUDNN_DECODE was that commit's A/B switch, removed after this run)
   # a 2,100-token answer (two buckets crossed), three ways, the slowest decode step after the first recording
   # profiled by name. Predicted: default ~0.6 s at each crossing with cuDNN named in the profile; without cuDNN in
   # the recorded step (FREETOKEN_SDPA_CUDNN_DECODE=0) and with the Triton kernel, ~0.1-0.15 s (the recording) and

@@ -203,14 +203,6 @@ def _without_cudnn(q: torch.Tensor, t: int):
     return contextlib.nullcontext()
 
 
-# The recorded decode step's attention (SDPA over the bucket with its key mask: cuDNN on an H100/H200) meets a new
-# shape at every graph bucket a long answer crosses, where cuDNN builds a plan on the host inside that step.
-# FREETOKEN_SDPA_CUDNN_DECODE=0 leaves cuDNN out there (the mem-efficient kernel takes the mask): the A/B of
-# device_final.sh s39b.
-DECODE_WITHOUT_CUDNN = os.environ.get("FREETOKEN_SDPA_CUDNN_DECODE") == "0"
-DECODE_BACKENDS = [SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]       # (flash takes no mask)
-
-
 def causal_window_mask(first_pos: int, t: int, s: int, sliding_window: int | None, *,
                        device: torch.device) -> torch.Tensor:
     """[T, S] bool: query i (at position first_pos + i) may see key j."""
@@ -357,10 +349,9 @@ def attend_static(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache, stat
     def reference() -> torch.Tensor:
         keys, values = cache.keys[:, :static.bucket], cache.values[:, :static.bucket]  # [Hkv, bucket, hd]
         h, hd, hkv = q.shape[1], q.shape[2], keys.shape[0]
-        with (sdpa_kernel(DECODE_BACKENDS) if DECODE_WITHOUT_CUDNN and q.is_cuda else contextlib.nullcontext()):
-            o = F.scaled_dot_product_attention(q.reshape(1, h, 1, hd), keys[None], values[None],
-                                               attn_mask=_additive_mask(static, q.dtype, h), scale=scale,
-                                               enable_gqa=h != hkv)                      # [1, H, 1, hd]
+        o = F.scaled_dot_product_attention(q.reshape(1, h, 1, hd), keys[None], values[None],
+                                           attn_mask=_additive_mask(static, q.dtype, h), scale=scale,
+                                           enable_gqa=h != hkv)                          # [1, H, 1, hd]
         return o.reshape(1, h, hd)
 
     if decode_attention_triton.available(q) and q.dtype == cache.keys.dtype:
