@@ -1900,9 +1900,15 @@ elif [ "$1" = s40a ]; then
   # Predicted: the old path stalls ~0.5-0.65 s at tokens 949, 1,973, 2,997; the new one at 949 and 1,973 only;
   # the steady median within 0.3 ms of each other (s39a: 11.8 ms on the old path)
   cuda_tests 150 tests/test_decode_graph.py tests/test_decode_graph_batch.py
+  # the warm-up load (it compiles numba's, fla-core's and Triton's kernels on a fresh host) also times a short
+  # prompt on the warm engine, its slowest step profiled by name: s37d and s39a saw a 76-token prompt take 0.45-0.50
+  # s to its first token at 40 layers
   timeout 260 python3 benchmarks/bench_cold_load.py --vram-budget 8 --shape qwen3.6-35b-a3b --folder /tmp/ftw-q36 \
-    --decode-steps 3 --out "$OUT/warm.json" > "$OUT/warm.txt" 2>&1
-  echo "warm-up load rc=$?"
+    --decode-steps 3 --long-prompts 76 --python-profile "$OUT/prof_prompt76.txt" --out "$OUT/warm.json" \
+    > "$OUT/warm.txt" 2>&1
+  echo "warm-up load rc=$?"; head -30 "$OUT/prof_prompt76.txt"
+  python3 -c "import json; [print(p['tokens'], p['step_seconds']) for p in
+    json.load(open('$OUT/warm.json'))['rows'][0]['long_prompts']]"
   for v in new old; do
     [ $v = new ] && e=X=1 || e=FREETOKEN_DECODE_ATTENTION=0
     env "$e" timeout 120 python3 benchmarks/bench_cold_load.py --vram-budget 8 --shape qwen3.6-35b-a3b \
