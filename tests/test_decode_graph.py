@@ -215,3 +215,18 @@ def test_doubling_buckets_record_log2_times_and_stay_inside_the_context():
     assert bucket_of(20000, doubling=True, limit=20000) == 20480          # the context (rounded up), not 32K
     assert bucket_of(20479, doubling=True, limit=20000) == 20480
     assert bucket_of(1500, doubling=True, limit=20000) == 2048
+
+
+def test_a_sequences_context_bounds_its_doubled_bucket_past_a_leading_state_layer():
+    """_kv_limit reads the context from the first KV layer, past recurrent-state layers (qwen3.6 starts with three
+    Gated DeltaNet layers); without a limit a doubled bucket could pass the KV the memory plan counted."""
+    from runtime.decode_graph import _kv_limit
+    from runtime.kv_cache import KVCache, SequenceCache, StateCache
+
+    kv = [KVCache(2, 8, device="cpu", dtype=torch.float32) for _ in range(2)]
+    cache = SequenceCache([StateCache({"conv": torch.zeros(2, 3)}), *kv])
+    assert _kv_limit(cache) is None
+    cache.limit_growth(5000)
+    assert _kv_limit(cache) == 5000
+    assert bucket_of(3000, doubling=True, limit=_kv_limit(cache)) == 4096
+    assert bucket_of(4500, doubling=True, limit=_kv_limit(cache)) == 5120       # not 4,096's double, 8,192
