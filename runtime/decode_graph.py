@@ -43,7 +43,7 @@ from dataclasses import dataclass, field
 import torch
 
 from runtime.cuda_capture import CAPTURE_MODE, RECORDING
-from runtime.kernels import decode_attention_triton, fallback
+from runtime.kernels import decode_attention_triton
 from runtime.models.base import Batch, CausalLM
 from runtime.models.blocks import Attention
 
@@ -216,9 +216,9 @@ class DecodeGraphs:
         self.model, self.device = model, torch.device(device)
         self.capture = self.device.type == "cuda" if capture is None else capture
         self.bucket, self.max_graphs, self.max_batch = bucket, max_graphs, max_batch
-        # buckets that double (bucket_of): where the step's attention reads only the keys up to the query's row
-        self.doubling = (decode_attention_triton.ENABLED and decode_attention_triton.HAVE_TRITON
-                         and self.device.type == "cuda") if doubling is None else doubling
+        # buckets that double (bucket_of): None = wherever the step's attention reads only the keys up to the
+        # query's row (the Triton decode attention runs here), asked at each step
+        self._doubling = doubling
         # a step of B sequences: token ids in [0:B], positions in [B:2B] (one contiguous upload per step from a
         # page-locked staging copy: no host sync; a graph of B sequences reads the same addresses at every replay)
         self._inputs = torch.zeros(2 * max_batch, dtype=torch.long, device=self.device)           # [2 Bmax]
@@ -275,8 +275,7 @@ class DecodeGraphs:
         if len({id(c) for c in caches}) != b:
             raise ValueError("a sequence's cache appears twice in one decode step")
         positions = [c.offset for c in caches]
-        # (not once the Triton attention has failed here: the SDPA fallback reads the whole bucket)
-        doubling = self.doubling and "decode_attention" not in fallback.disabled
+        doubling = self.doubling
         buckets = tuple(bucket_of(p, self.bucket, doubling=doubling, limit=_kv_limit(c) if doubling else None)
                         for p, c in zip(positions, caches))
         layouts = tuple(_layout(cache, bucket) for cache, bucket in zip(caches, buckets))   # reserves the buckets
@@ -327,6 +326,11 @@ class DecodeGraphs:
         self.counters["steps"] += 1
         self.batch_steps[b] = self.batch_steps.get(b, 0) + 1
         return logits.float()
+
+    @property
+    def doubling(self) -> bool:
+        """Whether buckets double now (not once the Triton attention has failed: SDPA reads the whole bucket)."""
+        return decode_attention_triton.runs_on(self.device) if self._doubling is None else self._doubling
 
     def stats(self) -> dict:
         return {**self.counters, "graphs": len(self._graphs), "bucket": self.bucket, "doubling": self.doubling,

@@ -115,3 +115,10 @@ def test_static_attention_falls_back_to_the_torch_path_when_its_kernels_fail(mon
     assert torch.equal(got, want) and torch.equal(cache.keys, want_cache.keys)
     assert torch.equal(cache.values, want_cache.values)
     assert set(fallback.disabled) == {"norm_rope", "decode_attention"}
+    # and from then on a GPU's decode steps are not its: the decode graphs' buckets stop doubling (SDPA reads them
+    # whole)
+    monkeypatch.setattr(decode_attention_triton, "HAVE_TRITON", True)
+    monkeypatch.setattr(decode_attention_triton, "ENABLED", True)
+    assert not decode_attention_triton.runs_on(torch.device("cuda"))
+    fallback.disabled.clear()
+    assert decode_attention_triton.runs_on(torch.device("cuda"))

@@ -23,6 +23,8 @@ import os
 
 import torch
 
+from runtime.kernels import fallback
+
 try:
     import triton
     import triton.language as tl
@@ -120,9 +122,19 @@ def _interpreted() -> bool:
 ENABLED = os.environ.get("FREETOKEN_DECODE_ATTENTION", "1") != "0"
 
 
+FAMILY = "decode_attention"     # its name in runtime/kernels/fallback.py (switched off there after a failure)
+
+
+def runs_on(device: torch.device) -> bool:
+    """Whether the kernel takes this device's decode steps: enabled, Triton installed, a CUDA device, and not
+    switched off by a failure in this process (then SDPA over the whole bucket takes them; the decode graphs'
+    buckets stop doubling with it)."""
+    return ENABLED and HAVE_TRITON and device.type == "cuda" and FAMILY not in fallback.disabled
+
+
 def available(q: torch.Tensor) -> bool:
-    """Whether the kernel runs for this query (enabled, a CUDA tensor and Triton installed)."""
-    return ENABLED and HAVE_TRITON and q.is_cuda
+    """Whether the kernel runs for this query."""
+    return runs_on(q.device)
 
 
 def decode_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, row: torch.Tensor, *,

@@ -356,7 +356,7 @@ def attend_static(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache, stat
 
     if decode_attention_triton.available(q) and q.dtype == cache.keys.dtype:
         # one launch that reads only the keys up to the query's row (no mask; SDPA took two cuDNN kernels)
-        return fallback.run("decode_attention", lambda: decode_attention_triton.decode_attention(
+        return fallback.run(decode_attention_triton.FAMILY, lambda: decode_attention_triton.decode_attention(
             q, cache.keys, cache.values, static.write_at, scale=scale, bucket=static.bucket), reference)
     return reference()
 
