@@ -134,7 +134,7 @@
 #   (device) bash benchmarks/device_final.sh s32b # session 30: qwen3.6's prefill in 8K/16K chunks; resident prefill peak
 #   (device) bash benchmarks/device_final.sh s32c # session 30: the engine's long prompts at 8 GiB, each with its VRAM peak
 #   (device) bash benchmarks/device_final.sh s32d # session 30: s32c again with K/V copied a group at a time; pieces A/B
-#   (device) bash benchmarks/device_final.sh s40a # next: a 3,300-token answer, doubling buckets + Triton attention A/B
+#   (device) bash benchmarks/device_final.sh s40a # next: a 3,300-token answer, doubling buckets (recorded unwarmed) + Triton attention A/B
 #   (device) bash benchmarks/device_final.sh s39c # session 39 ran it: the CUDA tests of doubling buckets; its answer ran out of time
 #   (device) bash benchmarks/device_final.sh s39b # session 39 ran it: the failed CUDA tests again; a long answer's bucket stall, three ways
 #   (device) bash benchmarks/device_final.sh s39a # session 39 ran it: qwen3.6's new chats and a 1,100-token answer
@@ -1897,8 +1897,9 @@ elif [ "$1" = s40a ]; then
   # of time behind the fresh host's compile. Doubling buckets differ from 1,024s only from position 3,072 on
   # (1K, 2K, 4K, 8K... against 1K, 2K, 3K, 4K...), so: a 3,300-token answer, new default and
   # FREETOKEN_DECODE_ATTENTION=0 (SDPA over 1,024-row buckets), after a load that compiles everything.
-  # Predicted: the old path stalls ~0.5-0.65 s at tokens 949, 1,973, 2,997; the new one at 949 and 1,973 only;
-  # the steady median within 0.3 ms of each other (s39a: 11.8 ms on the old path)
+  # Predicted: the old path stalls ~0.5-0.65 s at tokens 949, 1,973, 2,997; the new one at 949 and 1,973 only,
+  # and (session 40: a doubled bucket is recorded without the eager run once batch 1 has a graph, then replayed)
+  # ~0.3 s each, not ~0.6; the steady median within 0.3 ms of each other (s39a: 11.8 ms on the old path)
   cuda_tests 150 tests/test_decode_graph.py tests/test_decode_graph_batch.py
   # the warm-up load (it compiles numba's, fla-core's and Triton's kernels on a fresh host) also times a short
   # prompt on the warm engine, its slowest step profiled by name: s37d and s39a saw a 76-token prompt take 0.45-0.50

@@ -236,7 +236,7 @@ class DecodeGraphs:
         self._stream = None
         # record_seconds: host time of the captures alone (the eager run before each is the step's own work): a new
         # conversation's first decode token - or its prompt's last token, when that goes alone - pays it
-        self.counters = dict(steps=0, captures=0, pieces=0, failures=0, record_seconds=0.0)
+        self.counters = dict(steps=0, captures=0, pieces=0, failures=0, record_seconds=0.0, unwarmed=0)
         self.batch_steps: dict[int, int] = {}          # B -> steps of B sequences taken through this runner
         self.disabled: str | None = None
         self.batch_disabled: str | None = None          # why steps of several sequences stopped being recorded
@@ -289,18 +289,18 @@ class DecodeGraphs:
             key = (b, buckets, layouts)
             graph = self._graphs.get(key)
             if graph is None:
-                # a new shape: this step runs eagerly on the capture stream (its warm-up: cuBLAS and Triton
-                # initialise there, outside any recording), then the step is recorded for the next tokens
-                stream = self._capture_stream()
-                stream.wait_stream(torch.cuda.current_stream(self.device))
-                with torch.cuda.stream(stream):
-                    logits = self._forward(caches, buckets, self.model.experts)
-                torch.cuda.current_stream(self.device).wait_stream(stream)
+                warmed = self._warmed(b, doubling)
+                if not warmed:
+                    # a new shape: this step runs eagerly on the capture stream (its warm-up: cuBLAS and Triton
+                    # initialise there, outside any recording), then the step is recorded for the next tokens
+                    logits = self._eager_on_capture_stream(caches, buckets)
                 t0 = time.perf_counter()
                 try:
-                    self._graphs[key] = self._record(caches, buckets)
+                    graph = self._graphs[key] = self._record(caches, buckets)
                 except Exception as exc:                           # noqa: BLE001  (reported, decode goes on)
                     self.counters["failures"] += 1
+                    if warmed:                                     # nothing ran yet: the step's own work
+                        logits = self._eager_on_capture_stream(caches, buckets)
                     for cache in caches:
                         _advance(cache)                            # the eager step did run: count its token
                     err = GraphCaptureError(f"recording the decode step of {b} sequence(s) as a CUDA graph "
@@ -311,14 +311,13 @@ class DecodeGraphs:
                     self.counters["record_seconds"] += time.perf_counter() - t0
                 while len(self._graphs) > self.max_graphs:
                     self._graphs.popitem(last=False)
+                if warmed:
+                    # recorded without the eager run (a recording does no work): the step is this first replay
+                    self.counters["unwarmed"] += 1
+                    logits = self._replay_hooked(graph)
             else:
                 self._graphs.move_to_end(key)
-                # an expert tier that keeps its books between steps (hybrid zero-copy: its calls are inside
-                # the graph, so it never sees them) gets a hook before the step is enqueued and one after
-                experts = self.model.experts
-                _hook(experts, "begin_step")
-                logits = self._replay(graph)
-                _hook(experts, "end_step")
+                logits = self._replay_hooked(graph)
         else:
             logits = self._forward(caches, buckets, self.model.experts)
         for cache in caches:
@@ -392,6 +391,33 @@ class DecodeGraphs:
         finally:
             self.model.set_experts(real)
 
+    def _warmed(self, b: int, doubling: bool) -> bool:
+        """Whether a new bucket's step may be recorded without running it eagerly first: the eager run warms up
+        what a recording cannot (cuBLAS workspaces, Triton compiles, first-use buffers), and with doubling
+        buckets none of that depends on the bucket once a step of B sequences has been recorded with this tier
+        (the Triton attention's split count is fixed from 1,024 rows on; its split length is a run-time value).
+        Saves one Python forward of the whole model at each crossing (~0.3 s at qwen3.6's 40 layers, s39b).
+        SDPA, by contrast, may pick other kernels at another length, so fixed buckets keep the eager run."""
+        return doubling and any(key[0] == b for key in self._graphs)
+
+    def _eager_on_capture_stream(self, caches, buckets) -> torch.Tensor:
+        stream = self._capture_stream()
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(stream):
+            logits = self._forward(caches, buckets, self.model.experts)
+        torch.cuda.current_stream(self.device).wait_stream(stream)
+        return logits
+
+    def _replay_hooked(self, graph: _Captured) -> torch.Tensor:
+        """A replay between the expert tier's step hooks: a tier that keeps its books between steps (hybrid
+        zero-copy: its calls are inside the graph, so it never sees them) is told before the step is enqueued
+        and after."""
+        experts = self.model.experts
+        _hook(experts, "begin_step")
+        logits = self._replay(graph)
+        _hook(experts, "end_step")
+        return logits
+
     def _capture_stream(self):
         if self._stream is None:
             self._stream = torch.cuda.Stream(self.device)
@@ -401,6 +427,9 @@ class DecodeGraphs:
         """Capture one step as graph pieces cut at expert calls that cannot be recorded (nothing runs while
         recording)."""
         slots = self._slots(caches)               # made (if new) before the recording: an upload cannot be recorded
+        for bucket in buckets:                    # so are the key positions (a step recorded unwarmed makes none)
+            if bucket not in self._key_pos:
+                self._key_pos[bucket] = torch.arange(bucket, device=self.device)
         stream = self._capture_stream()
         stream.wait_stream(torch.cuda.current_stream(self.device))
         self._recording = {"pieces": [torch.cuda.CUDAGraph()], "boundaries": []}

@@ -49,8 +49,50 @@ def test_static_steps_match_the_ordinary_forward_across_buckets(family, doubling
     if graphs.capture:            # 3 buckets seen (8, 16, 24 - or 8, 16, 32): each recorded once, then replayed
         assert graphs.counters["captures"] == 3
         assert graphs.counters["record_seconds"] > 0
+        # doubled buckets after the first are recorded without an eager run first (their step is the first
+        # replay): the logits above are those replays'
+        assert graphs.counters["unwarmed"] == (2 if doubling else 0)
     else:                         # nothing recorded, no recording time
         assert graphs.counters["captures"] == 0 and graphs.counters["record_seconds"] == 0.0
+        assert graphs.counters["unwarmed"] == 0
+
+
+def test_a_failed_unwarmed_recording_still_gives_its_steps_logits(ftw_packages, device, monkeypatch):
+    """A new doubled bucket is recorded without an eager run first; when that recording fails, nothing has run
+    yet, so the step runs eagerly then: the error carries the step's logits and the cache counts its token."""
+    from runtime.decode_graph import GraphCaptureError
+
+    if device != "cuda":
+        pytest.skip("needs the GPU machine (--device cuda)")
+    eng = _engine(ftw_packages("qwen3_moe"), device, cuda_graphs=False)
+    model = eng.model
+    prompt = random_prompt(7, seed=2)
+    graphs = DecodeGraphs(model, device=eng.device, bucket=8, doubling=True)
+    ordinary = model.new_cache(device=eng.device, dtype=eng.dtype)
+    static = model.new_cache(device=eng.device, dtype=eng.dtype)
+    record = graphs._record
+
+    def fails_past_the_first_bucket(caches, buckets):
+        if buckets[0] > 8:
+            raise RuntimeError("operation not permitted when stream is capturing (test)")
+        return record(caches, buckets)
+
+    monkeypatch.setattr(graphs, "_record", fails_past_the_first_bucket)
+    with torch.inference_mode():
+        for cache in (ordinary, static):
+            model(Batch.build([(prompt, cache)], device=eng.device))
+        token = prompt[-1]
+        for step in range(2):                       # positions 7 (bucket 8, recorded) and 8 (bucket 16, fails)
+            want = model(Batch.build([([token], ordinary)], device=eng.device))
+            try:
+                got = graphs.decode(token, static)
+            except GraphCaptureError as err:
+                assert step == 1
+                got = err.logits
+            torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+            assert static.offset == ordinary.offset
+            token = int(want.argmax())
+    assert graphs.counters["failures"] == 1 and graphs.counters["unwarmed"] == 0
 
 
 @pytest.mark.parametrize("graph_tails", [False, True])
