@@ -546,7 +546,7 @@ def run_child(args) -> int:
             if any(e.finished for e in events if e.request_id == rid):
                 break
     if slowest is not None:
-        _write_profile(profile_decode, slowest, "decode step")
+        _write_profile(profile_decode, slowest, "slowest decode step")
     first_token_s = next(p.end for p in timer.phases if p.label.startswith("first token"))
     timer.restore()
     result.update(prompt_tokens=len(prompt), first_token_s=first_token_s, steps=steps,
@@ -562,7 +562,8 @@ def run_child(args) -> int:
     # more new conversations after the first one ends: does each pay a decode graph's recording at its second token
     # (the graph key holds its KV buffers' addresses), or do they land where the last one's were
     result["new_chats"] = [new_chat(engine, salted_prompt(engine, len(prompt), salt=200 + i), cuda,
-                                    args.decode_steps) for i in range(args.new_chats)]
+                                    args.decode_steps, args.profile_new_chat if i == 0 else None)
+                           for i in range(args.new_chats)]
     prompts = [salted_prompt(engine, n, salt=i) for i, n in enumerate(args.long_prompts)]
     for _ in range(args.resend if prompts else 0):
         # an agent's next turn: the last conversation resent with `--resend-tokens` new tokens at its end
@@ -659,17 +660,23 @@ def salted_prompt(engine, tokens: int, *, salt: int) -> list[int]:
     return [(7919 * i + 13 + 101 * salt) % max(2, min(vocab, 4096) - 2) + 1 for i in range(tokens)]
 
 
-def new_chat(engine, ids: list[int], cuda: bool, decode_steps: int) -> dict:
+def new_chat(engine, ids: list[int], cuda: bool, decode_steps: int, python_profile: str | None = None) -> dict:
     """A new conversation of `decode_steps` + 1 tokens once the engine is idle: the seconds to each of its tokens
-    (from the last one), and the decode graphs recorded on the way."""
+    (from the last one), and the decode graphs recorded on the way. With `python_profile` the steps up to its first
+    token run under one cProfile, written there by cumulative time."""
     from runtime.engine import SamplingParams
 
     before = engine.stats()
     rid = engine.add_request(ids, SamplingParams(temperature=0.0, max_tokens=decode_steps + 1, stop_token_ids=()))
     token_seconds, waited, done = [], 0.0, False
+    py_prof = cProfile.Profile() if python_profile else None
     while not done:
-        events, took = _timed_step(engine, cuda)
+        with py_prof if py_prof is not None and not token_seconds else contextlib.nullcontext():
+            events, took = _timed_step(engine, cuda)
         waited += took
+        if py_prof is not None and not token_seconds and any(e.token_id is not None for e in events
+                                                              if e.request_id == rid):
+            _write_profile(python_profile, (waited, py_prof), "a new conversation's steps to its first token")
         if any(e.token_id is not None for e in events if e.request_id == rid):
             token_seconds.append(round(waited, 4))
             waited = 0.0
@@ -694,12 +701,12 @@ def _record_seconds(engine) -> float:
     return graphs.counters["record_seconds"] if graphs is not None else 0.0
 
 
-def _write_profile(path: str, slowest: tuple, what: str) -> None:
-    """Python's view of the slowest step (seconds, cProfile) by cumulative time: first-time work (a compile, a
-    plan) shows by name."""
+def _write_profile(path: str, timed: tuple, what: str) -> None:
+    """Python's view of timed steps (seconds, cProfile) by cumulative time, headed "`what` of N s": first-time work
+    (a compile, a plan) shows by name."""
     text = io.StringIO()
-    pstats.Stats(slowest[1], stream=text).sort_stats("cumulative").print_stats(45)
-    Path(path).write_text(f"slowest {what} of {slowest[0]:.4f} s (cProfile)\n{text.getvalue()}")
+    pstats.Stats(timed[1], stream=text).sort_stats("cumulative").print_stats(45)
+    Path(path).write_text(f"{what} of {timed[0]:.4f} s (cProfile)\n{text.getvalue()}")
 
 
 def long_prompt(engine, ids: list[int], cuda: bool, *, beside: str | None = None,
@@ -736,7 +743,7 @@ def long_prompt(engine, ids: list[int], cuda: bool, *, beside: str | None = None
         table = prof.key_averages().table(sort_by="cpu_time_total", row_limit=40, max_name_column_width=70)
         Path(profile_tail).write_text(f"step of {steps[-1]:.4f} s (profiled)\n{table}\n{waits.table()}")
     if slowest is not None:
-        _write_profile(python_profile, slowest, "step")
+        _write_profile(python_profile, slowest, "slowest step")
     # the decoding conversation's steps once the prompt is done: does any locking linger past it?
     after = [_timed_step(engine, cuda)[1] for _ in range(BESIDE_STEPS_AFTER if beside else 0)]
     result = engine.result(rid)                 # max_tokens=1: finished with its first token
@@ -883,6 +890,10 @@ def parse_args(argv):
                     help="profile the first long prompt's steps (without --long-prompts: the first conversation's "
                          "decode steps after its first recording) with cProfile and write the slowest one's "
                          "functions by cumulative time to FILE: first-time work inside a step (a compile) by name")
+    ap.add_argument("--profile-new-chat", metavar="FILE",
+                    help="with --new-chats: the second conversation's steps up to its first token under cProfile, "
+                         "by cumulative time to FILE (s37d, s39a: 0.42-0.50 s where the first conversation's took "
+                         "0.15)")
     ap.add_argument("--repeat", type=int, default=1,
                     help="fresh processes per budget (the first may compile numba/Triton kernels into their caches)")
     ap.add_argument("--shape", default="qwen3-30b-a3b", choices=sorted(SHAPES),
@@ -913,6 +924,8 @@ def measure_in_subprocess(args, package: Path, budget_gib: float) -> dict:
             cmd += ["--profile-tail", args.profile_tail]
         if args.python_profile:
             cmd += ["--python-profile", args.python_profile]
+        if args.profile_new_chat:
+            cmd += ["--profile-new-chat", args.profile_new_chat]
         if args.gdn_piece is not None:
             cmd += ["--gdn-piece", str(args.gdn_piece)]
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}

@@ -1900,19 +1900,21 @@ elif [ "$1" = s40a ]; then
   # Predicted: the old path stalls ~0.5-0.65 s at tokens 949, 1,973, 2,997; the new one at 949 and 1,973 only,
   # and (session 40: a doubled bucket is recorded without the eager run once batch 1 has a graph, then replayed)
   # ~0.3 s each, not ~0.6; the steady median within 0.3 ms of each other (s39a: 11.8 ms on the old path)
-  cuda_tests 150 tests/test_decode_graph.py tests/test_decode_graph_batch.py
-  # the warm-up load (it compiles numba's, fla-core's and Triton's kernels on a fresh host) also times a short
-  # prompt on the warm engine, its slowest step profiled by name: s37d and s39a saw a 76-token prompt take 0.45-0.50
-  # s to its first token at 40 layers
-  timeout 260 python3 benchmarks/bench_cold_load.py --vram-budget 8 --shape qwen3.6-35b-a3b --folder /tmp/ftw-q36 \
-    --decode-steps 3 --long-prompts 76 --python-profile "$OUT/prof_prompt76.txt" --out "$OUT/warm.json" \
-    > "$OUT/warm.txt" 2>&1
-  echo "warm-up load rc=$?"; head -30 "$OUT/prof_prompt76.txt"
-  python3 -c "import json; [print(p['tokens'], p['step_seconds']) for p in
-    json.load(open('$OUT/warm.json'))['rows'][0]['long_prompts']]"
+  cuda_tests 120 tests/test_decode_graph.py tests/test_decode_graph_batch.py
+  # the warm-up load (it compiles numba's, fla-core's and Triton's kernels on a fresh host) also times short
+  # prompts on the warm engine, profiled by name: s37d and s39a saw a new 76-token chat take 0.42-0.50 s to its
+  # first token at 40 layers where the first conversation's took 0.15 (s37b): the second chat's steps to its first
+  # token (--profile-new-chat), and a 76-token prompt's slowest step (--python-profile)
+  timeout 240 python3 benchmarks/bench_cold_load.py --vram-budget 8 --shape qwen3.6-35b-a3b --folder /tmp/ftw-q36 \
+    --decode-steps 3 --new-chats 2 --profile-new-chat "$OUT/prof_chat.txt" --long-prompts 76 \
+    --python-profile "$OUT/prof_prompt76.txt" --out "$OUT/warm.json" > "$OUT/warm.txt" 2>&1
+  echo "warm-up load rc=$?"; head -40 "$OUT/prof_chat.txt"; head -30 "$OUT/prof_prompt76.txt"
+  python3 -c "import json; r = json.load(open('$OUT/warm.json'))['rows'][0]; print('first', r['steps'][:2])
+[print('chat', c['token_seconds'], c.get('graph_records')) for c in r['new_chats']]
+[print(p['tokens'], p['step_seconds']) for p in r['long_prompts']]"
   for v in new old; do
     [ $v = new ] && e=X=1 || e=FREETOKEN_DECODE_ATTENTION=0
-    env "$e" timeout 120 python3 benchmarks/bench_cold_load.py --vram-budget 8 --shape qwen3.6-35b-a3b \
+    env "$e" timeout 100 python3 benchmarks/bench_cold_load.py --vram-budget 8 --shape qwen3.6-35b-a3b \
       --folder /tmp/ftw-q36 --decode-steps 3300 --out "$OUT/long_$v.json" > "$OUT/long_$v.txt" 2>&1
     echo "long answer $v rc=$?"
     answer_steps "$OUT/long_$v.json"

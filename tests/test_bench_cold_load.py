@@ -141,13 +141,17 @@ def test_benchmark_runs_end_to_end(tmp_path, capsys):
 
 def test_benchmark_times_new_conversations_token_by_token(tmp_path, capsys):
     """--new-chats: conversations after the first, each timed to every token (the second is where a decode graph
-    is recorded on a GPU); without CUDA there are no graphs to count."""
-    out = tmp_path / "cold.json"
+    is recorded on a GPU); without CUDA there are no graphs to count. --profile-new-chat lists the functions of the
+    second conversation's steps up to its first token, headed by their seconds."""
+    out, functions = tmp_path / "cold.json", tmp_path / "chat.txt"
     assert bench.main(["--folder", str(tmp_path / "pkg"), "--layers", "1", "--experts", "8", "--vocab", "1024",
                        "--vram-budget", "0", "--device", "cpu", "--decode-steps", "3", "--out", str(out),
-                       "--new-chats", "2"]) == 0
+                       "--new-chats", "2", "--profile-new-chat", str(functions)]) == 0
     (row,) = json.loads(out.read_text())["rows"]
     chats = row["new_chats"]
+    listed = functions.read_text()
+    assert listed.startswith(f"a new conversation's steps to its first token of {chats[0]['token_seconds'][0]:.4f} s")
+    assert "cumulative" in listed and "(step)" in listed
     assert len(chats) == 2 and all(c["tokens"] == row["prompt_tokens"] and c["error"] is None for c in chats)
     assert all(len(c["token_seconds"]) == 4 and all(t > 0 for t in c["token_seconds"]) for c in chats)
     assert all(c["graph_records"] is None for c in chats)          # a CPU engine records no decode graphs
