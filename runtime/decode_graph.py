@@ -265,9 +265,11 @@ class DecodeGraphs:
         advances the cache by one token, as the ordinary forward does."""
         return self.decode_batch([token], [cache])
 
-    def decode_batch(self, tokens: list[int], caches: list) -> torch.Tensor:
+    def decode_batch(self, tokens: list[int], caches: list, *, replay_only: bool = False) -> torch.Tensor | None:
         """Logits [B, V] fp32, row i for `tokens[i]` appended to `caches[i]` (each at its own offset = position);
-        advances every cache by one token, as the ordinary forward does."""
+        advances every cache by one token, as the ordinary forward does. `replay_only`: only where a recording of
+        this step exists - else None, nothing run or advanced (a prompt's lone last token: engine.py's
+        GRAPH_PROMPT_TAILS)."""
         b = len(caches)
         if not self.covers(b) or len(tokens) != b:
             raise ValueError(f"a recorded decode step takes 1..{self.max_batch} sequences with one token each, "
@@ -279,6 +281,10 @@ class DecodeGraphs:
         buckets = tuple(bucket_of(p, self.bucket, doubling=doubling, limit=_kv_limit(c) if doubling else None)
                         for p, c in zip(positions, caches))
         layouts = tuple(_layout(cache, bucket) for cache, bucket in zip(caches, buckets))   # reserves the buckets
+        key = (b, buckets, layouts)
+        if replay_only and (not self.capture or self._recorded_with() is not self.model.experts
+                            or key not in self._graphs):
+            return None
         self._upload(tokens, positions)
         if self.capture:
             if self._recorded_with() is not self.model.experts:
@@ -286,7 +292,6 @@ class DecodeGraphs:
                 # (a benchmark's next row, a rebuilt tier) replaying it would run the old tier's kernels
                 self._drop(self._graphs)
                 self._recorded_with = weakref.ref(self.model.experts)
-            key = (b, buckets, layouts)
             graph = self._graphs.get(key)
             if graph is None:
                 warmed = self._warmed(b, doubling)

@@ -47,9 +47,11 @@ ROUTING_STATS_FILE = "routing.json"     # in a load's state_dir: the expert tier
 MAX_KEPT_RESULTS = 1024          # finished requests whose GenerationResult waits for result()
 LOCK_AHEAD_TOKENS = 512         # a request's answer counted when locking its store's host memory ahead
 # A prompt's last token, when it goes alone (a linear-attention model's snapshot is taken one token before the end, or
-# a chunk boundary), runs eagerly rather than through the decode graphs. A new conversation is a new graph key, so
-# the graph path would record there, inside the time to first token. The first decode step records the same key
-# anyway, after the first token is out. (qwen3.6's prompt-ending steps took 0.2-0.9 s in s34b; a decode step ~10 ms.)
+# a chunk boundary), replays a decode graph only where its step's recording exists - a new conversation in the last
+# one's KV buffers and state slot (runtime/kv_buffers.py) has the same graph key - and else runs eagerly: recording
+# there would sit inside the time to first token, and the first decode step records the same key anyway, after the
+# first token is out. (qwen3.6's 40 layers: the eager tail 0.115 s, a replayed step 0.012, s37b/s39a.) True: every
+# tail through the graphs, recording where needed (before session 33; benchmarks' --graph-prompt-tails).
 GRAPH_PROMPT_TAILS = False
 
 ProgressFn = Callable[[int, int, str], None]      # (done, total, stage)
@@ -566,16 +568,20 @@ class Engine:
 
     def _forward(self, work: list[tuple[Sequence, int]]) -> torch.Tensor:
         """The model over this step's tokens: a step where every sequence decodes one token through the recorded
-        decode graphs when they cover it, else the ordinary ragged-batch forward (also a prompt's lone last token:
-        GRAPH_PROMPT_TAILS)."""
+        decode graphs when they cover it, else the ordinary ragged-batch forward (also a prompt's lone last token
+        unless its step's recording exists: GRAPH_PROMPT_TAILS)."""
+        tails = any(seq.prefilling for seq, _ in work)
         if (self.graphs is not None and all(n == 1 for _, n in work) and self.graphs.covers(len(work))
-                and (GRAPH_PROMPT_TAILS or not any(seq.prefilling for seq, _ in work))):
+                and (GRAPH_PROMPT_TAILS or not tails or self.graphs.capture)):
             from runtime.decode_graph import GraphCaptureError
 
             seqs = [seq for seq, _ in work]
             try:
-                return self.graphs.decode_batch([seq.tokens[seq.computed] for seq in seqs],
-                                                [seq.payload.cache for seq in seqs])
+                logits = self.graphs.decode_batch([seq.tokens[seq.computed] for seq in seqs],
+                                                  [seq.payload.cache for seq in seqs],
+                                                  replay_only=tails and not GRAPH_PROMPT_TAILS)
+                if logits is not None:
+                    return logits
             except GraphCaptureError as exc:
                 # this step already ran (eagerly, before the recording): keep its result, stop recording. A
                 # failure at B > 1 stops only the batched recordings: batch-1 decode keeps its graphs

@@ -137,8 +137,8 @@ def test_a_failed_batched_recording_keeps_batch1_graphs_and_the_tokens(ftw_packa
     graphs = eng.graphs
     real = graphs.decode_batch
 
-    def failing_when_batched(tokens, caches):
-        logits = real(tokens, caches)
+    def failing_when_batched(tokens, caches, **kw):
+        logits = real(tokens, caches, **kw)
         if len(caches) > 1:
             err = GraphCaptureError("recording the decode step of 2 sequence(s) as a CUDA graph failed: test")
             err.logits = logits

@@ -124,7 +124,10 @@ def test_a_second_conversation_decodes_with_the_first_ones_graph_key(family, pre
                                                    "tokens": decode_graph.BUCKET}   # what its decode reserved
     seen.clear()
     assert eng.generate(second, sampling).tokens == want
-    assert set(seen) == first_keys and len(seen) == 5     # 6 tokens: the first from the prompt, 5 decode steps
+    # 6 tokens: the first from the prompt, 5 decode steps; on the GPU a prompt that pauses before its last token
+    # (a linear-attention model's snapshot, kept by the prefix cache) replays that token through the same graph
+    replayed_tail = int(eng.graphs.capture and family == "qwen3_next" and prefix_cache == "host")
+    assert set(seen) == first_keys and len(seen) == 5 + replayed_tail
     assert eng.stats()["kv_buffers"]["reused"] == 1
     if eng.graphs.capture:
         assert captures == 1 and eng.graphs.counters["captures"] == 1
