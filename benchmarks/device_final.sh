@@ -1904,7 +1904,9 @@ elif [ "$1" = s40a ]; then
   # the warm-up load (it compiles numba's, fla-core's and Triton's kernels on a fresh host) also times short
   # prompts on the warm engine, profiled by name: s37d and s39a saw a new 76-token chat take 0.42-0.50 s to its
   # first token at 40 layers where the first conversation's took 0.15 (s37b): the second chat's steps to its first
-  # token (--profile-new-chat), and a 76-token prompt's slowest step (--python-profile)
+  # token (--profile-new-chat), and a 76-token prompt's slowest step (--python-profile). (Session 40 found the 0.15 s
+  # was the first conversation's last prompt step alone; the chats' figure is the whole TTFT, its lone last token
+  # 0.115 s eager: now replayed where the last chat's graph fits. Predicted: new chats' first token ~0.35 s.)
   timeout 240 python3 benchmarks/bench_cold_load.py --vram-budget 8 --shape qwen3.6-35b-a3b --folder /tmp/ftw-q36 \
     --decode-steps 3 --new-chats 2 --profile-new-chat "$OUT/prof_chat.txt" --long-prompts 76 \
     --python-profile "$OUT/prof_prompt76.txt" --out "$OUT/warm.json" > "$OUT/warm.txt" 2>&1
