@@ -1900,14 +1900,14 @@ elif [ "$1" = s40a ]; then
   # Predicted: the old path stalls ~0.5-0.65 s at tokens 949, 1,973, 2,997; the new one at 949 and 1,973 only,
   # and (session 40: a doubled bucket is recorded without the eager run once batch 1 has a graph, then replayed)
   # ~0.3 s each, not ~0.6; the steady median within 0.3 ms of each other (s39a: 11.8 ms on the old path)
-  cuda_tests 120 tests/test_decode_graph.py tests/test_decode_graph_batch.py
+  cuda_tests 140 tests/test_decode_graph.py tests/test_decode_graph_batch.py tests/test_kv_buffers.py
   # the warm-up load (it compiles numba's, fla-core's and Triton's kernels on a fresh host) also times short
   # prompts on the warm engine, profiled by name: s37d and s39a saw a new 76-token chat take 0.42-0.50 s to its
   # first token at 40 layers where the first conversation's took 0.15 (s37b): the second chat's steps to its first
   # token (--profile-new-chat), and a 76-token prompt's slowest step (--python-profile). (Session 40 found the 0.15 s
   # was the first conversation's last prompt step alone; the chats' figure is the whole TTFT, its lone last token
   # 0.115 s eager: now replayed where the last chat's graph fits. Predicted: new chats' first token ~0.35 s.)
-  timeout 240 python3 benchmarks/bench_cold_load.py --vram-budget 8 --shape qwen3.6-35b-a3b --folder /tmp/ftw-q36 \
+  timeout 230 python3 benchmarks/bench_cold_load.py --vram-budget 8 --shape qwen3.6-35b-a3b --folder /tmp/ftw-q36 \
     --decode-steps 3 --new-chats 2 --profile-new-chat "$OUT/prof_chat.txt" --long-prompts 76 \
     --python-profile "$OUT/prof_prompt76.txt" --out "$OUT/warm.json" > "$OUT/warm.txt" 2>&1
   echo "warm-up load rc=$?"; head -40 "$OUT/prof_chat.txt"; head -30 "$OUT/prof_prompt76.txt"
@@ -1916,7 +1916,7 @@ elif [ "$1" = s40a ]; then
 [print(p['tokens'], p['step_seconds']) for p in r['long_prompts']]"
   for v in new old; do
     [ $v = new ] && e=X=1 || e=FREETOKEN_DECODE_ATTENTION=0
-    env "$e" timeout 100 python3 benchmarks/bench_cold_load.py --vram-budget 8 --shape qwen3.6-35b-a3b \
+    env "$e" timeout 95 python3 benchmarks/bench_cold_load.py --vram-budget 8 --shape qwen3.6-35b-a3b \
       --folder /tmp/ftw-q36 --decode-steps 3300 --out "$OUT/long_$v.json" > "$OUT/long_$v.txt" 2>&1
     echo "long answer $v rc=$?"
     answer_steps "$OUT/long_$v.json"
