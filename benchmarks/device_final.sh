@@ -134,6 +134,7 @@
 #   (device) bash benchmarks/device_final.sh s32b # session 30: qwen3.6's prefill in 8K/16K chunks; resident prefill peak
 #   (device) bash benchmarks/device_final.sh s32c # session 30: the engine's long prompts at 8 GiB, each with its VRAM peak
 #   (device) bash benchmarks/device_final.sh s32d # session 30: s32c again with K/V copied a group at a time; pieces A/B
+#   (device) bash benchmarks/device_final.sh s40b # s40a cut to ~6 device minutes, no A/B
 #   (device) bash benchmarks/device_final.sh s40a # next: a 3,300-token answer, doubling buckets (recorded unwarmed) + Triton attention A/B
 #   (device) bash benchmarks/device_final.sh s39c # session 39 ran it: the CUDA tests of doubling buckets; its answer ran out of time
 #   (device) bash benchmarks/device_final.sh s39b # session 39 ran it: the failed CUDA tests again; a long answer's bucket stall, three ways
@@ -1891,6 +1892,20 @@ elif [ "$1" = s39c ]; then
   echo "long answer rc=$?"
   answer_steps "$OUT/long_new.json"
   wait $tests_pid; cat "$OUT/cuda_tests_tail.txt"; grep -E "^E |Error" "$OUT/cuda_tests.log" | head -20
+elif [ "$1" = s40b ]; then
+  # s40a cut to ~6 device minutes (session 40's budget went to refused starts): the CUDA tests, then one load whose
+  # first conversation answers 2,100 tokens (its stalls at 949 and 1,973: the second one's bucket recorded unwarmed),
+  # a new chat profiled to its first token, and a 76-token prompt. No old-path A/B: s39a/s39b's stalls on earlier
+  # H100 hosts (0.50-0.68 s each) are the reference. Predicted: the stall at 1,973 ~0.3 s, at 949 ~0.6 s (batch 1's
+  # first recording there: warmed); the new chat's first token ~0.35 s
+  cuda_tests 140 tests/test_decode_graph.py tests/test_decode_graph_batch.py tests/test_kv_buffers.py
+  timeout 230 python3 benchmarks/bench_cold_load.py --vram-budget 8 --shape qwen3.6-35b-a3b --folder /tmp/ftw-q36 \
+    --decode-steps 2100 --new-chats 1 --profile-new-chat "$OUT/prof_chat.txt" --long-prompts 76 \
+    --python-profile "$OUT/prof_prompt76.txt" --out "$OUT/warm.json" > "$OUT/warm.txt" 2>&1
+  echo "load rc=$?"; answer_steps "$OUT/warm.json"; head -40 "$OUT/prof_chat.txt"; head -25 "$OUT/prof_prompt76.txt"
+  python3 -c "import json; r = json.load(open('$OUT/warm.json'))['rows'][0]
+[print('chat', c['token_seconds'][:4], c.get('graph_records')) for c in r['new_chats']]
+[print(p['tokens'], p['step_seconds']) for p in r['long_prompts']]"
 elif [ "$1" = s40a ]; then
   # the next session's first call (~8 device minutes on a fresh host). s39c ran the CUDA tests (49 of 50 passed;
   # the other counted recordings by 2-token buckets with doubling on, now told not to) but its long answer ran out
