@@ -562,7 +562,8 @@ def run_child(args) -> int:
     # more new conversations after the first one ends: does each pay a decode graph's recording at its second token
     # (the graph key holds its KV buffers' addresses), or do they land where the last one's were
     result["new_chats"] = [new_chat(engine, salted_prompt(engine, len(prompt), salt=200 + i), cuda,
-                                    args.decode_steps, args.profile_new_chat if i == 0 else None)
+                                    args.new_chat_steps if args.new_chat_steps is not None else args.decode_steps,
+                                    args.profile_new_chat if i == 0 else None)
                            for i in range(args.new_chats)]
     prompts = [salted_prompt(engine, n, salt=i) for i, n in enumerate(args.long_prompts)]
     for _ in range(args.resend if prompts else 0):
@@ -890,6 +891,8 @@ def parse_args(argv):
                     help="profile the first long prompt's steps (without --long-prompts: the first conversation's "
                          "decode steps after its first recording) with cProfile and write the slowest one's "
                          "functions by cumulative time to FILE: first-time work inside a step (a compile) by name")
+    ap.add_argument("--new-chat-steps", type=int, metavar="N",
+                    help="decode steps of each --new-chats conversation (default: --decode-steps)")
     ap.add_argument("--profile-new-chat", metavar="FILE",
                     help="with --new-chats: the second conversation's steps up to its first token under cProfile, "
                          "by cumulative time to FILE (s37d, s39a: 0.42-0.50 s where the first conversation's took "
@@ -926,6 +929,8 @@ def measure_in_subprocess(args, package: Path, budget_gib: float) -> dict:
             cmd += ["--python-profile", args.python_profile]
         if args.profile_new_chat:
             cmd += ["--profile-new-chat", args.profile_new_chat]
+        if args.new_chat_steps is not None:
+            cmd += ["--new-chat-steps", str(args.new_chat_steps)]
         if args.gdn_piece is not None:
             cmd += ["--gdn-piece", str(args.gdn_piece)]
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}

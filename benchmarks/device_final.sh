@@ -1900,7 +1900,7 @@ elif [ "$1" = s40b ]; then
   # first recording there: warmed); the new chat's first token ~0.35 s
   cuda_tests 140 tests/test_decode_graph.py tests/test_decode_graph_batch.py tests/test_kv_buffers.py
   timeout 230 python3 benchmarks/bench_cold_load.py --vram-budget 8 --shape qwen3.6-35b-a3b --folder /tmp/ftw-q36 \
-    --decode-steps 2100 --new-chats 1 --profile-new-chat "$OUT/prof_chat.txt" --long-prompts 76 \
+    --decode-steps 2100 --new-chats 1 --new-chat-steps 3 --profile-new-chat "$OUT/prof_chat.txt" --long-prompts 76 \
     --python-profile "$OUT/prof_prompt76.txt" --out "$OUT/warm.json" > "$OUT/warm.txt" 2>&1
   echo "load rc=$?"; answer_steps "$OUT/warm.json"; head -40 "$OUT/prof_chat.txt"; head -25 "$OUT/prof_prompt76.txt"
   python3 -c "import json; r = json.load(open('$OUT/warm.json'))['rows'][0]

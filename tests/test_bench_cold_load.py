@@ -146,18 +146,19 @@ def test_benchmark_times_new_conversations_token_by_token(tmp_path, capsys):
     out, functions = tmp_path / "cold.json", tmp_path / "chat.txt"
     assert bench.main(["--folder", str(tmp_path / "pkg"), "--layers", "1", "--experts", "8", "--vocab", "1024",
                        "--vram-budget", "0", "--device", "cpu", "--decode-steps", "3", "--out", str(out),
-                       "--new-chats", "2", "--profile-new-chat", str(functions)]) == 0
+                       "--new-chats", "2", "--new-chat-steps", "2", "--profile-new-chat", str(functions)]) == 0
     (row,) = json.loads(out.read_text())["rows"]
     chats = row["new_chats"]
     listed = functions.read_text()
     assert listed.startswith(f"a new conversation's steps to its first token of {chats[0]['token_seconds'][0]:.4f} s")
     assert "cumulative" in listed and "(step)" in listed
     assert len(chats) == 2 and all(c["tokens"] == row["prompt_tokens"] and c["error"] is None for c in chats)
-    assert all(len(c["token_seconds"]) == 4 and all(t > 0 for t in c["token_seconds"]) for c in chats)
+    assert all(len(c["token_seconds"]) == 3 and all(t > 0 for t in c["token_seconds"]) for c in chats)
     assert all(c["graph_records"] is None for c in chats)          # a CPU engine records no decode graphs
     printed = capsys.readouterr().out
     table = printed.split("| decode graphs recorded (s) | error |")[1]
     assert "| 0 | 1 | 2 |" in table and "| 0 | 1 | 3 |" in table and "| - | - |" in table
+    assert len(row["steps"]) == 4                                  # the first conversation: --decode-steps 3
 
 
 def test_benchmark_times_a_conversation_decoding_beside_the_long_prompts(tmp_path, capsys):
