@@ -134,8 +134,8 @@
 #   (device) bash benchmarks/device_final.sh s32b # session 30: qwen3.6's prefill in 8K/16K chunks; resident prefill peak
 #   (device) bash benchmarks/device_final.sh s32c # session 30: the engine's long prompts at 8 GiB, each with its VRAM peak
 #   (device) bash benchmarks/device_final.sh s32d # session 30: s32c again with K/V copied a group at a time; pieces A/B
-#   (device) bash benchmarks/device_final.sh s40b # s40a cut to ~6 device minutes, no A/B
-#   (device) bash benchmarks/device_final.sh s40a # next: a 3,300-token answer, doubling buckets (recorded unwarmed) + Triton attention A/B
+#   (device) bash benchmarks/device_final.sh s40b # session 40 ran it: s40a cut to ~6 device minutes, no A/B
+#   (device) bash benchmarks/device_final.sh s40a # next (its A/B; the rest ran as s40b): a 3,300-token answer, doubling buckets (recorded unwarmed) + Triton attention A/B
 #   (device) bash benchmarks/device_final.sh s39c # session 39 ran it: the CUDA tests of doubling buckets; its answer ran out of time
 #   (device) bash benchmarks/device_final.sh s39b # session 39 ran it: the failed CUDA tests again; a long answer's bucket stall, three ways
 #   (device) bash benchmarks/device_final.sh s39a # session 39 ran it: qwen3.6's new chats and a 1,100-token answer
