@@ -50,7 +50,7 @@ LOCK_AHEAD_TOKENS = 512         # a request's answer counted when locking its st
 # a chunk boundary), replays a decode graph only where its step's recording exists - a new conversation in the last
 # one's KV buffers and state slot (runtime/kv_buffers.py) has the same graph key - and else runs eagerly: recording
 # there would sit inside the time to first token, and the first decode step records the same key anyway, after the
-# first token is out. (qwen3.6's 40 layers: the eager tail 0.115 s, a replayed step 0.012, s37b/s39a.) True: every
+# first token is out. (qwen3.6's 40 layers: the eager tail 0.115 s, s37b; replayed 0.017, s40b.) True: every
 # tail through the graphs, recording where needed (before session 33; benchmarks' --graph-prompt-tails).
 GRAPH_PROMPT_TAILS = False
 
