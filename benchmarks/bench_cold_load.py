@@ -534,7 +534,7 @@ def run_child(args) -> int:
             if py_prof is not None and (slowest is None or timer.now() - t > slowest[0]):
                 slowest = (timer.now() - t, py_prof)
             got = sum(1 for e in events if e.request_id == rid and e.token_id is not None)
-            label = ("first token (prefill + sample)" if tokens == 0 else
+            label = ("first token (the step that returns it + sample)" if tokens == 0 else
                      "first decode step (eager + CUDA graph recording)" if tokens == 1 else "decode step (steady)")
             if got:
                 timer.phases.append(Phase(label, 0, t, timer.now()))

@@ -123,7 +123,7 @@ def test_benchmark_runs_end_to_end(tmp_path, capsys):
     phases = {p["phase"]: p for p in row["phases"]}
     assert row["not_found"] == []                        # every wrapped function still exists under its name
     for name in ("open package (manifest, file sizes)", "dense weights to the device", "tokenizer",
-                 "first token (prefill + sample)", "decode step (steady)"):
+                 "first token (the step that returns it + sample)", "decode step (steady)"):
         assert phases[name]["seconds"] > 0, name
     assert 0 < row["load_s"] < row["load_to_first_token_s"]
     assert row["rss_peak"] >= row["rss_after_load"] > 0
