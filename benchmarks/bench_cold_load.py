@@ -672,13 +672,13 @@ def new_chat(engine, ids: list[int], cuda: bool, decode_steps: int, python_profi
     token_seconds, waited, done = [], 0.0, False
     py_prof = cProfile.Profile() if python_profile else None
     while not done:
-        with py_prof if py_prof is not None and not token_seconds else contextlib.nullcontext():
+        profiled = py_prof is not None and not token_seconds          # the steps up to the first token
+        with py_prof if profiled else contextlib.nullcontext():
             events, took = _timed_step(engine, cuda)
         waited += took
-        if py_prof is not None and not token_seconds and any(e.token_id is not None for e in events
-                                                              if e.request_id == rid):
-            _write_profile(python_profile, (waited, py_prof), "a new conversation's steps to its first token")
         if any(e.token_id is not None for e in events if e.request_id == rid):
+            if profiled:
+                _write_profile(python_profile, (waited, py_prof), "a new conversation's steps to its first token")
             token_seconds.append(round(waited, 4))
             waited = 0.0
         done = any(e.finished for e in events if e.request_id == rid)
@@ -894,9 +894,8 @@ def parse_args(argv):
     ap.add_argument("--new-chat-steps", type=int, metavar="N",
                     help="decode steps of each --new-chats conversation (default: --decode-steps)")
     ap.add_argument("--profile-new-chat", metavar="FILE",
-                    help="with --new-chats: the second conversation's steps up to its first token under cProfile, "
-                         "by cumulative time to FILE (s37d, s39a: 0.42-0.50 s where the first conversation's took "
-                         "0.15)")
+                    help="with --new-chats: the second conversation's steps up to its first token (its whole "
+                         "TTFT) under cProfile, by cumulative time to FILE")
     ap.add_argument("--repeat", type=int, default=1,
                     help="fresh processes per budget (the first may compile numba/Triton kernels into their caches)")
     ap.add_argument("--shape", default="qwen3-30b-a3b", choices=sorted(SHAPES),

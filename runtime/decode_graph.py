@@ -282,16 +282,15 @@ class DecodeGraphs:
                         for p, c in zip(positions, caches))
         layouts = tuple(_layout(cache, bucket) for cache, bucket in zip(caches, buckets))   # reserves the buckets
         key = (b, buckets, layouts)
-        if replay_only and (not self.capture or self._recorded_with() is not self.model.experts
-                            or key not in self._graphs):
+        if self.capture and self._recorded_with() is not self.model.experts:
+            # a recording holds the expert tier it was made with (its pool, tables, mailbox): after a swap
+            # (a benchmark's next row, a rebuilt tier) replaying it would run the old tier's kernels
+            self._drop(self._graphs)
+            self._recorded_with = weakref.ref(self.model.experts)
+        if replay_only and key not in self._graphs:          # (nothing is ever recorded without capture)
             return None
         self._upload(tokens, positions)
         if self.capture:
-            if self._recorded_with() is not self.model.experts:
-                # a recording holds the expert tier it was made with (its pool, tables, mailbox): after a swap
-                # (a benchmark's next row, a rebuilt tier) replaying it would run the old tier's kernels
-                self._drop(self._graphs)
-                self._recorded_with = weakref.ref(self.model.experts)
             graph = self._graphs.get(key)
             if graph is None:
                 warmed = self._warmed(b, doubling)
@@ -378,12 +377,17 @@ class DecodeGraphs:
         b = len(caches)
         statics = []
         for i, bucket in enumerate(buckets):
-            key_pos = self._key_pos.get(bucket)
-            if key_pos is None:
-                key_pos = self._key_pos[bucket] = torch.arange(bucket, device=self.device)
-            statics.append(StaticKV(write_at=self._inputs[b + i:b + i + 1], key_pos=key_pos, bucket=bucket))
+            statics.append(StaticKV(write_at=self._inputs[b + i:b + i + 1], key_pos=self._key_positions(bucket),
+                                    bucket=bucket))
         return Batch(self._inputs[:b], self._inputs[b:2 * b], [1] * b, list(caches), static_kv=statics,
                      static_slots=self._slots(caches))
+
+    def _key_positions(self, bucket: int) -> torch.Tensor:
+        """0..bucket-1 on the device, made once per bucket (graphs of that bucket read it at every replay)."""
+        key_pos = self._key_pos.get(bucket)
+        if key_pos is None:
+            key_pos = self._key_pos[bucket] = torch.arange(bucket, device=self.device)
+        return key_pos
 
     def _forward(self, caches, buckets, experts) -> torch.Tensor:
         batch = self._static_batch(caches, buckets)
@@ -433,8 +437,7 @@ class DecodeGraphs:
         recording)."""
         slots = self._slots(caches)               # made (if new) before the recording: an upload cannot be recorded
         for bucket in buckets:                    # so are the key positions (a step recorded unwarmed makes none)
-            if bucket not in self._key_pos:
-                self._key_pos[bucket] = torch.arange(bucket, device=self.device)
+            self._key_positions(bucket)
         stream = self._capture_stream()
         stream.wait_stream(torch.cuda.current_stream(self.device))
         self._recording = {"pieces": [torch.cuda.CUDAGraph()], "boundaries": []}

@@ -116,7 +116,7 @@ def test_a_prompts_lone_last_token_runs_eagerly(ftw_packages, device, monkeypatc
 
 def test_a_prompts_lone_last_token_replays_a_recording_that_exists(ftw_packages, device):
     """A second conversation lands in the first one's KV buffers (runtime/kv_buffers.py), so its prompt's lone last
-    token has a recorded step's graph key: on the GPU it replays that recording (qwen3.6: ~0.012 s against the eager
+    token has a recorded step's graph key: on the GPU it replays that recording (qwen3.6: 0.017 s against the eager
     tail's 0.115) and records nothing; the tokens are a plain engine's. On a CPU (nothing recorded) it runs eagerly."""
     path = ftw_packages("qwen3_moe")
     sampling = SamplingParams(temperature=0.0, max_tokens=4, stop_token_ids=[])
