@@ -71,6 +71,7 @@ TARGET_LOAD_TO_FIRST_TOKEN_S = 15.0      # issue 10
 TARGET_RSS_OVER_PACKAGE = 2 * GiB        # issue 10: peak host RSS <= package + 2 GiB
 DENSE_POOL_BYTES = 64 << 20              # random bf16 values tiled over every dense tensor
 WRITE_CHUNK = 64 << 20
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")   # copied into the package
 BESIDE_STEPS_AFTER = 8                  # --beside: the decoding conversation's steps timed after each prompt
 CHAT = [{"role": "system", "content": "You are a helpful assistant."},
         {"role": "user", "content": "Hello, world! How are you today? Tell me about the weather in Paris."}]
@@ -175,8 +176,11 @@ def write_package(folder: Path, shape: PackageShape, *, say=print) -> dict:
         return {"path": str(folder), "reused": True, "seconds": time.perf_counter() - t0, "nbytes": nbytes}
 
     # tokenizer first, into a scratch folder: its ids name the EOS tokens config.json and the manifest carry
-    scratch = Path(tempfile.mkdtemp(prefix="cold-load-tok-"))
-    ids = write_tokenizer(scratch)
+    # (read back into memory, so the scratch folder is gone before anything can fail)
+    with tempfile.TemporaryDirectory(prefix="cold-load-tok-") as scratch:
+        ids = write_tokenizer(Path(scratch))
+        tokenizer_files = {name: (Path(scratch) / name).read_bytes() for name in TOKENIZER_FILES
+                           if (Path(scratch) / name).is_file()}
     if ids["vocab_size"] > shape.vocab:
         raise ValueError(f"--vocab {shape.vocab} is smaller than the fixture tokenizer's {ids['vocab_size']} tokens")
     config = shape.config(bos=ids["bos"], eos=ids["gen_eos"][0])
@@ -276,15 +280,13 @@ def write_package(folder: Path, shape: PackageShape, *, say=print) -> dict:
             if k % 8 == 0 or k == len(units) - 1:
                 rate = written / max(1e-9, time.perf_counter() - t0) / GB
                 say(f"  {unit}: {written / GB:.1f} GB written ({rate:.2f} GB/s)")
-        for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
-            if (scratch / name).is_file():
-                (writer.partial / name).write_bytes((scratch / name).read_bytes())
+        for name, data in tokenizer_files.items():
+            (writer.partial / name).write_bytes(data)
         manifest = json.loads(json.dumps(skeleton))
         for name, digest in dense_sums.items():
             manifest["dense"]["tensors"][name]["checksum"] = digest
         manifest["experts"]["layer_checksums"] = layer_sums
-        manifest["tokenizer_files"] = [n for n in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
-                                       if (writer.partial / n).is_file()]
+        manifest["tokenizer_files"] = list(tokenizer_files)
         manifest["generation_config"] = {"eos_token_id": ids["gen_eos"], "pad_token_id": ids["pad"]}
         writer.finish(manifest, overwrite=True)
     finally:

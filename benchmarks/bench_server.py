@@ -20,6 +20,7 @@ import argparse
 import asyncio
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -163,6 +164,7 @@ def main() -> int:
     finally:
         server.terminate()
         server.wait(30)
+        shutil.rmtree(home, ignore_errors=True)      # the temporary home (and its demo model)
     print(f"model: {model.name}; {args.tokens} tokens per stream, greedy; torch threads {args.threads}; "
           f"device {args.device}\n")
     print("| streams | direct tok/s | HTTP tok/s | HTTP/direct | direct ITL p50 / p99 ms | "

@@ -26,15 +26,22 @@ TINY = bench.PackageShape(layers=2, hidden=128, heads=4, kv_heads=2, head_dim=32
                           expert_pool_mib=1)
 
 
-def test_written_package_verifies_loads_and_answers(tmp_path):
+def test_written_package_verifies_loads_and_answers(tmp_path, monkeypatch):
+    import tempfile
+
     import torch
 
     from runtime.engine import Engine, SamplingParams
     from runtime.ftw.verify import verify
 
+    scratch = tmp_path / "tmp"
+    scratch.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(scratch))
     out = tmp_path / "pkg"
     info = bench.write_package(out, TINY, say=lambda *_: None)
     assert not info["reused"]
+    assert not list(scratch.glob("cold-load-tok-*"))            # the tokenizer's scratch folder is gone
+    assert set(json.loads((out / "manifest.json").read_text())["tokenizer_files"]) == set(bench.TOKENIZER_FILES)
     assert not out.with_name("pkg.partial").exists()          # written through the writer's atomic finish
     report = verify(out)
     assert report.ok, report.bad                                # every dense tensor and expert layer hashes right
