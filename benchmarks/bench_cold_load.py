@@ -588,6 +588,7 @@ def run_child(args) -> int:
         print(f"    prompt of {row['tokens']:,} tokens: first token in {row['seconds']:.2f} s", flush=True)
     if beside is not None:
         engine.cancel(beside)
+    result["expert_stats"] = engine.stats()["experts"]      # the tier's totals: what each side did
     Path(args.child_out).write_text(json.dumps(result, indent=1, default=str))
     return 0
 

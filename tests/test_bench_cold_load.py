@@ -166,6 +166,8 @@ def test_benchmark_times_new_conversations_token_by_token(tmp_path, capsys):
     table = printed.split("| decode graphs recorded (s) | error |")[1]
     assert "| 0 | 1 | 2 |" in table and "| 0 | 1 | 3 |" in table and "| - | - |" in table
     assert len(row["steps"]) == 4                                  # the first conversation: --decode-steps 3
+    # the expert tier's own stats (a hybrid tier's: each side's totals, whether the split stream was on)
+    assert row["expert_stats"]["backend"] == row["plan"]["backend"] == "resident"
 
 
 def test_benchmark_times_a_conversation_decoding_beside_the_long_prompts(tmp_path, capsys):

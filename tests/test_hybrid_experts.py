@@ -248,6 +248,72 @@ def test_prefill_streaming_double_buffers_across_layers():
     assert c.stream_calls == 8 and c.bytes_streamed >= 8 * 4 * store.block_nbytes
 
 
+def test_a_split_stream_matches_the_reference_whatever_prefix_each_layer_got():
+    """A mid-size chunk streams experts [0, k) and the CPU computes the rest's assignments: the output is the
+    reference's for every k - none, some, all - including a layer staged ahead with another chunk's k, and the
+    counters say what each side did (k blocks copied per call, the CPU's distinct experts)."""
+    import itertools
+
+    gen = torch.Generator().manual_seed(10)
+    e = 16
+    store = HostExpertStore.synthetic(layers=3, num_experts=e, hidden=64, intermediate=32, codec="int4", group=32,
+                                      weight_std=0.2, seed=4)
+    hybrid = HybridExperts(store, ExpertSpec(), device=CPU, dtype=torch.float32,
+                           options=HybridOptions(slots=2, top_k=2, stream_threshold=8, stream_on_cpu=True,
+                                                 stream_split=True))
+    prefixes = itertools.cycle([5, 16, 1, 9, 0, 12])
+    asked = []
+    hybrid._stream_prefix = lambda t: asked.append(next(prefixes)) or asked[-1]     # noqa: E731
+    for layer in (0, 1, 2, 0, 2, 1, 1, 0):
+        t = int(torch.randint(8, 24, (1,), generator=gen))
+        x = torch.randn(t, 64, generator=gen)
+        ids, w = random_routing(gen, t, e, 2)
+        torch.testing.assert_close(hybrid(layer, x, ids, w), reference(store, ExpertSpec(), layer, x, ids, w),
+                                   rtol=1e-4, atol=1e-5)
+    c = hybrid.counters.total
+    assert c.stream_calls == 8
+    # every prefix asked for was copied, and only those blocks (staged ones too, some overwritten before use)
+    assert hybrid.transport.bytes_copied == sum(asked) * store.block_nbytes
+    assert c.bytes_streamed < c.stream_calls * e * store.block_nbytes
+    assert 0 < c.cpu_experts and c.cpu_seconds > 0 and c.bytes_cpu_read == c.cpu_experts * store.block_nbytes
+    assert hybrid._cpu_assignment_s is not None and hybrid._cpu_assignment_s > 0     # learned from those calls
+    shown = hybrid.stats_dict()["stream_split"]                                        # (the stats event's)
+    assert shown["on"] is True and shown["cpu_assignment_us"] == round(hybrid._cpu_assignment_s * 1e6, 3)
+
+
+def test_the_stream_prefix_balances_the_copy_against_the_cpu(monkeypatch):
+    """Off (the default, until a GPU A/B): the whole layer. On: at the stream threshold - where the CPU's part of
+    every expert would take as long as the copy - half the experts; more as chunks grow, all of them once the CPU's
+    part would be under 1/32 of the experts; a CPU measured slower than modelled gets fewer."""
+    from runtime.experts.hybrid import STREAM_SPLIT_MIN_PART, stream_threshold_tokens
+
+    e, d, i, k = 128, 256, 128, 8
+    store = HostExpertStore.synthetic(layers=1, num_experts=e, hidden=d, intermediate=i, codec="int4", group=32,
+                                      seed=5)
+    monkeypatch.delenv("FREETOKEN_STREAM_SPLIT", raising=False)
+
+    def tier(**options):
+        return HybridExperts(store, ExpertSpec(), device=CPU, dtype=torch.float32,
+                             options=HybridOptions(slots=0, top_k=k, h2d_gbps=10.0, stream_on_cpu=True, **options))
+
+    assert tier().stream_split is False and tier()._stream_prefix(64) == e
+    monkeypatch.setenv("FREETOKEN_STREAM_SPLIT", "1")
+    on = tier()
+    assert on.stream_split is True and tier(stream_split=False).stream_split is False
+    threshold = stream_threshold_tokens(num_experts=e, top_k=k, block_nbytes=store.block_nbytes, hidden=d,
+                                        intermediate=i, h2d_gbps=10.0)
+    assert 32 <= threshold < 32 * e // k                 # (below the issue's rule: the balance sets it)
+    assert abs(on._stream_prefix(threshold) - e / 2) <= 2
+    ks = [on._stream_prefix(t) for t in (threshold, 2 * threshold, 8 * threshold)]
+    assert ks == sorted(ks) and len(set(ks)) == 3 and ks[-1] < e
+    big = on._stream_prefix(1 << 20)
+    assert big == e                                       # the CPU's part would be a fraction of an expert
+    assert e - on._stream_prefix(16 * threshold) >= e // STREAM_SPLIT_MIN_PART or on._stream_prefix(16 * threshold) == e
+    modelled = on._stream_prefix(threshold)
+    on._cpu_assignment_s = 4 * 6 * d * i / 0.3e12        # the CPU measured 4x slower than the model: more streams
+    assert on._stream_prefix(threshold) > modelled
+
+
 def test_the_last_chunk_of_a_prompt_stages_no_layer_ahead():
     """The last layer stages the first one ahead only while the engine says another prefill chunk follows: after a
     prompt's last chunk that copy would serve nobody (and hold up the copy stream's decode promotions)."""

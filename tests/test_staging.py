@@ -359,6 +359,44 @@ def test_prefill_from_a_pageable_store_on_cuda_matches_the_pinned_store(device):
         assert torch.equal(a, b)
 
 
+@pytest.mark.parametrize("pin", [True, False])
+@pytest.mark.parametrize("zero_copy", [False, True])
+def test_a_split_stream_on_cuda_matches_the_reference(device, pin, zero_copy):
+    """On the GPU machine: mid-size chunks whose layers stream a prefix of their experts while the CPU computes the
+    rest (FREETOKEN_STREAM_SPLIT's path; every prefix from none to all, staged ones included), from a pinned and a
+    pageable store, beside the zero-copy worker or not, give the reference's outputs in bf16 as closely as the
+    unsplit stream does, and the CPU took part."""
+    import itertools
+
+    if device != "cuda":
+        pytest.skip("needs the GPU machine (--device cuda)")
+    dev = torch.device("cuda")
+    store = HostExpertStore.synthetic(layers=3, num_experts=16, hidden=256, intermediate=128, codec="int4",
+                                      group=32, weight_std=0.2, seed=7, pin=pin)
+    errors = {}
+    for split in (False, True):
+        hybrid = HybridExperts(store, ExpertSpec(), device=dev, dtype=torch.bfloat16,
+                               options=HybridOptions(slots=4, top_k=2, stream_threshold=16, zero_copy=zero_copy,
+                                                     stream_split=split))
+        prefixes = itertools.cycle([5, 16, 1, 9, 0, 12])
+        if split:
+            hybrid._stream_prefix = lambda t: next(prefixes)        # noqa: E731
+        g = torch.Generator().manual_seed(6)
+        errors[split] = []
+        for layer in (0, 1, 2, 1, 0, 2):
+            x = torch.randn(40, 256, generator=g)
+            ids, w = random_routing(g, 40, 16, 2)
+            with torch.inference_mode():                 # as the engine runs it
+                got = hybrid(layer, x.to(dev, torch.bfloat16), ids.to(dev), w.to(dev)).float().cpu()
+            want = reference(store, ExpertSpec(), layer, x.to(torch.bfloat16).float(), ids, w)
+            errors[split].append(float((got - want).norm() / want.norm()))
+        c = hybrid.counters.total
+        assert c.stream_calls == 6 and (c.cpu_experts > 0) == split
+        hybrid.close()
+        hybrid.transport.close()
+    assert max(errors[True]) < 2e-2 and max(errors[True]) < 2 * max(errors[False]) + 1e-3, errors
+
+
 @pytest.mark.parametrize("split", ["cpu", "fetch"])
 def test_decode_from_a_pageable_store_on_cuda_matches_the_reference(device, split):
     """On the GPU machine: host-driven decode over a pageable store - promotions (split "cpu") or fetches (split

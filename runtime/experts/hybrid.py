@@ -64,6 +64,8 @@ STREAM_TOKENS_PER_ACTIVE_SHARE = 32   # stream a layer when tokens >= 32 * E / K
 MIN_STREAM_TOKENS = 32                # ...or sooner, when the CPU would take longer than the stream (below)
 CPU_EXPERT_FLOPS = 0.3e12             # the int8 CPU kernel on mid-size batches: ~0.3 TFLOP/s measured on the
                                       # H200 host's 16 cores (a 200-token turn: ~15 GFLOP per layer in 47 ms)
+STREAM_SPLIT_MIN_PART = 32            # a split stream leaves the CPU at least 1/32 of the experts, or none
+CPU_COST_MEMORY = 0.3                 # the learned CPU cost per assignment: weight of the newest call (an EMA)
 
 
 def stream_threshold_tokens(*, num_experts: int, top_k: int, block_nbytes: int, hidden: int, intermediate: int,
@@ -131,6 +133,10 @@ class HybridOptions:
                                                 # first rows); None: CpuShareWorker's default (on)
     host_only_layers: tuple[int, ...] = ()      # on a CPU device (tests): layer indices treated as a GPU's host-only
                                                 # ones (on CUDA: the layers the store could not page-lock)
+    stream_split: bool | None = None            # a streamed call of mid size copies only a prefix of the layer's
+                                                # experts; the CPU computes the assignments to the rest beside the
+                                                # copy (`_stream_prefix`, session 41). None: FREETOKEN_STREAM_SPLIT=1
+                                                # turns it on - off until a GPU A/B has measured it
 
 
 class HybridExperts:
@@ -188,11 +194,15 @@ class HybridExperts:
             hidden=store.layout.hidden, intermediate=store.layout.intermediate,
             h2d_gbps=options.h2d_gbps if self.cuda and options.slots else 0.0)
         self._stage = None                      # two device buffers [E, nbytes] for prefill streaming
+        self.stream_split = options.stream_split if options.stream_split is not None else \
+            os.environ.get("FREETOKEN_STREAM_SPLIT", "0") == "1"
+        self._cpu_assignment_s: float | None = None   # learned CPU seconds per assignment of a split stream
         # whether another prefill chunk follows this forward (the engine says so before each; unknown: True).
         # The last layer stages the first one ahead only then: after a prompt's last chunk that copy (a layer,
         # ~330 MB for qwen3-30b) would serve nobody and hold up the copy stream's first decode promotions
         self.prefill_continues = True
-        self._staged: dict[int, tuple[int, object]] = {}   # layer -> (buffer index, copy event or Staged)
+        # layer -> (buffer index, copy event or Staged, experts copied: a prefix [0, k) of the layer's)
+        self._staged: dict[int, tuple[int, object, int]] = {}
         self._stage_free: list[object] = [None, None]       # event after which each buffer may be overwritten
         self.stream_wait_s = 0.0                # the decoding thread's time waiting for staged layers (stats)
         self._promotions: list[tuple[Key, int, object]] = []
@@ -816,18 +826,22 @@ class HybridExperts:
 
     # ------------------------------------------------------------------ many tokens
     def _streamed(self, layer, hidden, topk_ids, topk_weights) -> torch.Tensor:
+        e = self.store.num_experts
         if self._stage is None:
-            self._stage = torch.empty((2, self.store.num_experts, self.store.block_nbytes), dtype=torch.uint8,
-                                      device=self.device)
-        buf_idx, ready = self._staged.pop(layer, (None, None))
+            self._stage = torch.empty((2, e, self.store.block_nbytes), dtype=torch.uint8, device=self.device)
+        buf_idx, ready, k = self._staged.pop(layer, (None, None, e))
         if buf_idx is None:
+            k = self._stream_prefix(hidden.shape[0])
             buf_idx = self._free_buffer()
-            ready = self._copy_layer(layer, buf_idx)
-        # double buffering: the next layer's experts cross PCIe while this layer computes
+            ready = self._copy_layer(layer, buf_idx, k)
+        # double buffering: the next layer's experts cross PCIe while this layer computes (its call most likely
+        # carries this chunk's tokens: its prefix is chosen for them)
         nxt = self._next_layer(layer)
         if nxt is not None and nxt not in self._staged:
-            other = 1 - buf_idx
-            self._staged[nxt] = (other, self._copy_layer(nxt, other))
+            other, k_next = 1 - buf_idx, self._stream_prefix(hidden.shape[0])
+            self._staged[nxt] = (other, self._copy_layer(nxt, other, k_next), k_next)
+        if k < e:
+            return self._streamed_split(layer, hidden, topk_ids, topk_weights, buf_idx, ready, k)
         t0 = time.perf_counter()
         self._wait(ready)               # (a staged layer: blocks until the ring's thread has shipped it)
         self.stream_wait_s += time.perf_counter() - t0
@@ -840,15 +854,70 @@ class HybridExperts:
                        bytes_streamed=e * self.store.block_nbytes)
         return out.to(hidden.dtype)
 
-    def _copy_layer(self, layer: int, buf_idx: int):
+    def _streamed_split(self, layer, hidden, topk_ids, topk_weights, buf_idx, ready, k) -> torch.Tensor:
+        """A mid-size call: experts [0, k) were copied (or are crossing now) into the stage; the CPU computes the
+        assignments to the others beside that copy and the next layer's, then the GPU the prefix's over the stage.
+        The CPU goes first because the grouped pass reads its slot list on the host (a sync): before the CPU, it
+        would hold the CPU's work back until this layer's copy had landed."""
+        self._start_to_host(hidden, topk_ids, topk_weights)
+        ids_h, w_h, x_h = self._finish_to_host(hidden, topk_ids, topk_weights)    # [T, K], [T, K], [T, D]: a sync
+        seen = self._seen
+        seen[ids_h] = True
+        uniq = np.flatnonzero(seen)                                               # [U] sorted distinct experts
+        seen[uniq] = False
+        self.routing.add_distinct(layer, uniq)
+        tok, kk = np.nonzero(ids_h >= k)                                          # [A] the CPU's assignments
+        c0 = time.perf_counter()
+        cpu_out = self.cpu.run(layer, x_h, tok, ids_h[tok, kk], w_h[tok, kk], **self._host_kernel_threads())
+        cpu_s = time.perf_counter() - c0
+        if len(tok):           # learned from the model's figure on (one slow first call moves it 30 %, not all the way)
+            self._cpu_assignment_s = (1 - CPU_COST_MEMORY) * self._assignment_s() + CPU_COST_MEMORY * cpu_s / len(tok)
+        t0 = time.perf_counter()
+        self._wait(ready)
+        self.stream_wait_s += time.perf_counter() - t0
+        slots = torch.where(topk_ids < k, topk_ids, -1)                           # [T, K] (-1: the CPU's)
+        out = pool_forward_grouped(self._stage[buf_idx], self.layout, self.spec, hidden.to(self.dtype), slots,
+                                   topk_weights)
+        self._stage_free[buf_idx] = self._record()
+        back = self._upload(cpu_out) if self._staged_io else cpu_out.to(self.dtype)
+        out = out.add_(back)
+        n_cpu, nb = int(np.count_nonzero(uniq >= k)), self.store.block_nbytes
+        self.counters.add(stream_calls=1, gpu_experts=k, cpu_experts=n_cpu, bytes_h2d=k * nb, bytes_streamed=k * nb,
+                          bytes_cpu_read=n_cpu * nb, cpu_seconds=cpu_s)
+        return out.to(hidden.dtype)
+
+    def _stream_prefix(self, t: int) -> int:
+        """How many of a layer's experts a streamed call of `t` tokens copies: a prefix [0, k), one range copy.
+        With the split on, k balances the copy (k blocks at the link's rate) against the CPU's part (the
+        assignments to the other E - k experts, t x K x (E - k) / E of them under uniform routing, at the cost
+        per assignment the CPU's earlier split calls took, modelled before any). At the stream threshold that
+        halves a layer's time; a long chunk leaves the CPU almost nothing, and under 1/STREAM_SPLIT_MIN_PART of
+        the experts it gets none (the whole layer streams, as without the split)."""
+        e = self.store.num_experts
+        if not self.stream_split:
+            return e
+        copy_s = self.store.block_nbytes / (max(self.options.h2d_gbps, 1e-3) * 1e9)     # one expert over the link
+        cpu_s = t * self.options.top_k / e * self._assignment_s()                   # one expert's share on the CPU
+        k = math.ceil(e * cpu_s / (copy_s + cpu_s))
+        return e if e - k < max(1, e // STREAM_SPLIT_MIN_PART) else k
+
+    def _assignment_s(self) -> float:
+        """The CPU's seconds per (token, expert) assignment of a split stream: learned, or modelled before any
+        (6 D I flops at CPU_EXPERT_FLOPS, as `stream_threshold_tokens` prices it)."""
+        return self._cpu_assignment_s or 6 * self.layout.hidden * self.layout.intermediate / CPU_EXPERT_FLOPS
+
+    def _copy_layer(self, layer: int, buf_idx: int, k: int):
+        """Copy experts [0, k) of `layer` into stage buffer `buf_idx` (one range copy)."""
         # whatever was staged in this buffer is about to be overwritten: forget it
-        for staged in [k for k, (i, _) in self._staged.items() if i == buf_idx]:
+        for staged in [s for s, (i, _, _) in self._staged.items() if i == buf_idx]:
             del self._staged[staged]
-        return self.transport.submit_range(self.store.layer_buffer(layer), self._stage[buf_idx],
+        if k == 0:
+            return None                  # nothing to copy (the CPU takes the whole layer)
+        return self.transport.submit_range(self.store.layer_buffer(layer)[:k], self._stage[buf_idx][:k],
                                            after=self._stage_free[buf_idx])
 
     def _free_buffer(self) -> int:
-        used = {i for i, _ in self._staged.values()}
+        used = {i for i, _, _ in self._staged.values()}
         return 0 if 0 not in used else 1
 
     def _next_layer(self, layer: int) -> int | None:
@@ -1018,6 +1087,8 @@ class HybridExperts:
                                       "stream_buffers": 0 if self._stage is None else self._stage.numel()})
         d["split"] = {"mode": self.split.mode, "cpu_gbps": round(self.split.cpu_gbps, 2),
                       "pcie_gbps": round(self.split.pcie_gbps, 2)}
+        d["stream_split"] = {"on": self.stream_split, "cpu_assignment_us": None if self._cpu_assignment_s is None
+                             else round(self._cpu_assignment_s * 1e6, 3)}
         if self.zero_copy:
             d["zero_copy"] = {"cpu_share": round(self.cpu_share, 3), "learned": self._share_control is not None,
                               "worker_calls": 0 if self._worker is None else self._worker.requests,
