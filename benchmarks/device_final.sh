@@ -137,7 +137,8 @@
 #   (device) bash benchmarks/device_final.sh s40b # session 40 ran it: s40a cut to ~6 device minutes, no A/B
 #   (device) bash benchmarks/device_final.sh s40a # next (its A/B; the rest ran as s40b): a 3,300-token answer, doubling buckets (recorded unwarmed) + Triton attention A/B
 #   (device) bash benchmarks/device_final.sh s41a # next (written in session 41, which had no device time): the split
-#                                                # stream of mid-size chunks (FREETOKEN_STREAM_SPLIT) A/B, its CUDA tests
+#                                                # stream of mid-size chunks (FREETOKEN_STREAM_SPLIT) A/B: off, on, on
+#                                                # with 14 threads; its CUDA tests
 #   (device) bash benchmarks/device_final.sh s39c # session 39 ran it: the CUDA tests of doubling buckets; its answer ran out of time
 #   (device) bash benchmarks/device_final.sh s39b # session 39 ran it: the failed CUDA tests again; a long answer's bucket stall, three ways
 #   (device) bash benchmarks/device_final.sh s39a # session 39 ran it: qwen3.6's new chats and a 1,100-token answer
@@ -1941,11 +1942,14 @@ elif [ "$1" = s40a ]; then
 elif [ "$1" = s41a ]; then
   # session 41's split stream (hybrid.py `_streamed_split`): a streamed call of mid size copies a prefix of the layer's
   # experts and the CPU computes the rest's assignments beside the copy. Off by default until this A/B. On a fresh
-  # host: its CUDA tests while the package is written, then a warm-up load (compiles), then new chats and prompts of
-  # 76, 300 and 1,000 tokens with the split off and on, each in its own process on the same warm host.
-  # Predicted (qwen3.6, 8 GiB, H100: ~54 GB/s link, 16 cores): a 76-token chat's first token 0.35 s off, ~0.20-0.25 s
-  # on (the CPU takes ~39 % of a layer's experts at the modelled 0.3 TFLOP/s - fewer where the zero-copy worker
-  # keeps cores); the 300-token prompt ~25 % faster; the 1,000-token one within 10 % (the CPU's part under ~5 %)
+  # host: its CUDA tests while the package is written, then a warm-up load (compiles), then new chats (a 76-token
+  # prompt, 16 tokens each) and prompts of 76, 300 and 1,000 tokens, each variant in its own process on the warm host:
+  #   off  - the whole layer streams (today's default)
+  #   on   - the split with the host-driven path's threads: beside the zero-copy worker's 14 lanes that is 1 of 16
+  #          cores, so the CPU gets ~1/17 of the experts. Predicted: within 5 % of off (0.35 s to a chat's token)
+  #   on14 - the split with 14 kernel threads (FREETOKEN_STREAM_SPLIT_THREADS): a second OpenMP pool beside the
+  #          worker's, which session 2 found makes libgomp stop spinning for both (10 -> 33 us a region on the VM).
+  #          Predicted: a chat's first token ~0.20-0.25 s; the decode steps after it (token_seconds[2:]) show the cost
   ( cuda_tests 150 "tests/test_staging.py::test_a_split_stream_on_cuda_matches_the_reference" \
       tests/test_hybrid_experts.py > "$OUT/cuda_tests_tail.txt" ) &
   tests_pid=$!
@@ -1953,14 +1957,18 @@ elif [ "$1" = s41a ]; then
     --decode-steps 3 --out "$OUT/warmup.json" > "$OUT/warmup.txt" 2>&1
   echo "warm-up load rc=$?"
   wait $tests_pid; cat "$OUT/cuda_tests_tail.txt"; grep -E "^E |Error" "$OUT/cuda_tests.log" | head -20
-  for v in off on; do
-    [ $v = on ] && e=FREETOKEN_STREAM_SPLIT=1 || e=FREETOKEN_STREAM_SPLIT=0
-    env "$e" timeout 110 python3 benchmarks/bench_cold_load.py --vram-budget 8 --shape qwen3.6-35b-a3b \
-      --folder /tmp/ftw-q36 --decode-steps 3 --new-chats 3 --long-prompts 76 300 1000 \
+  for v in off on on14; do
+    case $v in
+      off) e=(FREETOKEN_STREAM_SPLIT=0) ;;
+      on) e=(FREETOKEN_STREAM_SPLIT=1) ;;
+      on14) e=(FREETOKEN_STREAM_SPLIT=1 FREETOKEN_STREAM_SPLIT_THREADS=14) ;;
+    esac
+    env "${e[@]}" timeout 100 python3 benchmarks/bench_cold_load.py --vram-budget 8 --shape qwen3.6-35b-a3b \
+      --folder /tmp/ftw-q36 --decode-steps 3 --new-chats 3 --new-chat-steps 16 --long-prompts 76 300 1000 \
       --out "$OUT/split_$v.json" > "$OUT/split_$v.txt" 2>&1
     echo "split $v rc=$?"
-    python3 -c "import json; r = json.load(open('$OUT/split_$v.json'))['rows'][0]
-[print('$v chat', c['token_seconds'][:3]) for c in r['new_chats']]
+    python3 -c "import json, statistics as st; r = json.load(open('$OUT/split_$v.json'))['rows'][0]
+[print('$v chat', c['token_seconds'][:2], 'then median', st.median(c['token_seconds'][2:])) for c in r['new_chats']]
 [print('$v prompt', p['tokens'], p['step_seconds']) for p in r['long_prompts']]
 x = r['expert_stats']; print('$v split', x.get('stream_split'), {k: x['total'][k] for k in ('cpu_experts', 'bytes_streamed', 'stream_calls')})"
   done

@@ -248,10 +248,12 @@ def test_prefill_streaming_double_buffers_across_layers():
     assert c.stream_calls == 8 and c.bytes_streamed >= 8 * 4 * store.block_nbytes
 
 
-def test_a_split_stream_matches_the_reference_whatever_prefix_each_layer_got():
+@pytest.mark.parametrize("staged_io", [False, True])
+def test_a_split_stream_matches_the_reference_whatever_prefix_each_layer_got(staged_io):
     """A mid-size chunk streams experts [0, k) and the CPU computes the rest's assignments: the output is the
     reference's for every k - none, some, all - including a layer staged ahead with another chunk's k, and the
-    counters say what each side did (k blocks copied per call, the CPU's distinct experts)."""
+    counters say what each side did (k blocks copied per call, the CPU's distinct experts). `staged_io`: the ids,
+    weights and hidden reach the host, and the CPU's answer the device, through the staging buffers a GPU uses."""
     import itertools
 
     gen = torch.Generator().manual_seed(10)
@@ -261,6 +263,7 @@ def test_a_split_stream_matches_the_reference_whatever_prefix_each_layer_got():
     hybrid = HybridExperts(store, ExpertSpec(), device=CPU, dtype=torch.float32,
                            options=HybridOptions(slots=2, top_k=2, stream_threshold=8, stream_on_cpu=True,
                                                  stream_split=True))
+    hybrid._staged_io = staged_io
     prefixes = itertools.cycle([5, 16, 1, 9, 0, 12])
     asked = []
     hybrid._stream_prefix = lambda t: asked.append(next(prefixes)) or asked[-1]     # noqa: E731
@@ -299,6 +302,7 @@ def test_the_stream_prefix_balances_the_copy_against_the_cpu(monkeypatch):
     assert tier().stream_split is False and tier()._stream_prefix(64) == e
     monkeypatch.setenv("FREETOKEN_STREAM_SPLIT", "1")
     on = tier()
+    on._split_cpu_threads = lambda: 16                   # (the modelled figure's threads: this VM has 2)
     assert on.stream_split is True and tier(stream_split=False).stream_split is False
     threshold = stream_threshold_tokens(num_experts=e, top_k=k, block_nbytes=store.block_nbytes, hidden=d,
                                         intermediate=i, h2d_gbps=10.0)
@@ -310,6 +314,11 @@ def test_the_stream_prefix_balances_the_copy_against_the_cpu(monkeypatch):
     assert big == e                                       # the CPU's part would be a fraction of an expert
     assert e - on._stream_prefix(16 * threshold) >= e // STREAM_SPLIT_MIN_PART or on._stream_prefix(16 * threshold) == e
     modelled = on._stream_prefix(threshold)
+    on._split_cpu_threads = lambda: 4                    # fewer kernel threads (beside the worker): more streams
+    assert e > on._stream_prefix(threshold) > modelled
+    on._split_cpu_threads = lambda: 1                    # one (a 16-core host's worker keeps 14): ~1/17 left
+    assert e > on._stream_prefix(threshold) >= e * 15 / 16
+    on._split_cpu_threads = lambda: 16
     on._cpu_assignment_s = 4 * 6 * d * i / 0.3e12        # the CPU measured 4x slower than the model: more streams
     assert on._stream_prefix(threshold) > modelled
 

@@ -64,6 +64,7 @@ STREAM_TOKENS_PER_ACTIVE_SHARE = 32   # stream a layer when tokens >= 32 * E / K
 MIN_STREAM_TOKENS = 32                # ...or sooner, when the CPU would take longer than the stream (below)
 CPU_EXPERT_FLOPS = 0.3e12             # the int8 CPU kernel on mid-size batches: ~0.3 TFLOP/s measured on the
                                       # H200 host's 16 cores (a 200-token turn: ~15 GFLOP per layer in 47 ms)
+CPU_EXPERT_FLOPS_THREADS = 16         # ...with this many kernel threads (session 2, before a worker kept cores)
 STREAM_SPLIT_MIN_PART = 32            # a split stream leaves the CPU at least 1/32 of the experts, or none
 CPU_COST_MEMORY = 0.3                 # the learned CPU cost per assignment: weight of the newest call (an EMA)
 
@@ -197,6 +198,8 @@ class HybridExperts:
         self.stream_split = options.stream_split if options.stream_split is not None else \
             os.environ.get("FREETOKEN_STREAM_SPLIT", "0") == "1"
         self._cpu_assignment_s: float | None = None   # learned CPU seconds per assignment of a split stream
+        # the split's kernel threads (None: the host-driven path's; an A/B of more, beside the worker's pool)
+        self._split_threads = int(os.environ.get("FREETOKEN_STREAM_SPLIT_THREADS", "0")) or None
         # whether another prefill chunk follows this forward (the engine says so before each; unknown: True).
         # The last layer stages the first one ahead only then: after a prompt's last chunk that copy (a layer,
         # ~330 MB for qwen3-30b) would serve nobody and hold up the copy stream's first decode promotions
@@ -868,7 +871,8 @@ class HybridExperts:
         self.routing.add_distinct(layer, uniq)
         tok, kk = np.nonzero(ids_h >= k)                                          # [A] the CPU's assignments
         c0 = time.perf_counter()
-        cpu_out = self.cpu.run(layer, x_h, tok, ids_h[tok, kk], w_h[tok, kk], **self._host_kernel_threads())
+        threads = {"threads": self._split_threads} if self._split_threads else self._host_kernel_threads()
+        cpu_out = self.cpu.run(layer, x_h, tok, ids_h[tok, kk], w_h[tok, kk], **threads)
         cpu_s = time.perf_counter() - c0
         if len(tok):           # learned from the model's figure on (one slow first call moves it 30 %, not all the way)
             self._cpu_assignment_s = (1 - CPU_COST_MEMORY) * self._assignment_s() + CPU_COST_MEMORY * cpu_s / len(tok)
@@ -903,8 +907,16 @@ class HybridExperts:
 
     def _assignment_s(self) -> float:
         """The CPU's seconds per (token, expert) assignment of a split stream: learned, or modelled before any
-        (6 D I flops at CPU_EXPERT_FLOPS, as `stream_threshold_tokens` prices it)."""
-        return self._cpu_assignment_s or 6 * self.layout.hidden * self.layout.intermediate / CPU_EXPERT_FLOPS
+        (6 D I flops at CPU_EXPERT_FLOPS, as `stream_threshold_tokens` prices it, for the threads it gets: beside
+        the zero-copy worker's lanes the host-driven kernel gets the cores they leave - one on a 16-core host)."""
+        if self._cpu_assignment_s:
+            return self._cpu_assignment_s
+        flops = CPU_EXPERT_FLOPS * self._split_cpu_threads() / CPU_EXPERT_FLOPS_THREADS
+        return 6 * self.layout.hidden * self.layout.intermediate / flops
+
+    def _split_cpu_threads(self) -> int:
+        return self._split_threads or self._host_kernel_threads().get("threads") or self.cpu.threads or \
+            os.cpu_count() or 1
 
     def _copy_layer(self, layer: int, buf_idx: int, k: int):
         """Copy experts [0, k) of `layer` into stage buffer `buf_idx` (one range copy)."""
