@@ -1950,8 +1950,9 @@ elif [ "$1" = s41a ]; then
   #   on14 - the split with 14 kernel threads (FREETOKEN_STREAM_SPLIT_THREADS): a second OpenMP pool beside the
   #          worker's, which session 2 found makes libgomp stop spinning for both (10 -> 33 us a region on the VM).
   #          Predicted: a chat's first token ~0.20-0.25 s; the decode steps after it (token_seconds[2:]) show the cost
-  ( cuda_tests 150 "tests/test_staging.py::test_a_split_stream_on_cuda_matches_the_reference" \
-      tests/test_hybrid_experts.py > "$OUT/cuda_tests_tail.txt" ) &
+  # (and session 41's log ring: zero-copy steps' routing accounted once each, through real events)
+  ( cuda_tests 240 "tests/test_staging.py::test_a_split_stream_on_cuda_matches_the_reference" \
+      tests/test_hybrid_experts.py tests/test_hybrid_zero_copy.py > "$OUT/cuda_tests_tail.txt" ) &
   tests_pid=$!
   timeout 300 python3 benchmarks/bench_cold_load.py --vram-budget 8 --shape qwen3.6-35b-a3b --folder /tmp/ftw-q36 \
     --decode-steps 3 --out "$OUT/warmup.json" > "$OUT/warmup.txt" 2>&1
@@ -1963,7 +1964,7 @@ elif [ "$1" = s41a ]; then
       on) e=(FREETOKEN_STREAM_SPLIT=1) ;;
       on14) e=(FREETOKEN_STREAM_SPLIT=1 FREETOKEN_STREAM_SPLIT_THREADS=14) ;;
     esac
-    env "${e[@]}" timeout 100 python3 benchmarks/bench_cold_load.py --vram-budget 8 --shape qwen3.6-35b-a3b \
+    env "${e[@]}" timeout 90 python3 benchmarks/bench_cold_load.py --vram-budget 8 --shape qwen3.6-35b-a3b \
       --folder /tmp/ftw-q36 --decode-steps 3 --new-chats 3 --new-chat-steps 16 --long-prompts 76 300 1000 \
       --out "$OUT/split_$v.json" > "$OUT/split_$v.txt" 2>&1
     echo "split $v rc=$?"

@@ -116,6 +116,57 @@ def test_zero_copy_decode_is_exact_and_keeps_its_books_between_steps(share, gath
     assert promoted_hits > 0                                        # ...published, then hits in later steps
 
 
+class _SlowCopy:
+    """A log copy's event that has not landed until `landed` is set (a GPU still busy with the step before)."""
+
+    landed = False
+
+    def query(self) -> bool:
+        return _SlowCopy.landed
+
+    def synchronize(self) -> None:
+        _SlowCopy.landed = True
+
+
+def test_every_steps_routing_is_accounted_once_though_its_log_copy_lands_late(monkeypatch):
+    """A step's routing log goes to the host at the next step's start, and is accounted once that copy lands. When
+    copies land late, later steps must not write over a log not yet copied: a batch of two, then ones, counts every
+    step's rows exactly once (before: the next step wrote over the first's row 0 and its row 1 was counted in a
+    later step), in step order, and a host LOG_COPIES steps ahead waits for the oldest copy."""
+    from runtime.experts.hybrid import LOG_COPIES
+
+    cpu = torch.device("cpu")
+    store, tier = _tier(cpu, slots=0, cpu_share=0.0)
+    monkeypatch.setattr(_SlowCopy, "landed", False)
+    tier._log_event = _SlowCopy
+    gen = torch.Generator().manual_seed(5)
+    batches = [2, 1, 1]                                     # under LOG_COPIES steps: nothing waits
+    distinct = 0
+    for t in batches:
+        for layer in range(3):
+            ids = torch.stack([torch.randperm(8, generator=gen)[:2] for _ in range(t)])
+            w = torch.softmax(torch.randn(t, 2, generator=gen), dim=-1)
+            tier(layer, torch.randn(t, 64, generator=gen), ids, w)
+            distinct += len(torch.unique(ids))
+    assert tier.counters.total.tokens == 0                  # no copy has landed: nothing accounted yet
+    tier.begin_step()                                       # the last step's log leaves too
+    assert len(tier._log_copies) == len(batches) + 1 <= LOG_COPIES
+    tier.flush_step_log()
+    c = tier.counters.total
+    assert c.tokens == 3 * sum(batches)                     # every step's rows, each once (before: 3 x 2)
+    assert c.hits + c.misses == distinct and c.decode_calls == 3 * len(batches)
+    # a host further ahead than the ring: the oldest copy is waited for, so no step's log is lost either
+    before = c.tokens
+    monkeypatch.setattr(_SlowCopy, "landed", False)
+    for _ in range(LOG_COPIES + 2):
+        ids = torch.randperm(8, generator=gen)[:2][None]
+        tier(0, torch.randn(1, 64, generator=gen), ids, torch.full((1, 2), 0.5))
+        assert len(tier._log_copies) <= LOG_COPIES
+    tier.begin_step()
+    tier.flush_step_log()
+    assert tier.counters.total.tokens == before + LOG_COPIES + 2
+
+
 def test_zero_copy_with_no_slots_reads_every_expert_from_host_memory():
     cpu = torch.device("cpu")
     store, tier = _tier(cpu, slots=0, cpu_share=0.0)

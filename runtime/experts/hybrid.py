@@ -21,6 +21,7 @@ Shapes: T tokens, K experts per token, D hidden, E experts per layer.
 """
 from __future__ import annotations
 
+import collections
 import dataclasses
 import logging
 import math
@@ -67,6 +68,7 @@ CPU_EXPERT_FLOPS = 0.3e12             # the int8 CPU kernel on mid-size batches:
 CPU_EXPERT_FLOPS_THREADS = 16         # ...with this many kernel threads (session 2, before a worker kept cores)
 STREAM_SPLIT_MIN_PART = 32            # a split stream leaves the CPU at least 1/32 of the experts, or none
 CPU_COST_MEMORY = 0.3                 # the learned CPU cost per assignment: weight of the newest call (an EMA)
+LOG_COPIES = 4                        # zero-copy decode: steps whose routing logs may be on their way to the host
 
 
 def stream_threshold_tokens(*, num_experts: int, top_k: int, block_nbytes: int, hidden: int, intermediate: int,
@@ -289,8 +291,12 @@ class HybridExperts:
         self._dead: str | None = None           # why this tier can no longer decode (a worker lost, host-only layers)
         shape = (len(store.layers), ZERO_COPY_MAX_TOKENS, self.options.top_k)
         self._log = torch.full(shape, -1, dtype=torch.int64, device=self.device)       # [L, T, K] ids of a step
-        self._log_host = torch.empty(shape, dtype=torch.int64, pin_memory=self.cuda)
-        self._log_copy = None                   # (event, table snapshot) of a log copy not yet accounted
+        # each step's log is copied out at the next step's start into a host buffer of its own (a ring), and
+        # accounted in step order once landed: a step never writes over a log not yet copied
+        self._log_hosts = [torch.empty(shape, dtype=torch.int64, pin_memory=self.cuda) for _ in range(LOG_COPIES)]
+        self._err_hosts = [torch.zeros(1, dtype=torch.int32, pin_memory=self.cuda) for _ in range(LOG_COPIES)]
+        self._log_copies: collections.deque = collections.deque()   # (event, ring slot, table snapshot, share)
+        self._log_next = 0                      # the ring slot the next copy goes to
         # a call's missed blocks, copied from host memory by gather_triton (the planner counts these bytes)
         self._scratch = torch.empty((ZERO_COPY_MAX_TOKENS * self.options.top_k, store.block_nbytes),
                                     dtype=torch.uint8, device=self.device) if self.options.zero_copy_gather else None
@@ -352,7 +358,6 @@ class HybridExperts:
             # would stop spinning between regions for both (benchmarks/omp_pools.py), so it gets the cores left
             self._host_threads = max(1, (os.cpu_count() or 1) - worker_threads - 1)
             weakref.finalize(self, self._worker.close)
-            self._err_host = torch.zeros(1, dtype=torch.int32, pin_memory=self.cuda)
             if splits and self._worker.compiled:
                 self._row_skip = gather_triton.RowSkip.of(self._box.split, split_row_parts(self.layout))
                 self._box.enable_split(split_unit_rows(self.layout))
@@ -540,12 +545,18 @@ class HybridExperts:
             raise RuntimeError(self._dead)
         if self._promotions:
             self._finish_promotions()
-        if self._log_copy is None:
-            self._log_host.copy_(self._log, non_blocking=True)
-            if self._box is not None:
-                self._err_host.copy_(self._box.error, non_blocking=True)
-            self._log_copy = (self._record(), self._snapshot, self.cpu_share)
-            self._log.fill_(-1)
+        if len(self._log_copies) == LOG_COPIES:
+            # the host ran LOG_COPIES steps ahead of the copies: wait for the oldest (a ring slot must be free)
+            if self._log_copies[0][0] is not None:
+                self._log_copies[0][0].synchronize()
+            self._account_logs()
+        slot = self._log_next
+        self._log_next = (slot + 1) % LOG_COPIES
+        self._log_hosts[slot].copy_(self._log, non_blocking=True)
+        if self._box is not None:
+            self._err_hosts[slot].copy_(self._box.error, non_blocking=True)
+        self._log_copies.append((self._log_event(), slot, self._snapshot, self.cpu_share))
+        self._log.fill_(-1)
         now = time.perf_counter()
         if self._share_control is not None and self._box is not None:
             if self._step_started is not None:
@@ -559,16 +570,28 @@ class HybridExperts:
         self._snapshot = self.cache.host_table.copy()
 
     def end_step(self) -> None:
-        """After a decode step is enqueued (the GPU is busy with it): account the previous step's log once its
-        copy has landed: counters, policy, routing statistics, and promotions within the step's byte budget."""
-        if not self.zero_copy or self._log_copy is None:
-            return
-        done, snapshot, share = self._log_copy
-        if done is not None and not done.query():
-            return
-        self._log_copy = None
+        """After a decode step is enqueued (the GPU is busy with it): account the earlier steps' logs whose copies
+        have landed, oldest first: counters, policy, routing statistics, and promotions within each step's byte
+        budget."""
+        if self.zero_copy:
+            self._account_logs()
+
+    def _log_event(self):
+        """What marks a log copy as landed: the stream's event (None on a CPU device; tests stand in a slow one)."""
+        return self._record()
+
+    def _account_logs(self) -> None:
+        while self._log_copies:
+            done, slot, snapshot, share = self._log_copies[0]
+            if done is not None and not done.query():
+                return
+            self._log_copies.popleft()
+            self._account_log(self._log_hosts[slot].numpy(), self._err_hosts[slot], snapshot, share)
+
+    def _account_log(self, ids: np.ndarray, err: torch.Tensor, snapshot: np.ndarray, share: float) -> None:
+        """One step's log [L, T, K] (-1 unused) against the table it ran with, and the worker's error flag then."""
         if self._box is not None:
-            lost = int(self._err_host[0]) or (self._worker is not None and self._worker.error is not None)
+            lost = int(err[0]) or (self._worker is not None and self._worker.error is not None)
             if lost and self._host_only:
                 # those layers' experts are where only the CPU reads them: without the worker nothing computes them
                 self.close()
@@ -576,13 +599,12 @@ class HybridExperts:
                               f"{len(self.store.layers)} expert layers are in memory the GPU cannot read (the OS would "
                               "not page-lock more), so decoding cannot go on without it: reload the model")
                 raise RuntimeError(self._dead)
-            if int(self._err_host[0]):
+            if int(err[0]):
                 self.close()
                 raise RuntimeError("the CPU expert worker did not answer the GPU in time; its share of misses "
                                    "goes back to the GPU (that step's output is wrong: retry the request)")
             if self._worker is not None and self._worker.error is not None:
                 self.close()
-        ids = self._log_host.numpy()                                        # [L, T, K], -1 unused
         nb, budget = self.store.block_nbytes, self._promotion_budget.blocks
         dirc, seen = self.cache.directory, self._seen
         used_rows, evicted, promoted_before = [], [], len(self._promotions)
@@ -1075,10 +1097,11 @@ class HybridExperts:
     # ------------------------------------------------------------------ what the engine and UI read
     def flush_step_log(self) -> None:
         """Account a pending routing log now (tests and reports; waits for its copy)."""
-        if self.zero_copy and self._log_copy is not None:
-            if self._log_copy[0] is not None:
-                self._log_copy[0].synchronize()
-            self.end_step()
+        if self.zero_copy:
+            for done, *_ in self._log_copies:
+                if done is not None:
+                    done.synchronize()
+            self._account_logs()
 
     @property
     def nbytes(self) -> int:
