@@ -606,7 +606,7 @@ class HybridExperts:
             if self._worker is not None and self._worker.error is not None:
                 self.close()
         nb, budget = self.store.block_nbytes, self._promotion_budget.blocks
-        dirc, seen = self.cache.directory, self._seen
+        dirc = self.cache.directory
         used_rows, evicted, promoted_before = [], [], len(self._promotions)
         host_only = set(self._host_only) if self._box is not None else set()
         for li, layer in enumerate(self.store.layers):
@@ -614,9 +614,7 @@ class HybridExperts:
             used = row >= 0
             if not used.any():
                 continue
-            seen[row[used]] = True
-            uniq = np.flatnonzero(seen)                                     # [U] distinct experts
-            seen[uniq] = False
+            uniq = self._distinct(row[used])                                # [U] distinct experts
             ready = snapshot[li, uniq] >= 0
             n_hits = int(np.count_nonzero(ready))
             dirc.record(layer, uniq, n_hits)
@@ -663,10 +661,7 @@ class HybridExperts:
         t_wait = time.perf_counter()
         ids_h, w_h, x_h = self._finish_to_host(hidden, topk_ids, topk_weights)   # [T, K], [T, K], [T, D]: the sync
         t_book = time.perf_counter()
-        seen = self._seen                                                    # [E] bool scratch, all False
-        seen[ids_h] = True
-        uniq = np.flatnonzero(seen)                                         # [U] sorted distinct experts
-        seen[uniq] = False
+        uniq = self._distinct(ids_h)                                        # [U] sorted distinct experts
         published = cache.host_table[li]                                    # [E] slot or -1
         ready = published[uniq] >= 0                                        # [U] hits
         n_hits = int(np.count_nonzero(ready))
@@ -741,6 +736,14 @@ class HybridExperts:
                                pcie_bytes=n_fetch * nb,
                                pcie_seconds=(now - t0 - cpu_s) if n_fetch and not n_cpu else 0.0)
         return out if out.dtype == hidden.dtype else out.to(hidden.dtype)
+
+    def _distinct(self, ids: np.ndarray) -> np.ndarray:
+        """The sorted distinct experts [U] int64 among `ids` (any shape), through the [E] scratch (left all False)."""
+        seen = self._seen
+        seen[ids] = True
+        uniq = np.flatnonzero(seen)
+        seen[uniq] = False
+        return uniq
 
     def _host_kernel_threads(self) -> dict:
         """The host-driven path's kernel threads (as `CpuExecutor.run`'s keyword), where its default - every core,
@@ -886,15 +889,11 @@ class HybridExperts:
         would hold the CPU's work back until this layer's copy had landed."""
         self._start_to_host(hidden, topk_ids, topk_weights)
         ids_h, w_h, x_h = self._finish_to_host(hidden, topk_ids, topk_weights)    # [T, K], [T, K], [T, D]: a sync
-        seen = self._seen
-        seen[ids_h] = True
-        uniq = np.flatnonzero(seen)                                               # [U] sorted distinct experts
-        seen[uniq] = False
+        uniq = self._distinct(ids_h)                                              # [U] sorted distinct experts
         self.routing.add_distinct(layer, uniq)
         tok, kk = np.nonzero(ids_h >= k)                                          # [A] the CPU's assignments
         c0 = time.perf_counter()
-        threads = {"threads": self._split_threads} if self._split_threads else self._host_kernel_threads()
-        cpu_out = self.cpu.run(layer, x_h, tok, ids_h[tok, kk], w_h[tok, kk], **threads)
+        cpu_out = self.cpu.run(layer, x_h, tok, ids_h[tok, kk], w_h[tok, kk], **self._split_kernel_threads())
         cpu_s = time.perf_counter() - c0
         if len(tok):           # learned from the model's figure on (one slow first call moves it 30 %, not all the way)
             self._cpu_assignment_s = (1 - CPU_COST_MEMORY) * self._assignment_s() + CPU_COST_MEMORY * cpu_s / len(tok)
@@ -936,9 +935,13 @@ class HybridExperts:
         flops = CPU_EXPERT_FLOPS * self._split_cpu_threads() / CPU_EXPERT_FLOPS_THREADS
         return 6 * self.layout.hidden * self.layout.intermediate / flops
 
+    def _split_kernel_threads(self) -> dict:
+        """The split's CPU kernel threads, as `CpuExecutor.run`'s keyword: FREETOKEN_STREAM_SPLIT_THREADS, else the
+        host-driven path's."""
+        return {"threads": self._split_threads} if self._split_threads else self._host_kernel_threads()
+
     def _split_cpu_threads(self) -> int:
-        return self._split_threads or self._host_kernel_threads().get("threads") or self.cpu.threads or \
-            os.cpu_count() or 1
+        return self._split_kernel_threads().get("threads") or self.cpu.threads or os.cpu_count() or 1
 
     def _copy_layer(self, layer: int, buf_idx: int, k: int):
         """Copy experts [0, k) of `layer` into stage buffer `buf_idx` (one range copy)."""
