@@ -323,6 +323,29 @@ def test_the_stream_prefix_balances_the_copy_against_the_cpu(monkeypatch):
     assert on._stream_prefix(threshold) > modelled
 
 
+def test_the_split_thread_count_from_the_environment_is_checked(monkeypatch, caplog):
+    """FREETOKEN_STREAM_SPLIT_THREADS: a count is taken (capped at the cores: numba refuses more); anything else is
+    ignored with a warning that names the variable, rather than failing a prompt deep in the kernel."""
+    import logging
+    import os
+
+    from runtime.experts.hybrid import _env_threads
+
+    name = "FREETOKEN_STREAM_SPLIT_THREADS"
+    monkeypatch.delenv(name, raising=False)
+    assert _env_threads(name) is None
+    monkeypatch.setenv(name, "1")
+    assert _env_threads(name) == 1
+    with caplog.at_level(logging.WARNING, logger="runtime.experts.hybrid"):
+        for bad in ("many", "0", "-3", "2.5"):
+            monkeypatch.setenv(name, bad)
+            assert _env_threads(name) is None
+        monkeypatch.setenv(name, str((os.cpu_count() or 1) + 7))
+        assert _env_threads(name) == (os.cpu_count() or 1)
+    assert sum(name in r.getMessage() for r in caplog.records) == 5
+    assert "not a positive whole number of threads" in caplog.text and "cores" in caplog.text
+
+
 def test_the_last_chunk_of_a_prompt_stages_no_layer_ahead():
     """The last layer stages the first one ahead only while the engine says another prefill chunk follows: after a
     prompt's last chunk that copy would serve nobody (and hold up the copy stream's decode promotions)."""

@@ -71,6 +71,21 @@ CPU_COST_MEMORY = 0.3                 # the learned CPU cost per assignment: wei
 LOG_COPIES = 4                        # zero-copy decode: steps whose routing logs may be on their way to the host
 
 
+def _env_threads(name: str) -> int | None:
+    """A thread count from the environment variable `name`: None when unset; a value that is not a positive
+    integer is ignored with a warning, and one above this machine's cores is capped there (numba refuses more)."""
+    raw = os.environ.get(name, "").strip()
+    if not raw:
+        return None
+    cores = os.cpu_count() or 1
+    if not raw.isdigit() or int(raw) < 1:
+        log.warning("%s=%r is not a positive whole number of threads; ignored", name, raw)
+        return None
+    if int(raw) > cores:
+        log.warning("%s=%s is more threads than this machine's %d cores; using %d", name, raw, cores, cores)
+    return min(int(raw), cores)
+
+
 def stream_threshold_tokens(*, num_experts: int, top_k: int, block_nbytes: int, hidden: int, intermediate: int,
                             h2d_gbps: float) -> int:
     """Tokens from which a layer call streams every expert of the layer to the GPU instead of splitting misses.
@@ -201,7 +216,7 @@ class HybridExperts:
             os.environ.get("FREETOKEN_STREAM_SPLIT", "0") == "1"
         self._cpu_assignment_s: float | None = None   # learned CPU seconds per assignment of a split stream
         # the split's kernel threads (None: the host-driven path's; an A/B of more, beside the worker's pool)
-        self._split_threads = int(os.environ.get("FREETOKEN_STREAM_SPLIT_THREADS", "0")) or None
+        self._split_threads = _env_threads("FREETOKEN_STREAM_SPLIT_THREADS")
         # whether another prefill chunk follows this forward (the engine says so before each; unknown: True).
         # The last layer stages the first one ahead only then: after a prompt's last chunk that copy (a layer,
         # ~330 MB for qwen3-30b) would serve nobody and hold up the copy stream's first decode promotions
